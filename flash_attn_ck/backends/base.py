@@ -1,0 +1,134 @@
+"""The backend interface: declared capabilities, readable refusals, and selection.
+
+A backend is a class whose capabilities are data (class attributes). `not_supported_reasons`
+turns those declarations, plus anything backend-specific, into sentences; the dispatcher picks
+the highest-priority backend with no reasons, and when none fits it lists every backend's reasons.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import ClassVar, Optional
+
+import torch
+
+from ..frontend.plan import WorkspacePlan
+from ..frontend.problem import AttentionParams, AttentionProblem
+
+BACKEND_ENV = "FLASH_ATTN_CK_BACKEND"
+
+
+class Backend:
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0                     # higher wins when several backends fit
+    device_types: ClassVar[frozenset[str]] = frozenset()
+    dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
+    max_head_dim: ClassVar[int] = 256
+    supports_alibi: ClassVar[bool] = True
+    supports_softcap: ClassVar[bool] = True
+    supports_dropout: ClassVar[bool] = True
+    supports_varlen: ClassVar[bool] = True
+    supports_deterministic: ClassVar[bool] = True
+
+    # ---- capability checks ---------------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        """Why this backend cannot run on this machine at all (missing library, toolkit), or None."""
+        return None
+
+    @classmethod
+    def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
+        """Backend-specific refusals beyond the declared capabilities."""
+        return []
+
+    @classmethod
+    def not_supported_reasons(cls, problem: AttentionProblem) -> list[str]:
+        reasons = []
+        missing = cls.unavailable_reason()
+        if missing:
+            reasons.append(missing)
+        if problem.device.type not in cls.device_types:
+            reasons.append(f"device type {problem.device.type!r} not in {sorted(cls.device_types)}")
+        if problem.dtype not in cls.dtypes:
+            names = sorted(str(d).removeprefix("torch.") for d in cls.dtypes)
+            reasons.append(f"dtype {str(problem.dtype).removeprefix('torch.')} not in {names}")
+        if problem.head_dim > cls.max_head_dim:
+            reasons.append(f"head dim {problem.head_dim} > {cls.max_head_dim}")
+        features = [("ALiBi", problem.has_alibi, cls.supports_alibi),
+                    ("softcap", problem.softcap != 0.0, cls.supports_softcap),
+                    ("dropout", problem.dropout_p > 0.0, cls.supports_dropout),
+                    ("varlen", problem.varlen, cls.supports_varlen),
+                    ("deterministic mode", problem.deterministic, cls.supports_deterministic)]
+        reasons += [f"{feature} is not supported" for feature, used, supported in features if used and not supported]
+        return reasons + cls.extra_reasons(problem)
+
+    # ---- kernels -------------------------------------------------------------------------------
+    def forward(self, problem: AttentionProblem, params: AttentionParams,
+                out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Write `out` (layout of q) and fp32 `lse` ((b, h, s_q) or varlen (h, total_q))."""
+        raise NotImplementedError
+
+    def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
+        raise NotImplementedError
+
+    def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
+                 lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                 dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
+        """Fill `workspace['softmax_d']` and dq; dk/dv, or the expanded buffers when the plan says
+        `reduce_expanded_kv` (then `dk`/`dv` are left for the frontend's group sum)."""
+        raise NotImplementedError
+
+
+# Module paths, in the order they are tried when several fit with equal priority.
+_BACKEND_MODULES = {
+    "triton": "flash_attn_ck.backends.triton",
+    "ck": "flash_attn_ck.backends.ck",
+    "reference": "flash_attn_ck.backends.reference",
+}
+
+
+class NoBackendError(RuntimeError):
+    pass
+
+
+def backend_class(name: str) -> type[Backend]:
+    if name not in _BACKEND_MODULES:
+        raise ValueError(f"backend={name!r}: expected one of {sorted(_BACKEND_MODULES)}")
+    return importlib.import_module(_BACKEND_MODULES[name]).BACKEND
+
+
+def all_backend_classes() -> list[type[Backend]]:
+    return [backend_class(name) for name in _BACKEND_MODULES]
+
+
+_instances: dict[str, Backend] = {}
+
+
+def select_backend(problem: AttentionProblem, requested: Optional[str] = None) -> Backend:
+    """`requested`, else `$FLASH_ATTN_CK_BACKEND`, else the highest-priority backend that fits."""
+    requested = requested or os.environ.get(BACKEND_ENV) or None
+    candidates = [backend_class(requested)] if requested else all_backend_classes()
+    refusals = {}
+    fitting = []
+    for cls in candidates:
+        reasons = cls.not_supported_reasons(problem)
+        if reasons:
+            refusals[cls.name] = reasons
+        else:
+            fitting.append(cls)
+    if not fitting:
+        lines = [f"  {name}: " + "; ".join(reasons) for name, reasons in refusals.items()]
+        what = f"backend {requested!r} cannot run" if requested else "no backend can run"
+        raise NoBackendError(f"{what} this call ({describe_problem(problem)}):\n" + "\n".join(lines))
+    chosen = max(fitting, key=lambda c: c.priority)
+    if chosen.name not in _instances:
+        _instances[chosen.name] = chosen()
+    return _instances[chosen.name]
+
+
+def describe_problem(p: AttentionProblem) -> str:
+    kind = f"varlen b={p.batch} max_s_q={p.seqlen_q} max_s_k={p.seqlen_k}" if p.varlen else \
+        f"b={p.batch} s_q={p.seqlen_q} s_k={p.seqlen_k}"
+    return (f"{kind} h={p.heads_q}/{p.heads_k} d={p.head_dim} {str(p.dtype).removeprefix('torch.')} "
+            f"on {p.device.type}, mask={p.mask.type.name.lower()}")

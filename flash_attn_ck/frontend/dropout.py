@@ -1,0 +1,64 @@
+"""The dropout keep pattern, defined once for every backend that draws it itself.
+
+`rng_state` is an int64 tensor `[seed, offset]` on the device. Element `(b, h, i, j)` of the
+attention matrix (b the sequence, i/j rows/columns inside it) uses the Philox-4x32-10 counter
+
+    counter = offset + ((b * heads + h) * max_seqlen_q + i) * max_seqlen_k + j
+
+with the 64-bit seed as key: exactly `triton.language.randint(seed, counter)`, so the Triton
+kernels and this PyTorch version draw the same bits. It is kept iff
+`(bits >> 8) * 2**-24 >= p` in fp32 (24-bit uniforms are exact in both).
+
+The CK kernels draw their own pattern from the same `[seed, offset]` (CK's Philox layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
+_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUNDS = 10
+
+
+def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of a * b for a < 2**32 and int64 tensor b in [0, 2**32), without overflow."""
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    hi = (a * b_hi + ((a * b_lo) >> 16)) >> 16
+    return hi & _MASK32, (a * b) & _MASK32
+
+
+def philox_randint(seed: int, counter: torch.Tensor) -> torch.Tensor:
+    """First output word of Philox-4x32-10 for int64 counters, as int64 values in [0, 2**32)."""
+    c0, c1 = counter & _MASK32, (counter >> 32) & _MASK32
+    c2 = torch.zeros_like(counter)
+    c3 = torch.zeros_like(counter)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(PHILOX_ROUNDS):
+        hi_b, lo_b = _mulhilo32(_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo32(_ROUND_A, c0)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
+    return c0
+
+
+def keep_mask(rng_state: tuple[int, int], p: float, batch_index: int, heads: int, max_seqlen_q: int,
+              max_seqlen_k: int, head_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Boolean `(len(head_ids), len(rows), len(cols))`: True where the probability is kept."""
+    seed, offset = rng_state
+    plane = (batch_index * heads + head_ids.to(torch.int64)) * max_seqlen_q
+    counter = offset + ((plane[:, None] + rows.to(torch.int64)[None, :]) * max_seqlen_k)[:, :, None] \
+        + cols.to(torch.int64)[None, None, :]
+    uniform = (philox_randint(seed, counter) >> 8).to(torch.float32) * (2.0 ** -24)
+    return uniform >= torch.tensor(p, dtype=torch.float32)
+
+
+def new_rng_state(device: torch.device) -> torch.Tensor:
+    """Draw `[seed, offset]` on `device` from torch's default generator.
+
+    A device-side draw advances the generator (consecutive calls differ) and is safe under CUDA
+    graph capture: each replay draws fresh values into the same tensor."""
+    seed = torch.randint(-(2 ** 63), 2 ** 63 - 1, (1,), dtype=torch.int64, device=device)
+    offset = torch.randint(0, 2 ** 32, (1,), dtype=torch.int64, device=device)
+    return torch.cat([seed, offset])

@@ -1,0 +1,82 @@
+"""The description of one attention call that every stage after validation works from.
+
+`AttentionProblem` holds sizes and features only (no tensors): backends decide from it whether they
+can run a call, and workspace plans are computed from it. `AttentionParams` holds the tensors a
+kernel needs besides q/k/v, in the kernel layout (head dim already padded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .mask import MaskInfo
+
+
+def pad_head_dim(head_dim: int, multiple: int = 8) -> int:
+    return -(-head_dim // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    batch: int                  # number of sequences (varlen: len(cu_seqlens) - 1)
+    seqlen_q: int               # varlen: max_seqlen_q
+    seqlen_k: int               # varlen: max_seqlen_k
+    heads_q: int
+    heads_k: int
+    head_dim: int               # as the user passed it
+    dtype: torch.dtype
+    device: torch.device
+    mask: MaskInfo
+    softmax_scale: float
+    varlen: bool = False
+    total_q: int = 0            # varlen only: rows of the packed q / k
+    total_k: int = 0
+    has_alibi: bool = False
+    dropout_p: float = 0.0
+    softcap: float = 0.0
+    deterministic: bool = False
+    head_dim_padded: int = field(default=0)
+
+    def __post_init__(self):
+        if self.head_dim_padded == 0:
+            object.__setattr__(self, "head_dim_padded", pad_head_dim(self.head_dim))
+
+    @property
+    def group_size(self) -> int:
+        return self.heads_q // self.heads_k
+
+    @property
+    def is_gqa(self) -> bool:
+        return self.heads_q != self.heads_k
+
+    @property
+    def rows_q(self) -> int:
+        """Rows of q per head across the batch (the leading dims of q flattened)."""
+        return self.total_q if self.varlen else self.batch * self.seqlen_q
+
+    @property
+    def rows_k(self) -> int:
+        return self.total_k if self.varlen else self.batch * self.seqlen_k
+
+    def forward_flops(self) -> float:
+        """SPEC §6: 4 b h s_q s_k d, halved when causal (dense shapes; varlen uses the max lengths)."""
+        flops = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
+        return flops / 2 if self.mask.is_causal else flops
+
+    def backward_flops(self) -> float:
+        return 2.5 * self.forward_flops()
+
+
+@dataclass
+class AttentionParams:
+    """Kernel-layout tensors shared by forward and backward (head dim padded to a multiple of 8)."""
+    q: torch.Tensor                         # (b, s_q, h, d) or varlen (total_q, h, d)
+    k: torch.Tensor                         # (b, s_k, h_k, d) or varlen (total_k, h_k, d)
+    v: torch.Tensor
+    cu_seqlens_q: Optional[torch.Tensor] = None   # int32 (b + 1,), varlen only
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    alibi_slopes: Optional[torch.Tensor] = None   # fp32 (h,) or (b, h)
+    rng_state: Optional[torch.Tensor] = None      # int64 [seed, offset], dropout only
