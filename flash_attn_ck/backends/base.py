@@ -22,6 +22,8 @@ BACKEND_ENV = "FLASH_ATTN_CK_BACKEND"
 class Backend:
     name: ClassVar[str]
     priority: ClassVar[int] = 0                     # higher wins when several backends fit
+    # Devices on which automatic selection may pick this backend (None: wherever it is supported).
+    auto_select_devices: ClassVar[Optional[frozenset[str]]] = None
     device_types: ClassVar[frozenset[str]] = frozenset()
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
     max_head_dim: ClassVar[int] = 256
@@ -93,9 +95,14 @@ class NoBackendError(RuntimeError):
 
 
 def backend_class(name: str) -> type[Backend]:
+    """The backend's class; a backend whose module fails to load becomes one that explains why."""
     if name not in _BACKEND_MODULES:
         raise ValueError(f"backend={name!r}: expected one of {sorted(_BACKEND_MODULES)}")
-    return importlib.import_module(_BACKEND_MODULES[name]).BACKEND
+    try:
+        return importlib.import_module(_BACKEND_MODULES[name]).BACKEND
+    except (ImportError, AttributeError) as error:
+        reason = f"its module {_BACKEND_MODULES[name]} failed to load ({type(error).__name__}: {error})"
+        return type(f"Unloadable_{name}", (Backend,), {"name": name, "unavailable_reason": classmethod(lambda cls: reason)})
 
 
 def all_backend_classes() -> list[type[Backend]]:
@@ -113,6 +120,8 @@ def select_backend(problem: AttentionProblem, requested: Optional[str] = None) -
     fitting = []
     for cls in candidates:
         reasons = cls.not_supported_reasons(problem)
+        if not requested and cls.auto_select_devices is not None and problem.device.type not in cls.auto_select_devices:
+            reasons.append(f"not chosen automatically on {problem.device.type} (pass backend={cls.name!r})")
         if reasons:
             refusals[cls.name] = reasons
         else:

@@ -92,8 +92,8 @@ def ck_backward_plan(problem: AttentionProblem, backend: str) -> WorkspacePlan:
     rows_k = (p.total_k,) if p.varlen else (p.batch, p.seqlen_k)
     lse_shape = (p.heads_q, p.total_q) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
     buffers = [
-        BufferSpec("softmax_d", lse_shape, torch.float32, False, "D = rowsum(dO * O), strided like lse"),
-        BufferSpec("dq_accum", (dq_accum_splits(p), *rows_q, p.heads_q, d), torch.float32, True,
+        BufferSpec("softmax_d", lse_shape, p.accum_dtype, False, "D = rowsum(dO * O), strided like lse"),
+        BufferSpec("dq_accum", (dq_accum_splits(p), *rows_q, p.heads_q, d), p.accum_dtype, True,
                    "fp32 dQ, one split per key tile when deterministic"),
     ]
     if p.is_gqa:

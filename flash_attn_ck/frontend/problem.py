@@ -45,6 +45,11 @@ class AttentionProblem:
             object.__setattr__(self, "head_dim_padded", pad_head_dim(self.head_dim))
 
     @property
+    def accum_dtype(self) -> torch.dtype:
+        """lse, D and dQ accumulators: fp32 as in CK; fp64 inputs (gradcheck on the reference) keep fp64."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @property
     def group_size(self) -> int:
         return self.heads_q // self.heads_k
 

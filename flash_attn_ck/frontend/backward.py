@@ -1,0 +1,117 @@
+"""The mha_bwd pipeline: validate -> canonical mask -> workspace plan -> backend kernel -> reduce.
+
+Shaped like the seed `mha_bwd`: returns `(dq, dk, dv, softmax_d)`, accepts preallocated dq/dk/dv,
+and for `s_q == 0` runs no kernel (dK, dV and D are zero).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from ..backends.base import Backend, select_backend
+from . import checks
+from .inputs import describe_call, lse_shape
+from .plan import BufferSpec, WorkspacePlan
+from .problem import AttentionParams, AttentionProblem
+
+
+def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, softmax_lse: torch.Tensor, dq: Optional[torch.Tensor] = None,
+                       dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None, *,
+                       cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+                       max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
+                       alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                       softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
+                       softcap: float = 0.0, deterministic: bool = False, rng_state: Optional[torch.Tensor] = None,
+                       backend: Optional[str] = None):
+    # ---- validate: everything before any allocation, so a failing call mutates nothing ----------
+    problem = describe_call(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                            deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    check_backward_operands(problem, q, k, dout, out, softmax_lse, dq, dk, dv, rng_state)
+    chosen = select_backend(problem, backend)
+
+    # ---- outputs: the caller's, else new ------------------------------------------------------
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty_like(k) if dk is None else dk
+    dv = torch.empty_like(v) if dv is None else dv
+    params = AttentionParams(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
+    softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv)
+    return dq, dk, dv, softmax_d
+
+
+def check_backward_operands(problem: AttentionProblem, q, k, dout, out, softmax_lse, dq, dk, dv, rng_state) -> None:
+    for name, t in (("out", out), ("dout", dout)):
+        checks.check_like(name, t, q.dtype, q.device, q.shape)
+    checks.check_tensor("softmax_lse", softmax_lse)
+    checks.check_dtype("softmax_lse", softmax_lse, problem.accum_dtype)
+    checks.check_device("softmax_lse", softmax_lse, q.device)
+    checks.check_shape("softmax_lse", softmax_lse, lse_shape(problem))
+    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
+        if t is not None:
+            checks.check_like(name, t, q.dtype, q.device, like.shape)
+    if problem.dropout_p > 0:
+        if rng_state is None:
+            raise checks.ArgumentError("rng_state: required when dropout_p > 0 (pass the rng_state the forward returned)")
+        checks.check_rng_state(rng_state, q.device)
+
+
+def backward_plan(backend: Backend, problem: AttentionProblem) -> WorkspacePlan:
+    """The backend's buffers plus, for head dims that are not a multiple of 8, the padded copies."""
+    plan = backend.backward_plan(problem)
+    if problem.head_dim_padded == problem.head_dim:
+        return plan
+    p, d = problem, problem.head_dim_padded
+    rows_q = (p.total_q,) if p.varlen else (p.batch, p.seqlen_q)
+    rows_k = (p.total_k,) if p.varlen else (p.batch, p.seqlen_k)
+    padding = [BufferSpec(f"{name}_padded", (*rows, heads, d), p.dtype, True, f"{name} zero-padded to d={d}")
+               for name, rows, heads in (("q", rows_q, p.heads_q), ("k", rows_k, p.heads_k), ("v", rows_k, p.heads_k),
+                                         ("out", rows_q, p.heads_q), ("dout", rows_q, p.heads_q),
+                                         ("dq", rows_q, p.heads_q), ("dk", rows_k, p.heads_k), ("dv", rows_k, p.heads_k))]
+    return replace(plan, buffers=plan.buffers + tuple(padding))
+
+
+def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
+                 lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                 dv: torch.Tensor) -> torch.Tensor:
+    """Run one validated backward into dq/dk/dv; returns softmax_d."""
+    p = problem
+    # ---- workspace: exactly the plan's named buffers ----------------------------------------
+    plan = backward_plan(backend, p)
+    workspace = plan.allocate(p.device)
+    softmax_d = workspace["softmax_d"]
+    if not p.varlen and p.seqlen_q == 0:
+        # No query rows: no kernel runs; dK, dV and D are zero (the seed's rule).
+        dk.zero_()
+        dv.zero_()
+        softmax_d.zero_()
+        return softmax_d
+
+    # ---- padding: kernels see a head dim that is a multiple of 8 --------------------------------
+    user_grads = dq, dk, dv
+    if p.head_dim_padded != p.head_dim:
+        def padded(name: str, t: torch.Tensor) -> torch.Tensor:
+            buf = workspace[f"{name}_padded"]
+            buf[..., :p.head_dim].copy_(t)
+            return buf
+        params = replace(params, q=padded("q", params.q), k=padded("k", params.k), v=padded("v", params.v))
+        out, dout = padded("out", out), padded("dout", dout)
+        dq, dk, dv = workspace["dq_padded"], workspace["dk_padded"], workspace["dv_padded"]
+
+    # ---- kernel --------------------------------------------------------------------------------
+    backend.backward(p, params, out, lse, dout, dq, dk, dv, workspace)
+
+    # ---- reduce: sum each group of h/h_k query heads of the expanded dK/dV (CK contract) --------
+    if plan.reduce_expanded_kv:
+        for grad, expanded in ((dk, workspace["dk_expanded"]), (dv, workspace["dv_expanded"])):
+            torch.sum(expanded.unflatten(-2, (p.heads_k, p.group_size)), dim=-2, out=grad)
+
+    # ---- unpad ---------------------------------------------------------------------------------
+    if p.head_dim_padded != p.head_dim:
+        for user, computed in zip(user_grads, (dq, dk, dv)):
+            user.copy_(computed[..., :p.head_dim])
+    return softmax_d
