@@ -1,0 +1,106 @@
+"""Drive one random attention case through the public API and the naive oracle, and judge it."""
+
+from __future__ import annotations
+
+import torch
+
+import flash_attn_ck as fa
+from oracle import Config, assert_close_2x, naive_attention
+
+
+def make_inputs(cfg: Config, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=cfg.dtype)
+
+    if cfg.seqlens is None:
+        q = rand(cfg.batch, cfg.seqlen_q, cfg.heads_q, cfg.head_dim)
+        k = rand(cfg.batch, cfg.seqlen_k, cfg.heads_k, cfg.head_dim)
+        v = rand(cfg.batch, cfg.seqlen_k, cfg.heads_k, cfg.head_dim)
+        dout = rand(cfg.batch, cfg.seqlen_q, cfg.heads_q, cfg.head_dim)
+    else:
+        total_q = sum(s for s, _ in cfg.seqlens)
+        total_k = sum(s for _, s in cfg.seqlens)
+        q = rand(total_q, cfg.heads_q, cfg.head_dim)
+        k = rand(total_k, cfg.heads_k, cfg.head_dim)
+        v = rand(total_k, cfg.heads_k, cfg.head_dim)
+        dout = rand(total_q, cfg.heads_q, cfg.head_dim)
+    batch = cfg.batch if cfg.seqlens is None else len(cfg.seqlens)
+    slopes = (torch.rand(batch, cfg.heads_q, generator=gen) * 0.3).to(device) if cfg.alibi else None
+    return q, k, v, dout, slopes
+
+
+def varlen_meta(cfg: Config, device="cpu"):
+    lengths_q = torch.tensor([0] + [s for s, _ in cfg.seqlens])
+    lengths_k = torch.tensor([0] + [s for _, s in cfg.seqlens])
+    cu_q = lengths_q.cumsum(0).to(torch.int32).to(device)
+    cu_k = lengths_k.cumsum(0).to(torch.int32).to(device)
+    return cu_q, cu_k, max(s for s, _ in cfg.seqlens), max(s for _, s in cfg.seqlens)
+
+
+def run_ours(cfg: Config, q, k, v, dout, slopes, backend="reference"):
+    """Forward with probs (for lse and rng_state) + backward through autograd."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    common = dict(dropout_p=cfg.dropout_p, causal=cfg.causal, window_size=cfg.window, softcap=cfg.softcap,
+                  alibi_slopes=slopes, deterministic=cfg.deterministic, backend=backend)
+    if cfg.seqlens is None:
+        out, lse, rng_state = fa.flash_attn_fwd(q, k, v, **common)
+        out_autograd = fa.flash_attn_func(q, k, v, **{**common, "dropout_p": 0.0}) if cfg.dropout_p == 0 else None
+    else:
+        cu_q, cu_k, max_q, max_k = varlen_meta(cfg, q.device)
+        varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+        out, lse, rng_state = fa.flash_attn_fwd(q, k, v, **varlen, **common)
+        out_autograd = None
+    if out_autograd is not None:
+        # The autograd path must reproduce the low-level forward exactly and give the same gradients.
+        assert torch.equal(out_autograd, out)
+        out_autograd.backward(dout)
+        grads = q.grad, k.grad, v.grad
+    else:
+        varlen = {} if cfg.seqlens is None else varlen
+        grads = fa.flash_attn_bwd(dout, q.detach(), k.detach(), v.detach(), out, lse, **varlen, **common,
+                                  rng_state=rng_state)[:3]
+    return out.detach(), lse, rng_state, grads
+
+
+def run_oracle(cfg: Config, q, k, v, dout, slopes, rng_state, compute_dtype):
+    """Per sequence naive attention; gradients by autograd. Returns out, lse, dq, dk, dv."""
+    q, k, v = (t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v))
+    outs, lses = [], []
+    if cfg.seqlens is None:
+        pieces = [(b, q[b], k[b], v[b]) for b in range(cfg.batch)]
+        max_q, max_k = cfg.seqlen_q, cfg.seqlen_k
+    else:
+        cu_q, cu_k, max_q, max_k = varlen_meta(cfg)
+        pieces = [(b, q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]])
+                  for b in range(len(cfg.seqlens))]
+    for b, qb, kb, vb in pieces:
+        o, lse = naive_attention(qb, kb, vb, causal=cfg.causal, window=cfg.window, softcap=cfg.softcap,
+                                 alibi_slopes=None if slopes is None else slopes[b], dropout_p=cfg.dropout_p,
+                                 rng_state=rng_state, batch_index=b, heads=cfg.heads_q, max_seqlen_q=max_q,
+                                 max_seqlen_k=max_k, compute_dtype=compute_dtype)
+        outs.append(o)
+        lses.append(lse)
+    out = torch.stack(outs) if cfg.seqlens is None else torch.cat(outs)
+    lse = torch.stack(lses) if cfg.seqlens is None else torch.cat(lses, dim=1)
+    out.backward(dout.to(compute_dtype))
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def check_case(cfg: Config, backend="reference", device="cpu", seed=0):
+    q, k, v, dout, slopes = make_inputs(cfg, device, seed)
+    out, lse, rng_state, (dq, dk, dv) = run_ours(cfg, q, k, v, dout, slopes, backend)
+    cpu = [t.cpu() for t in (q, k, v, dout)]
+    slopes_cpu = None if slopes is None else slopes.cpu()
+    rng_cpu = None if rng_state is None else rng_state.cpu()
+    ref = run_oracle(cfg, *cpu, slopes_cpu, rng_cpu, torch.float64)
+    pt = run_oracle(cfg, *cpu, slopes_cpu, rng_cpu, cfg.dtype)
+    for name, ours, r, p in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref[0], *ref[2:]), (pt[0], *pt[2:])):
+        assert ours.shape == r.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(r.shape)}"
+        assert_close_2x(name, ours.cpu(), r, p)
+    finite = torch.isfinite(ref[1])
+    assert torch.equal(torch.isfinite(lse.cpu()), finite), "lse: +inf exactly on the rows with no key"
+    assert (lse.cpu()[~finite] == float("inf")).all()
+    assert torch.allclose(lse.cpu()[finite].double(), ref[1][finite], atol=1e-4, rtol=1e-5), "lse"
+    return out, (dq, dk, dv)

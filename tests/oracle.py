@@ -1,0 +1,82 @@
+"""An independent naive attention (full s_q x s_k matrices, autograd for gradients) and the
+flash-attention correctness rule of SPEC §5. Shares nothing with the package but the dropout
+keep pattern, which is a definition, not an implementation detail."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from flash_attn_ck.frontend.dropout import keep_mask
+
+
+@dataclass
+class Config:
+    batch: int = 2
+    seqlen_q: int = 33
+    seqlen_k: int = 47
+    heads_q: int = 4
+    heads_k: int = 2
+    head_dim: int = 40
+    causal: bool = False
+    window: tuple[int, int] = (-1, -1)
+    alibi: bool = False
+    softcap: float = 0.0
+    dropout_p: float = 0.0
+    deterministic: bool = False
+    dtype: torch.dtype = torch.bfloat16
+    seqlens: Optional[list[tuple[int, int]]] = field(default=None)  # varlen: (s_q, s_k) per sequence
+
+
+def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                    rng_state=None, batch_index=0, heads=None, max_seqlen_q=None, max_seqlen_k=None,
+                    softmax_scale=None, compute_dtype=torch.float64):
+    """One sequence: q (s_q, h, d), k/v (s_k, h_k, d) -> out (s_q, h, d), lse (h, s_q).
+
+    Bottom-right aligned window: row i keeps keys j with i + s_k - s_q - left <= j <= i + s_k - s_q + right."""
+    s_q, h, d = q.shape
+    s_k, h_k = k.shape[0], k.shape[1]
+    scale = d ** -0.5 if softmax_scale is None else softmax_scale
+    qc, kc, vc = (t.to(compute_dtype).transpose(0, 1) for t in (q, k, v))
+    kc = kc.repeat_interleave(h // h_k, 0)
+    vc = vc.repeat_interleave(h // h_k, 0)
+    scores = qc @ kc.transpose(1, 2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(s_q)[:, None]
+    j = torch.arange(s_k)[None, :]
+    diag = i + s_k - s_q
+    if alibi_slopes is not None:
+        scores = scores - alibi_slopes.to(compute_dtype)[:, None, None] * (diag - j).abs()
+    left, right = window
+    if causal:
+        right = 0
+    allowed = torch.ones(s_q, s_k, dtype=torch.bool)
+    if left >= 0:
+        allowed &= j >= diag - left
+    if right >= 0:
+        allowed &= j <= diag + right
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    if dropout_p > 0:
+        keep = keep_mask(tuple(rng_state.tolist()), dropout_p, batch_index, heads or h,
+                         max_seqlen_q or s_q, max_seqlen_k or s_k, torch.arange(h), torch.arange(s_q), torch.arange(s_k))
+        probs = probs * keep / (1 - dropout_p)
+    out = (probs @ vc).transpose(0, 1)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+    return out, lse
+
+
+def assert_close_2x(name: str, ours: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor, factor: float = 2.0):
+    """SPEC §5: max|ours - ref| <= factor * max|pt - ref| + atol, atol = 2 * rounding of ref in ours' dtype."""
+    ref = ref.double()
+    assert not torch.isnan(ours).any(), f"{name}: NaN in result"
+    rounded = ref.to(ours.dtype)
+    atol = 2 * ((rounded + 0.3 - 0.3) - rounded).abs().max().item() if ref.numel() else 0.0
+    err = (ours.double() - ref).abs().max().item() if ref.numel() else 0.0
+    pt_err = (pt.double() - ref).abs().max().item() if ref.numel() else 0.0
+    assert err <= factor * pt_err + atol + 1e-6, \
+        f"{name}: max error {err:.3e} > {factor} x {pt_err:.3e} (same-precision reference) + atol {atol:.3e}"
