@@ -1,0 +1,329 @@
+"""The CK backend: CK's `fmha_fwd` / `fmha_bwd` for AMD MI300, through the C ABI of csrc_ck/.
+
+The library (libflash_attn_ck.so) is loaded with ctypes and needs no torch headers; hip-python
+answers device questions (the GPU's gfx target) and renders HIP error codes. Both are optional:
+without a ROCm build of torch, the library or hip-python, the backend explains what is missing.
+
+The argument builders (`attention_args`, `backward_args`) are pure functions from tensors and the
+problem to the ctypes structs, following the seed `get_ck_fmha_bwd_args` field by field, so they
+are tested on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from ..frontend.plan import WorkspacePlan, ck_backward_plan
+from ..frontend.problem import AttentionParams, AttentionProblem
+from .base import Backend
+
+LIBRARY_ENV = "FLASH_ATTN_CK_LIBRARY"
+# Where csrc_ck/CMakeLists.txt builds by default (`cmake -S csrc_ck -B build/ck`).
+DEFAULT_LIBRARY = Path(__file__).resolve().parents[2] / "build" / "ck" / "libflash_attn_ck.so"
+
+ABI_VERSION = 1          # FACK_ABI_VERSION of csrc_ck/include/flash_attn_ck.h
+DTYPES = {torch.float16: 0, torch.bfloat16: 1}      # fack_dtype
+STATUS_NAMES = {1: "invalid argument", 2: "no kernel instance", 3: "HIP error", 4: "internal error"}
+FACK_HIP_ERROR = 3
+
+
+# ---- the C structs (csrc_ck/include/flash_attn_ck.h); tests/test_ck_abi.py checks every offset ----
+
+class FackTensor(ctypes.Structure):
+    """A (batch, rows, heads, head_dim) tensor, last dimension contiguous; strides in elements."""
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("batch_stride", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+    ]
+
+
+class FackRowStats(ctypes.Structure):
+    """fp32 lse or D: (b, h, s_q), or (h, total_q) in group mode."""
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("batch_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+    ]
+
+
+class FackAttention(ctypes.Structure):
+    _fields_ = [
+        ("dtype", ctypes.c_int32),
+        ("group_mode", ctypes.c_int32),
+        ("batch", ctypes.c_int64),
+        ("seqlen_q", ctypes.c_int64),
+        ("seqlen_k", ctypes.c_int64),
+        ("max_seqlen_q", ctypes.c_int64),
+        ("max_seqlen_k", ctypes.c_int64),
+        ("nhead_q", ctypes.c_int64),
+        ("nhead_k", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("seqstart_q", ctypes.c_void_p),
+        ("seqstart_k", ctypes.c_void_p),
+        ("q", FackTensor),
+        ("k", FackTensor),
+        ("v", FackTensor),
+        ("out", FackTensor),
+        ("lse", FackRowStats),
+        ("softmax_scale", ctypes.c_float),
+        ("mask_type", ctypes.c_int32),
+        ("window_left", ctypes.c_int64),
+        ("window_right", ctypes.c_int64),
+        ("alibi_slopes", ctypes.c_void_p),
+        ("alibi_batch_stride", ctypes.c_int64),
+        ("p_drop", ctypes.c_float),
+        ("drop_seed", ctypes.c_void_p),
+        ("drop_offset", ctypes.c_void_p),
+    ]
+
+
+class FackBwdArgs(ctypes.Structure):
+    _fields_ = [
+        ("attn", FackAttention),
+        ("dout", FackTensor),
+        ("dq", FackTensor),
+        ("dk", FackTensor),
+        ("dv", FackTensor),
+        ("d", FackRowStats),
+        ("dq_acc", FackTensor),
+        ("dq_acc_split_stride", ctypes.c_int64),
+        ("p_undrop", ctypes.c_float),
+        ("deterministic", ctypes.c_int32),
+    ]
+
+
+# ---- argument builders: tensors -> structs (pure, CPU-testable) -------------------------------
+
+def tensor_arg(name: str, t: torch.Tensor, varlen: bool) -> FackTensor:
+    """(b, s, h, d) -> its strides; varlen (total, h, d) has batch stride 0 (CK's group mode)."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the CK kernels need a contiguous last dimension, got strides {t.stride()}")
+    if varlen:
+        return FackTensor(t.data_ptr(), 0, t.stride(0), t.stride(1))
+    return FackTensor(t.data_ptr(), t.stride(0), t.stride(1), t.stride(2))
+
+
+def row_stats_arg(t: torch.Tensor, varlen: bool) -> FackRowStats:
+    """lse-shaped: (b, h, s_q), or varlen (h, total_q) with batch stride 0."""
+    if varlen:
+        return FackRowStats(t.data_ptr(), 0, t.stride(0))
+    return FackRowStats(t.data_ptr(), t.stride(0), t.stride(1))
+
+
+def attention_args(problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
+                   lse: torch.Tensor) -> FackAttention:
+    """The forward's struct, also the first member of the backward's."""
+    p, varlen = problem, problem.varlen
+    args = FackAttention(
+        dtype=DTYPES[p.dtype], group_mode=int(varlen), batch=p.batch,
+        # Group mode: CK takes the packed totals here and reads each length from seqstart.
+        seqlen_q=p.total_q if varlen else p.seqlen_q,
+        seqlen_k=p.total_k if varlen else p.seqlen_k,
+        max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k,
+        nhead_q=p.heads_q, nhead_k=p.heads_k, head_dim=p.head_dim_padded,
+        q=tensor_arg("q", params.q, varlen), k=tensor_arg("k", params.k, varlen),
+        v=tensor_arg("v", params.v, varlen), out=tensor_arg("out", out, varlen),
+        lse=row_stats_arg(lse, varlen),
+        softmax_scale=p.softmax_scale,
+        # Only the type and left/right reach CK; it rebuilds the window per sequence.
+        mask_type=int(p.mask.type), window_left=p.mask.left, window_right=p.mask.right,
+        p_drop=p.dropout_p,
+    )
+    if varlen:
+        args.seqstart_q = params.cu_seqlens_q.data_ptr()
+        args.seqstart_k = params.cu_seqlens_k.data_ptr()
+    if params.alibi_slopes is not None:
+        slopes = params.alibi_slopes
+        if slopes.dtype != torch.float32 or slopes.stride(-1) != 1:
+            raise ValueError("alibi_slopes: CK needs fp32 with a contiguous last dimension")
+        args.alibi_slopes = slopes.data_ptr()
+        args.alibi_batch_stride = slopes.stride(0) if slopes.dim() == 2 else 0   # (b, h) or broadcast (h,)
+    if p.dropout_p > 0:
+        rng = params.rng_state
+        if rng is None or rng.dtype != torch.int64 or not rng.is_contiguous():
+            raise ValueError("rng_state: dropout needs a contiguous int64 [seed, offset] tensor")
+        # Device pointers (not values), so a captured graph reads each replay's rng_state.
+        args.drop_seed = rng.data_ptr()
+        args.drop_offset = rng.data_ptr() + rng.element_size()
+    return args
+
+
+def backward_args(problem: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor,
+                  dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                  workspace: dict[str, torch.Tensor]) -> FackBwdArgs:
+    """The seed's `get_ck_fmha_bwd_args`: MQA/GQA write per-query-head dK/dV into the expanded buffers."""
+    p, varlen = problem, problem.varlen
+    dk_target = workspace["dk_expanded"] if p.is_gqa else dk
+    dv_target = workspace["dv_expanded"] if p.is_gqa else dv
+    dq_acc = workspace["dq_accum"]          # (splits, b, s_q, h, d) or varlen (splits, total_q, h, d)
+    softmax_d = workspace["softmax_d"]      # strided like lse: CK reads both with one set of strides
+    if softmax_d.stride() != lse.stride():
+        raise ValueError(f"softmax_d strides {softmax_d.stride()} differ from lse strides {lse.stride()}")
+    return FackBwdArgs(
+        attn=attention_args(p, params, out, lse),
+        dout=tensor_arg("dout", dout, varlen), dq=tensor_arg("dq", dq, varlen),
+        dk=tensor_arg("dk", dk_target, varlen), dv=tensor_arg("dv", dv_target, varlen),
+        d=row_stats_arg(softmax_d, varlen),
+        dq_acc=tensor_arg("dq_accum", dq_acc[0], varlen), dq_acc_split_stride=dq_acc.stride(0),
+        p_undrop=1.0 - p.dropout_p, deterministic=int(p.deterministic),
+    )
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+def library_path() -> Path:
+    return Path(os.environ.get(LIBRARY_ENV) or DEFAULT_LIBRARY)
+
+
+class CkError(RuntimeError):
+    pass
+
+
+@functools.cache
+def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+    """(library, None) or (None, why not); cached: the answer does not change within a process."""
+    if torch.version.hip is None:
+        return None, "torch is not a ROCm build (torch.version.hip is None)"
+    path = library_path()
+    if not path.is_file():
+        return None, (f"the CK library {path} does not exist (build csrc_ck/ with CMake, "
+                      f"or point ${LIBRARY_ENV} at libflash_attn_ck.so)")
+    try:
+        import hip  # noqa: F401  (hip-python: arch queries and error strings)
+    except ImportError:
+        return None, "hip-python is not installed (pip install 'flash_attn_ck[rocm]')"
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as error:
+        return None, f"the CK library {path} failed to load: {error}"
+    declare_functions(lib)
+    mismatch = abi_mismatch(lib)
+    return (None, f"the CK library {path}: {mismatch}") if mismatch else (lib, None)
+
+
+def declare_functions(lib: ctypes.CDLL) -> None:
+    """Signatures of the exported C functions (flash_attn_ck.h)."""
+    lib.fack_fwd.argtypes = [ctypes.POINTER(FackAttention), ctypes.c_void_p]
+    lib.fack_bwd.argtypes = [ctypes.POINTER(FackBwdArgs), ctypes.c_void_p]
+    for fn in (lib.fack_fwd, lib.fack_bwd, lib.fack_last_hip_error, lib.fack_abi_version):
+        fn.restype = ctypes.c_int
+    for fn in (lib.fack_last_error, lib.fack_gpu_targets):
+        fn.argtypes, fn.restype = [], ctypes.c_char_p
+    for fn in (lib.fack_attention_size, lib.fack_bwd_args_size):
+        fn.argtypes, fn.restype = [], ctypes.c_int64
+
+
+def abi_mismatch(lib: ctypes.CDLL) -> Optional[str]:
+    if lib.fack_abi_version() != ABI_VERSION:
+        return f"ABI version {lib.fack_abi_version()}, this package expects {ABI_VERSION} (rebuild it)"
+    sizes = {"fack_attention": (lib.fack_attention_size(), ctypes.sizeof(FackAttention)),
+             "fack_bwd_args": (lib.fack_bwd_args_size(), ctypes.sizeof(FackBwdArgs))}
+    wrong = [f"sizeof({name}) is {c} in C, {py} in Python" for name, (c, py) in sizes.items() if c != py]
+    return "; ".join(wrong) or None
+
+
+def library_targets(lib: ctypes.CDLL) -> list[str]:
+    return [t for t in lib.fack_gpu_targets().decode().split(";") if t]
+
+
+@functools.cache
+def device_arch(index: int) -> str:
+    """The gfx target of HIP device `index` ("gfx942"), without feature suffixes like ":sramecc+"."""
+    from hip import hip
+    props = hip.hipDeviceProp_t()
+    (err,) = hip.hipGetDeviceProperties(props, index)
+    if err != hip.hipError_t.hipSuccess:
+        raise CkError(f"hipGetDeviceProperties({index}) failed: {hip_error_string(err)}")
+    name = props.gcnArchName
+    return (name.decode() if isinstance(name, bytes) else str(name)).split(":")[0]
+
+
+def hip_error_string(code) -> str:
+    from hip import hip
+    result = hip.hipGetErrorString(hip.hipError_t(int(code)))
+    text = result[0] if isinstance(result, tuple) else result
+    return text.decode() if isinstance(text, bytes) else str(text)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+# ---- the backend ------------------------------------------------------------------------------
+
+class CkBackend(Backend):
+    name = "ck"
+    priority = 20                       # the native kernels, preferred wherever they can run
+    device_types = frozenset({"cuda"})  # ROCm builds of torch call HIP devices "cuda"
+    max_head_dim = 256
+    supports_softcap = False            # CK's kernels have none: refuse, never ignore
+
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        return _load()[1]
+
+    @classmethod
+    def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
+        lib = _load()[0]
+        if lib is None or problem.device.type != "cuda":
+            return []
+        arch = device_arch(_device_index(problem.device))
+        targets = library_targets(lib)
+        if arch not in targets:
+            return [f"the CK library was built for {', '.join(targets)}, the device is {arch} "
+                    f"(rebuild with GPU_ARCHS={arch})"]
+        return []
+
+    def __init__(self):
+        lib, reason = _load()
+        if lib is None:
+            raise CkError(f"the CK backend cannot run: {reason}")
+        self.lib = lib
+
+    def forward(self, problem: AttentionProblem, params: AttentionParams,
+                out: torch.Tensor, lse: torch.Tensor) -> None:
+        if problem.rows_q == 0:
+            return
+        if problem.rows_k == 0:
+            # No keys: every row is empty (flash-attn's convention: zeros and lse = +inf).
+            out.zero_()
+            lse.fill_(float("inf"))
+            return
+        args = attention_args(problem, params, out, lse)
+        self._launch("fack_fwd", self.lib.fack_fwd, args, problem.device)
+
+    def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
+        return ck_backward_plan(problem, self.name)
+
+    def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
+                 lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                 dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
+        if problem.rows_q == 0:
+            # The seed's rule for no query rows: no kernel; dK, dV and D are zero.
+            for t in (dk, dv, workspace["softmax_d"], *(workspace[n] for n in ("dk_expanded", "dv_expanded")
+                                                        if n in workspace)):
+                t.zero_()
+            return
+        args = backward_args(problem, params, out, lse, dout, dq, dk, dv, workspace)
+        self._launch("fack_bwd", self.lib.fack_bwd, args, problem.device)
+
+    def _launch(self, api: str, fn, args: ctypes.Structure, device: torch.device) -> None:
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device).cuda_stream
+            status = fn(ctypes.byref(args), ctypes.c_void_p(stream))
+        if status != 0:
+            message = self.lib.fack_last_error().decode()
+            if status == FACK_HIP_ERROR:
+                message += f" ({hip_error_string(self.lib.fack_last_hip_error())})"
+            raise CkError(f"{api}: {STATUS_NAMES.get(status, f'status {status}')}: {message}")
+
+
+BACKEND = CkBackend
