@@ -96,9 +96,11 @@ def check_case(cfg: Config, backend="reference", device="cpu", seed=0):
     rng_cpu = None if rng_state is None else rng_state.cpu()
     ref = run_oracle(cfg, *cpu, slopes_cpu, rng_cpu, torch.float64)
     pt = run_oracle(cfg, *cpu, slopes_cpu, rng_cpu, cfg.dtype)
+    # Scale of a gradient entry, for the degenerate case of assert_close_2x.
+    unit = max([t.abs().max().item() for t in cpu if t.numel()] or [1.0]) ** 3 / (1 - cfg.dropout_p)
     for name, ours, r, p in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref[0], *ref[2:]), (pt[0], *pt[2:])):
         assert ours.shape == r.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(r.shape)}"
-        assert_close_2x(name, ours.cpu(), r, p)
+        assert_close_2x(name, ours.cpu(), r, p, unit=unit)
     finite = torch.isfinite(ref[1])
     assert torch.equal(torch.isfinite(lse.cpu()), finite), "lse: +inf exactly on the rows with no key"
     assert (lse.cpu()[~finite] == float("inf")).all()
