@@ -28,10 +28,6 @@ def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict
                 max_seqlen_k=max_seqlen_k)
 
 
-def _empty(device) -> Tensor:
-    return torch.empty(0, device=device)
-
-
 # ---- forward -------------------------------------------------------------------------------------
 
 @torch.library.custom_op("flash_attn_ck::fwd", mutates_args=())
@@ -45,7 +41,8 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seql
         window_size=(window_left, window_right), softcap=softcap, deterministic=deterministic,
         return_probs=return_probs, backend=backend or None)
     rng_state = torch.empty(0, dtype=torch.int64, device=q.device) if rng_state is None else rng_state
-    return out, lse, rng_state, _empty(q.device) if probs is None else probs
+    # An absent `probs` keeps the dtype a present one has (fp32/fp64, like lse), so the fake matches.
+    return out, lse, rng_state, lse.new_empty(0) if probs is None else probs
 
 
 @fwd.register_fake
@@ -63,7 +60,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slo
         batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
         lse = q.new_empty((heads, q.shape[0]), dtype=accum)
     rng_state = q.new_empty((2 if dropout_p > 0 else 0,), dtype=torch.int64)
-    probs = q.new_empty((batch, heads, seqlen_q, seqlen_k), dtype=accum) if return_probs else q.new_empty(0)
+    probs = lse.new_empty((batch, heads, seqlen_q, seqlen_k) if return_probs else (0,))
     return out, lse, rng_state, probs
 
 
@@ -114,21 +111,20 @@ def _(dout, q, k, v, out, softmax_lse, *args):
 
 # ---- autograd on the forward op ---------------------------------------------------------------
 
-_FWD_OPTIONS = ("max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_left",
-                "window_right", "softcap", "deterministic", "backend")
-
-
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale,
      causal, window_left, window_right, softcap, deterministic, _return_probs, backend) = inputs
-    out, lse, rng_state, _ = output
+    out, lse, rng_state, probs = output
+    # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
+    # non-differentiable instead of having their gradients silently dropped.
+    ctx.mark_non_differentiable(lse, rng_state, probs)
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
     ctx.options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
                        softmax_scale=softmax_scale, causal=causal, window_left=window_left,
                        window_right=window_right, softcap=softcap, deterministic=deterministic, backend=backend)
 
 
-def _fwd_backward(ctx, dout, _dlse, _drng, _dprobs):
+def _fwd_backward(ctx, dout, *_non_differentiable):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
     if dout.stride(-1) != 1:
         dout = dout.contiguous()

@@ -1,0 +1,180 @@
+"""torch.library.opcheck for the flash_attn_ck ops: fake shapes/strides, schema (declared mutations),
+autograd registration, and eager-vs-AOT values and gradients.
+
+CPU: the reference backend in fp32/bf16. GPU (`-m gpu`): the Triton backend in fp16/bf16.
+With dropout every opcheck sub-test still applies: the AOT check reseeds torch's generators before
+the eager and the compiled run, and `fwd` draws its rng_state from them, so both runs drop the same
+entries; `bwd`/`bwd_out` are deterministic given the rng_state.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import flash_attn_ck  # noqa: F401  (registers torch.ops.flash_attn_ck)
+
+ops = torch.ops.flash_attn_ck
+
+# name -> (batch or varlen lengths, heads q/k, head dim, packing, options). Head dims 12, 13, 20 are
+# padded to a multiple of 8 by the op (out is a view of the padded buffer); packed layouts pass
+# non-contiguous views of one tensor.
+LAYOUTS = {
+    "batch": dict(seqlens=(5, 7), heads=(3, 3), d=16),
+    "batch_gqa_d13": dict(seqlens=(4, 9), heads=(4, 2), d=13, causal=True, alibi=True),
+    "qkvpacked_d12": dict(seqlens=(6, 6), heads=(2, 2), d=12, pack="qkv", window=(2, 1)),
+    "varlen_mqa": dict(seqlens=([3, 0, 5], [4, 2, 5]), heads=(4, 1), d=16, deterministic=True),
+    "varlen_kvpacked_d20": dict(seqlens=([2, 6], [5, 3]), heads=(2, 2), d=20, pack="kv", softcap=5.0),
+}
+BATCH = 2
+
+
+def make_call(layout: str, dtype, device, dropout_p: float, return_probs: bool, backend: str,
+              requires_grad: bool = True) -> dict:
+    """Random q/k/v (views of one packed tensor where the layout packs) and every op option."""
+    spec = LAYOUTS[layout]
+    (s_q, s_k), (h, h_k), d = spec["seqlens"], spec["heads"], spec["d"]
+    varlen = isinstance(s_q, list)
+    rows_q, rows_k = ((sum(s_q),), (sum(s_k),)) if varlen else ((BATCH, s_q), (BATCH, s_k))
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device, requires_grad=requires_grad)
+
+    if spec.get("pack") == "qkv":
+        qkv = randn(*rows_q, 3, h, d)
+        q, k, v = qkv.unbind(-3)
+    elif spec.get("pack") == "kv":
+        q, kv = randn(*rows_q, h, d), randn(*rows_k, 2, h_k, d)
+        k, v = kv.unbind(-3)
+    else:
+        q, k, v = randn(*rows_q, h, d), randn(*rows_k, h_k, d), randn(*rows_k, h_k, d)
+
+    def cu(lengths):
+        return torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
+
+    window = spec.get("window", (-1, -1))
+    return dict(
+        q=q, k=k, v=v,
+        cu_seqlens_q=cu(s_q) if varlen else None, cu_seqlens_k=cu(s_k) if varlen else None,
+        max_seqlen_q=max(s_q) if varlen else 0, max_seqlen_k=max(s_k) if varlen else 0,
+        alibi_slopes=torch.rand(h, device=device) if spec.get("alibi") else None,
+        dropout_p=dropout_p, softmax_scale=d ** -0.5, causal=spec.get("causal", False),
+        window_left=window[0], window_right=window[1], softcap=spec.get("softcap", 0.0),
+        deterministic=spec.get("deterministic", False), return_probs=return_probs, backend=backend)
+
+
+_FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes",
+             "dropout_p", "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic",
+             "return_probs", "backend")
+_BWD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes", "dropout_p",
+                "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic")
+
+
+def fwd_args(call: dict) -> tuple:
+    return tuple(call[name] for name in _FWD_ARGS)
+
+
+def bwd_inputs(call: dict):
+    """A real forward's out/lse/rng_state and a random dout, for opchecking the backward ops."""
+    with torch.no_grad():
+        out, lse, rng_state, _ = ops.fwd(*fwd_args(call))
+    dout = torch.randn_like(call["q"], memory_format=torch.contiguous_format)
+    options = tuple(call[name] for name in _BWD_OPTIONS)
+    return dout, out, lse, options, rng_state
+
+
+def check_op(op, args):
+    """opcheck with every sub-test; a failure shows the sub-test and its message."""
+    results = opcheck(op, args, raise_exception=False)
+    failures = {name: repr(result) for name, result in results.items() if result != "SUCCESS"}
+    assert not failures, failures
+    assert len(results) >= 4, results       # schema, autograd registration, fake, AOT dispatch
+
+
+def run_fwd(layout, dtype, device, dropout_p, return_probs, backend):
+    torch.manual_seed(0)
+    call = make_call(layout, dtype, device, dropout_p, return_probs, backend)
+    check_op(ops.fwd.default, fwd_args(call))
+
+
+def run_bwd(layout, dtype, device, dropout_p, backend):
+    torch.manual_seed(0)
+    call = make_call(layout, dtype, device, dropout_p, False, backend, requires_grad=False)
+    q, k, v = call["q"], call["k"], call["v"]
+    dout, out, lse, options, rng_state = bwd_inputs(call)
+    check_op(ops.bwd.default, (dout, q, k, v, out, lse, *options, rng_state, backend))
+
+
+def run_bwd_out(layout, dtype, device, dropout_p, backend):
+    torch.manual_seed(0)
+    call = make_call(layout, dtype, device, dropout_p, False, backend, requires_grad=False)
+    q, k, v = call["q"], call["k"], call["v"]
+    dout, out, lse, options, rng_state = bwd_inputs(call)
+    # Preallocated gradients laid out like their inputs (views of one packed buffer when packed),
+    # filled with garbage so a missing write shows up as a value mismatch.
+    grads = [torch.randn_like(t) for t in (q, k, v)]
+    if LAYOUTS[layout].get("pack") == "qkv":
+        grads = list(torch.randn(*q.shape[:-2], 3, *q.shape[-2:], dtype=dtype, device=device).unbind(-3))
+    check_op(ops.bwd_out.default, (dout, q, k, v, out, lse, *grads, *options, rng_state, backend))
+
+
+# ---- CPU: the reference backend -------------------------------------------------------------------
+
+CPU_DTYPES = [torch.float32, torch.bfloat16]
+DROPOUT = [0.0, 0.25]
+
+
+@pytest.mark.parametrize("dropout_p", DROPOUT)
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fwd_opcheck(layout, dtype, dropout_p):
+    # probs alternates with the dtype so each layout sees it present and absent.
+    run_fwd(layout, dtype, "cpu", dropout_p, return_probs=dtype == torch.float32, backend="reference")
+
+
+@pytest.mark.parametrize("dropout_p", DROPOUT)
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bwd_opcheck(layout, dtype, dropout_p):
+    run_bwd(layout, dtype, "cpu", dropout_p, "reference")
+
+
+@pytest.mark.parametrize("dropout_p", DROPOUT)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bwd_out_opcheck(layout, dropout_p):
+    run_bwd_out(layout, torch.float32, "cpu", dropout_p, "reference")
+
+
+def test_only_out_is_differentiable():
+    """Gradients flow from `out` into the packed tensor; lse/probs are marked non-differentiable."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 5, 3, 2, 13, requires_grad=True)
+    out, lse, probs = flash_attn_ck.flash_attn_qkvpacked_func(qkv, causal=True, return_attn_probs=True)
+    assert out.requires_grad and not lse.requires_grad and not probs.requires_grad
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    q, k, v = qkv.detach().unbind(2)
+    dq, dk, dv, _ = flash_attn_ck.flash_attn_bwd(dout, q, k, v, out.detach(), lse, causal=True)
+    torch.testing.assert_close(qkv.grad, torch.stack([dq, dk, dv], dim=2))
+
+
+# ---- GPU: the Triton backend ----------------------------------------------------------------------
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dropout_p", DROPOUT)
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("op", ["fwd", "bwd", "bwd_out"])
+@pytest.mark.gpu
+@requires_cuda
+def test_triton_opcheck(op, layout, dtype, dropout_p):
+    if op == "fwd":
+        run_fwd(layout, dtype, "cuda", dropout_p, return_probs=dtype == torch.float16, backend="triton")
+    elif op == "bwd":
+        run_bwd(layout, dtype, "cuda", dropout_p, "triton")
+    else:
+        run_bwd_out(layout, dtype, "cuda", dropout_p, "triton")
