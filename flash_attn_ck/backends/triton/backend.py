@@ -1,0 +1,282 @@
+"""TritonBackend: the CUDA (Hopper-first) kernels behind the common frontend.
+
+Forward: forward.py. Backward, in launch order:
+  1. bwd_preprocess: D = rowsum(dO * O) into workspace['softmax_d']; zero the fp32 accumulators
+     and semaphores of this plan.
+  2. bwd_main: one program per key tile; dK/dV on chip; epilogue per bwd_epilogue (SPEC §4).
+  3. bwd_dq (dq_mode "pass", the default and always when deterministic): dQ per query tile.
+  4. bwd_postprocess: fp32 accumulators -> dk/dv (GQA "accumulate") and dq (dq_mode "atomic").
+
+Options (constructor arguments, defaults from the environment):
+  gqa_epilogue  "loop" (default): a key-tile program loops over its group's query heads, dK/dV
+                stay on chip, no fp32 accumulators. "accumulate": the seed's epilogue, one program
+                per query head adding into fp32 (b, h_k, s_k, d) accumulators (+ semaphores when
+                deterministic).            env FLASH_ATTN_CK_TRITON_GQA
+  dq_mode       "pass" (default): separate query-tile pass, no dQ accumulator, deterministic.
+                "atomic": fp32 dQ accumulator laid out like q, added by the key-tile programs
+                (refused in deterministic mode).       env FLASH_ATTN_CK_TRITON_DQ
+  use_tma       None = TMA descriptors on sm_90+ for dense tensors; False forces pointer stores.
+The choice of defaults and the measurements behind it: docs/triton.md.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ...frontend.mask import MaskType
+from ...frontend.plan import BufferSpec, WorkspacePlan
+from ...frontend.problem import AttentionParams, AttentionProblem
+from ..base import Backend
+from . import config
+
+GQA_ENV = "FLASH_ATTN_CK_TRITON_GQA"
+DQ_ENV = "FLASH_ATTN_CK_TRITON_DQ"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _rows3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a q/k/v-like tensor: (b, s, h, d) or varlen (total, h, d)."""
+    assert t.stride(-1) == 1, "the head dim must be contiguous"
+    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _lse_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """(batch, head) strides of an lse-like tensor: (b, h, s_q) or varlen (h, total_q); rows unit."""
+    assert t.stride(-1) == 1
+    return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
+
+
+_allocator_set = False
+
+
+def _ensure_tma_allocator() -> None:
+    """Device-side tensor descriptors need scratch for the TMA descriptors (triton.set_allocator)."""
+    global _allocator_set
+    if not _allocator_set:
+        import triton
+
+        def alloc(size: int, alignment: int, stream: Optional[int]):
+            return torch.empty(size, dtype=torch.int8, device="cuda")
+
+        triton.set_allocator(alloc)
+        _allocator_set = True
+
+
+class TritonBackend(Backend):
+    name = "triton"
+    priority = 100
+    device_types = frozenset({"cuda"})
+
+    def __init__(self, gqa_epilogue: Optional[str] = None, dq_mode: Optional[str] = None,
+                 use_tma: Optional[bool] = None, configs: Optional[config.Configs] = None):
+        self.gqa_epilogue = gqa_epilogue or os.environ.get(GQA_ENV, "loop")
+        self.dq_mode = dq_mode or os.environ.get(DQ_ENV, "pass")
+        if self.gqa_epilogue not in ("loop", "accumulate"):
+            raise ValueError(f"gqa_epilogue={self.gqa_epilogue!r}: expected 'loop' or 'accumulate'")
+        if self.dq_mode not in ("pass", "atomic"):
+            raise ValueError(f"dq_mode={self.dq_mode!r}: expected 'pass' or 'atomic'")
+        self.use_tma = use_tma
+        self.configs = configs
+
+    # ---- capabilities --------------------------------------------------------------------------
+    @classmethod
+    def unavailable_reason(cls) -> Optional[str]:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "triton is not importable"
+        if torch.version.hip is not None:
+            return "this is a ROCm build of torch (the Triton backend targets CUDA)"
+        if not _interpreting() and not torch.cuda.is_available():
+            return "no CUDA device"
+        return None
+
+    @classmethod
+    def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
+        if problem.mask.type == MaskType.WINDOW_GENERIC:
+            return ["generic (y, x) window masks are not supported"]
+        return []
+
+    # ---- configuration -------------------------------------------------------------------------
+    def _configs(self, p: AttentionProblem) -> config.Configs:
+        if self.configs is not None:
+            return self.configs
+        cap = torch.cuda.get_device_capability(p.device) if p.device.type == "cuda" else None
+        return config.select(p.head_dim_padded, p.mask.is_causal, cap, _interpreting())
+
+    def _dq_atomic(self, p: AttentionProblem) -> bool:
+        return self.dq_mode == "atomic" and not p.deterministic
+
+    def _accumulate_kv(self, p: AttentionProblem) -> bool:
+        return p.is_gqa and self.gqa_epilogue == "accumulate"
+
+    def _tma(self, p: AttentionProblem, *tensors: torch.Tensor) -> bool:
+        """TMA needs sm_90+, dense tensors, 16-byte aligned bases and row strides."""
+        if self.use_tma is False or p.varlen:
+            return False
+        if self.use_tma is None:
+            if _interpreting() or p.device.type != "cuda" or torch.cuda.get_device_capability(p.device)[0] < 9:
+                return False
+        ok = all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+                 for t in tensors)
+        if ok and not _interpreting():
+            _ensure_tma_allocator()
+        return ok
+
+    @staticmethod
+    def _mask_args(p: AttentionProblem) -> dict:
+        m = p.mask
+        masked = m.type != MaskType.NO_MASK
+        return dict(window_left=max(m.left, 0), window_right=max(m.right, 0),
+                    TOP_LEFT=m.type == MaskType.TOP_LEFT, HAS_LEFT=masked and m.left >= 0,
+                    HAS_RIGHT=masked and m.right >= 0)
+
+    @staticmethod
+    def _feature_args(p: AttentionProblem, params: AttentionParams, dummy: torch.Tensor) -> tuple[list, dict]:
+        slopes = params.alibi_slopes
+        if slopes is not None:
+            slopes = slopes.to(torch.float32).contiguous()
+        pointers = [params.cu_seqlens_q if p.varlen else dummy, params.cu_seqlens_k if p.varlen else dummy,
+                    slopes if slopes is not None else dummy,
+                    params.rng_state if p.dropout_p > 0 else dummy]
+        stride_slope_b = slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
+        flags = dict(HAS_ALIBI=slopes is not None, HAS_SOFTCAP=p.softcap != 0.0, HAS_DROPOUT=p.dropout_p > 0)
+        scalars = dict(scale=p.softmax_scale, softcap=p.softcap, dropout_p=p.dropout_p)
+        return pointers, dict(stride_slope_b=stride_slope_b, **flags, **scalars)
+
+    # ---- forward -------------------------------------------------------------------------------
+    def forward(self, problem: AttentionProblem, params: AttentionParams,
+                out: torch.Tensor, lse: torch.Tensor) -> None:
+        from .forward import attn_fwd_kernel
+        p = problem
+        if p.rows_q == 0:
+            return
+        tile = self._configs(p).forward
+        d = params.q.shape[-1]
+        pointers, features = self._feature_args(p, params, lse)
+        grid = (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)
+        attn_fwd_kernel[grid](
+            params.q, params.k, params.v, out, lse, *pointers,
+            *_rows3(params.q, p.varlen), *_rows3(params.k, p.varlen), *_rows3(params.v, p.varlen),
+            *_rows3(out, p.varlen), *_lse_strides(lse, p.varlen), features.pop("stride_slope_b"),
+            p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=config.head_block(d), VARLEN=p.varlen,
+            num_warps=tile.num_warps, num_stages=tile.num_stages, **features, **self._mask_args(p))
+
+    # ---- backward ------------------------------------------------------------------------------
+    def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
+        p, d = problem, problem.head_dim_padded
+        lse_shape = (p.heads_q, p.total_q) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
+        buffers = [BufferSpec("softmax_d", lse_shape, torch.float32, False, "D = rowsum(dO * O), strided like lse")]
+        if self._dq_atomic(p):
+            rows_q = (p.total_q,) if p.varlen else (p.batch, p.seqlen_q)
+            buffers.append(BufferSpec("dq_accum", (*rows_q, p.heads_q, d), torch.float32, False,
+                                      "fp32 dQ laid out like q, atomic adds (zeroed by bwd_preprocess)"))
+        if self._accumulate_kv(p):
+            acc_shape = (p.heads_k, p.total_k, d) if p.varlen else (p.batch, p.heads_k, p.seqlen_k, d)
+            for name in ("dk_accum", "dv_accum"):
+                buffers.append(BufferSpec(name, acc_shape, torch.float32, False,
+                                          f"fp32 {name[:2]} summed over groups of {p.group_size} (zeroed by bwd_preprocess)"))
+            if p.deterministic:
+                tiles = triton_cdiv(p.seqlen_k, self._configs(p).bwd_kv.block_n)
+                buffers.append(BufferSpec("dkv_semaphore", (max(tiles, 1), p.batch, p.heads_k), torch.int32, False,
+                                          "orders the group's adds per (key tile, batch, kv head)"))
+        return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False)
+
+    def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
+                 lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                 dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
+        from .bwd_dq import attn_bwd_dq_kernel
+        from .bwd_main import attn_bwd_kv_kernel
+        from .bwd_preprocess import bwd_preprocess_kernel
+        p = problem
+        cfg = self._configs(p)
+        d = params.q.shape[-1]
+        block_d = config.head_block(d)
+        delta = workspace["softmax_d"]
+        dq_acc = workspace.get("dq_accum")
+        dk_acc, dv_acc = workspace.get("dk_accum"), workspace.get("dv_accum")
+        sems = workspace.get("dkv_semaphore")
+        assert (dq_acc is not None) == self._dq_atomic(p) and (dk_acc is not None) == self._accumulate_kv(p)
+        pointers, features = self._feature_args(p, params, delta)
+        stride_slope_b = features.pop("stride_slope_b")
+        mask_args = self._mask_args(p)
+        q_strides, do_strides = _rows3(params.q, p.varlen), _rows3(dout, p.varlen)
+        k_strides, v_strides = _rows3(params.k, p.varlen), _rows3(params.v, p.varlen)
+        lse_strides = _lse_strides(lse, p.varlen)
+        assert _lse_strides(delta, p.varlen) == lse_strides, "softmax_d must be strided like lse"
+
+        # ---- 1. D = rowsum(dO * O); zero the accumulators and semaphores ----
+        pre_m = 64
+        zero = [(t if t is not None else delta, t.numel() if t is not None else 0) for t in (dq_acc, dk_acc, dv_acc, sems)]
+        bwd_preprocess_kernel[(max(1, triton_cdiv(p.seqlen_q, pre_m)), p.batch * p.heads_q)](
+            out, dout, delta, pointers[0], *_rows3(out, p.varlen), *do_strides, *lse_strides,
+            p.heads_q, p.seqlen_q, d, *[x for pair in zero for x in pair],
+            BLOCK_M=pre_m, BLOCK_D=block_d, VARLEN=p.varlen, ZERO_BLOCK=1024,
+            ZERO_A=dq_acc is not None, ZERO_B=dk_acc is not None, ZERO_C=dv_acc is not None,
+            ZERO_SEM=sems is not None, num_warps=4)
+
+        # ---- 2. key-tile programs: dK/dV (and dQ in atomic mode) ----
+        tile = cfg.bwd_kv
+        loop_group = not self._accumulate_kv(p)
+        use_tma = self._tma(p, dk, dv, *(t for t in (dq_acc, dk_acc, dv_acc) if t is not None))
+        prog_heads = p.heads_k if loop_group else p.heads_q
+        dq_strides = _rows3(dq_acc, p.varlen) if dq_acc is not None else (0, 0, 0)
+        acc_strides = (0, p.total_k * d) if p.varlen else (p.heads_k * p.seqlen_k * d, p.seqlen_k * d)
+        if p.seqlen_k > 0:
+            attn_bwd_kv_kernel[(triton_cdiv(p.seqlen_k, tile.block_n), p.batch * prog_heads)](
+                params.q, params.k, params.v, dout, lse, delta,
+                dq_acc if dq_acc is not None else delta, dk, dv,
+                dk_acc if dk_acc is not None else delta, dv_acc if dv_acc is not None else delta,
+                sems if sems is not None else delta, *pointers,
+                *q_strides, *k_strides, *v_strides, *do_strides, *dq_strides,
+                *_rows3(dk, p.varlen), *_rows3(dv, p.varlen), *acc_strides, *lse_strides, stride_slope_b,
+                p.batch, p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
+                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, VARLEN=p.varlen,
+                LOOP_GROUP=loop_group, DQ_ATOMIC=dq_acc is not None, DETERMINISTIC=p.deterministic,
+                USE_TMA=use_tma, num_warps=tile.num_warps, num_stages=tile.num_stages,
+                **features, **mask_args)
+
+        # ---- 3. dQ by query-tile programs ----
+        if dq_acc is None and p.rows_q > 0:
+            tile = cfg.bwd_dq
+            attn_bwd_dq_kernel[(triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)](
+                params.q, params.k, params.v, dout, lse, delta, dq, *pointers,
+                *q_strides, *k_strides, *v_strides, *do_strides, *_rows3(dq, p.varlen),
+                *lse_strides, stride_slope_b, p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
+                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, VARLEN=p.varlen,
+                USE_TMA=self._tma(p, dq), num_warps=tile.num_warps, num_stages=tile.num_stages,
+                **features, **mask_args)
+
+        # ---- 4. fp32 accumulators -> output dtype ----
+        batch = 1 if p.varlen else p.batch
+        if dq_acc is not None:
+            _cast(dq_acc, dq, _bhr(dq_acc, p.varlen), _bhr(dq, p.varlen), p.heads_q, batch, p.rows_q // batch, d)
+        if dk_acc is not None:
+            for acc, grad in ((dk_acc, dk), (dv_acc, dv)):
+                acc_bhr = (0, acc.stride(0), acc.stride(1)) if p.varlen else acc.stride()[:3]
+                _cast(acc, grad, acc_bhr, _bhr(grad, p.varlen), p.heads_k, batch, p.rows_k // batch, d)
+
+
+def _bhr(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a q/k-like tensor."""
+    b, r, h = _rows3(t, varlen)
+    return b, h, r
+
+
+def _cast(src: torch.Tensor, dst: torch.Tensor, src_bhr, dst_bhr, heads: int, batch: int, rows: int, d: int) -> None:
+    from .bwd_postprocess import cast_rows_kernel
+    if rows == 0:
+        return
+    cast_rows_kernel[(triton_cdiv(rows, 64), heads, batch)](
+        src, dst, *src_bhr, *dst_bhr, rows, d, BLOCK_R=64, BLOCK_D=config.head_block(d), num_warps=4)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,96 @@
+"""Backward dQ pass: one program per (query tile, batch * query head), recomputing P from lse.
+
+No atomics and no dQ accumulator: each program owns its dQ tile and writes it once in the output
+dtype, so dQ is deterministic by construction and needs no memory beyond dq itself. Costs two
+extra matrix products per tile (Q K^T and dO V^T again) against the atomic mode of bwd_main.py.
+
+Per key tile: s = Q K^T -> scores; p = exp2(s - lse); dp = drop(dO V^T);
+ds = p (dp - D) [* (1 - tanh^2)]; dQ += ds K.
+"""
+
+import triton
+import triton.language as tl
+
+from .bwd_epilogue import store_tile
+from .scores import (LOG2E, block_needs_mask, dropout_keep, key_range, keep_positions, scores_log2,
+                     sequence_bounds)
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+        Q, K, V, dOut, Lse, Delta, dQ, cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+        stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h, stride_slope_b,
+        heads, group, max_seqlen_q, max_seqlen_k, head_dim,
+        scale, softcap, dropout_p, window_left, window_right,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+        HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        USE_TMA: tl.constexpr):
+    # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    q_start, len_q = sequence_bounds(cu_seqlens_q, b, max_seqlen_q, VARLEN)
+    k_start, len_k = sequence_bounds(cu_seqlens_k, b, max_seqlen_k, VARLEN)
+    m0 = m_block * BLOCK_M
+    if m0 >= len_q:
+        return
+    shift = 0 if TOP_LEFT else len_k - len_q
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    row_ok = offs_m < len_q
+    b64 = b.to(tl.int64)
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + b64 * stride_qb + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + h * stride_qh
+                + offs_d[None, :], mask=q_mask, other=0.0)
+    do = tl.load(dOut + b64 * stride_dob + (q_start + offs_m[:, None]).to(tl.int64) * stride_dos
+                 + h * stride_doh + offs_d[None, :], mask=q_mask, other=0.0)
+    row_base = b64 * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start
+    lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
+    delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + (h // group) * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + (h // group) * stride_vh
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(slopes + b * stride_slope_b + h)
+    seed = 0
+    offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(rng_state)
+        offset = tl.load(rng_state + 1)
+
+    # ---- walk the visible key tiles ----
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, hi = key_range(m0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        kv_mask = (cols < len_k)[:, None] & d_ok[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        s, tanh = scores_log2(tl.dot(q, tl.trans(k)), offs_m[:, None], cols[None, :], shift, scale, softcap,
+                              slope, HAS_SOFTCAP, HAS_ALIBI)
+        if block_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N,
+                            HAS_LEFT, HAS_RIGHT):
+            keep = keep_positions(offs_m[:, None], cols[None, :], len_k, shift, window_left, window_right,
+                                  HAS_LEFT, HAS_RIGHT)
+            s = tl.where(keep, s, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        if HAS_DROPOUT:
+            kept = dropout_keep(seed, offset, bh, offs_m[:, None], cols[None, :], max_seqlen_q, max_seqlen_k,
+                                dropout_p)
+            dp = tl.where(kept, dp * (1.0 / (1.0 - dropout_p)), 0.0)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - tanh * tanh)
+        dq += tl.dot(ds.to(k.dtype), k)
+
+    # ---- one store in the output dtype (TMA when dense, row-masked for varlen) ----
+    store_tile(dq * scale, dQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh,
+               stride_dqs, m0, len_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)

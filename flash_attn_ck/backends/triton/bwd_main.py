@@ -1,0 +1,135 @@
+"""Backward main kernel: one program per key tile; recomputes P from lse; dK/dV stay on chip.
+
+Grid: (key tiles, batch * program heads). Two head modes (`LOOP_GROUP`):
+- LOOP_GROUP: the program owns kv head hk and loops over the `group` query heads that read it,
+  so dK/dV are complete on chip and leave through `store_tile` in the output dtype (MHA is the
+  case group == 1). Deterministic by construction, no fp32 accumulators.
+- otherwise (the GQA accumulator epilogue): the program owns one query head and adds its dK/dV
+  into fp32 `(b, h_k, s_k, d)` accumulators (`accumulate_kv`), ordered by semaphores when
+  DETERMINISTIC; bwd_postprocess casts them.
+dQ is either left to the query-tile pass (bwd_dq.py) or, with DQ_ATOMIC, added here into an fp32
+buffer laid out like q (not deterministic; cast by bwd_postprocess).
+
+Per (key tile, query tile), transposed so that keys are rows:
+  sT = K Q^T -> scores; pT = exp2(sT - lse); dV += drop(pT) dO; dpT = drop(V dO^T);
+  dsT = pT (dpT - D) [* (1 - tanh^2) with softcap]; dK += dsT Q; (dQ += dsT^T K).
+"""
+
+import triton
+import triton.language as tl
+
+from .bwd_epilogue import accumulate_kv, add_tile, store_tile
+from .scores import (LOG2E, block_needs_mask, dropout_keep, keep_positions, query_range, scores_log2,
+                     sequence_bounds)
+
+
+@triton.jit
+def attn_bwd_kv_kernel(
+        Q, K, V, dOut, Lse, Delta, dQacc, dK, dV, dKacc, dVacc, Sems,
+        cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+        stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
+        stride_dvb, stride_dvs, stride_dvh, stride_acc_b, stride_acc_h,
+        stride_lse_b, stride_lse_h, stride_slope_b,
+        batch, heads, group, max_seqlen_q, max_seqlen_k, head_dim,
+        scale, softcap, dropout_p, window_left, window_right,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+        HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        LOOP_GROUP: tl.constexpr, DQ_ATOMIC: tl.constexpr, DETERMINISTIC: tl.constexpr,
+        USE_TMA: tl.constexpr):
+    # ---- program -> (key tile, sequence, heads) ----
+    n_block = tl.program_id(0)
+    prog_heads = heads // group if LOOP_GROUP else heads
+    b = tl.program_id(1) // prog_heads
+    ph = tl.program_id(1) % prog_heads
+    if LOOP_GROUP:
+        hk = ph
+        h_first = ph * group
+        n_heads = group
+    else:
+        hk = ph // group
+        h_first = ph
+        n_heads = 1
+    q_start, len_q = sequence_bounds(cu_seqlens_q, b, max_seqlen_q, VARLEN)
+    k_start, len_k = sequence_bounds(cu_seqlens_k, b, max_seqlen_k, VARLEN)
+    n0 = n_block * BLOCK_N
+    if n0 >= len_k:
+        return
+    shift = 0 if TOP_LEFT else len_k - len_q
+
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    kv_mask = (offs_n < len_k)[:, None] & d_ok[None, :]
+    b64 = b.to(tl.int64)
+    k = tl.load(K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
+                + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
+                + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    seed = 0
+    offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(rng_state)
+        offset = tl.load(rng_state + 1)
+    m_lo, m_hi = query_range(n0, len_q, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in range(0, n_heads):
+        h = h_first + g
+        q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+        do_base = dOut + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h * stride_doh
+        row_base = b64 * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(slopes + b * stride_slope_b + h)
+        for m0 in range(m_lo, m_hi, BLOCK_M):
+            # ---- recompute P^T for this query tile ----
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            row_ok = offs_m < len_q
+            q_mask = row_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
+            lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
+            delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
+            sT, tanh = scores_log2(tl.dot(k, tl.trans(q)), offs_m[None, :], offs_n[:, None], shift, scale,
+                                   softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
+            if block_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N,
+                                HAS_LEFT, HAS_RIGHT):
+                keep = keep_positions(offs_m[None, :], offs_n[:, None], len_k, shift, window_left,
+                                      window_right, HAS_LEFT, HAS_RIGHT)
+                sT = tl.where(keep, sT, float("-inf"))
+            pT = tl.exp2(sT - lse2[None, :])
+            dpT = tl.dot(v, tl.trans(do))
+            # ---- dV and dS^T (dropout scales the kept entries by 1 / (1 - p)) ----
+            if HAS_DROPOUT:
+                kept = dropout_keep(seed, offset, b * heads + h, offs_m[None, :], offs_n[:, None],
+                                    max_seqlen_q, max_seqlen_k, dropout_p)
+                inv_keep = 1.0 / (1.0 - dropout_p)
+                dv += tl.dot(tl.where(kept, pT * inv_keep, 0.0).to(do.dtype), do)
+                dpT = tl.where(kept, dpT * inv_keep, 0.0)
+            else:
+                dv += tl.dot(pT.to(do.dtype), do)
+            dsT = pT * (dpT - delta[None, :])
+            if HAS_SOFTCAP:
+                dsT = dsT * (1.0 - tanh * tanh)
+            dk += tl.dot(dsT.to(q.dtype), q)
+            if DQ_ATOMIC:
+                dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k) * scale
+                add_tile(dq_part, dQacc + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh,
+                         stride_dqs, m0, len_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+
+    if LOOP_GROUP:
+        # ---- dK/dV complete on chip: store in the output dtype ----
+        store_tile(dk * scale, dK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + hk * stride_dkh,
+                   stride_dks, n0, len_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+        store_tile(dv, dV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + hk * stride_dvh,
+                   stride_dvs, n0, len_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+    else:
+        # ---- GQA accumulator epilogue: this query head's share, in rank order if deterministic ----
+        lock = Sems + (n_block * batch + b) * (heads // group) + hk
+        acc_off = b64 * stride_acc_b + hk.to(tl.int64) * stride_acc_h + k_start.to(tl.int64) * head_dim
+        accumulate_kv(dk * scale, dv, dKacc + acc_off, dVacc + acc_off, head_dim, n0, len_k, head_dim,
+                      lock, h_first % group, BLOCK_N, BLOCK_D, USE_TMA, DETERMINISTIC)

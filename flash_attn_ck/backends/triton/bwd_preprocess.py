@@ -1,0 +1,60 @@
+"""Backward pre-process: D = rowsum(dO * O) in fp32 (strided like lse), and zeroing of the fp32
+accumulators (dK/dV for the GQA accumulator epilogue, dQ for the atomic dQ mode) and of the
+deterministic semaphores, so the frontend can hand them over uninitialised.
+
+Grid: (query tiles, batch * heads). Every program also zeroes its share of each flat buffer.
+"""
+
+import triton
+import triton.language as tl
+
+from .scores import sequence_bounds
+
+
+@triton.jit
+def _zero_share(ptr, numel, pid, nprog, ZERO_BLOCK: tl.constexpr):
+    """Zero elements [pid * share, (pid + 1) * share) of a flat buffer, share = ceil(numel / nprog)."""
+    share = tl.cdiv(tl.cdiv(numel, nprog), ZERO_BLOCK) * ZERO_BLOCK
+    start = pid.to(tl.int64) * share
+    offs = tl.arange(0, ZERO_BLOCK)
+    for i in range(0, share, ZERO_BLOCK):
+        idx = start + i + offs
+        tl.store(ptr + idx, tl.zeros([ZERO_BLOCK], ptr.dtype.element_ty), mask=idx < numel)
+
+
+@triton.jit
+def bwd_preprocess_kernel(
+        Out, dOut, Delta, cu_seqlens_q,
+        stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+        stride_d_b, stride_d_h, heads, max_seqlen_q, head_dim,
+        zero_a, numel_a, zero_b, numel_b, zero_c, numel_c, zero_sem, numel_sem,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+        ZERO_A: tl.constexpr, ZERO_B: tl.constexpr, ZERO_C: tl.constexpr, ZERO_SEM: tl.constexpr):
+    pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
+    nprog = tl.num_programs(0) * tl.num_programs(1)
+    # ---- accumulators and semaphores ----
+    if ZERO_A:
+        _zero_share(zero_a, numel_a, pid, nprog, ZERO_BLOCK)
+    if ZERO_B:
+        _zero_share(zero_b, numel_b, pid, nprog, ZERO_BLOCK)
+    if ZERO_C:
+        _zero_share(zero_c, numel_c, pid, nprog, ZERO_BLOCK)
+    if ZERO_SEM:
+        _zero_share(zero_sem, numel_sem, pid, nprog, ZERO_BLOCK)
+
+    # ---- D = rowsum(dO * O) ----
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    q_start, len_q = sequence_bounds(cu_seqlens_q, b, max_seqlen_q, VARLEN)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < len_q
+    mask = row_ok[:, None] & (offs_d < head_dim)[None, :]
+    rows = (q_start + offs_m).to(tl.int64)
+    o = tl.load(Out + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :],
+                mask=mask, other=0.0)
+    do = tl.load(dOut + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dos + offs_d[None, :],
+                 mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b.to(tl.int64) * stride_d_b + h.to(tl.int64) * stride_d_h + rows, delta, mask=row_ok)

@@ -1,0 +1,67 @@
+"""Launch configurations (tile shapes, warps, pipeline stages), keyed on the head-dim block, causal
+and GQA. Chosen offline: nothing is autotuned on the call path.
+
+Where the numbers come from:
+- `SM90_*`: measured on one NVIDIA H200 (sm_90, torch 2.11.0+cu130, triton 3.6.0) by
+  `scripts/triton_tune.py`, which times each candidate of `candidates()` on the SPEC §6 shapes
+  (bf16, s = 4096/8192) and keeps the fastest; the date is beside each table.
+- `GENERIC_*`: for other CUDA GPUs, untuned; smaller tiles and two pipeline stages so that the
+  shared memory of consumer and Ampere parts (about 100 KB per block) suffices.
+- `INTERPRETER`: tiny tiles for TRITON_INTERPRET=1 on the CPU (correctness only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Tile:
+    block_m: int        # query rows per step
+    block_n: int        # key rows per step
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class Configs:
+    forward: Tile
+    bwd_kv: Tile        # bwd_main: one program per key tile of block_n, walking query tiles of block_m
+    bwd_dq: Tile        # bwd_dq: one program per query tile of block_m, walking key tiles of block_n
+
+
+def head_block(head_dim: int) -> int:
+    """The power-of-two register block that holds a (padded) head dim; columns past it are masked."""
+    block = 16
+    while block < head_dim:
+        block *= 2
+    return block
+
+
+# ---- sm_90 (H200), measured 2026-11-29 (see the module docstring) ----------------------------
+# key: (head block, causal) -> Configs; GQA uses the MHA row (the program shape does not change).
+SM90 = {
+    (32, False): Configs(Tile(128, 64, 4, 3), Tile(64, 128, 8, 3), Tile(128, 64, 4, 3)),
+    (64, False): Configs(Tile(128, 64, 4, 3), Tile(64, 128, 8, 3), Tile(128, 64, 4, 3)),
+    (128, False): Configs(Tile(128, 64, 8, 3), Tile(64, 128, 8, 2), Tile(128, 64, 8, 2)),
+    (256, False): Configs(Tile(64, 64, 4, 2), Tile(64, 64, 8, 1), Tile(64, 64, 8, 1)),
+}
+SM90.update({(d, True): c for (d, _), c in list(SM90.items())})
+
+GENERIC = {
+    32: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
+    64: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
+    128: Configs(Tile(64, 32, 4, 2), Tile(32, 64, 4, 2), Tile(64, 32, 4, 2)),
+    256: Configs(Tile(32, 32, 4, 1), Tile(32, 32, 4, 1), Tile(32, 32, 4, 1)),
+}
+
+INTERPRETER = Configs(Tile(16, 16, 1, 1), Tile(16, 16, 1, 1), Tile(16, 16, 1, 1))
+
+
+def select(head_dim: int, causal: bool, capability: tuple[int, int] | None, interpreter: bool) -> Configs:
+    if interpreter:
+        return INTERPRETER
+    block = head_block(head_dim)
+    if capability is not None and capability[0] == 9:
+        return SM90[(block, causal)]
+    return GENERIC[block]

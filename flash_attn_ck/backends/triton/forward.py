@@ -1,0 +1,100 @@
+"""Forward kernel: one program per (query tile, batch * query head); online softmax over key tiles.
+
+Writes out (input dtype) and lse (fp32, natural log; +inf for a row that sees no key, whose output
+is 0). MQA/GQA read K/V of head h // group directly (no expansion). Varlen tensors are packed
+`(total, h, d)` with batch stride 0 and per-sequence starts from cu_seqlens.
+"""
+
+import triton
+import triton.language as tl
+
+from .scores import (LOG2E, block_needs_mask, dropout_keep, key_range, keep_positions, scores_log2,
+                     sequence_bounds)
+
+
+@triton.jit
+def attn_fwd_kernel(
+        Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh,
+        stride_lse_b, stride_lse_h, stride_slope_b,
+        heads, group, max_seqlen_q, max_seqlen_k, head_dim,
+        scale, softcap, dropout_p, window_left, window_right,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+        VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+        HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
+    num_m = tl.num_programs(0)
+    m_block = num_m - 1 - tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // heads
+    h = bh % heads
+    q_start, len_q = sequence_bounds(cu_seqlens_q, b, max_seqlen_q, VARLEN)
+    k_start, len_k = sequence_bounds(cu_seqlens_k, b, max_seqlen_k, VARLEN)
+    m0 = m_block * BLOCK_M
+    if m0 >= len_q:
+        return
+    shift = 0 if TOP_LEFT else len_k - len_q
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    row_ok = offs_m < len_q
+
+    q_base = Q + b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+    k_base = K + b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + (h // group) * stride_kh
+    v_base = V + b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + (h // group) * stride_vh
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(slopes + b * stride_slope_b + h)
+    seed = 0
+    offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(rng_state)
+        offset = tl.load(rng_state + 1)
+
+    # ---- online softmax over the visible key tiles (log2 units) ----
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lo, hi = key_range(m0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + offs_n
+        kv_mask = (cols < len_k)[:, None] & d_ok[None, :]
+        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+        s, _ = scores_log2(tl.dot(q, tl.trans(k)), offs_m[:, None], cols[None, :], shift, scale, softcap,
+                           slope, HAS_SOFTCAP, HAS_ALIBI)
+        if block_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N,
+                            HAS_LEFT, HAS_RIGHT):
+            keep = keep_positions(offs_m[:, None], cols[None, :], len_k, shift, window_left, window_right,
+                                  HAS_LEFT, HAS_RIGHT)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            kept = dropout_keep(seed, offset, bh, offs_m[:, None], cols[None, :], max_seqlen_q, max_seqlen_k,
+                                dropout_p)
+            p = tl.where(kept, p, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # ---- normalise; empty rows give out = 0, lse = +inf ----
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, 1.0 / l_i)
+    if HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - dropout_p)
+    out = acc * inv_l[:, None]
+    lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
+    o_base = Out + b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(Out.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    lse_base = Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start
+    tl.store(lse_base + offs_m, lse, mask=row_ok)

@@ -1,0 +1,109 @@
+"""Shared @triton.jit helpers: sequence bounds, the attention mask, score modifiers, dropout.
+
+Every kernel (forward, dQ pass, key-tile pass) builds its scores through these helpers, so the
+forward and the backward see exactly the same mask, softcap, ALiBi and dropout pattern.
+
+Conventions (checked by the tests against frontend/mask.py and frontend/dropout.py):
+- Scores are kept in log2 units: `s2 = log2(e) * score`, so softmax uses exp2.
+- The mask is bottom-right aligned per sequence (`shift = len_k - len_q`; 0 for top-left): row i
+  keeps key j iff `j >= i + shift - left` (when a left bound exists) and `j <= i + shift + right`
+  (when a right bound exists) and `j < len_k`.
+- Helpers are elementwise in `rows`/`cols`, so a caller may use (rows[:, None], cols[None, :]) or
+  the transposed orientation (rows[None, :], cols[:, None]).
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def sequence_bounds(cu_seqlens_ptr, b, max_len, VARLEN: tl.constexpr):
+    """(first packed row, length) of sequence b; dense tensors start at row 0 with the max length."""
+    if VARLEN:
+        start = tl.load(cu_seqlens_ptr + b)
+        length = tl.load(cu_seqlens_ptr + b + 1) - start
+    else:
+        start = 0
+        length = max_len
+    return start, length
+
+
+@triton.jit
+def key_range(m0, len_k, shift, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key blocks [lo, hi) that rows [m0, m0 + BLOCK_M) can see; lo is a multiple of BLOCK_N."""
+    lo = 0
+    hi = len_k
+    if HAS_LEFT:
+        lo = tl.maximum(m0 + shift - left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(m0 + BLOCK_M + shift + right, len_k)
+    return lo, hi
+
+
+@triton.jit
+def query_range(n0, len_q, shift, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query blocks [lo, hi) that see keys [n0, n0 + BLOCK_N); lo is a multiple of BLOCK_M."""
+    lo = 0
+    hi = len_q
+    if HAS_RIGHT:
+        lo = tl.maximum(n0 - shift - right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(n0 + BLOCK_N + left - shift, len_q)
+    return lo, hi
+
+
+@triton.jit
+def block_needs_mask(m0, n0, len_k, shift, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """False when every (row, key) of the tile is kept, so the per-element mask can be skipped."""
+    partial = n0 + BLOCK_N > len_k
+    if HAS_LEFT:
+        partial = partial | (n0 < m0 + BLOCK_M - 1 + shift - left)
+    if HAS_RIGHT:
+        partial = partial | (n0 + BLOCK_N - 1 > m0 + shift + right)
+    return partial
+
+
+@triton.jit
+def keep_positions(rows, cols, len_k, shift, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    keep = cols < len_k
+    if HAS_LEFT:
+        keep = keep & (cols >= rows + shift - left)
+    if HAS_RIGHT:
+        keep = keep & (cols <= rows + shift + right)
+    return keep
+
+
+@triton.jit
+def scores_log2(qk, rows, cols, shift, scale, softcap, slope,
+                HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Raw q.k -> (score in log2 units, tanh of the softcap argument or None).
+
+    score = softcap * tanh(scale * qk / softcap) (or scale * qk), minus slope * |i + shift - j|."""
+    if HAS_SOFTCAP:
+        x = qk * (scale / softcap)
+        tanh = 1.0 - 2.0 / (tl.exp2((2.0 * LOG2E) * x) + 1.0)
+        s2 = tanh * (softcap * LOG2E)
+    else:
+        tanh = qk  # unused: a placeholder of the right shape
+        s2 = qk * (scale * LOG2E)
+    if HAS_ALIBI:
+        distance = tl.abs(rows + shift - cols).to(tl.float32)
+        s2 = s2 - (slope * LOG2E) * distance
+    return s2, tanh
+
+
+@triton.jit
+def dropout_keep(seed, offset, plane, rows, cols, max_seqlen_q, max_seqlen_k, dropout_p):
+    """frontend/dropout.py: Philox(seed, offset + (plane * max_s_q + i) * max_s_k + j), kept iff
+    (bits >> 8) * 2**-24 >= p in fp32. `plane` = b * heads + h."""
+    counter = offset + ((plane.to(tl.int64) * max_seqlen_q + rows) * max_seqlen_k + cols)
+    bits = tl.randint(seed, counter)
+    uniform = (bits >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
+    return uniform >= dropout_p

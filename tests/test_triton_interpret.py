@@ -1,0 +1,84 @@
+"""CPU tests: the Triton kernels' logic under TRITON_INTERPRET=1 on tiny shapes, through the public
+API (backend="triton") against the float64 oracle of tests/oracle.py under SPEC §5's 2x rule.
+
+TRITON_INTERPRET must be set before triton is imported, so the cases run in a subprocess. What the
+interpreter covers (docs/triton.md): forward, pre-process, the key-tile kernel in both GQA modes
+(loop over the group on chip; fp32 accumulators with tl.atomic_add, ordered by semaphores when
+deterministic), the dQ pass, the atomic-dQ mode, the post-process, and the TMA tensor-descriptor
+*store* epilogue. All cases run fp16: the triton 3.6 interpreter's bf16 `tl.dot` returns garbage
+(seen with NumPy 2.4), so bf16 is left to the GPU tests. Not covered: the TMA bulk reduce-add (`descriptor.atomic_add` has no interpreter
+implementation in triton 3.6) and its completion wait (inline PTX), which only the GPU tests reach.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Each case: oracle Config fields, plus backend options (gqa_epilogue, dq_mode, use_tma).
+CASES = {
+    "mha_dense": dict(cfg=dict(heads_q=2, heads_k=2)),
+    "gqa_loop_causal": dict(cfg=dict(causal=True)),
+    "gqa_accumulate_det": dict(cfg=dict(causal=True, deterministic=True), opts=dict(gqa_epilogue="accumulate")),
+    "gqa_accumulate": dict(cfg=dict(window=(6, 2)), opts=dict(gqa_epilogue="accumulate")),
+    "window_sq_gt_sk": dict(cfg=dict(seqlen_q=40, seqlen_k=9, window=(4, 0), heads_q=2, heads_k=2)),
+    "sq1": dict(cfg=dict(seqlen_q=1, seqlen_k=20, causal=True)),
+    "alibi_softcap": dict(cfg=dict(alibi=True, softcap=5.0, causal=True)),
+    "dropout": dict(cfg=dict(dropout_p=0.25)),
+    "dq_atomic": dict(cfg=dict(causal=True), opts=dict(dq_mode="atomic")),
+    "varlen_zero_lengths": dict(cfg=dict(seqlens=[[5, 9], [0, 7], [17, 3], [4, 0]], causal=True),
+                                opts=dict(gqa_epilogue="accumulate")),
+    "varlen_det_loop": dict(cfg=dict(seqlens=[[6, 11], [0, 0], [19, 19]], deterministic=True, head_dim=24)),
+    "tma_store": dict(cfg=dict(heads_q=4, heads_k=1, head_dim=32), opts=dict(use_tma=True)),
+}
+
+_RUNNER = r"""
+import json, sys
+import numpy as np
+import triton.runtime.interpreter as interp
+
+# triton 3.6's interpreter turns a scalar into a shape-(1,) array and calls int() on it, which
+# NumPy >= 2.3 refuses; index with the single element instead.
+_patch_tensor = interp._patch_lang_tensor
+def _patched(tensor, scope):
+    _patch_tensor(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+interp._patch_lang_tensor = _patched
+
+import torch
+import flash_attn_ck.api  # noqa: F401
+from flash_attn_ck.backends import base
+from flash_attn_ck.backends.triton import TritonBackend
+from oracle import Config
+from cases import check_case
+
+case = json.loads(sys.argv[1])
+cfg = case["cfg"]
+cfg["dtype"] = getattr(torch, cfg.get("dtype", "float16"))
+if "seqlens" in cfg:
+    cfg["seqlens"] = [tuple(s) for s in cfg["seqlens"]]
+if "window" in cfg:
+    cfg["window"] = tuple(cfg["window"])
+TritonBackend.device_types = frozenset({"cuda", "cpu"})   # the interpreter runs on CPU tensors
+base._instances["triton"] = TritonBackend(**case.get("opts", {}))
+check_case(Config(**cfg), backend="triton")
+print("PASS")
+"""
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interpreted_kernels(name):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    env.pop("FLASH_ATTN_CK_BACKEND", None)
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(CASES[name])], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
