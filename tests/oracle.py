@@ -35,7 +35,8 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
                     softmax_scale=None, compute_dtype=torch.float64):
     """One sequence: q (s_q, h, d), k/v (s_k, h_k, d) -> out (s_q, h, d), lse (h, s_q).
 
-    Bottom-right aligned window: row i keeps keys j with i + s_k - s_q - left <= j <= i + s_k - s_q + right."""
+    Bottom-right aligned window: row i keeps keys j with i + s_k - s_q - left <= j <= i + s_k - s_q + right,
+    after flash-attn's normalisation: a side >= max_seqlen_k (s_k in batch mode) is unbounded."""
     s_q, h, d = q.shape
     s_k, h_k = k.shape[0], k.shape[1]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
@@ -53,6 +54,8 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
     left, right = window
     if causal:
         right = 0
+    left = -1 if left >= (max_seqlen_k or s_k) else left
+    right = -1 if right >= (max_seqlen_k or s_k) else right
     allowed = torch.ones(s_q, s_k, dtype=torch.bool)
     if left >= 0:
         allowed &= j >= diag - left

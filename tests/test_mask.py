@@ -1,0 +1,83 @@
+"""MaskInfo against CK's decode table and a brute-force statement of the keep rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flash_attn_ck.frontend.mask import MaskInfo, MaskType, canonical_window
+
+
+# (spec, s_q, s_k) -> (type, left, right, y, x), worked out by hand from CK's mask.hpp rules.
+DECODE_TABLE = [
+    ("0", 8, 8, (MaskType.NO_MASK, -1, -1, 8, 8)),
+    ("t", 4, 6, (MaskType.TOP_LEFT, -1, 0, 4, 1)),
+    ("b", 4, 6, (MaskType.BOTTOM_RIGHT, -1, 0, 4, 3)),
+    ("1", 4, 6, (MaskType.TOP_LEFT, -1, 0, 4, 1)),
+    ("2", 4, 6, (MaskType.BOTTOM_RIGHT, -1, 0, 4, 3)),
+    ("t:2,1", 5, 7, (MaskType.TOP_LEFT, 2, 1, 3, 2)),
+    ("b:2,1", 5, 7, (MaskType.BOTTOM_RIGHT, 2, 1, 1, 4)),
+    ("b:-1,0", 5, 7, (MaskType.BOTTOM_RIGHT, -1, 0, 5, 3)),
+    ("t:-1,-1", 5, 7, (MaskType.TOP_LEFT, -1, -1, 5, 7)),
+    ("g:3,2", 5, 7, (MaskType.WINDOW_GENERIC, 3, 2, 3, 2)),
+    ("xt:4", 6, 6, (MaskType.TOP_LEFT, 2, 1, 3, 2)),
+    ("xb:5", 4, 6, (MaskType.BOTTOM_RIGHT, 2, 2, 1, 5)),
+    ("xb:0", 4, 6, (MaskType.BOTTOM_RIGHT, -1, 0, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("spec,s_q,s_k,expected", DECODE_TABLE)
+def test_decode_table(spec, s_q, s_k, expected):
+    m = MaskInfo.decode(spec, s_q, s_k)
+    assert (m.type, m.left, m.right, m.y, m.x) == expected
+
+
+@pytest.mark.parametrize("spec", ["b:1", "q:1,2", "t:a,2", "7", "xt:"])
+def test_decode_rejects_malformed(spec):
+    with pytest.raises(ValueError, match="mask spec|MaskType"):
+        MaskInfo.decode(spec, 4, 4)
+
+
+def brute_force_keep(s_q, s_k, causal, left, right):
+    """SPEC §1 in words: row i attends j in [i + s_k - s_q - left, i + s_k - s_q + right], -1 unbounded,
+    after flash-attn's normalisation (SPEC §2: causal -> right = 0; a side >= s_k -> unbounded)."""
+    keep = torch.zeros(s_q, s_k, dtype=torch.bool)
+    if causal:
+        right = 0
+    left = -1 if left >= s_k else left
+    right = -1 if right >= s_k else right
+    for i in range(s_q):
+        for j in range(s_k):
+            diag = i + s_k - s_q
+            keep[i, j] = (left < 0 or j >= diag - left) and (right < 0 or j <= diag + right)
+    return keep
+
+
+@settings(max_examples=300, deadline=None)
+@given(s_q=st.integers(1, 24), s_k=st.integers(1, 24), causal=st.booleans(),
+       left=st.integers(-1, 30), right=st.integers(-1, 30))
+def test_keep_rule_matches_brute_force(s_q, s_k, causal, left, right):
+    mask = MaskInfo.from_flash_args(causal, (left, right), s_q, s_k)
+    keep = mask.keep(torch.arange(s_q), torch.arange(s_k))
+    assert torch.equal(keep, brute_force_keep(s_q, s_k, causal, left, right))
+    if mask.type != MaskType.NO_MASK:
+        assert mask.x + mask.y > 1 or not keep.any()
+
+
+def test_normalisation_follows_flash_attention():
+    assert canonical_window(True, (-1, -1), 10) == (-1, 0)
+    assert canonical_window(False, (10, 3), 10) == (-1, 3)        # left >= s_k -> unbounded
+    assert canonical_window(False, (2, 12), 10) == (2, -1)
+    assert MaskInfo.from_flash_args(False, (20, 20), 5, 10).type == MaskType.NO_MASK
+    causal = MaskInfo.from_flash_args(True, (-1, -1), 5, 10)
+    assert causal.type == MaskType.BOTTOM_RIGHT and causal.is_causal
+    local = MaskInfo.from_flash_args(False, (3, 0), 5, 10)
+    assert local.type == MaskType.BOTTOM_RIGHT and (local.left, local.right) == (3, 0)
+
+
+def test_for_lengths_realigns_bottom_right_per_sequence():
+    mask = MaskInfo.from_flash_args(True, (-1, -1), 16, 16)       # built from the max lengths
+    short = mask.for_lengths(3, 7)
+    assert torch.equal(short.keep(torch.arange(3), torch.arange(7)), brute_force_keep(3, 7, True, -1, 0))
