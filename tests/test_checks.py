@@ -1,0 +1,136 @@
+"""Every validation rule raises an ArgumentError naming the argument, before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_attn_ck as fa
+from flash_attn_ck import ArgumentError
+
+B, S_Q, S_K, H, H_K, D = 2, 5, 7, 4, 2, 16
+
+
+def tensors(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, S_Q, H, D, generator=g).to(dtype)
+    k = torch.randn(B, S_K, H_K, D, generator=g).to(dtype)
+    v = torch.randn(B, S_K, H_K, D, generator=g).to(dtype)
+    return q, k, v
+
+
+def strided_last_dim(shape):
+    """Random bf16 values whose last dimension has stride 2."""
+    return torch.randn(*shape[:-1], 2 * shape[-1]).bfloat16()[..., ::2]
+
+
+FORWARD_CASES = {
+    # name: (mutator of (q, k, v, kwargs), regex the message must contain)
+    "q not a tensor": (lambda q, k, v, kw: ([1.0], k, v, kw), r"^q: expected a torch.Tensor"),
+    "q wrong rank": (lambda q, k, v, kw: (q[0], k, v, kw), r"^q: expected 4 dimensions"),
+    "int dtype": (lambda q, k, v, kw: (q.to(torch.int32), k, v, kw), r"^q: expected dtype"),
+    "k dtype differs": (lambda q, k, v, kw: (q, k.half(), v, kw), r"^k: expected the dtype of q"),
+    "v dtype differs": (lambda q, k, v, kw: (q, k, v.half(), kw), r"^v: expected the dtype of q"),
+    "q last dim strided": (lambda q, k, v, kw: (strided_last_dim(q.shape), k, v, kw),
+                           r"^q: expected a contiguous last dimension"),
+    "head dim too large": (lambda q, k, v, kw: (torch.randn(1, 2, 1, 264).bfloat16(), torch.randn(1, 2, 1, 264).bfloat16(),
+                                                torch.randn(1, 2, 1, 264).bfloat16(), kw), r"^q: head dim must be in 1\.\.256"),
+    "heads do not divide": (lambda q, k, v, kw: (torch.randn(B, S_Q, 3, D).bfloat16(), k, v, kw),
+                            r"^k: the number of key/value heads \(2\) must divide"),
+    "k shape": (lambda q, k, v, kw: (q, k[:1], v, kw), r"^k: expected shape"),
+    "v shape": (lambda q, k, v, kw: (q, k, v[:, :3], kw), r"^v: expected shape"),
+    "window": (lambda q, k, v, kw: (q, k, v, {**kw, "window_size": (-2, 0)}), r"^window_size: expected"),
+    "dropout": (lambda q, k, v, kw: (q, k, v, {**kw, "dropout_p": 1.0}), r"^dropout_p: expected a probability"),
+    "softcap": (lambda q, k, v, kw: (q, k, v, {**kw, "softcap": -1.0}), r"^softcap: expected"),
+    "scale": (lambda q, k, v, kw: (q, k, v, {**kw, "softmax_scale": 0.0}), r"^softmax_scale: expected a positive"),
+    "alibi dtype": (lambda q, k, v, kw: (q, k, v, {**kw, "alibi_slopes": torch.ones(H, dtype=torch.float64)}),
+                    r"^alibi_slopes: expected dtype float32"),
+    "alibi shape": (lambda q, k, v, kw: (q, k, v, {**kw, "alibi_slopes": torch.ones(H + 1)}),
+                    r"^alibi_slopes: expected shape \(4,\) or \(2, 4\)"),
+}
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES)
+def test_forward_checks_name_the_argument(case):
+    mutate, pattern = FORWARD_CASES[case]
+    q, k, v, kwargs = mutate(*tensors(), {})
+    with pytest.raises(ArgumentError, match=pattern):
+        fa.flash_attn_func(q, k, v, **kwargs)
+
+
+def varlen_inputs():
+    q = torch.randn(9, H, D).bfloat16()
+    k = torch.randn(12, H_K, D).bfloat16()
+    cu_q = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    return q, k, k.clone(), cu_q, cu_k
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (dict(cu_seqlens_q=torch.tensor([0, 4, 9], dtype=torch.int64)), r"^cu_seqlens_q: expected dtype int32"),
+    (dict(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32)), r"^cu_seqlens_k: expected shape \(3,\)"),
+    (dict(cu_seqlens_q=torch.tensor([0, 6, 4], dtype=torch.int32)), r"^cu_seqlens_q: expected non-decreasing"),
+    (dict(cu_seqlens_k=torch.tensor([0, 5, 13], dtype=torch.int32)), r"^cu_seqlens_k: expected .* at most 12"),
+    (dict(max_seqlen_q=3), r"^max_seqlen_q: 3 is smaller than the longest sequence"),
+])
+def test_varlen_checks_name_the_argument(change, pattern):
+    q, k, v, cu_q, cu_k = varlen_inputs()
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=7)
+    args.update(change)
+    with pytest.raises(ArgumentError, match=pattern):
+        fa.flash_attn_varlen_func(q, k, v, **args)
+
+
+def forward_once():
+    q, k, v = tensors()
+    out, lse, _ = fa.flash_attn_fwd(q, k, v)
+    dout = torch.randn_like(out)
+    return q, k, v, out, lse, dout
+
+
+BACKWARD_CASES = {
+    "dout dtype": (lambda a: {**a, "dout": a["dout"].half()}, r"^dout: expected dtype bfloat16"),
+    "out shape": (lambda a: {**a, "out": a["out"][:, :2]}, r"^out: expected shape"),
+    "lse dtype": (lambda a: {**a, "softmax_lse": a["softmax_lse"].double()}, r"^softmax_lse: expected dtype float32"),
+    "lse shape": (lambda a: {**a, "softmax_lse": a["softmax_lse"][:, :1]}, r"^softmax_lse: expected shape \(2, 4, 5\)"),
+    "dq dtype": (lambda a: {**a, "dq": torch.zeros(B, S_Q, H, D, dtype=torch.float16)}, r"^dq: expected dtype bfloat16"),
+    "dk shape": (lambda a: {**a, "dk": torch.zeros(B, S_K, H, D, dtype=torch.bfloat16)}, r"^dk: expected shape \(2, 7, 2, 16\)"),
+    "dv stride": (lambda a: {**a, "dv": strided_last_dim((B, S_K, H_K, D))},
+                  r"^dv: expected a contiguous last dimension"),
+    "rng_state missing": (lambda a: {**a, "dropout_p": 0.1}, r"^rng_state: required when dropout_p > 0"),
+    "rng_state dtype": (lambda a: {**a, "dropout_p": 0.1, "rng_state": torch.zeros(2, dtype=torch.int32)},
+                        r"^rng_state: expected dtype int64"),
+}
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES)
+def test_backward_checks_name_the_argument_and_touch_nothing(case):
+    q, k, v, out, lse, dout = forward_once()
+    args = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse,
+                dq=torch.full((B, S_Q, H, D), 3.0, dtype=torch.bfloat16),
+                dk=torch.full((B, S_K, H_K, D), 3.0, dtype=torch.bfloat16))
+    mutate, pattern = BACKWARD_CASES[case]
+    args = mutate(args)
+    snapshot = {name: t.clone() for name, t in args.items() if isinstance(t, torch.Tensor)}
+    with pytest.raises(ArgumentError, match=pattern):
+        fa.flash_attn_bwd(**args)
+    for name, before in snapshot.items():
+        assert torch.equal(args[name], before), f"{name} was modified by a failing call"
+
+
+def test_unsupported_combination_names_backend_and_reason():
+    q, k, v = tensors()
+    with pytest.raises(fa.NoBackendError, match=r"backend 'ck' cannot run.*\n  ck: .*"):
+        fa.flash_attn_func(q, k, v, softcap=5.0, backend="ck")
+
+
+def test_unknown_backend_is_an_error():
+    q, k, v = tensors()
+    with pytest.raises(ValueError, match=r"backend='nope': expected one of"):
+        fa.flash_attn_func(q, k, v, backend="nope")
+
+
+def test_block_table_is_refused():
+    q, k, v, cu_q, cu_k = varlen_inputs()
+    with pytest.raises(ArgumentError, match=r"^block_table"):
+        fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, block_table=torch.zeros(1))
