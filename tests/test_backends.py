@@ -1,0 +1,63 @@
+"""Backend declarations, refusals and selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_attn_ck as fa
+from flash_attn_ck.backends.base import BACKEND_ENV, all_backend_classes, backend_class, select_backend
+from flash_attn_ck.frontend.mask import MaskInfo
+from flash_attn_ck.frontend.problem import AttentionProblem
+
+
+def problem(device="cpu", dtype=torch.bfloat16, **kw):
+    return AttentionProblem(batch=1, seqlen_q=16, seqlen_k=16, heads_q=2, heads_k=2, head_dim=64, dtype=dtype,
+                            device=torch.device(device), mask=MaskInfo.from_flash_args(False, (-1, -1), 16, 16),
+                            softmax_scale=0.125, **kw)
+
+
+def test_every_backend_declares_capabilities():
+    for cls in all_backend_classes():
+        assert cls.name in ("triton", "ck", "reference")
+        assert isinstance(cls.not_supported_reasons(problem()), list)
+
+
+def test_cpu_default_is_reference(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert select_backend(problem()).name == "reference"
+
+
+def test_environment_variable_selects_backend(monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV, "ck")
+    with pytest.raises(fa.NoBackendError, match=r"backend 'ck' cannot run"):
+        select_backend(problem())
+    monkeypatch.setenv(BACKEND_ENV, "reference")
+    assert select_backend(problem()).name == "reference"
+
+
+def test_reference_is_not_chosen_automatically_on_accelerators(monkeypatch):
+    """A meta-device problem stands in for an accelerator: the slow oracle is never picked silently."""
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    with pytest.raises(fa.NoBackendError) as error:
+        select_backend(problem(device="meta"))
+    text = str(error.value)
+    for name in ("triton", "ck", "reference"):
+        assert f"\n  {name}: " in text
+    assert "pass backend='reference'" in text or "device type 'meta'" in text
+
+
+def test_declared_features_become_reasons():
+    ck = backend_class("ck")
+    reasons = ck.not_supported_reasons(problem(softcap=3.0))
+    assert any("softcap is not supported" in r for r in reasons)
+    reasons = ck.not_supported_reasons(problem(dtype=torch.float32))
+    assert any("dtype float32" in r for r in reasons)
+
+
+def test_fp32_runs_only_on_reference():
+    q = torch.randn(1, 4, 2, 8)
+    out = fa.flash_attn_func(q, q, q)
+    assert out.dtype == torch.float32
+    with pytest.raises(fa.NoBackendError, match=r"triton: .*dtype float32"):
+        fa.flash_attn_func(q, q, q, backend="triton")
