@@ -93,5 +93,5 @@ def test_block_compiles_and_matches_eager(varlen, dropout_p):
 @pytest.mark.parametrize("varlen, dropout_p", [(False, 0.0), (True, 0.0), (False, 0.2), (True, 0.2)],
                          ids=["batch", "varlen", "batch-dropout", "varlen-dropout"])
 def test_block_compiles_and_matches_eager_gpu(varlen, dropout_p):
-    # bf16 end to end: inductor fuses the norms/MLP differently from eager, hence the bf16 tolerance.
-    check_compiled_matches_eager("cuda", torch.bfloat16, "triton", varlen, dropout_p, atol=3e-2, rtol=3e-2)
+    # fp16 end to end: inductor fuses the norms/MLP differently from eager, a few ulps apart.
+    check_compiled_matches_eager("cuda", torch.float16, "triton", varlen, dropout_p, atol=1e-2, rtol=1e-2)
