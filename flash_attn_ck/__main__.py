@@ -1,0 +1,138 @@
+"""The main job: forward + backward on the best available backend, checked and timed.
+
+    python -m flash_attn_ck [--backend NAME] [--batch B --seqlen S --heads H --heads-k HK --head-dim D]
+                            [--causal] [--window L R] [--dtype bf16|fp16] [--deterministic] [--dropout P]
+
+It compares out/dq/dk/dv with torch's scaled_dot_product_attention run in fp32 (an independent
+implementation), reports the same-precision error that SPEC §5's 2x rule is measured against,
+times forward and backward (median), and prints the backward's workspace plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import flash_attn_fwd, flash_attn_func
+from .backends.base import select_backend
+from .frontend.backward import backward_plan
+from .frontend.inputs import describe_call
+from .frontend.plan import format_bytes
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m flash_attn_ck", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default=None, help="triton, ck or reference (default: best available)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seqlen", type=int, default=1024, help="query length (and key length unless --seqlen-k)")
+    parser.add_argument("--seqlen-k", type=int, default=None)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--heads-k", type=int, default=2, help="key/value heads (GQA when fewer than --heads)")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"))
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--deterministic", action="store_true")
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout is timed but not compared")
+    parser.add_argument("--repeats", type=int, default=3)
+    return parser.parse_args(argv)
+
+
+def sdpa_reference(q, k, v, dout, causal, window, dtype):
+    """torch SDPA in `dtype` with an explicit bottom-right mask; returns out, dq, dk, dv."""
+    q, k, v = (t.detach().to(dtype).transpose(1, 2).requires_grad_() for t in (q, k, v))
+    s_q, s_k = q.shape[2], k.shape[2]
+    rows = torch.arange(s_q, device=q.device)[:, None] + s_k - s_q
+    cols = torch.arange(s_k, device=q.device)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    keep = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
+    if 0 <= left < s_k:
+        keep &= cols >= rows - left
+    if 0 <= right < s_k:
+        keep &= cols <= rows + right
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=q.shape[1] != k.shape[1])
+    out.backward(dout.to(dtype).transpose(1, 2))
+    return [t.transpose(1, 2) for t in (out.detach(), q.grad, k.grad, v.grad)]
+
+
+def timed(fn, device, repeats):
+    """Median wall time in seconds (device-synchronised), after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
+    s_k = args.seqlen_k or args.seqlen
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    q = rand(args.batch, args.seqlen, args.heads, args.head_dim)
+    k = rand(args.batch, s_k, args.heads_k, args.head_dim)
+    v = rand(args.batch, s_k, args.heads_k, args.head_dim)
+    dout = rand(args.batch, args.seqlen, args.heads, args.head_dim)
+    options = dict(causal=args.causal, window_size=tuple(args.window), deterministic=args.deterministic,
+                   backend=args.backend)
+
+    problem = describe_call(q, k, v, softmax_scale=None, causal=args.causal, window_size=tuple(args.window),
+                            softcap=0.0, alibi_slopes=None, dropout_p=args.dropout, deterministic=args.deterministic)
+    backend = select_backend(problem, args.backend)
+    print(f"flash_attn_ck main job: backend={backend.name} device={device} dtype={args.dtype} "
+          f"b={args.batch} s_q={args.seqlen} s_k={s_k} h={args.heads}/{args.heads_k} d={args.head_dim} "
+          f"mask={problem.mask.describe()} deterministic={args.deterministic} dropout={args.dropout}")
+
+    # ---- correctness: compare with SDPA in fp32; the same-precision SDPA error is the yardstick --------
+    if args.dropout == 0.0:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flash_attn_func(*leaves, **options)
+        out.backward(dout)
+        ours = [out.detach()] + [t.grad for t in leaves]
+        ref = sdpa_reference(q, k, v, dout, args.causal, args.window, torch.float32)
+        same = sdpa_reference(q, k, v, dout, args.causal, args.window, dtype)
+        worst = 0.0
+        for name, a, r, s in zip(("out", "dq", "dk", "dv"), ours, ref, same):
+            err, base = (a.float() - r).abs().max().item(), (s.float() - r).abs().max().item()
+            ratio = err / base if base else float("inf") if err else 0.0
+            worst = max(worst, ratio)
+            print(f"  {name:<3} max|ours - fp32 SDPA| = {err:.3e}   same-precision SDPA: {base:.3e}   ratio {ratio:.2f}")
+        print(f"  worst ratio {worst:.2f} (SPEC §5 passes at <= 2 with a small atol)")
+
+    # ---- timing ---------------------------------------------------------------------------------
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    fwd_time = timed(lambda: flash_attn_fwd(q, k, v, dropout_p=args.dropout, **options), device, args.repeats)
+    out = flash_attn_func(*leaves, dropout_p=args.dropout, **options)
+    bwd_time = timed(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), device, args.repeats)
+    print(f"  forward  {fwd_time * 1e3:9.2f} ms  {problem.forward_flops() / fwd_time / 1e12:8.3f} TFLOP/s")
+    print(f"  backward {bwd_time * 1e3:9.2f} ms  {problem.backward_flops() / bwd_time / 1e12:8.3f} TFLOP/s"
+          f"  (FLOPs = 2.5 x 4 b h s_q s_k d{', halved: causal' if problem.mask.is_causal else ''})")
+
+    # ---- workspace ------------------------------------------------------------------------------
+    plan = backward_plan(backend, problem)
+    print(plan.describe())
+    print(f"  backward workspace total: {format_bytes(plan.total_bytes)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
