@@ -86,6 +86,43 @@ def test_block_compiles_and_matches_eager(varlen, dropout_p):
     check_compiled_matches_eager("cpu", torch.float32, "reference", varlen, dropout_p, atol=1e-5, rtol=1e-4)
 
 
+def outputs_and_grads(fn, q, k, v, extra, dout):
+    out = fn(q, k, v, *extra)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def test_dynamic_shapes_compile_once():
+    """With symbolic sizes (the fake impls see SymInts, the padded head dim included) one graph serves
+    every batch/sequence size; sizes are chosen so no two coincide (no duck-sizing guards).
+    aot_eager: it traces the fake impls like inductor does, at a fraction of the compile time."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def attention(q, k, v):
+        return flash_attn_func(q, k, v, causal=True)
+
+    def varlen_attention(q, k, v, cu_seqlens, max_seqlen):
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+
+    torch._dynamo.reset()
+    counters = CompileCounterWithBackend("aot_eager"), CompileCounterWithBackend("aot_eager")
+    compiled = [torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+                for fn, counter in zip((attention, varlen_attention), counters)]
+    torch.manual_seed(0)
+    for (batch, s_q, s_k), lengths in zip([(3, 5, 8), (4, 7, 10), (5, 9, 12)], [[3, 4], [5, 8, 4], [9, 1, 5, 6]]):
+        cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+        calls = [(attention, compiled[0], ((batch, s_q, 6), (batch, s_k, 2)), ()),
+                 (varlen_attention, compiled[1], ((sum(lengths), 6), (sum(lengths), 2)), (cu_seqlens, max(lengths)))]
+        for eager, fn, (shape_q, shape_k), extra in calls:
+            q, k, v = (torch.randn(*shape, 13, requires_grad=True) for shape in (shape_q, shape_k, shape_k))
+            dout = torch.randn(*shape_q, 13)
+            for got, expected in zip(outputs_and_grads(fn, q, k, v, extra, dout),
+                                     outputs_and_grads(eager, q, k, v, extra, dout)):
+                torch.testing.assert_close(got, expected)
+    # Dynamo also hands the backend an empty graph; count only the graphs that call the op.
+    op_graphs = [[g for g in c.graphs if "flash_attn_ck.fwd" in g.code] for c in counters]
+    assert [len(graphs) for graphs in op_graphs] == [1, 1]
+
+
 # ---- GPU: the Triton backend ----------------------------------------------------------------------
 
 @pytest.mark.gpu
