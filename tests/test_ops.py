@@ -17,22 +17,23 @@ import flash_attn_ck  # noqa: F401  (registers torch.ops.flash_attn_ck)
 
 ops = torch.ops.flash_attn_ck
 
-# name -> (batch or varlen lengths, heads q/k, head dim, packing, options). Head dims 12, 13, 20 are
+# name -> (batch or varlen lengths, heads q/k, head dim, views, options). Head dims 12, 13, 20 are
 # padded to a multiple of 8 by the op (out is a view of the padded buffer); packed layouts pass
-# non-contiguous views of one tensor.
+# non-contiguous views of one tensor; "bhsd" passes dense but permuted views of (b, h, s, d) tensors,
+# whose strides the op's empty_like gradients keep.
 LAYOUTS = {
-    "batch": dict(seqlens=(5, 7), heads=(3, 3), d=16),
+    "batch_bhsd": dict(seqlens=(5, 7), heads=(3, 3), d=16, views="bhsd"),
     "batch_gqa_d13": dict(seqlens=(4, 9), heads=(4, 2), d=13, causal=True, alibi=True),
-    "qkvpacked_d12": dict(seqlens=(6, 6), heads=(2, 2), d=12, pack="qkv", window=(2, 1)),
+    "qkvpacked_d12": dict(seqlens=(6, 6), heads=(2, 2), d=12, views="qkv", window=(2, 1)),
     "varlen_mqa": dict(seqlens=([3, 0, 5], [4, 2, 5]), heads=(4, 1), d=16, deterministic=True),
-    "varlen_kvpacked_d20": dict(seqlens=([2, 6], [5, 3]), heads=(2, 2), d=20, pack="kv", softcap=5.0),
+    "varlen_kvpacked_d20": dict(seqlens=([2, 6], [5, 3]), heads=(2, 2), d=20, views="kv", softcap=5.0),
 }
 BATCH = 2
 
 
 def make_call(layout: str, dtype, device, dropout_p: float, return_probs: bool, backend: str,
               requires_grad: bool = True) -> dict:
-    """Random q/k/v (views of one packed tensor where the layout packs) and every op option."""
+    """Random q/k/v (strided views where the layout says so) and every op option."""
     spec = LAYOUTS[layout]
     (s_q, s_k), (h, h_k), d = spec["seqlens"], spec["heads"], spec["d"]
     varlen = isinstance(s_q, list)
@@ -41,10 +42,12 @@ def make_call(layout: str, dtype, device, dropout_p: float, return_probs: bool, 
     def randn(*shape):
         return torch.randn(*shape, dtype=dtype, device=device, requires_grad=requires_grad)
 
-    if spec.get("pack") == "qkv":
+    if spec.get("views") == "bhsd":
+        q, k, v = (randn(BATCH, heads, s, d).transpose(1, 2) for s, heads in ((s_q, h), (s_k, h_k), (s_k, h_k)))
+    elif spec.get("views") == "qkv":
         qkv = randn(*rows_q, 3, h, d)
         q, k, v = qkv.unbind(-3)
-    elif spec.get("pack") == "kv":
+    elif spec.get("views") == "kv":
         q, kv = randn(*rows_q, h, d), randn(*rows_k, 2, h_k, d)
         k, v = kv.unbind(-3)
     else:
@@ -114,7 +117,7 @@ def run_bwd_out(layout, dtype, device, dropout_p, backend):
     # Preallocated gradients laid out like their inputs (views of one packed buffer when packed),
     # filled with garbage so a missing write shows up as a value mismatch.
     grads = [torch.randn_like(t) for t in (q, k, v)]
-    if LAYOUTS[layout].get("pack") == "qkv":
+    if LAYOUTS[layout].get("views") == "qkv":
         grads = list(torch.randn(*q.shape[:-2], 3, *q.shape[-2:], dtype=dtype, device=device).unbind(-3))
     check_op(ops.bwd_out.default, (dout, q, k, v, out, lse, *grads, *options, rng_state, backend))
 
