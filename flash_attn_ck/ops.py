@@ -4,9 +4,14 @@ The public functions call these ops, so `torch.compile(fullgraph=True)` traces t
 without graph breaks and autograd is registered on the op itself. Ops cannot return None: absent
 optional results are empty tensors (`rng_state` without dropout, `probs` unless requested).
 
-- `fwd(q, k, v, ...) -> (out, softmax_lse, rng_state, probs)`
+- `fwd(q, k, v, ...) -> (out, softmax_lse, rng_state, probs)`; only `out` is differentiable.
 - `bwd(dout, q, k, v, out, softmax_lse, ...) -> (dq, dk, dv, softmax_d)`
 - `bwd_out(...)`: the same, writing into caller-provided dq/dk/dv (declared as mutated).
+
+With dropout, `fwd` draws `rng_state` on the device from torch's default generator (frontend/dropout.py),
+so it is random per call like `torch.nn.functional.dropout`: reseeding reproduces it, and a captured CUDA
+graph draws a fresh one on every replay. The fakes allocate exactly as the real ops do (the shared
+frontend), so shapes, dtypes and strides match for every backend.
 """
 
 from __future__ import annotations
