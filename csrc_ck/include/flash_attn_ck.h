@@ -113,7 +113,7 @@ int fack_abi_version(void);
 /* sizeof of the two argument structs as compiled into the library. */
 int64_t fack_attention_size(void);
 int64_t fack_bwd_args_size(void);
-/* The GPU targets the kernels were compiled for, separated by ';' (e.g. "gfx942"). */
+/* The GPU targets the kernels were compiled for, separated by ',' (e.g. "gfx942,gfx950"). */
 const char* fack_gpu_targets(void);
 
 #ifdef __cplusplus

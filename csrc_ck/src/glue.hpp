@@ -8,6 +8,8 @@
 #include "bias.hpp"
 #include "mask.hpp"
 
+#include "ck_tile/host/device_prop.hpp"
+
 #include <hip/hip_runtime.h>
 
 #include <cstdint>
@@ -139,8 +141,13 @@ std::string describe(const Traits& t)
 inline int check_launch(float ck_result, const char* api, const std::string& what)
 {
     if(ck_result < 0)
-        return fail(FACK_NO_INSTANCE, std::string(api) + ": no CK kernel instance was compiled for " +
-                                          what + " (targets " FACK_GPU_TARGETS ")");
+    {
+        // CK dispatches on the current device's gfx name: say which one it saw.
+        const std::string device = ck_tile::get_device_name();
+        return fail(FACK_NO_INSTANCE, std::string(api) + ": no CK kernel instance was compiled for " + what +
+                                          " on " + (device.empty() ? "no HIP device" : device) +
+                                          " (library targets " FACK_GPU_TARGETS ")");
+    }
     const hipError_t err = hipGetLastError();
     if(err != hipSuccess)
     {

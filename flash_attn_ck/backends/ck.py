@@ -231,7 +231,7 @@ def abi_mismatch(lib: ctypes.CDLL) -> Optional[str]:
 
 
 def library_targets(lib: ctypes.CDLL) -> list[str]:
-    return [t for t in lib.fack_gpu_targets().decode().split(";") if t]
+    return [t for t in lib.fack_gpu_targets().decode().split(",") if t]
 
 
 @functools.cache

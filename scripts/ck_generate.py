@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Generate the CK fmha instances our dispatcher can reach, with CK's own generator.
+
+Runs CK's `example/ck_tile/01_fmha/generate.py` machinery for `fwd` and `bwd` with the
+flash-attention receipt (2: fp16/bf16, no bias or ALiBi, with and without dropout, both
+deterministic variants), then narrows it with a predicate on the kernel names, because CK's
+`-f` filter is a single fnmatch pattern and cannot exclude:
+
+  * backward `pd1dv1` instances (any head dim): our frontend pads d to a multiple of 8, so
+    only the unpadded and the 8-padded variants are reachable;
+  * forward instances with logits softcap (we refuse softcap) or without lse (always stored);
+  * forward d192/dv128 tiles (hdim_q != hdim_v, never asked for: our q, k and v share d).
+
+The predicate is installed where CK's codegen calls `fnmatch.fnmatch(kernel_name, filter)`, so
+both the instance files and the API dispatchers (fmha_*_api.cpp) contain exactly the selection.
+`--minimal` keeps one forward and one backward instance (fp16, d128, batch mode, no mask/bias/
+dropout): the CI compile check.
+
+Usage: ck_generate.py --ck CK_ROOT --out DIR [--targets gfx942[,gfx90a,gfx950]] [--minimal]
+Prints the generated .cpp files, one a line, heaviest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+FMHA_EXAMPLE = Path("example/ck_tile/01_fmha")
+RECEIPT_FLASH_ATTENTION = 2
+
+# Kernel-name rules, by kind of kernel; the name tokens are CK's (codegen/ops/fmha_{fwd,bwd}.py).
+# "bwd_aux" are the dot_do_o and convert_dq kernels that CK pairs with each dq_dk_dv kernel.
+FWD_D192_DV128 = re.compile(r"_b\d+x\d+x\d+x128x\d+x192(_|$)")
+
+
+def has(name: str, *tokens: str) -> bool:
+    """Every token appears as a whole `_`-separated part of the name."""
+    return all(re.search(rf"_{token}(_|$)", name) for token in tokens)
+
+
+RULES = {
+    "full": {
+        "fwd": lambda n: has(n, "nlogits", "lse") and not FWD_D192_DV128.search(n),
+        "dq_dk_dv": lambda n: not has(n, "pd1dv1"),
+        "bwd_aux": lambda n: True,
+    },
+    # Sequence-padded variants only: they serve any length, so one of each kernel suffices.
+    "minimal": {
+        "fwd": lambda n: has(n, "d128", "fp16", "batch", "psskddv", "nlogits", "nbias", "nmask", "lse", "ndropout"),
+        "dq_dk_dv": lambda n: has(n, "d128", "fp16", "batch", "npad", "nbias", "nmask", "ndropout", "ndeterministic"),
+        "bwd_aux": lambda n: has(n, "d128", "fp16", "batch", "ps"),
+    },
+}
+KINDS = {  # name prefix -> kind, most specific first
+    "fmha_bwd_dot_do_o_": "bwd_aux",
+    "fmha_bwd_convert_dq_": "bwd_aux",
+    "fmha_bwd_d": "dq_dk_dv",
+    "fmha_fwd_d": "fwd",
+}
+
+
+def kind_of(name: str) -> str:
+    return next(kind for prefix, kind in KINDS.items() if name.startswith(prefix))
+
+
+def kernel_predicate(rules: dict):
+    """CK calls its filter with each kernel's name (for the backward: the dq_dk_dv, dot_do_o and
+    convert_dq names of one dispatch entry, which is kept only if all three pass)."""
+    return lambda name, _pattern: rules[kind_of(name)](name)
+
+
+@contextlib.contextmanager
+def inside(folder: Path):
+    previous = Path.cwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(previous)
+
+
+def generate(ck_root: Path, out: Path, targets: list[str], selection: str) -> list[Path]:
+    example = (ck_root / FMHA_EXAMPLE).resolve()
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("fmha_*.cpp"):
+        old.unlink()        # a narrower selection must not leave stale instances behind
+    sys.path.insert(0, str(example))
+    with inside(example):
+        import generate as ck_generate         # CK's generate.py: registers its codegen ops on import
+    ops = {op.__name__.removeprefix("fmha_"): op for op in ck_generate.ops}
+    for api in ("bwd", "fwd"):
+        # The filter pattern is non-empty so CK consults it; our predicate ignores its text.
+        ops[api].fnmatch = SimpleNamespace(fnmatch=kernel_predicate(RULES[selection]))
+        ck_generate.write_blobs(targets, str(out), [api], ["*"], [-1], RECEIPT_FLASH_ATTENTION, "simplified")
+    return sorted(out.glob("fmha_*.cpp"), key=build_order)
+
+
+def build_order(path: Path) -> tuple[int, str]:
+    """Heaviest first, so parallel builds finish together: dq_dk_dv, fwd, dot_do_o/convert_dq, APIs."""
+    if path.name.endswith("_api.cpp"):
+        return 3, path.name
+    return {"dq_dk_dv": 0, "fwd": 1, "bwd_aux": 2}[kind_of(path.name)], path.name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ck", type=Path, required=True, help="CK root (the folder holding example/ and include/)")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--targets", default="gfx942", help="comma-separated: gfx942, gfx90a, gfx950")
+    parser.add_argument("--minimal", action="store_true", help="one fwd and one bwd instance (CI compile check)")
+    args = parser.parse_args()
+    files = generate(args.ck, args.out, args.targets.split(","), "minimal" if args.minimal else "full")
+    for f in files:
+        print(f)
+    counts = {kind: sum(f.name.startswith(prefix) for f in files) for prefix, kind in
+              (("fmha_fwd_d", "fwd"), ("fmha_bwd_dot_do_o_", "dot_do_o"), ("fmha_bwd_convert_dq_", "convert_dq"))}
+    counts["dq_dk_dv"] = sum(re.match(r"fmha_bwd_d\d", f.name) is not None for f in files)
+    counts["api"] = sum(f.name.endswith("_api.cpp") for f in files)
+    print(f"{len(files)} files: " + ", ".join(f"{n} {kind}" for kind, n in counts.items()), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
