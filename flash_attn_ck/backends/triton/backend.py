@@ -56,7 +56,8 @@ _allocator_set = False
 
 
 def _ensure_tma_allocator() -> None:
-    """Device-side tensor descriptors need scratch for the TMA descriptors (triton.set_allocator)."""
+    """Device-side tensor descriptors (and, seen on the H200, the dropout variants of the kernels)
+    need global scratch from triton.set_allocator."""
     global _allocator_set
     if not _allocator_set:
         import triton
@@ -105,6 +106,8 @@ class TritonBackend(Backend):
 
     # ---- configuration -------------------------------------------------------------------------
     def _configs(self, p: AttentionProblem) -> config.Configs:
+        if not _interpreting():
+            _ensure_tma_allocator()   # TMA descriptors and some kernel variants need global scratch
         if self.configs is not None:
             return self.configs
         cap = torch.cuda.get_device_capability(p.device) if p.device.type == "cuda" else None
@@ -123,11 +126,8 @@ class TritonBackend(Backend):
         if self.use_tma is None:
             if _interpreting() or p.device.type != "cuda" or torch.cuda.get_device_capability(p.device)[0] < 9:
                 return False
-        ok = all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
-                 for t in tensors)
-        if ok and not _interpreting():
-            _ensure_tma_allocator()
-        return ok
+        return all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+                   for t in tensors)
 
     @staticmethod
     def _mask_args(p: AttentionProblem) -> dict:

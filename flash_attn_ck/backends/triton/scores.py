@@ -15,7 +15,7 @@ Conventions (checked by the tests against frontend/mask.py and frontend/dropout.
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

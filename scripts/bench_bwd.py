@@ -1,0 +1,242 @@
+"""Forward and backward of the Triton backend side by side with peers, on SPEC §6's grid.
+
+Peers (each when it runs here): torch SDPA with the flash (FA2), cuDNN and memory-efficient
+backends; FlexAttention (torch.compile(flex_attention)); FA4 (flash_attn.cute) when importable.
+Shapes: b = 16384 / s, h = 2048 / d, d in {64, 128, 256}, s in 512..16384, causal and not, plus
+GQA 32/8 rows at d128. bf16. TFLOP/s = SPEC's count (2.5 x 4 b h s_q s_k d for the backward,
+halved when causal) over the median of triton.testing.do_bench; peak extra memory = peak
+allocated during one backward minus what was allocated before it.
+
+    python scripts/bench_bwd.py [--quick] [--peers sdpa_flash,cudnn,flex,fa4,...] [--out bench]
+Writes bench/<gpu>-<date>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flash_attn_ck as fa  # noqa: E402
+
+MiB = 2 ** 20
+
+
+def grid(quick: bool):
+    seqs = [2048, 8192] if quick else [512, 1024, 2048, 4096, 8192, 16384]
+    rows = [(d, 2048 // d, 2048 // d, s, c) for d in (64, 128, 256) for s in seqs for c in (False, True)]
+    rows += [(128, 32, 8, s, c) for s in (2048, 8192) for c in (False, True)]
+    return rows
+
+
+def flops(b, h, s, d, causal, backward):
+    f = 4.0 * b * h * s * s * d / (2 if causal else 1)
+    return 2.5 * f if backward else f
+
+
+# ---- runners: each returns a forward callable producing an output that backward can use ----------
+def make_runner(name, q, k, v, causal):
+    """q, k, v: (b, s, h, d) leaves with requires_grad. Returns fwd() -> out (any layout)."""
+    h, h_k = q.shape[2], k.shape[2]
+    if name == "triton":
+        return lambda: fa.flash_attn_func(q, k, v, causal=causal, backend="triton")
+    if name in ("triton-accum", "triton-atomic-dq"):   # the backend instance is swapped by measure()
+        return lambda: fa.flash_attn_func(q, k, v, causal=causal, backend="triton")
+    if name == "triton-det":
+        return lambda: fa.flash_attn_func(q, k, v, causal=causal, deterministic=True, backend="triton")
+    if name.startswith("sdpa_"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        kind = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                "sdpa_mem_eff": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+        def run():
+            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+            with sdpa_kernel(kind):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                        enable_gqa=h != h_k)
+        return run
+    if name == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        compiled = _flex()
+        s = q.shape[1]
+        mask = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
+        return lambda: compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                                enable_gqa=h != h_k)
+    if name == "fa4":
+        from flash_attn.cute.interface import flash_attn_func as fa4
+
+        def run():
+            o = fa4(q, k, v, causal=causal)
+            return o[0] if isinstance(o, tuple) else o
+        return run
+    raise ValueError(name)
+
+
+_flex_fn = None
+
+
+def _flex():
+    global _flex_fn
+    if _flex_fn is None:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import flex_attention
+        torch._dynamo.config.recompile_limit = 1000
+        torch._dynamo.config.cache_size_limit = 1000
+        _flex_fn = torch.compile(flex_attention, dynamic=False)
+    return _flex_fn
+
+
+VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq": dict(dq_mode="atomic")}
+
+
+def measure(name, b, h, h_k, s, d, causal, configs=None):
+    """Forward and backward timings and backward peak memory of one runner on one shape."""
+    from flash_attn_ck.backends import base
+    from flash_attn_ck.backends.triton import TritonBackend
+    saved = base._instances.get("triton")
+    base._instances["triton"] = TritonBackend(configs=configs, **VARIANTS.get(name, {}))
+    try:
+        return _measure(name, b, h, h_k, s, d, causal)
+    finally:
+        base._instances["triton"] = saved if saved is not None else TritonBackend()
+
+
+def _measure(name, b, h, h_k, s, d, causal):
+    torch.manual_seed(0)
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, s, h_k, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(b, s, h_k, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    fwd = make_runner(name, q, k, v, causal)
+    out = fwd()
+    dout = torch.randn_like(out)
+    bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+    bwd()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    grads = bwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / MiB
+    del grads
+    with torch.no_grad():
+        t_fwd = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
+    t_bwd = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
+    return dict(fwd_ms=t_fwd, bwd_ms=t_bwd, fwd_tflops=flops(b, h, s, d, causal, False) / t_fwd / 1e9,
+                bwd_tflops=flops(b, h, s, d, causal, True) / t_bwd / 1e9, bwd_peak_mib=peak)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--peers", default="triton,sdpa_flash,sdpa_cudnn,sdpa_mem_eff,flex,fa4")
+    ap.add_argument("--out", default="bench")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--shapes", default="", help="d:h:h_k:s:causal,... instead of the grid (causal 0/1)")
+    ap.add_argument("--replot", default="", help="redraw the PNG and markdown of an earlier JSON and exit")
+    args = ap.parse_args()
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        names = list(dict.fromkeys(n for r in data["results"] for n in r["peers"]))
+        Path(args.replot).with_suffix(".md").write_text(markdown(data["meta"], data["results"], names))
+        plot(data["results"], names, Path(args.replot).with_suffix(".png"))
+        return
+    names = args.peers.split(",")
+    if "fa4" in names:
+        try:
+            import flash_attn.cute.interface  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            print(f"FA4 not importable ({type(e).__name__}: {e}); skipped")
+            names.remove("fa4")
+    results = []
+    shapes = [tuple(int(x) for x in spec.split(":")) for spec in args.shapes.split(",")] if args.shapes \
+        else grid(args.quick)
+    for d, h, h_k, s, causal in shapes:
+        causal = bool(causal)
+        b = 16384 // s
+        row = dict(d=d, h=h, h_k=h_k, s=s, b=b, causal=causal, peers={})
+        for name in names:
+            if name == "sdpa_mem_eff" and h != h_k:
+                continue
+            try:
+                row["peers"][name] = measure(name, b, h, h_k, s, d, causal)
+            except Exception as e:  # noqa: BLE001
+                row["peers"][name] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+            torch.cuda.empty_cache()
+        results.append(row)
+        cells = " ".join(f"{n}={r['bwd_tflops']:.0f}" if "bwd_tflops" in r else f"{n}=ERR"
+                         for n, r in row["peers"].items())
+        print(f"d{d} h{h}/{h_k} s{s} {'causal' if causal else 'full'}: bwd TF/s {cells}", flush=True)
+
+    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                python=platform.python_version(), quick=args.quick, dtype="bf16")
+    stem = Path(args.out) / f"{meta['gpu'].replace(' ', '-').lower()}-{meta['date']}{args.tag}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    stem.with_suffix(".md").write_text(markdown(meta, results, names))
+    plot(results, names, stem.with_suffix(".png"))
+    print(markdown(meta, results, names))
+
+
+def markdown(meta, results, names) -> str:
+    def cell(r, key, fmt="{:.0f}"):
+        return fmt.format(r[key]) if key in r else "-"
+    head = ["d", "h/h_k", "s", "causal"] + [f"bwd {n}" for n in names] + ["ours / FA2", "ours / cuDNN", "ours / Flex"] \
+        + [f"fwd {n}" for n in names] + [f"MiB {n}" for n in names]
+    lines = [f"# Attention forward/backward, {meta['gpu']}, {meta['date']}",
+             "", f"torch {meta['torch']} (CUDA {meta['cuda']}), triton {meta['triton']}, bf16; TFLOP/s "
+             "(SPEC §6 FLOPs, median of do_bench); MiB = peak extra memory of one backward.", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in results:
+        p = row["peers"]
+        ours = p.get("triton", {}).get("bwd_tflops")
+
+        def ratio(peer):
+            other = p.get(peer, {}).get("bwd_tflops")
+            return f"{ours / other:.2f}" if ours and other else "-"
+        cells = [str(row["d"]), f"{row['h']}/{row['h_k']}", str(row["s"]), "yes" if row["causal"] else "no"]
+        cells += [cell(p.get(n, {}), "bwd_tflops") for n in names]
+        cells += [ratio("sdpa_flash"), ratio("sdpa_cudnn"), ratio("flex")]
+        cells += [cell(p.get(n, {}), "fwd_tflops") for n in names]
+        cells += [cell(p.get(n, {}), "bwd_peak_mib") for n in names]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, names, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not importable: no plot")
+        return
+    panels = sorted({(r["d"], r["h"], r["h_k"], r["causal"]) for r in results})
+    cols = 4
+    fig, axes = plt.subplots(math.ceil(len(panels) / cols), cols, figsize=(4 * cols, 3 * math.ceil(len(panels) / cols)),
+                             squeeze=False)
+    for ax, key in zip(axes.flat, panels):
+        rows = [r for r in results if (r["d"], r["h"], r["h_k"], r["causal"]) == key]
+        for n in names:
+            pts = [(r["s"], r["peers"][n]["bwd_tflops"]) for r in rows if "bwd_tflops" in r["peers"].get(n, {})]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=n)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"d{key[0]} h{key[1]}/{key[2]} {'causal' if key[3] else 'full'}", fontsize=9)
+        ax.set_ylabel("bwd TFLOP/s")
+    axes.flat[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Offline tile search for the Triton backward on sm_90 (feeds config.SM90; never on the call path).
+
+For each head-dim block, times the full backward (bf16, b = 16384/s, h = 2048/d, s = 8192, not causal)
+for each key-tile candidate with the current dQ tile, then each dQ candidate with the best key tile,
+and the atomic-dQ mode; prints one line per candidate and the winners.
+
+    python scripts/triton_tune.py [--dims 64,128,256] [--seq 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_bwd import measure  # noqa: E402
+from flash_attn_ck.backends.triton.config import SM90, Tile  # noqa: E402
+
+KV = {64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+      128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3)],
+      256: [(64, 64, 8, 1), (32, 64, 4, 2), (64, 64, 8, 2), (32, 128, 8, 1), (32, 64, 8, 2)]}
+DQ = {64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+      128: [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2)],
+      256: [(64, 64, 8, 1), (64, 32, 4, 2), (128, 64, 8, 1), (64, 64, 8, 2)]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dims", default="64,128,256")
+    ap.add_argument("--seq", type=int, default=8192)
+    args = ap.parse_args()
+    s = args.seq
+    for d in map(int, args.dims.split(",")):
+        base = SM90[(d, False)]
+        h, b = 2048 // d, 16384 // s
+
+        def run(cfg, name="triton"):
+            try:
+                return measure(name, b, h, h, s, d, False, configs=cfg)["bwd_tflops"]
+            except Exception as e:  # noqa: BLE001
+                print(f"  failed: {type(e).__name__}: {str(e)[:120]}")
+                return 0.0
+        best_kv, best = base.bwd_kv, 0.0
+        for cand in KV[d]:
+            tf = run(dataclasses.replace(base, bwd_kv=Tile(*cand)))
+            print(f"d{d} kv {cand} dq {tuple(dataclasses.astuple(base.bwd_dq))}: {tf:.0f} TF/s", flush=True)
+            if tf > best:
+                best_kv, best = Tile(*cand), tf
+        best_dq = base.bwd_dq
+        for cand in DQ[d][1:]:
+            tf = run(dataclasses.replace(base, bwd_kv=best_kv, bwd_dq=Tile(*cand)))
+            print(f"d{d} kv {dataclasses.astuple(best_kv)} dq {cand}: {tf:.0f} TF/s", flush=True)
+            if tf > best:
+                best_dq, best = Tile(*cand), tf
+        atomic = run(dataclasses.replace(base, bwd_kv=best_kv, bwd_dq=best_dq), "triton-atomic-dq")
+        print(f"WINNER d{d}: kv {dataclasses.astuple(best_kv)} dq {dataclasses.astuple(best_dq)} {best:.0f} TF/s;"
+              f" atomic-dQ mode with that kv tile: {atomic:.0f} TF/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
