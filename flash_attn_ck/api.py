@@ -47,14 +47,16 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
 def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *, cu_seqlens_q=None,
                    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, alibi_slopes=None, dropout_p=0.0,
                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False,
-                   rng_state=None, backend=None):
+                   rng_state=None, backend=None, max_workspace_bytes=None):
     """Backward only, shaped like the seed `mha_bwd`: `(dq, dk, dv, softmax_d)`.
 
-    Preallocated dq/dk/dv are written in place (checked for dtype, device, last-dim stride, shape)."""
+    Preallocated dq/dk/dv are written in place (checked for dtype, device, last-dim stride, shape).
+    `max_workspace_bytes` caps the backward's workspace (default: `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES`,
+    else 4 GiB; -1: no cap): larger calls run in chunks (frontend/chunking.py)."""
     left, right = _window(window_size)
     common = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0, max_seqlen_k or 0, alibi_slopes, float(dropout_p),
               _scale(q, softmax_scale), bool(causal), left, right, float(softcap), bool(deterministic), rng_state,
-              backend or "")
+              backend or "", max_workspace_bytes)
     if dq is None and dk is None and dv is None:
         return torch.ops.flash_attn_ck.bwd(dout, q, k, v, out, softmax_lse, *common)
     # Validate the given outputs before allocating the missing ones (nothing is touched on error).

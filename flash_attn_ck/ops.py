@@ -73,13 +73,14 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slo
 
 def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right,
-              softcap, deterministic, rng_state, backend):
+              softcap, deterministic, rng_state, backend, max_workspace_bytes):
     return attention_backward(
         dout, q, k, v, out, softmax_lse, dq, dk, dv,
         **_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
         window_size=(window_left, window_right), softcap=softcap, deterministic=deterministic,
-        rng_state=rng_state if rng_state is not None and rng_state.numel() else None, backend=backend or None)
+        rng_state=rng_state if rng_state is not None and rng_state.numel() else None, backend=backend or None,
+        max_workspace_bytes=max_workspace_bytes)
 
 
 @torch.library.custom_op("flash_attn_ck::bwd", mutates_args=())
@@ -87,10 +88,10 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse:
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
         alibi_slopes: Optional[Tensor], dropout_p: float, softmax_scale: float, causal: bool, window_left: int,
         window_right: int, softcap: float, deterministic: bool, rng_state: Optional[Tensor],
-        backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        backend: str, max_workspace_bytes: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _backward(dout, q, k, v, out, softmax_lse, None, None, None, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window_left,
-                     window_right, softcap, deterministic, rng_state, backend)
+                     window_right, softcap, deterministic, rng_state, backend, max_workspace_bytes)
 
 
 @bwd.register_fake
@@ -103,10 +104,11 @@ def bwd_out(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_
             dk: Tensor, dv: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
             max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], dropout_p: float,
             softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-            deterministic: bool, rng_state: Optional[Tensor], backend: str) -> Tensor:
+            deterministic: bool, rng_state: Optional[Tensor], backend: str,
+            max_workspace_bytes: Optional[int] = None) -> Tensor:
     return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right,
-                     softcap, deterministic, rng_state, backend)[3]
+                     softcap, deterministic, rng_state, backend, max_workspace_bytes)[3]
 
 
 @bwd_out.register_fake

@@ -32,6 +32,9 @@ class Backend:
     supports_dropout: ClassVar[bool] = True
     supports_varlen: ClassVar[bool] = True
     supports_deterministic: ClassVar[bool] = True
+    # Whether the backward can run on a chunk of a call (frontend/chunking.py): views of the inputs
+    # and a `problem.placement` whose global coordinates the kernel honours (dropout, generic masks).
+    supports_chunks: ClassVar[bool] = False
 
     # ---- capability checks ---------------------------------------------------------------------
     @classmethod

@@ -79,10 +79,12 @@ class _ScoreTile:
         self.scores = raw
         self.keep: Optional[torch.Tensor] = None
         if p.dropout_p > 0:
-            heads = torch.arange(p.heads_q, device=q.device)
+            # Global coordinates: a chunk of a call draws the same pattern as the whole call.
+            where = p.placement
+            heads = torch.arange(p.heads_q, device=q.device) + where.head_offset
             seed_offset = tuple(params.rng_state.tolist())
-            self.keep = keep_mask(seed_offset, p.dropout_p, seq.index, p.heads_q, p.seqlen_q, p.seqlen_k,
-                                  heads, rows, cols)
+            self.keep = keep_mask(seed_offset, p.dropout_p, seq.index + where.batch_offset, where.heads,
+                                  where.seqlen_q, p.seqlen_k, heads, rows + where.row_offset, cols)
 
     def dropped(self, probs: torch.Tensor, dropout_p: float) -> torch.Tensor:
         return probs if self.keep is None else probs * self.keep / (1.0 - dropout_p)
@@ -99,6 +101,7 @@ class ReferenceBackend(Backend):
     priority = 0
     device_types = frozenset({"cpu", "cuda", "mps", "xpu"})
     auto_select_devices = frozenset({"cpu"})     # a slow oracle on accelerators: only when asked for
+    supports_chunks = True
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
     # ---- forward -------------------------------------------------------------------------------

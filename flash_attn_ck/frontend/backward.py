@@ -13,6 +13,7 @@ import torch
 
 from ..backends.base import Backend, select_backend
 from . import checks
+from .chunking import chunk_problem, chunk_rows, chunk_views, kv_view, plan_chunks, workspace_cap
 from .inputs import describe_call, lse_shape
 from .plan import BufferSpec, WorkspacePlan
 from .problem import AttentionParams, AttentionProblem
@@ -26,7 +27,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                        softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
                        softcap: float = 0.0, deterministic: bool = False, rng_state: Optional[torch.Tensor] = None,
-                       backend: Optional[str] = None):
+                       backend: Optional[str] = None, max_workspace_bytes: Optional[int] = None):
     # ---- validate: everything before any allocation, so a failing call mutates nothing ----------
     problem = describe_call(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                             softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
@@ -34,13 +35,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     check_backward_operands(problem, q, k, dout, out, softmax_lse, dq, dk, dv, rng_state)
     chosen = select_backend(problem, backend)
+    cap = workspace_cap(max_workspace_bytes)
 
     # ---- outputs: the caller's, else new ------------------------------------------------------
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     params = AttentionParams(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
-    softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv)
+    softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv, cap)
     return dq, dk, dv, softmax_d
 
 
@@ -76,20 +78,62 @@ def backward_plan(backend: Backend, problem: AttentionProblem) -> WorkspacePlan:
 
 
 def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
-                 lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                 dv: torch.Tensor) -> torch.Tensor:
-    """Run one validated backward into dq/dk/dv; returns softmax_d."""
+                 lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                 cap: Optional[int]) -> torch.Tensor:
+    """Run one validated backward into dq/dk/dv, in chunks when the workspace would exceed `cap`;
+    returns softmax_d."""
     p = problem
-    # ---- workspace: exactly the plan's named buffers ----------------------------------------
-    plan = backward_plan(backend, p)
-    workspace = plan.allocate(p.device)
-    softmax_d = workspace["softmax_d"]
+    # ---- workspace plan: the whole call, or chunks under the cap --------------------------------
+    chunking = plan_chunks(p, backend, cap, params)
+    shared = {b.name: b.allocate(p.device) for b in chunking.shared}
+    softmax_d = shared["softmax_d"]
     if not p.varlen and p.seqlen_q == 0:
         # No query rows: no kernel runs; dK, dV and D are zero (the seed's rule).
         dk.zero_()
         dv.zero_()
         softmax_d.zero_()
         return softmax_d
+
+    # ---- chunks, in a fixed order; a split group's dK/dV partials are summed in fp32 ----------------
+    chunks = chunking.chunks
+    for index, chunk in enumerate(chunks):
+        rows_q, rows_k = chunk_rows(p, chunk, chunking.cu_seqlens_q, chunking.cu_seqlens_k)
+        sub = chunk_problem(p, chunk, rows_q, rows_k)
+        views = chunk_views(p, chunk, chunking, params, out, lse, dout, dq, softmax_d)
+        kv_grads = kv_view(p, chunk, chunking, dk), kv_view(p, chunk, chunking, dv)
+        if not chunk.partial(p):
+            run_chunk(backend, sub, views.params, views.out, views.lse, views.dout, views.dq, *kv_grads,
+                      views.softmax_d)
+            continue
+        partials = [_leading(shared[f"{g}_partial"], kv_grads[0]) for g in ("dk", "dv")]
+        sums = [_leading(shared[f"{g}_sum"], kv_grads[0]) for g in ("dk", "dv")]
+        run_chunk(backend, sub, views.params, views.out, views.lse, views.dout, views.dq, *partials,
+                  views.softmax_d)
+        for total, part in zip(sums, partials):
+            total += part
+        last_of_group = index + 1 == len(chunks) or \
+            (chunks[index + 1].batch, chunks[index + 1].kv_heads) != (chunk.batch, chunk.kv_heads)
+        if last_of_group:
+            for grad, total in zip(kv_grads, sums):
+                grad.copy_(total)
+                total.zero_()
+    return softmax_d
+
+
+def _leading(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The leading part of a shared buffer with `like`'s shape (varlen chunks differ in rows)."""
+    return buffer.narrow(0, 0, like.shape[0]) if buffer.shape != like.shape else buffer
+
+
+def run_chunk(backend: Backend, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
+              lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+              softmax_d: torch.Tensor) -> None:
+    """One backward over views: plan -> pad -> kernel -> GQA group sum -> unpad."""
+    p = problem
+    # ---- workspace: exactly the plan's named buffers (softmax_d is the caller's view) -----------
+    plan = backward_plan(backend, p)
+    workspace = {b.name: b.allocate(p.device) for b in plan.buffers if b.name != "softmax_d"}
+    workspace["softmax_d"] = softmax_d
 
     # ---- padding: kernels see a head dim that is a multiple of 8 --------------------------------
     user_grads = dq, dk, dv
@@ -114,4 +158,3 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
     if p.head_dim_padded != p.head_dim:
         for user, computed in zip(user_grads, (dq, dk, dv)):
             user.copy_(computed[..., :p.head_dim])
-    return softmax_d

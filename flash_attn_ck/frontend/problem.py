@@ -20,6 +20,17 @@ def pad_head_dim(head_dim: int, multiple: int = 8) -> int:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """Where a chunk of a call sits in the whole call (frontend/chunking.py). Dropout counters and
+    masks use these global coordinates, so a chunk draws the same keep pattern as the whole call."""
+    batch_offset: int = 0        # first sequence of the chunk
+    head_offset: int = 0         # first query head of the chunk
+    row_offset: int = 0          # first query row of the chunk (batch mode only)
+    heads: int = 0               # query heads of the whole call
+    seqlen_q: int = 0            # (max) query length of the whole call
+
+
+@dataclass(frozen=True)
 class AttentionProblem:
     batch: int                  # number of sequences (varlen: len(cu_seqlens) - 1)
     seqlen_q: int               # varlen: max_seqlen_q
@@ -39,10 +50,19 @@ class AttentionProblem:
     softcap: float = 0.0
     deterministic: bool = False
     head_dim_padded: int = field(default=0)
+    placement: Placement = field(default=None)
 
     def __post_init__(self):
         if self.head_dim_padded == 0:
             object.__setattr__(self, "head_dim_padded", pad_head_dim(self.head_dim))
+        if self.placement is None:
+            object.__setattr__(self, "placement", Placement(heads=self.heads_q, seqlen_q=self.seqlen_q))
+
+    @property
+    def is_chunk(self) -> bool:
+        p = self.placement
+        return (p.batch_offset, p.head_offset, p.row_offset, p.heads, p.seqlen_q) != \
+            (0, 0, 0, self.heads_q, self.seqlen_q)
 
     @property
     def accum_dtype(self) -> torch.dtype:

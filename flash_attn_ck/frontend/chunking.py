@@ -1,0 +1,287 @@
+"""Bounded backward workspace: split a call into chunks whose workspace fits under a cap.
+
+The CK contract's buffers grow with the problem (expanded dK/dV for GQA; deterministic `dq_accum`
+with one fp32 split per key tile). When a backend's plan exceeds the cap, the backward runs in
+chunks, each on views of the inputs and outputs (no copies of q/k/v/out/dout):
+
+1. whole KV-head groups (with their query heads) and batch entries: exact by construction, so the
+   result is bit-identical to the unchunked call;
+2. if one group of one sequence is still too large: slices of the group's query heads and/or of
+   the query rows (batch mode, no ALiBi). Their dK/dV are partial sums, written in the input dtype
+   (as CK's expanded buffers are) and added in fp32 in a fixed order, so runs stay deterministic.
+
+Chunks carry a `Placement` (global batch/head/row offsets), so dropout draws the same keep pattern
+and masks keep their alignment. If even the smallest chunk does not fit, `WorkspaceError` says how
+much it needs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from .mask import MaskInfo, MaskType
+from .plan import BufferSpec, WorkspacePlan, format_bytes
+from .problem import AttentionParams, AttentionProblem, Placement
+
+WORKSPACE_ENV = "FLASH_ATTN_CK_MAX_WORKSPACE_BYTES"
+# 4 GiB: every shape of the SPEC §6 grid runs unchunked in non-deterministic mode, while the
+# deterministic long-context cases that would need tens of GiB are bounded. -1 removes the cap.
+DEFAULT_MAX_WORKSPACE_BYTES = 4 << 30
+
+
+class WorkspaceError(RuntimeError):
+    pass
+
+
+def workspace_cap(max_workspace_bytes: Optional[int]) -> Optional[int]:
+    """The argument, else `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES`, else the default; None = no cap."""
+    if max_workspace_bytes is None:
+        text = os.environ.get(WORKSPACE_ENV)
+        if text is not None:
+            try:
+                max_workspace_bytes = int(text)
+            except ValueError:
+                raise WorkspaceError(f"{WORKSPACE_ENV}={text!r}: expected an integer number of bytes (-1: no cap)") from None
+        else:
+            max_workspace_bytes = DEFAULT_MAX_WORKSPACE_BYTES
+    return None if max_workspace_bytes < 0 else int(max_workspace_bytes)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    batch: tuple[int, int]          # sequences [start, end)
+    kv_heads: tuple[int, int]       # key/value heads [start, end)
+    group_heads: tuple[int, int]    # query heads inside each group [start, end): (0, group) = whole groups
+    rows: tuple[int, int]           # query rows [start, end) (batch mode; varlen: all rows)
+
+    def partial(self, problem: AttentionProblem) -> bool:
+        """True when dK/dV of this chunk are partial sums (the group or the rows are split)."""
+        return self.group_heads != (0, problem.group_size) or self.rows != (0, problem.seqlen_q)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    backend: str
+    cap: Optional[int]
+    shared: tuple[BufferSpec, ...]      # allocated once for the whole call
+    per_chunk: WorkspacePlan            # the largest chunk's workspace (reallocated per chunk)
+    chunks: tuple[Chunk, ...]
+    unchunked_bytes: int                # what the call would need in one piece
+    cu_seqlens_q: Optional[tuple[int, ...]] = None   # varlen offsets on the host, once chunked
+    cu_seqlens_k: Optional[tuple[int, ...]] = None
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(b.nbytes for b in self.shared) + self.per_chunk.total_bytes
+
+    def describe(self) -> str:
+        cap = "none" if self.cap is None else format_bytes(self.cap)
+        lines = [f"backward workspace ({self.backend}): cap {cap}; unchunked {format_bytes(self.unchunked_bytes)}; "
+                 f"{len(self.chunks)} chunk(s); peak {format_bytes(self.peak_bytes)}"]
+        if self.shared:
+            lines.append("  shared by all chunks:")
+            lines += [f"    {b.name:<13} {format_bytes(b.nbytes):>10}  {b.purpose}" for b in self.shared]
+        lines.append("  " + self.per_chunk.describe().replace("\n", "\n  "))
+        return "\n".join(lines)
+
+
+# ---- planning -----------------------------------------------------------------------------------
+
+def chunk_problem(problem: AttentionProblem, chunk: Chunk, rows_q: int, rows_k: int) -> AttentionProblem:
+    """The sub-problem a chunk solves; `rows_q/k` are its packed row counts (varlen)."""
+    p = problem
+    b0, b1 = chunk.batch
+    g0, g1 = chunk.kv_heads
+    a, b = chunk.group_heads
+    r0, r1 = chunk.rows
+    heads_k = g1 - g0
+    heads_q = heads_k * (b - a)
+    mask = p.mask
+    if (r0, r1) != (0, p.seqlen_q) and mask.type != MaskType.NO_MASK:
+        # Rows [r0, r1): the same keep rule in the chunk's own row numbering, as generic (y, x).
+        full = mask.for_lengths(p.seqlen_q, p.seqlen_k)
+        mask = MaskInfo(MaskType.WINDOW_GENERIC, full.y - r0, full.x + r0, full.y - r0, full.x + r0,
+                        r1 - r0, p.seqlen_k)
+    placement = Placement(batch_offset=b0, head_offset=g0 * p.group_size + a, row_offset=r0,
+                          heads=p.heads_q, seqlen_q=p.seqlen_q)
+    if p.varlen:
+        return replace(p, batch=b1 - b0, heads_q=heads_q, heads_k=heads_k, total_q=rows_q, total_k=rows_k,
+                       mask=mask, placement=placement)
+    return replace(p, batch=b1 - b0, seqlen_q=r1 - r0, heads_q=heads_q, heads_k=heads_k, mask=mask,
+                   placement=placement)
+
+
+def _ranges(total: int, size: int) -> list[tuple[int, int]]:
+    return [(start, min(start + size, total)) for start in range(0, total, size)]
+
+
+def _partial_sums(problem: AttentionProblem, batch_rows_k: int, heads_k: int) -> tuple[BufferSpec, ...]:
+    """fp32 sums of dK/dV partials, and the chunk's own dK/dV in the input dtype (the user's head dim:
+    a chunk unpads its result before it is added)."""
+    p, d = problem, problem.head_dim
+    rows = (batch_rows_k,) if p.varlen else (batch_rows_k // max(p.seqlen_k, 1), p.seqlen_k)
+    return tuple([BufferSpec(f"{g}_sum", (*rows, heads_k, d), torch.float32, True, f"fp32 sum of {g} partials")
+                  for g in ("dk", "dv")] +
+                 [BufferSpec(f"{g}_partial", (*rows, heads_k, d), p.dtype, False, f"one chunk's {g} partial")
+                  for g in ("dk", "dv")])
+
+
+def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
+                params: Optional[AttentionParams] = None) -> ChunkPlan:
+    """Pick the largest chunks whose workspace fits under `cap` (see the module docstring).
+
+    Varlen offsets are read to the host (a device sync) only when the call must be chunked."""
+    from .backward import backward_plan  # the per-call plan (backend buffers + padding)
+
+    p = problem
+    cu_seqlens_q = cu_seqlens_k = None
+
+    def rows(chunk: Chunk) -> tuple[int, int]:
+        return chunk_rows(p, chunk, cu_seqlens_q, cu_seqlens_k)
+
+    def cost(chunks: list[Chunk]) -> tuple[ChunkPlan, int]:
+        """The plan for a chunking and its peak bytes (the largest chunk decides)."""
+        softmax_d = next(b for b in backward_plan(backend, p).buffers if b.name == "softmax_d")
+        shared = [softmax_d]
+        if any(c.partial(p) for c in chunks):
+            widest = max(rows(c)[1] for c in chunks)
+            shared += _partial_sums(p, widest, max(c.kv_heads[1] - c.kv_heads[0] for c in chunks))
+        largest = None
+        for c in chunks:
+            sub = backward_plan(backend, chunk_problem(p, c, *rows(c)))
+            sub = replace(sub, buffers=tuple(b for b in sub.buffers if b.name != "softmax_d"))
+            if largest is None or sub.total_bytes > largest.total_bytes:
+                largest = sub
+        plan = ChunkPlan(backend.name, cap, tuple(shared), largest, tuple(chunks), unchunked,
+                         cu_seqlens_q and tuple(cu_seqlens_q), cu_seqlens_k and tuple(cu_seqlens_k))
+        return plan, plan.peak_bytes
+
+    whole = Chunk((0, p.batch), (0, p.heads_k), (0, p.group_size), (0, p.seqlen_q))
+    unchunked = backward_plan(backend, p).total_bytes
+    plan, peak = cost([whole])
+    if cap is None or peak <= cap:
+        return plan
+    if not backend.supports_chunks:
+        raise WorkspaceError(f"backend {backend.name!r}: the backward needs {format_bytes(peak)} of workspace, over the "
+                             f"cap of {format_bytes(cap)}, and this backend cannot run a call in chunks "
+                             f"(raise max_workspace_bytes or {WORKSPACE_ENV})")
+
+    if p.varlen:
+        cu_seqlens_q, cu_seqlens_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
+
+    # Stage 1: whole groups and batch entries, largest chunk first.
+    candidates = sorted(((nb, ng) for nb in range(1, p.batch + 1) for ng in range(1, p.heads_k + 1)),
+                        key=lambda s: (s[0] * s[1], s[1]), reverse=True)
+    seen = set()
+    for nb, ng in candidates:
+        layout = (len(_ranges(p.batch, nb)), len(_ranges(p.heads_k, ng)))
+        if layout in seen:            # same number of chunks as a larger candidate: no gain
+            continue
+        seen.add(layout)
+        chunks = [Chunk(b, g, (0, p.group_size), (0, p.seqlen_q))
+                  for b in _ranges(p.batch, nb) for g in _ranges(p.heads_k, ng)]
+        plan, peak = cost(chunks)
+        if peak <= cap:
+            return plan
+    smallest = peak
+
+    # Stage 2: split one group of one sequence: query-head slices, then query-row slices.
+    row_sizes = [p.seqlen_q]
+    if not p.varlen and not p.has_alibi:
+        size = p.seqlen_q
+        while size > 1:
+            size = -(-size // 2)
+            row_sizes.append(size)
+    for rows_per_chunk in row_sizes:
+        for heads_per_chunk in range(p.group_size, 0, -1):
+            if (rows_per_chunk, heads_per_chunk) == (p.seqlen_q, p.group_size):
+                continue
+            chunks = [Chunk((b, b + 1), (g, g + 1), a, r)
+                      for b in range(p.batch) for g in range(p.heads_k)
+                      for a in _ranges(p.group_size, heads_per_chunk) for r in _ranges(p.seqlen_q, rows_per_chunk)]
+            plan, peak = cost(chunks)
+            if peak <= cap:
+                return plan
+            smallest = min(smallest, peak)
+    raise WorkspaceError(f"backend {backend.name!r}: the backward needs at least {format_bytes(smallest)} of workspace "
+                         f"even in its smallest chunk, over the cap of {format_bytes(cap)} "
+                         f"(raise max_workspace_bytes or {WORKSPACE_ENV})")
+
+
+# ---- views of one chunk -------------------------------------------------------------------------
+
+@dataclass
+class ChunkViews:
+    params: AttentionParams
+    out: torch.Tensor
+    lse: torch.Tensor
+    dout: torch.Tensor
+    dq: torch.Tensor
+    softmax_d: torch.Tensor
+
+
+def chunk_rows(problem: AttentionProblem, chunk: Chunk, cu_seqlens_q, cu_seqlens_k) -> tuple[int, int]:
+    """Packed (q, k) rows of a chunk; varlen needs the host offsets unless the chunk has every sequence."""
+    b0, b1 = chunk.batch
+    if not problem.varlen:
+        return (b1 - b0) * (chunk.rows[1] - chunk.rows[0]), (b1 - b0) * problem.seqlen_k
+    if chunk.batch == (0, problem.batch):
+        return problem.total_q, problem.total_k
+    return cu_seqlens_q[b1] - cu_seqlens_q[b0], cu_seqlens_k[b1] - cu_seqlens_k[b0]
+
+
+def chunk_views(problem: AttentionProblem, chunk: Chunk, plan: ChunkPlan, params: AttentionParams, out, lse, dout,
+                dq, softmax_d) -> ChunkViews:
+    p = problem
+    whole_batch = chunk.batch == (0, p.batch)
+    cu_seqlens_q, cu_seqlens_k = plan.cu_seqlens_q, plan.cu_seqlens_k
+    b0, b1 = chunk.batch
+    g0, g1 = chunk.kv_heads
+    a, b = chunk.group_heads
+    r0, r1 = chunk.rows
+    q_heads = (g0 * p.group_size + a, (g1 - g0) * (b - a))   # (start, count): contiguous when a slice
+    assert b - a == p.group_size or g1 - g0 == 1, "a group is split only one KV head at a time"
+
+    def q_like(t):
+        t = t.narrow(-2, *q_heads)
+        if p.varlen:
+            return t if whole_batch else t.narrow(0, cu_seqlens_q[b0], cu_seqlens_q[b1] - cu_seqlens_q[b0])
+        return t.narrow(0, b0, b1 - b0).narrow(1, r0, r1 - r0)
+
+    def k_like(t):
+        return kv_view(p, chunk, plan, t)
+
+    def lse_like(t):
+        if p.varlen:
+            t = t.narrow(0, *q_heads)
+            return t if whole_batch else t.narrow(1, cu_seqlens_q[b0], cu_seqlens_q[b1] - cu_seqlens_q[b0])
+        return t.narrow(0, b0, b1 - b0).narrow(1, *q_heads).narrow(2, r0, r1 - r0)
+
+    slopes = params.alibi_slopes
+    if slopes is not None:
+        slopes = slopes.narrow(-1, *q_heads)
+        slopes = slopes.narrow(0, b0, b1 - b0) if slopes.dim() == 2 else slopes
+
+    def shifted(cu, values):
+        return cu if cu is None or whole_batch else (cu[b0:b1 + 1] - values[b0])
+
+    sub_params = AttentionParams(q=q_like(params.q), k=k_like(params.k), v=k_like(params.v),
+                                 cu_seqlens_q=shifted(params.cu_seqlens_q, cu_seqlens_q),
+                                 cu_seqlens_k=shifted(params.cu_seqlens_k, cu_seqlens_k),
+                                 alibi_slopes=slopes, rng_state=params.rng_state)
+    return ChunkViews(sub_params, q_like(out), lse_like(lse), q_like(dout), q_like(dq), lse_like(softmax_d))
+
+
+def kv_view(problem: AttentionProblem, chunk: Chunk, plan: ChunkPlan, t: torch.Tensor) -> torch.Tensor:
+    """The chunk's slice of a k-shaped tensor (k, v, dk, dv)."""
+    b0, b1 = chunk.batch
+    t = t.narrow(-2, chunk.kv_heads[0], chunk.kv_heads[1] - chunk.kv_heads[0])
+    if not problem.varlen:
+        return t.narrow(0, b0, b1 - b0)
+    if chunk.batch == (0, problem.batch):
+        return t
+    return t.narrow(0, plan.cu_seqlens_k[b0], plan.cu_seqlens_k[b1] - plan.cu_seqlens_k[b0])
