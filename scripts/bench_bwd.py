@@ -141,6 +141,7 @@ def main():
     ap.add_argument("--out", default="bench")
     ap.add_argument("--tag", default="")
     ap.add_argument("--shapes", default="", help="d:h:h_k:s:causal,... instead of the grid (causal 0/1)")
+    ap.add_argument("--tuned", default="", help="JSON of scripts/triton_tune.py: backward tiles per head dim")
     ap.add_argument("--replot", default="", help="redraw the PNG and markdown of an earlier JSON and exit")
     args = ap.parse_args()
     if args.replot:
@@ -156,6 +157,7 @@ def main():
         except Exception as e:  # noqa: BLE001
             print(f"FA4 not importable ({type(e).__name__}: {e}); skipped")
             names.remove("fa4")
+    tuned = json.loads(Path(args.tuned).read_text()) if args.tuned and Path(args.tuned).exists() else {}
     results = []
     shapes = [tuple(int(x) for x in spec.split(":")) for spec in args.shapes.split(",")] if args.shapes \
         else grid(args.quick)
@@ -167,7 +169,7 @@ def main():
             if name == "sdpa_mem_eff" and h != h_k:
                 continue
             try:
-                row["peers"][name] = measure(name, b, h, h_k, s, d, causal)
+                row["peers"][name] = measure(name, b, h, h_k, s, d, causal, configs=tuned_configs(tuned, d, causal))
             except Exception as e:  # noqa: BLE001
                 row["peers"][name] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
             torch.cuda.empty_cache()
@@ -178,13 +180,23 @@ def main():
 
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-                python=platform.python_version(), quick=args.quick, dtype="bf16")
+                python=platform.python_version(), quick=args.quick, dtype="bf16", tuned_tiles=tuned)
     stem = Path(args.out) / f"{meta['gpu'].replace(' ', '-').lower()}-{meta['date']}{args.tag}"
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     stem.with_suffix(".md").write_text(markdown(meta, results, names))
     plot(results, names, stem.with_suffix(".png"))
     print(markdown(meta, results, names))
+
+
+def tuned_configs(tuned: dict, d: int, causal: bool):
+    """config.SM90 with the backward tiles replaced by the tuning winners for this head dim, if any."""
+    if str(d) not in tuned:
+        return None
+    import dataclasses
+    from flash_attn_ck.backends.triton.config import SM90, Tile
+    w = tuned[str(d)]
+    return dataclasses.replace(SM90[(d, causal)], bwd_kv=Tile(*w["bwd_kv"]), bwd_dq=Tile(*w["bwd_dq"]))
 
 
 def markdown(meta, results, names) -> str:

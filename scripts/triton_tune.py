@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
@@ -31,8 +32,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--json", default="", help="write the winners here (bench_bwd.py --tuned reads it)")
     args = ap.parse_args()
     s = args.seq
+    winners = {}
     for d in map(int, args.dims.split(",")):
         base = SM90[(d, False)]
         h, b = 2048 // d, 16384 // s
@@ -58,6 +61,10 @@ def main():
         atomic = run(dataclasses.replace(base, bwd_kv=best_kv, bwd_dq=best_dq), "triton-atomic-dq")
         print(f"WINNER d{d}: kv {dataclasses.astuple(best_kv)} dq {dataclasses.astuple(best_dq)} {best:.0f} TF/s;"
               f" atomic-dQ mode with that kv tile: {atomic:.0f} TF/s", flush=True)
+        winners[d] = dict(bwd_kv=dataclasses.astuple(best_kv), bwd_dq=dataclasses.astuple(best_dq), tflops=best,
+                          atomic_dq_tflops=atomic)
+    if args.json:
+        Path(args.json).write_text(json.dumps(winners, indent=1))
 
 
 if __name__ == "__main__":

@@ -52,21 +52,16 @@ def _lse_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
 
 
-_allocator_set = False
+def _scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _ensure_tma_allocator() -> None:
     """Device-side tensor descriptors (and, seen on the H200, the dropout variants of the kernels)
-    need global scratch from triton.set_allocator."""
-    global _allocator_set
-    if not _allocator_set:
-        import triton
-
-        def alloc(size: int, alignment: int, stream: Optional[int]):
-            return torch.empty(size, dtype=torch.int8, device="cuda")
-
-        triton.set_allocator(alloc)
-        _allocator_set = True
+    need global scratch from triton.set_allocator. The allocator lives in a context variable, so
+    it is set on every call: autograd runs the backward on its own thread."""
+    import triton
+    triton.set_allocator(_scratch)
 
 
 class TritonBackend(Backend):
