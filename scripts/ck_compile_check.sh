@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
 # Compile check of the CK path for gfx942 on a Debian 12 machine without ROCm or an AMD GPU (CI).
 #
-# Builds the C ABI glue (csrc_ck/src) and a minimal generated CK instance set (forward: one
-# instance + its API dispatcher; backward: dot_do_o, convert_dq, one dq_dk_dv + the dispatcher)
-# into real gfx942 code objects with Debian's clang-19 and HIP 5.2, and links them into
-# build/ck_compile_check/libflash_attn_ck.so with -Wl,--no-undefined.
+# Builds csrc_ck/CMakeLists.txt with CK_MINIMAL_INSTANCES: the C ABI glue plus a minimal generated
+# instance set (forward: one instance + its API dispatcher; backward: dot_do_o, convert_dq, one
+# dq_dk_dv + the dispatcher), compiled to real gfx942 code objects by Debian's clang-19 against
+# HIP 5.2, and linked into build/ck_compile_check/libflash_attn_ck.so with -Wl,--no-undefined.
+# Then checks that every kernel object holds gfx942 kernels and lists the exported C functions.
 #
 # This proves the code compiles and links for gfx942; it never runs (there is no GPU), and the
 # library uses Debian's HIP 5.2 ABI. MI300 users build against ROCm 6 with the Dockerfile.
-# The compile flags mirror csrc_ck/CMakeLists.txt, minus `-mllvm -amdgpu-early-inline-all=true
-# -mllvm -amdgpu-function-calls=false`: with clang-19 they keep the dq_dk_dv kernel over 35 minutes
-# in LLVM's loop passes (CK itself only adds them for HIP newer than 6.2).
+# CK_EARLY_INLINE is off: with `-mllvm -amdgpu-early-inline-all=true -amdgpu-function-calls=false`
+# clang-19 keeps the dq_dk_dv kernel over 35 minutes in LLVM's loop passes (CK itself only adds
+# them for HIP newer than 6.2).
+#
+# Internal: `ck_compile_check.sh --time COMPILER ARGS...` is the compiler launcher that prints
+# each file's compile time.
 set -euo pipefail
+
+now() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+
+if [[ ${1:-} == --time ]]; then
+    shift
+    start=$(now)
+    "$@"
+    source_file=${*: -1}   # CMake's compile rules end with `-c SOURCE`
+    printf '   %6s s  %s\n' "$(since "$start")" "$(basename "$source_file")"
+    exit 0
+fi
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${CK_CHECK_OUT:-build/ck_compile_check}
@@ -19,11 +35,8 @@ JOBS=${JOBS:-$(nproc)}
 if [[ -z ${PYTHON:-} ]]; then
     PYTHON=$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)
 fi
-PACKAGES=(clang-19 clang-tools-19 lld-19 llvm-19 libamdhip64-dev rocm-device-libs)
+PACKAGES=(clang-19 clang-tools-19 lld-19 llvm-19 libamdhip64-dev rocm-device-libs cmake make)
 ARCH=gfx942
-
-now() { date +%s.%N; }
-since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
 T0=$(now)
 step() { echo "== ck compile check [$(since "$T0") s] $*"; }
 
@@ -39,68 +52,37 @@ CK=$("$PYTHON" scripts/ck_fetch.py)
 
 step "gfx942 device-library and HIP header overlays"
 rm -rf "$OUT"
-mkdir -p "$OUT/obj"
-python3 scripts/ck_debian_overlay.py "$OUT/overlay" >/dev/null
+OVERLAY=$PWD/$OUT/overlay
+python3 scripts/ck_debian_overlay.py "$OVERLAY" >/dev/null
 
-step "minimal instance set"
-python3 scripts/ck_generate.py --ck "$CK" --out "$OUT/gen" --targets "$ARCH" --minimal >/dev/null
+step "configure (minimal instance set)"
+cmake -S csrc_ck -B "$OUT" -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_CXX_COMPILER=clang++-19 -DCMAKE_CXX_COMPILER_LAUNCHER="$PWD/scripts/ck_compile_check.sh;--time" \
+    -DCK_ROOT="$CK" -DGPU_ARCHS="$ARCH" -DCK_MINIMAL_INSTANCES=ON -DCK_EARLY_INLINE=OFF \
+    -DFACK_EXTRA_HIP_FLAGS="--rocm-device-lib-path=$OVERLAY/bitcode;-I$OVERLAY/include" \
+    -DPython3_EXECUTABLE="$(command -v python3)" >"$OUT.configure.log" 2>&1 || { cat "$OUT.configure.log"; exit 1; }
+grep "CK instances" "$OUT.configure.log"
 
-CXXFLAGS=(
-    -x hip --offload-arch="$ARCH" -std=c++20 -O3 -fPIC -fbracket-depth=1024
-    -fgpu-flush-denormals-to-zero -DCK_TILE_FMHA_FWD_FAST_EXP2=1 -DCK_TILE_FLOAT_TO_BFLOAT16_DEFAULT=3
-    -DCK_TILE_FMHA_FWD_SPLITKV_API=0 -DCK_TILE_FMHA_FWD_APPENDKV_API=0 -DCK_TILE_FMHA_FWD_PAGEDKV_API=0
-    -Wno-undefined-func-template -Wno-float-equal
-    --rocm-device-lib-path="$OUT/overlay/bitcode" -I"$OUT/overlay/include"
-    -Icsrc_ck/include -I"$CK/include" -I"$CK/example/ck_tile/01_fmha"
-    "-DFACK_GPU_TARGETS=\"$ARCH\""
-)
-
-compile_one() {
-    local src=$1 start obj
-    obj="$OUT/obj/$(basename "${src%.cpp}").o"
-    start=$(now)
-    if clang++-19 "${CXXFLAGS[@]}" -c "$src" -o "$obj" 2>"$obj.log"; then
-        printf '   %6s s  %s\n' "$(since "$start")" "$(basename "$src")"
-    else
-        cat "$obj.log" >&2
-        touch "$obj.failed"
-    fi
-}
-
-# Longest first (the dq_dk_dv and forward kernels), so the two cores finish together.
-mapfile -t SOURCES < <(ls "$OUT"/gen/fmha_bwd_d[0-9]*.cpp "$OUT"/gen/fmha_fwd_d*.cpp \
-    "$OUT"/gen/fmha_bwd_dot_do_o_*.cpp "$OUT"/gen/fmha_bwd_convert_dq_*.cpp "$OUT"/gen/fmha_*_api.cpp \
-    csrc_ck/src/*.cpp)
-step "compiling ${#SOURCES[@]} files for $ARCH on $JOBS jobs"
-for src in "${SOURCES[@]}"; do
-    while (($(jobs -rp | wc -l) >= JOBS)); do wait -n || true; done
-    compgen -G "$OUT/obj/*.failed" >/dev/null && break
-    compile_one "$src" &
-done
-wait
-if compgen -G "$OUT/obj/*.failed" >/dev/null; then
-    echo "ck compile check: compilation failed" >&2
-    exit 1
-fi
-
-step "linking with -Wl,--no-undefined"
-clang++-19 -shared -fuse-ld=lld -o "$OUT/libflash_attn_ck.so" "$OUT"/obj/*.o -lamdhip64 -Wl,--no-undefined
+step "compile and link for $ARCH on $JOBS jobs"
+cmake --build "$OUT" -j "$JOBS" -- --no-print-directory | grep -v '^\[' || true
+LIB=$OUT/libflash_attn_ck.so
+[[ -f $LIB ]] || { echo "ck compile check: build failed" >&2; exit 1; }
 
 step "checking the result"
 # Each kernel instance must carry a gfx942 code object with kernels in it (MFMA code, not stubs).
-for obj in "$OUT"/obj/fmha_*.o; do
-    [[ $obj == *_api.o ]] && continue     # the dispatchers are host code
+mapfile -t OBJECTS < <(find "$OUT/CMakeFiles" -name 'fmha_*.o' ! -name '*_api.cpp.o' | sort)
+for obj in "${OBJECTS[@]}"; do
     llvm-objcopy-19 --dump-section .hip_fatbin="$obj.fatbin" "$obj"
     clang-offload-bundler-19 --unbundle --type=o --input="$obj.fatbin" \
         --targets="hipv4-amdgcn-amd-amdhsa--$ARCH" --output="$obj.$ARCH.co"
     kernels=$(llvm-readelf-19 -sW "$obj.$ARCH.co" | awk '$8 ~ /\.kd$/ { print $8 }' | sort -u | wc -l)
     mfma=$(llvm-objdump-19 -d "$obj.$ARCH.co" | grep -c 'v_mfma' || true)
-    printf '   %s: %s kernels, %s MFMA instructions  %s\n' "$ARCH" "$kernels" "$mfma" "$(basename "$obj")"
+    printf '   %s: %s kernel(s), %4s MFMA instructions  %s\n' "$ARCH" "$kernels" "$mfma" "$(basename "$obj")"
     if ((kernels == 0)); then
         echo "ck compile check: $obj holds no $ARCH kernel" >&2
         exit 1
     fi
 done
-EXPORTED=$(nm -D --defined-only "$OUT/libflash_attn_ck.so" | awk '$3 ~ /^fack_/ { print $3 }' | sort | tr '\n' ' ')
+EXPORTED=$(nm -D --defined-only "$LIB" | awk '$3 ~ /^fack_/ { print $3 }' | sort | tr '\n' ' ')
 echo "   exported: $EXPORTED"
-step "done: $OUT/libflash_attn_ck.so ($(du -h "$OUT/libflash_attn_ck.so" | cut -f1))"
+step "done: $LIB ($(du -h "$LIB" | cut -f1))"
