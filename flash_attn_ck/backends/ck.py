@@ -299,6 +299,9 @@ class CkBackend(Backend):
             return
         args = attention_args(problem, params, out, lse)
         self._launch("fack_fwd", self.lib.fack_fwd, args, problem.device)
+        # CK writes lse = -inf for a row that sees no key; flash-attn's convention (and what keeps
+        # exp(s - lse) at 0, not NaN, in the backward) is +inf.
+        lse.masked_fill_(lse == float("-inf"), float("inf"))
 
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
         return ck_backward_plan(problem, self.name)
