@@ -64,7 +64,7 @@ cmake -S csrc_ck -B "$OUT" -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release \
 grep "CK instances" "$OUT.configure.log"
 
 step "compile and link for $ARCH on $JOBS jobs"
-cmake --build "$OUT" -j "$JOBS" -- --no-print-directory | grep -v '^\[' || true
+cmake --build "$OUT" -j "$JOBS" -- --no-print-directory | grep --line-buffered -v '^\[' || true
 LIB=$OUT/libflash_attn_ck.so
 [[ -f $LIB ]] || { echo "ck compile check: build failed" >&2; exit 1; }
 

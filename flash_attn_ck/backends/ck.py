@@ -315,6 +315,8 @@ class CkBackend(Backend):
                                                         if n in workspace)):
                 t.zero_()
             return
+        if lse.stride() != workspace["softmax_d"].stride():
+            lse = lse.contiguous()      # CK reads lse and D with one set of strides (D is contiguous)
         args = backward_args(problem, params, out, lse, dout, dq, dk, dv, workspace)
         self._launch("fack_bwd", self.lib.fack_bwd, args, problem.device)
 
