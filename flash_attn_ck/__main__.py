@@ -5,7 +5,8 @@
 
 It compares out/dq/dk/dv with torch's scaled_dot_product_attention run in fp32 (an independent
 implementation), reports the same-precision error that SPEC §5's 2x rule is measured against,
-times forward and backward (median), and prints the backward's workspace plan.
+times forward and backward (median), and prints the backward's workspace plan (buffers, chunks
+under the workspace cap, peak) and a one-line plan for every other backend.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import flash_attn_fwd, flash_attn_func
+from . import backward_workspace, flash_attn_bwd, flash_attn_fwd, flash_attn_func
 from .backends.base import select_backend
-from .frontend.backward import backward_plan
 from .frontend.inputs import describe_call
-from .frontend.plan import format_bytes
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,6 +41,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--dropout", type=float, default=0.0, help="dropout is timed but not compared")
+    parser.add_argument("--max-workspace-bytes", type=int, default=None,
+                        help="cap on the backward workspace (default: $FLASH_ATTN_CK_MAX_WORKSPACE_BYTES or 4 GiB)")
     parser.add_argument("--repeats", type=int, default=3)
     return parser.parse_args(argv)
 
@@ -119,18 +120,22 @@ def main(argv=None) -> int:
         print(f"  worst ratio {worst:.2f} (SPEC §5 passes at <= 2 with a small atol)")
 
     # ---- timing ---------------------------------------------------------------------------------
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     fwd_time = timed(lambda: flash_attn_fwd(q, k, v, dropout_p=args.dropout, **options), device, args.repeats)
-    out = flash_attn_func(*leaves, dropout_p=args.dropout, **options)
-    bwd_time = timed(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), device, args.repeats)
+    out, lse, rng_state = flash_attn_fwd(q, k, v, dropout_p=args.dropout, **options)
+    bwd_time = timed(lambda: flash_attn_bwd(dout, q, k, v, out, lse, dropout_p=args.dropout, rng_state=rng_state,
+                                            max_workspace_bytes=args.max_workspace_bytes, **options),
+                     device, args.repeats)
     print(f"  forward  {fwd_time * 1e3:9.2f} ms  {problem.forward_flops() / fwd_time / 1e12:8.3f} TFLOP/s")
     print(f"  backward {bwd_time * 1e3:9.2f} ms  {problem.backward_flops() / bwd_time / 1e12:8.3f} TFLOP/s"
           f"  (FLOPs = 2.5 x 4 b h s_q s_k d{', halved: causal' if problem.mask.is_causal else ''})")
 
-    # ---- workspace ------------------------------------------------------------------------------
-    plan = backward_plan(backend, problem)
-    print(plan.describe())
-    print(f"  backward workspace total: {format_bytes(plan.total_bytes)}")
+    # ---- workspace: what the backward allocated, and what each other backend would ----------------
+    plans = backward_workspace(q, k, v, causal=args.causal, window_size=tuple(args.window),
+                               deterministic=args.deterministic, dropout_p=args.dropout,
+                               max_workspace_bytes=args.max_workspace_bytes)
+    print(plans.pop(backend.name).describe())
+    for name, plan in plans.items():
+        print(f"  {name}: " + (plan if isinstance(plan, str) else plan.describe().splitlines()[0]))
     return 0
 
 

@@ -13,7 +13,11 @@ from typing import Optional
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.flash_attn_ck)
+from .backends.base import backend_class
 from .frontend.checks import ArgumentError, check_tensor
+from .frontend.chunking import ChunkPlan, WorkspaceError, plan_chunks, workspace_cap
+from .frontend.inputs import describe_call
+from .frontend.problem import AttentionParams
 
 # ---- low-level ops: (out, lse, rng_state) forward and the seed-shaped mha_bwd --------------------
 
@@ -68,6 +72,29 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
     dv = torch.empty_like(v) if dv is None else dv
     softmax_d = torch.ops.flash_attn_ck.bwd_out(dout, q, k, v, out, softmax_lse, dq, dk, dv, *common)
     return dq, dk, dv, softmax_d
+
+
+def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                       dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, deterministic=False, max_workspace_bytes=None,
+                       backends=("reference", "ck", "triton")) -> dict[str, ChunkPlan | str]:
+    """The backward workspace each backend would allocate for this call: a `ChunkPlan` (buffers and
+    bytes per chunk, number of chunks, peak; `.describe()` prints it), or why there is none.
+
+    Plans depend only on shapes, so q/k/v may be `device="meta"` tensors of any size."""
+    problem = describe_call(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                            deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    params = AttentionParams(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    cap = workspace_cap(max_workspace_bytes)
+    report = {}
+    for name in backends:
+        try:
+            report[name] = plan_chunks(problem, backend_class(name)(), cap, params)
+        except (WorkspaceError, RuntimeError, ImportError) as error:
+            report[name] = f"{type(error).__name__}: {error}"
+    return report
 
 
 # ---- flash-attn 2.x functions -------------------------------------------------------------------

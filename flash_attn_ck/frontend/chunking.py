@@ -143,6 +143,18 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
     def rows(chunk: Chunk) -> tuple[int, int]:
         return chunk_rows(p, chunk, cu_seqlens_q, cu_seqlens_k)
 
+    plans: dict[tuple, WorkspacePlan] = {}
+
+    def chunk_plan(c: Chunk) -> WorkspacePlan:
+        """A chunk's own buffers (softmax_d is shared). Plans depend on sizes only, so chunks of one
+        shape share one plan."""
+        key = (c.batch[1] - c.batch[0], c.kv_heads[1] - c.kv_heads[0], c.group_heads[1] - c.group_heads[0],
+               c.rows[1] - c.rows[0], *rows(c))
+        if key not in plans:
+            plan = backward_plan(backend, chunk_problem(p, c, *rows(c)))
+            plans[key] = replace(plan, buffers=tuple(b for b in plan.buffers if b.name != "softmax_d"))
+        return plans[key]
+
     def cost(chunks: list[Chunk]) -> tuple[ChunkPlan, int]:
         """The plan for a chunking and its peak bytes (the largest chunk decides)."""
         softmax_d = next(b for b in backward_plan(backend, p).buffers if b.name == "softmax_d")
@@ -152,8 +164,7 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
             shared += _partial_sums(p, widest, max(c.kv_heads[1] - c.kv_heads[0] for c in chunks))
         largest = None
         for c in chunks:
-            sub = backward_plan(backend, chunk_problem(p, c, *rows(c)))
-            sub = replace(sub, buffers=tuple(b for b in sub.buffers if b.name != "softmax_d"))
+            sub = chunk_plan(c)
             if largest is None or sub.total_bytes > largest.total_bytes:
                 largest = sub
         plan = ChunkPlan(backend.name, cap, tuple(shared), largest, tuple(chunks), unchunked,

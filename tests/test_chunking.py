@@ -1,0 +1,175 @@
+"""Bounded backward workspace: chunked backwards against unchunked ones, and the planner's promises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flash_attn_ck as fa
+from cases import check_case, make_inputs, varlen_meta
+from flash_attn_ck.backends.reference import ReferenceBackend
+from flash_attn_ck.frontend.chunking import WORKSPACE_ENV, Chunk, plan_chunks, workspace_cap
+from flash_attn_ck.frontend.inputs import describe_call
+from oracle import Config
+
+CASES = {
+    "mha-causal": Config(batch=3, heads_q=4, heads_k=4, causal=True),
+    "gqa-window-dropout": Config(batch=2, heads_q=6, heads_k=2, window=(6, 3), dropout_p=0.2),
+    "mqa-deterministic": Config(batch=2, heads_q=4, heads_k=1, deterministic=True, seqlen_k=260),
+    "gqa-alibi-softcap-d59": Config(batch=2, heads_q=4, heads_k=2, alibi=True, softcap=4.0, head_dim=59),
+    # Deterministic dq_accum (11 splits) outgrows the fp32 partial sums: query-row chunks pay off.
+    "mha-window-rows": Config(batch=2, heads_q=2, heads_k=2, seqlen_q=512, seqlen_k=1300, head_dim=16,
+                              window=(200, 40), deterministic=True, dropout_p=0.1),
+    "varlen-gqa-dropout": Config(seqlens=[(9, 14), (0, 5), (21, 21), (4, 0)], heads_q=8, heads_k=2, dropout_p=0.2,
+                                 causal=True),
+}
+
+
+def backward_once(cfg: Config, cap, seed=0):
+    """(problem, grads) of one backward with the given workspace cap; forward drawn once per seed."""
+    q, k, v, dout, slopes = make_inputs(cfg, seed=seed)
+    varlen = {}
+    if cfg.seqlens is not None:
+        cu_q, cu_k, max_q, max_k = varlen_meta(cfg)
+        varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    options = dict(causal=cfg.causal, window_size=cfg.window, softcap=cfg.softcap, alibi_slopes=slopes,
+                   dropout_p=cfg.dropout_p, deterministic=cfg.deterministic, **varlen)
+    torch.manual_seed(seed)
+    out, lse, rng_state = fa.flash_attn_fwd(q, k, v, **options)
+    problem = describe_call(q, k, v, softmax_scale=None, **{k_: v_ for k_, v_ in options.items()})
+
+    def run(cap):
+        return fa.flash_attn_bwd(dout, q, k, v, out, lse, rng_state=rng_state, max_workspace_bytes=cap, **options)
+    return problem, run, (q, k, v)
+
+
+def caps_by_stage(problem, cu=None):
+    """A cap that forces whole-group/batch chunks, and one that forces split groups."""
+    from flash_attn_ck.frontend.problem import AttentionParams
+    backend = ReferenceBackend()
+    full = plan_chunks(problem, backend, None)
+    params = None
+    if problem.varlen:
+        params = AttentionParams(None, None, None, cu[0], cu[1])
+    whole, split = None, None
+    for cap in range(full.peak_bytes - 1, 0, -max(1, full.peak_bytes // 64)):
+        try:
+            plan = plan_chunks(problem, backend, cap, params)
+        except fa.WorkspaceError:
+            break
+        partial = any(c.partial(problem) for c in plan.chunks)
+        if not partial and len(plan.chunks) > 1 and whole is None:
+            whole = cap
+        if partial and split is None:
+            split = cap
+    return whole, split
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_chunked_backward(name):
+    cfg = CASES[name]
+    problem, run, _ = backward_once(cfg, None)
+    cu = None
+    if cfg.seqlens is not None:
+        cu_q, cu_k, _, _ = varlen_meta(cfg)
+        cu = (cu_q, cu_k)
+    whole, split = caps_by_stage(problem, cu)
+    unchunked = run(-1)
+    assert whole is not None, "the grid must exercise whole-group chunks"
+    for a, b in zip(run(whole), unchunked):
+        assert torch.equal(a, b), "whole KV-group / batch chunks must be bit-identical to the unchunked call"
+    if split is not None:
+        first = run(split)
+        for a, b in zip(run(split), first):
+            assert torch.equal(a, b), "split chunks must be deterministic run to run"
+        assert torch.equal(first[0], unchunked[0]), "dQ rows are complete in every chunk"
+        assert torch.equal(first[3], unchunked[3])
+
+
+def test_row_chunks_are_exercised():
+    problem, _, _ = backward_once(CASES["mha-window-rows"], None)
+    _, split = caps_by_stage(problem)
+    plan = plan_chunks(problem, ReferenceBackend(), split)
+    assert any(c.rows != (0, problem.seqlen_q) for c in plan.chunks)
+
+
+@pytest.mark.parametrize("name", ["gqa-window-dropout", "mqa-deterministic", "mha-window-rows", "varlen-gqa-dropout"])
+def test_split_chunks_meet_the_2x_rule(name, monkeypatch):
+    cfg = CASES[name]
+    problem, _, _ = backward_once(cfg, None)
+    cu = None
+    if cfg.seqlens is not None:
+        cu_q, cu_k, _, _ = varlen_meta(cfg)
+        cu = (cu_q, cu_k)
+    _, split = caps_by_stage(problem, cu)
+    assert split is not None
+    monkeypatch.setenv(WORKSPACE_ENV, str(split))
+    check_case(cfg)
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=st.integers(1, 4), s_q=st.integers(1, 300), s_k=st.integers(1, 300), groups=st.sampled_from(
+    [(8, 8), (8, 2), (8, 1), (6, 3)]), d=st.sampled_from([32, 59, 128, 256]), deterministic=st.booleans(),
+    alibi=st.booleans(), cap_fraction=st.floats(0.001, 1.2))
+def test_planned_peak_respects_the_cap(b, s_q, s_k, groups, d, deterministic, alibi, cap_fraction):
+    q = torch.empty(b, s_q, groups[0], d, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(b, s_k, groups[1], d, dtype=torch.bfloat16, device="meta")
+    slopes = torch.empty(groups[0], device="meta") if alibi else None
+    problem = describe_call(q, k, k, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                            alibi_slopes=slopes, dropout_p=0.0, deterministic=deterministic)
+    backend = ReferenceBackend()
+    unchunked = plan_chunks(problem, backend, None)
+    cap = int(unchunked.peak_bytes * cap_fraction)
+    try:
+        plan = plan_chunks(problem, backend, cap)
+    except fa.WorkspaceError as error:
+        assert "needs at least" in str(error) and "over the cap" in str(error)
+        return
+    assert plan.peak_bytes <= cap
+    # The chunks tile the call exactly once.
+    covered = torch.zeros(b, groups[0], s_q, dtype=torch.int32)
+    for c in plan.chunks:
+        heads = [g * problem.group_size + a for g in range(*c.kv_heads) for a in range(*c.group_heads)]
+        covered[c.batch[0]:c.batch[1], heads, c.rows[0]:c.rows[1]] += 1
+    assert torch.equal(covered, torch.ones_like(covered))
+
+
+def test_impossible_cap_says_how_much_is_needed():
+    cfg = Config(batch=1, heads_q=2, heads_k=1)
+    _, run, _ = backward_once(cfg, None)
+    with pytest.raises(fa.WorkspaceError, match=r"needs at least [\d.]+ (B|KiB) .* over the cap of 100 B"):
+        run(100)
+
+
+def test_cap_from_environment(monkeypatch):
+    monkeypatch.setenv(WORKSPACE_ENV, "12345")
+    assert workspace_cap(None) == 12345
+    monkeypatch.setenv(WORKSPACE_ENV, "-1")
+    assert workspace_cap(None) is None
+    monkeypatch.setenv(WORKSPACE_ENV, "lots")
+    with pytest.raises(fa.WorkspaceError, match=WORKSPACE_ENV):
+        workspace_cap(None)
+    monkeypatch.delenv(WORKSPACE_ENV)
+    assert workspace_cap(None) == 4 << 30 and workspace_cap(77) == 77
+
+
+def test_report_covers_every_backend():
+    q = torch.empty(1, 16384, 64, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 16384, 8, 128, dtype=torch.bfloat16, device="meta")
+    report = fa.backward_workspace(q, k, k, deterministic=True, max_workspace_bytes=2 << 30)
+    assert set(report) == {"reference", "ck", "triton"}
+    reference = report["reference"]
+    assert reference.unchunked_bytes > 60 << 30 and reference.peak_bytes <= 2 << 30 and len(reference.chunks) > 1
+    assert "dq_accum" in reference.describe()
+
+
+def test_chunk_partial_flag():
+    q = torch.empty(1, 10, 4, 8, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 10, 2, 8, device="meta", dtype=torch.bfloat16)
+    problem = describe_call(q, k, k, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                            alibi_slopes=None, dropout_p=0.0, deterministic=False)
+    assert not Chunk((0, 1), (0, 1), (0, 2), (0, 10)).partial(problem)
+    assert Chunk((0, 1), (0, 1), (0, 1), (0, 10)).partial(problem)
+    assert Chunk((0, 1), (0, 1), (0, 2), (0, 5)).partial(problem)
