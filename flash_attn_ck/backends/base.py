@@ -32,9 +32,14 @@ class Backend:
     supports_dropout: ClassVar[bool] = True
     supports_varlen: ClassVar[bool] = True
     supports_deterministic: ClassVar[bool] = True
-    # Whether the backward can run on a chunk of a call (frontend/chunking.py): views of the inputs
-    # and a `problem.placement` whose global coordinates the kernel honours (dropout, generic masks).
+    # Whether the backward can run on a chunk of a call (frontend/chunking.py): views of whole
+    # batch entries / KV groups / query-head slices; query-row slices (a generic (y, x) mask); and
+    # dropout, which needs a kernel that draws its pattern at `problem.placement`'s global coordinates.
     supports_chunks: ClassVar[bool] = False
+    supports_row_chunks: ClassVar[bool] = False
+    supports_chunked_dropout: ClassVar[bool] = False
+    # Whether dropout follows frontend/dropout.py's keep pattern (so return_attn_probs can show it).
+    draws_reference_keep_pattern: ClassVar[bool] = True
 
     # ---- capability checks ---------------------------------------------------------------------
     @classmethod

@@ -265,6 +265,11 @@ class CkBackend(Backend):
     device_types = frozenset({"cuda"})  # ROCm builds of torch call HIP devices "cuda"
     max_head_dim = 256
     supports_softcap = False            # CK's kernels have none: refuse, never ignore
+    # Chunks of whole batch entries, KV groups or query-head slices are plain views for CK. Not query
+    # rows (that needs CK's generic mask, which our instance set does not build) and not with dropout
+    # (CK draws its pattern from positions inside the launch).
+    supports_chunks = True
+    draws_reference_keep_pattern = False
 
     @classmethod
     def unavailable_reason(cls) -> Optional[str]:
@@ -282,11 +287,13 @@ class CkBackend(Backend):
                     f"(rebuild with GPU_ARCHS={arch})"]
         return []
 
-    def __init__(self):
+    @property
+    def lib(self):
+        """The loaded library; resolved at the first kernel call, so plans need no ROCm machine."""
         lib, reason = _load()
         if lib is None:
             raise CkError(f"the CK backend cannot run: {reason}")
-        self.lib = lib
+        return lib
 
     def forward(self, problem: AttentionProblem, params: AttentionParams,
                 out: torch.Tensor, lse: torch.Tensor) -> None:

@@ -10,14 +10,14 @@ steps on CPU as on MI300.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
 
 from ..frontend.dropout import keep_mask
 from ..frontend.mask import MaskInfo
-from ..frontend.plan import CkBwdTile, WorkspacePlan, ck_backward_plan
+from ..frontend.plan import BufferSpec, CkBwdTile, WorkspacePlan, ck_backward_plan
 from ..frontend.problem import AttentionParams, AttentionProblem
 from .base import Backend
 
@@ -102,6 +102,8 @@ class ReferenceBackend(Backend):
     device_types = frozenset({"cpu", "cuda", "mps", "xpu"})
     auto_select_devices = frozenset({"cpu"})     # a slow oracle on accelerators: only when asked for
     supports_chunks = True
+    supports_row_chunks = True
+    supports_chunked_dropout = True
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
     # ---- forward -------------------------------------------------------------------------------
@@ -138,7 +140,24 @@ class ReferenceBackend(Backend):
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
-        return ck_backward_plan(problem, self.name)
+        """The CK contract's buffers, plus this backend's own fp32 temporaries (a CK kernel keeps
+        them in registers) so that a workspace cap also bounds what the reference allocates."""
+        plan = ck_backward_plan(problem, self.name)
+        return replace(plan, buffers=plan.buffers + (self._scratch(problem),))
+
+    @staticmethod
+    def _scratch(problem: AttentionProblem) -> BufferSpec:
+        """Upper bound of the temporaries live during one key tile of the largest sequence: fp32
+        heads-first copies of q, dO, k, v (k/v repeated per query head), dQ/dK/dV tile products,
+        and about eight score-shaped tiles (plus Philox's int64 words with dropout)."""
+        p, d = problem, problem.head_dim_padded
+        width = min(CkBwdTile.for_head_dim(d).kN0, max(p.seqlen_k, 1))
+        size = torch.empty((), dtype=p.accum_dtype).element_size()
+        scores = p.heads_q * p.seqlen_q * width
+        per_score = size * (8 + (2 if p.softcap else 0)) + (12 * 8 + 1 if p.dropout_p > 0 else 0)
+        nbytes = size * p.heads_q * d * (3 * p.seqlen_q + 2 * p.seqlen_k + 2 * width) + per_score * scores
+        return BufferSpec("fp32_tiles", (-(-nbytes // size),), p.accum_dtype, False,
+                          "reference: fp32 copies and score tiles of one key tile", internal=True)
 
     def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,

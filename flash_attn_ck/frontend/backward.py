@@ -132,7 +132,7 @@ def run_chunk(backend: Backend, problem: AttentionProblem, params: AttentionPara
     p = problem
     # ---- workspace: exactly the plan's named buffers (softmax_d is the caller's view) -----------
     plan = backward_plan(backend, p)
-    workspace = {b.name: b.allocate(p.device) for b in plan.buffers if b.name != "softmax_d"}
+    workspace = plan.allocate(p.device, skip=("softmax_d",))
     workspace["softmax_d"] = softmax_d
 
     # ---- padding: kernels see a head dim that is a multiple of 8 --------------------------------

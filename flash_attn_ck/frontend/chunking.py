@@ -176,10 +176,14 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
     plan, peak = cost([whole])
     if cap is None or peak <= cap:
         return plan
+    why_not = None
     if not backend.supports_chunks:
+        why_not = "this backend cannot run a call in chunks"
+    elif p.dropout_p > 0 and not backend.supports_chunked_dropout:
+        why_not = "with dropout, chunks would change this backend's keep pattern"
+    if why_not:
         raise WorkspaceError(f"backend {backend.name!r}: the backward needs {format_bytes(peak)} of workspace, over the "
-                             f"cap of {format_bytes(cap)}, and this backend cannot run a call in chunks "
-                             f"(raise max_workspace_bytes or {WORKSPACE_ENV})")
+                             f"cap of {format_bytes(cap)}, and {why_not} (raise max_workspace_bytes or {WORKSPACE_ENV})")
 
     if p.varlen:
         cu_seqlens_q, cu_seqlens_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
@@ -202,7 +206,7 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
 
     # Stage 2: split one group of one sequence: query-head slices, then query-row slices.
     row_sizes = [p.seqlen_q]
-    if not p.varlen and not p.has_alibi:
+    if not p.varlen and not p.has_alibi and backend.supports_row_chunks:
         size = p.seqlen_q
         while size > 1:
             size = -(-size // 2)

@@ -12,6 +12,7 @@ import torch
 
 from ..backends.base import select_backend
 from ..backends.reference import attention_probs
+from .checks import ArgumentError
 from .dropout import new_rng_state
 from .inputs import describe_call, kernel_params, lse_shape
 
@@ -29,6 +30,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                             deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     chosen = select_backend(problem, backend)
+    if return_probs and problem.dropout_p > 0 and not chosen.draws_reference_keep_pattern:
+        raise ArgumentError(f"return_attn_probs: backend {chosen.name!r} draws its own dropout pattern, which "
+                            f"flash_attn_ck cannot materialise (use backend='reference' or 'triton', or dropout_p=0)")
 
     # ---- outputs -------------------------------------------------------------------------------
     rng_state = new_rng_state(q.device) if problem.dropout_p > 0 else None

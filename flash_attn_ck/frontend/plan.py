@@ -22,6 +22,8 @@ class BufferSpec:
     dtype: torch.dtype
     zero_init: bool
     purpose: str
+    # Memory the backend allocates itself while it runs (counted in the plan, not allocated here).
+    internal: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -44,15 +46,15 @@ class WorkspacePlan:
     def total_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 
-    def allocate(self, device: torch.device) -> dict[str, torch.Tensor]:
-        return {b.name: b.allocate(device) for b in self.buffers}
+    def allocate(self, device: torch.device, skip: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        return {b.name: b.allocate(device) for b in self.buffers if not b.internal and b.name not in skip}
 
     def describe(self) -> str:
         lines = [f"workspace plan ({self.backend}): {format_bytes(self.total_bytes)} in {len(self.buffers)} buffers"]
         for b in self.buffers:
             shape = "x".join(map(str, b.shape))
             dtype = str(b.dtype).removeprefix("torch.")
-            init = "zeros" if b.zero_init else "empty"
+            init = "internal" if b.internal else "zeros" if b.zero_init else "empty"
             lines.append(f"  {b.name:<13} {dtype:<9} {shape:<24} {format_bytes(b.nbytes):>10}  {init}  {b.purpose}")
         return "\n".join(lines)
 
