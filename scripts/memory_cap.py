@@ -37,7 +37,7 @@ def measure(backend: str, cap, q, k, v, causal: bool):
     del grads
     return dict(backend=backend, cap=cap, chunks=len(plan.chunks), planned_peak=plan.peak_bytes,
                 unchunked=plan.unchunked_bytes, measured_extra=extra, seconds=seconds,
-                under_cap=cap is None or extra <= cap)
+                under_cap=cap < 0 or extra <= cap)
 
 
 def main():
@@ -61,7 +61,7 @@ def main():
     cap = int(args.cap_gib * (1 << 30))
     rows = []
     for backend in args.backends.split(","):
-        for limit in (None, cap):
+        for limit in (-1, cap):
             rows.append(measure(backend, limit, q, k, v, args.causal))
             torch.cuda.empty_cache()
     print(f"\nDeterministic GQA backward, b={args.batch} s={args.seqlen} h={args.heads}/{args.heads_k} "
@@ -69,7 +69,7 @@ def main():
     print("| backend | cap | chunks | planned peak | measured extra | under cap | time |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['backend']} | {'none' if r['cap'] is None else format_bytes(r['cap'])} | {r['chunks']} | "
+        print(f"| {r['backend']} | {'none' if r['cap'] < 0 else format_bytes(r['cap'])} | {r['chunks']} | "
               f"{format_bytes(r['planned_peak'])} | {format_bytes(r['measured_extra'])} | "
               f"{'yes' if r['under_cap'] else 'NO'} | {r['seconds']:.2f} s |")
     if args.json:
