@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 from flash_attn_ck.backends import base  # noqa: E402
 from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
 
-HEAD_DIMS = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
+HEAD_DIMS = [8, 16, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
 
 
 @pytest.fixture(params=[dict(), dict(gqa_epilogue="accumulate"), dict(dq_mode="atomic")],

@@ -31,8 +31,9 @@ class Configs:
 
 
 def head_block(head_dim: int) -> int:
-    """The power-of-two register block that holds a (padded) head dim; columns past it are masked."""
-    block = 16
+    """The power-of-two register block that holds a (padded) head dim; columns past it are masked.
+    At least 32: the smallest block the tile tables hold (d = 8 and 16 run in it, masked)."""
+    block = 32
     while block < head_dim:
         block *= 2
     return block
