@@ -20,8 +20,8 @@ from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
 HEAD_DIMS = [8, 16, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
 
 
-@pytest.fixture(params=[dict(), dict(gqa_epilogue="accumulate"), dict(dq_mode="atomic")],
-                ids=["loop-pass", "accumulate", "atomic-dq"])
+@pytest.fixture(params=[dict(), dict(dq_mode="pass"), dict(gqa_epilogue="accumulate"), dict(dq_mode="atomic")],
+                ids=["defaults", "loop-pass", "accumulate", "atomic-dq"])
 def backend_options(request):
     """Install a TritonBackend with the given options as the one the dispatcher hands out."""
     saved = base._instances.get("triton")

@@ -4,7 +4,7 @@ Forward: forward.py. Backward, in launch order:
   1. bwd_preprocess: D = rowsum(dO * O) into workspace['softmax_d']; zero the fp32 accumulators
      and semaphores of this plan.
   2. bwd_main: one program per key tile; dK/dV on chip; epilogue per bwd_epilogue (SPEC §4).
-  3. bwd_dq (dq_mode "pass", the default and always when deterministic): dQ per query tile.
+  3. bwd_dq (dq_mode "pass"; always when deterministic): dQ per query tile.
   4. bwd_postprocess: fp32 accumulators -> dk/dv (GQA "accumulate") and dq (dq_mode "atomic").
 
 Options (constructor arguments, defaults from the environment):
@@ -12,7 +12,9 @@ Options (constructor arguments, defaults from the environment):
                 stay on chip, no fp32 accumulators. "accumulate": the seed's epilogue, one program
                 per query head adding into fp32 (b, h_k, s_k, d) accumulators (+ semaphores when
                 deterministic).            env FLASH_ATTN_CK_TRITON_GQA
-  dq_mode       "pass" (default): separate query-tile pass, no dQ accumulator, deterministic.
+  dq_mode       "auto" (default): "atomic" where the H200 measured it faster and memory allows
+                (MHA, head block 128, not deterministic: 385 vs 329 TF/s at s8192), else "pass".
+                "pass": separate query-tile pass, no dQ accumulator, deterministic.
                 "atomic": fp32 dQ accumulator laid out like q, added by the key-tile programs
                 (refused in deterministic mode).       env FLASH_ATTN_CK_TRITON_DQ
   use_tma       None = TMA descriptors on sm_90+ for dense tensors; False forces pointer stores.
@@ -72,11 +74,11 @@ class TritonBackend(Backend):
     def __init__(self, gqa_epilogue: Optional[str] = None, dq_mode: Optional[str] = None,
                  use_tma: Optional[bool] = None, configs: Optional[config.Configs] = None):
         self.gqa_epilogue = gqa_epilogue or os.environ.get(GQA_ENV, "loop")
-        self.dq_mode = dq_mode or os.environ.get(DQ_ENV, "pass")
+        self.dq_mode = dq_mode or os.environ.get(DQ_ENV, "auto")
         if self.gqa_epilogue not in ("loop", "accumulate"):
             raise ValueError(f"gqa_epilogue={self.gqa_epilogue!r}: expected 'loop' or 'accumulate'")
-        if self.dq_mode not in ("pass", "atomic"):
-            raise ValueError(f"dq_mode={self.dq_mode!r}: expected 'pass' or 'atomic'")
+        if self.dq_mode not in ("auto", "pass", "atomic"):
+            raise ValueError(f"dq_mode={self.dq_mode!r}: expected 'auto', 'pass' or 'atomic'")
         self.use_tma = use_tma
         self.configs = configs
 
@@ -109,7 +111,13 @@ class TritonBackend(Backend):
         return config.select(p.head_dim_padded, p.mask.is_causal, cap, _interpreting())
 
     def _dq_atomic(self, p: AttentionProblem) -> bool:
-        return self.dq_mode == "atomic" and not p.deterministic
+        if p.deterministic:
+            return False
+        if self.dq_mode == "auto":
+            # bench/h200-2026-11-29.md: atomic dQ wins only at d128 (+13-17%); for GQA it would cost
+            # an fp32 dQ the size of q (452 vs 197 MiB at 32/8 s8192), over the memory target.
+            return not p.is_gqa and config.head_block(p.head_dim_padded) == 128
+        return self.dq_mode == "atomic"
 
     def _accumulate_kv(self, p: AttentionProblem) -> bool:
         return p.is_gqa and self.gqa_epilogue == "accumulate"
