@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import math
-import os
 import platform
 import sys
 from pathlib import Path

@@ -16,7 +16,6 @@ from typing import Iterator, Optional
 import torch
 
 from ..frontend.dropout import keep_mask
-from ..frontend.mask import MaskInfo
 from ..frontend.plan import BufferSpec, CkBwdTile, WorkspacePlan, ck_backward_plan
 from ..frontend.problem import AttentionParams, AttentionProblem
 from .base import Backend

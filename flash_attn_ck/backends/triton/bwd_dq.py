@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from .bwd_epilogue import store_tile
-from .scores import (LOG2E, block_needs_mask, dropout_keep, key_range, keep_positions, scores_log2,
-                     sequence_bounds)
+from .scores import (LOG2E, block_needs_mask, dropout_keep, key_range, keep_positions, query_tile_program,
+                     scores_log2)
 
 
 @triton.jit
@@ -29,16 +29,10 @@ def attn_bwd_dq_kernel(
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         USE_TMA: tl.constexpr):
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    q_start, len_q = sequence_bounds(cu_seqlens_q, b, max_seqlen_q, VARLEN)
-    k_start, len_k = sequence_bounds(cu_seqlens_k, b, max_seqlen_k, VARLEN)
-    m0 = m_block * BLOCK_M
+    m0, b, h, q_start, len_q, k_start, len_k, shift = query_tile_program(
+        cu_seqlens_q, cu_seqlens_k, heads, max_seqlen_q, max_seqlen_k, BLOCK_M, VARLEN, TOP_LEFT)
     if m0 >= len_q:
         return
-    shift = 0 if TOP_LEFT else len_k - len_q
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -83,7 +77,7 @@ def attn_bwd_dq_kernel(
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
         if HAS_DROPOUT:
-            kept = dropout_keep(seed, offset, bh, offs_m[:, None], cols[None, :], max_seqlen_q, max_seqlen_k,
+            kept = dropout_keep(seed, offset, b * heads + h, offs_m[:, None], cols[None, :], max_seqlen_q, max_seqlen_k,
                                 dropout_p)
             dp = tl.where(kept, dp * (1.0 / (1.0 - dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])

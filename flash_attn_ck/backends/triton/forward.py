@@ -8,8 +8,8 @@ is 0). MQA/GQA read K/V of head h // group directly (no expansion). Varlen tenso
 import triton
 import triton.language as tl
 
-from .scores import (LOG2E, block_needs_mask, dropout_keep, key_range, keep_positions, scores_log2,
-                     sequence_bounds)
+from .scores import (LOG2E, block_needs_mask, dropout_keep, key_range, keep_positions, query_tile_program,
+                     scores_log2)
 
 
 @triton.jit
@@ -24,17 +24,10 @@ def attn_fwd_kernel(
         VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
-    num_m = tl.num_programs(0)
-    m_block = num_m - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // heads
-    h = bh % heads
-    q_start, len_q = sequence_bounds(cu_seqlens_q, b, max_seqlen_q, VARLEN)
-    k_start, len_k = sequence_bounds(cu_seqlens_k, b, max_seqlen_k, VARLEN)
-    m0 = m_block * BLOCK_M
+    m0, b, h, q_start, len_q, k_start, len_k, shift = query_tile_program(
+        cu_seqlens_q, cu_seqlens_k, heads, max_seqlen_q, max_seqlen_k, BLOCK_M, VARLEN, TOP_LEFT)
     if m0 >= len_q:
         return
-    shift = 0 if TOP_LEFT else len_k - len_q
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -80,7 +73,7 @@ def attn_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
-            kept = dropout_keep(seed, offset, bh, offs_m[:, None], cols[None, :], max_seqlen_q, max_seqlen_k,
+            kept = dropout_keep(seed, offset, b * heads + h, offs_m[:, None], cols[None, :], max_seqlen_q, max_seqlen_k,
                                 dropout_p)
             p = tl.where(kept, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
