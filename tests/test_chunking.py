@@ -12,6 +12,7 @@ from cases import check_case, make_inputs, varlen_meta
 from flash_attn_ck.backends.reference import ReferenceBackend
 from flash_attn_ck.frontend.chunking import WORKSPACE_ENV, Chunk, plan_chunks, workspace_cap
 from flash_attn_ck.frontend.inputs import describe_call
+from flash_attn_ck.frontend.problem import AttentionParams
 from oracle import Config
 
 CASES = {
@@ -27,8 +28,8 @@ CASES = {
 }
 
 
-def backward_once(cfg: Config, cap, seed=0):
-    """(problem, grads) of one backward with the given workspace cap; forward drawn once per seed."""
+def backward_once(cfg: Config, seed=0):
+    """(problem, run): one forward, and a function running its backward under a workspace cap."""
     q, k, v, dout, slopes = make_inputs(cfg, seed=seed)
     varlen = {}
     if cfg.seqlens is not None:
@@ -42,17 +43,17 @@ def backward_once(cfg: Config, cap, seed=0):
 
     def run(cap):
         return fa.flash_attn_bwd(dout, q, k, v, out, lse, rng_state=rng_state, max_workspace_bytes=cap, **options)
-    return problem, run, (q, k, v)
+    return problem, run
 
 
-def caps_by_stage(problem, cu=None):
+def caps_by_stage(problem, cfg: Config):
     """A cap that forces whole-group/batch chunks, and one that forces split groups."""
-    from flash_attn_ck.frontend.problem import AttentionParams
     backend = ReferenceBackend()
     full = plan_chunks(problem, backend, None)
     params = None
     if problem.varlen:
-        params = AttentionParams(None, None, None, cu[0], cu[1])
+        cu_q, cu_k, _, _ = varlen_meta(cfg)
+        params = AttentionParams(None, None, None, cu_q, cu_k)
     whole, split = None, None
     for cap in range(full.peak_bytes - 1, 0, -max(1, full.peak_bytes // 64)):
         try:
@@ -70,12 +71,8 @@ def caps_by_stage(problem, cu=None):
 @pytest.mark.parametrize("name", CASES)
 def test_chunked_backward(name):
     cfg = CASES[name]
-    problem, run, _ = backward_once(cfg, None)
-    cu = None
-    if cfg.seqlens is not None:
-        cu_q, cu_k, _, _ = varlen_meta(cfg)
-        cu = (cu_q, cu_k)
-    whole, split = caps_by_stage(problem, cu)
+    problem, run = backward_once(cfg)
+    whole, split = caps_by_stage(problem, cfg)
     unchunked = run(-1)
     assert whole is not None, "the grid must exercise whole-group chunks"
     for a, b in zip(run(whole), unchunked):
@@ -89,8 +86,8 @@ def test_chunked_backward(name):
 
 
 def test_row_chunks_are_exercised():
-    problem, _, _ = backward_once(CASES["mha-window-rows"], None)
-    _, split = caps_by_stage(problem)
+    problem, _ = backward_once(CASES["mha-window-rows"])
+    _, split = caps_by_stage(problem, CASES["mha-window-rows"])
     plan = plan_chunks(problem, ReferenceBackend(), split)
     assert any(c.rows != (0, problem.seqlen_q) for c in plan.chunks)
 
@@ -98,12 +95,8 @@ def test_row_chunks_are_exercised():
 @pytest.mark.parametrize("name", ["gqa-window-dropout", "mqa-deterministic", "mha-window-rows", "varlen-gqa-dropout"])
 def test_split_chunks_meet_the_2x_rule(name, monkeypatch):
     cfg = CASES[name]
-    problem, _, _ = backward_once(cfg, None)
-    cu = None
-    if cfg.seqlens is not None:
-        cu_q, cu_k, _, _ = varlen_meta(cfg)
-        cu = (cu_q, cu_k)
-    _, split = caps_by_stage(problem, cu)
+    problem, _ = backward_once(cfg)
+    _, split = caps_by_stage(problem, cfg)
     assert split is not None
     monkeypatch.setenv(WORKSPACE_ENV, str(split))
     check_case(cfg)
@@ -138,7 +131,7 @@ def test_planned_peak_respects_the_cap(b, s_q, s_k, groups, d, deterministic, al
 
 def test_impossible_cap_says_how_much_is_needed():
     cfg = Config(batch=1, heads_q=2, heads_k=1)
-    _, run, _ = backward_once(cfg, None)
+    _, run = backward_once(cfg)
     with pytest.raises(fa.WorkspaceError, match=r"needs at least [\d.]+ (B|KiB) .* over the cap of 100 B"):
         run(100)
 
