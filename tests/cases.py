@@ -8,6 +8,16 @@ import flash_attn_ck as fa
 from oracle import Config, assert_close_2x, naive_attention
 
 
+# The head-dim grid of the GPU backends' tests: any d <= 256 (multiples of 8 and not).
+HEAD_DIMS = [8, 16, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
+
+
+def head_dim_case(head_dim: int, dtype: torch.dtype) -> Config:
+    """The grid's case for one head dim: s_q != s_k, GQA 4/2, causal on every other head dim."""
+    return Config(batch=2, seqlen_q=113, seqlen_k=187, heads_q=4, heads_k=2, head_dim=head_dim,
+                  causal=HEAD_DIMS.index(head_dim) % 2 == 1, dtype=dtype)
+
+
 def make_inputs(cfg: Config, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oracle import Config
-from cases import check_case, make_inputs, run_ours
+from cases import HEAD_DIMS, check_case, head_dim_case, make_inputs, run_ours
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -17,7 +17,6 @@ if not torch.cuda.is_available():
 from flash_attn_ck.backends import base  # noqa: E402
 from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
 
-HEAD_DIMS = [8, 16, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
 
 
 @pytest.fixture(params=[dict(), dict(dq_mode="pass"), dict(gqa_epilogue="accumulate"), dict(dq_mode="atomic")],
@@ -40,9 +39,7 @@ def _check(cfg: Config, seed: int = 0):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_head_dims(head_dim, dtype):
-    causal = HEAD_DIMS.index(head_dim) % 2 == 1
-    _check(Config(batch=2, seqlen_q=113, seqlen_k=187, heads_q=4, heads_k=2, head_dim=head_dim,
-                  causal=causal, dtype=dtype))
+    _check(head_dim_case(head_dim, dtype))
 
 
 FEATURES = {

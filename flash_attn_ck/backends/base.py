@@ -7,6 +7,7 @@ the highest-priority backend with no reasons, and when none fits it lists every 
 
 from __future__ import annotations
 
+import abc
 import importlib
 import os
 from typing import ClassVar, Optional
@@ -19,7 +20,7 @@ from ..frontend.problem import AttentionParams, AttentionProblem
 BACKEND_ENV = "FLASH_ATTN_CK_BACKEND"
 
 
-class Backend:
+class Backend(abc.ABC):
     name: ClassVar[str]
     priority: ClassVar[int] = 0                     # higher wins when several backends fit
     # Devices on which automatic selection may pick this backend (None: wherever it is supported).
@@ -74,20 +75,21 @@ class Backend:
         return reasons + cls.extra_reasons(problem)
 
     # ---- kernels -------------------------------------------------------------------------------
+    @abc.abstractmethod
     def forward(self, problem: AttentionProblem, params: AttentionParams,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
         """Write `out` (layout of q) and fp32 `lse` ((b, h, s_q) or varlen (h, total_q))."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
-        raise NotImplementedError
+        """Every buffer `backward` needs, by name (frontend/plan.py); the frontend allocates them."""
 
+    @abc.abstractmethod
     def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
         """Fill `workspace['softmax_d']` and dq; dk/dv, or the expanded buffers when the plan says
         `reduce_expanded_kv` (then `dk`/`dv` are left for the frontend's group sum)."""
-        raise NotImplementedError
 
 
 # Module paths, in the order they are tried when several fit with equal priority.
