@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from .bwd_epilogue import store_tile
-from .scores import (LOG2E, block_needs_mask, dropout_keep, key_range, keep_positions, query_tile_program,
-                     scores_log2)
+from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_program
 
 
 @triton.jit
@@ -63,17 +62,9 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = key_range(m0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for n0 in range(lo, hi, BLOCK_N):
-        cols = n0 + offs_n
-        kv_mask = (cols < len_k)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
-        s, tanh = scores_log2(tl.dot(q, tl.trans(k)), offs_m[:, None], cols[None, :], shift, scale, softcap,
-                              slope, HAS_SOFTCAP, HAS_ALIBI)
-        if block_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N,
-                            HAS_LEFT, HAS_RIGHT):
-            keep = keep_positions(offs_m[:, None], cols[None, :], len_k, shift, window_left, window_right,
-                                  HAS_LEFT, HAS_RIGHT)
-            s = tl.where(keep, s, float("-inf"))
+        cols, k, v, s, tanh = key_tile_scores(q, k_base, v_base, stride_ks, stride_vs, offs_m, n0, offs_n, offs_d, d_ok,
+                                           m0, len_k, shift, scale, softcap, slope, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
         if HAS_DROPOUT:

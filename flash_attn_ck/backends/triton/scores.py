@@ -115,6 +115,26 @@ def scores_log2(qk, rows, cols, shift, scale, softcap, slope,
 
 
 @triton.jit
+def key_tile_scores(q, k_base, v_base, stride_ks, stride_vs, offs_m, n0, offs_n, offs_d, d_ok, m0, len_k, shift,
+                    scale, softcap, slope, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                    HAS_ALIBI: tl.constexpr):
+    """One key tile as a query tile sees it: (columns, K, V, scores in log2 units with softcap/ALiBi and
+    -inf outside the mask, softcap tanh). Key rows past the sequence load as 0."""
+    cols = n0 + offs_n
+    kv_mask = (cols < len_k)[:, None] & d_ok[None, :]
+    k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    s, tanh = scores_log2(tl.dot(q, tl.trans(k)), offs_m[:, None], cols[None, :], shift, scale, softcap, slope,
+                          HAS_SOFTCAP, HAS_ALIBI)
+    if block_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT):
+        keep = keep_positions(offs_m[:, None], cols[None, :], len_k, shift, window_left, window_right,
+                              HAS_LEFT, HAS_RIGHT)
+        s = tl.where(keep, s, float("-inf"))
+    return cols, k, v, s, tanh
+
+
+@triton.jit
 def dropout_keep(seed, offset, plane, rows, cols, max_seqlen_q, max_seqlen_k, dropout_p):
     """frontend/dropout.py: Philox(seed, offset + (plane * max_s_q + i) * max_s_k + j), kept iff
     (bits >> 8) * 2**-24 >= p in fp32. `plane` = b * heads + h."""
