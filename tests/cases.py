@@ -18,6 +18,23 @@ def head_dim_case(head_dim: int, dtype: torch.dtype) -> Config:
                   causal=HEAD_DIMS.index(head_dim) % 2 == 1, dtype=dtype)
 
 
+# Features every GPU backend's tests check at d64/d128 (each backend adds its own), on FEATURE_BASE.
+COMMON_FEATURES = {
+    "mha": dict(heads_q=3, heads_k=3),
+    "mqa_causal": dict(heads_q=4, heads_k=1, causal=True),
+    "window": dict(window=(32, 8)),
+    "window_left_only": dict(window=(17, -1)),
+    "sq_gt_sk_causal": dict(seqlen_q=200, seqlen_k=70, causal=True),
+    "sq_1": dict(seqlen_q=1, seqlen_k=150, causal=True),
+    "alibi": dict(alibi=True, causal=True),
+}
+FEATURE_BASE = dict(batch=2, seqlen_q=129, seqlen_k=161, heads_q=4, heads_k=2)
+
+
+def feature_case(features: dict, head_dim: int) -> Config:
+    return Config(**{**FEATURE_BASE, **features}, head_dim=head_dim)
+
+
 def make_inputs(cfg: Config, device="cpu", seed=0):
     gen = torch.Generator().manual_seed(seed)
 

@@ -22,7 +22,8 @@ from flash_attn_ck.backends.ck import CkBackend  # noqa: E402
 if CkBackend.unavailable_reason():
     pytest.skip(f"CK backend unavailable: {CkBackend.unavailable_reason()}", allow_module_level=True)
 
-from cases import HEAD_DIMS, check_case, head_dim_case, make_inputs, run_ours  # noqa: E402
+from cases import (COMMON_FEATURES, FEATURE_BASE, HEAD_DIMS, check_case, feature_case, head_dim_case,  # noqa: E402
+                   make_inputs, run_ours)
 from oracle import Config  # noqa: E402
 
 CK_HEAD_DIMS = [d for d in HEAD_DIMS if d >= 32]   # the grid the CK tests were written for
@@ -39,23 +40,16 @@ def test_head_dims(head_dim, dtype):
 
 
 FEATURES = {
-    "mha": dict(heads_q=3, heads_k=3),
-    "mqa_causal": dict(heads_q=4, heads_k=1, causal=True),
-    "window": dict(window=(32, 8)),
-    "window_left_only": dict(window=(17, -1)),
-    "sq_gt_sk_causal": dict(seqlen_q=200, seqlen_k=70, causal=True),
-    "sq_1": dict(seqlen_q=1, seqlen_k=150, causal=True),
-    "alibi": dict(alibi=True, causal=True),
+    **COMMON_FEATURES,
     "alibi_window": dict(alibi=True, window=(40, 3)),
     "deterministic_gqa": dict(deterministic=True, heads_q=6, heads_k=2, causal=True),
 }
-BASE = dict(batch=2, seqlen_q=129, seqlen_k=161, heads_q=4, heads_k=2)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("name", sorted(FEATURES))
 def test_features(name, head_dim):
-    _check(Config(**{**BASE, **FEATURES[name]}, head_dim=head_dim))
+    _check(feature_case(FEATURES[name], head_dim))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -67,7 +61,7 @@ def test_varlen_empty_sequences(causal, deterministic):
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_deterministic_backward_is_bit_identical(varlen):
-    cfg = Config(**BASE, head_dim=128, deterministic=True, causal=True,
+    cfg = Config(**FEATURE_BASE, head_dim=128, deterministic=True, causal=True,
                  seqlens=[(300, 257), (129, 400)] if varlen else None)
     q, k, v, dout, slopes = make_inputs(cfg, "cuda")
     first = run_ours(cfg, q, k, v, dout, slopes, backend="ck")[3]
@@ -81,7 +75,7 @@ def test_deterministic_backward_is_bit_identical(varlen):
 def test_dropout_forward_and_backward_share_the_pattern(heads_k):
     """out is linear in v (out = A v, A the dropped and rescaled probabilities) and dv = A^T dout,
     so sum(out * dout) == sum(v * dv) only when both passes draw the same keep pattern."""
-    cfg = Config(**{**BASE, "heads_k": heads_k}, head_dim=64, dropout_p=0.3, dtype=torch.float16)
+    cfg = Config(**{**FEATURE_BASE, "heads_k": heads_k}, head_dim=64, dropout_p=0.3, dtype=torch.float16)
     q, k, v, dout, _ = make_inputs(cfg, "cuda")
     out, lse, rng_state = fa.flash_attn_fwd(q, k, v, dropout_p=cfg.dropout_p, backend="ck")
     dv = fa.flash_attn_bwd(dout, q, k, v, out, lse, dropout_p=cfg.dropout_p, rng_state=rng_state, backend="ck")[2]
@@ -110,7 +104,7 @@ def test_softcap_is_refused():
 
 
 def test_runs_on_the_current_stream():
-    cfg = Config(**BASE, head_dim=128, causal=True)
+    cfg = Config(**FEATURE_BASE, head_dim=128, causal=True)
     q, k, v, dout, slopes = make_inputs(cfg, "cuda")
     expected = fa.flash_attn_func(q, k, v, causal=True, backend="ck")
     stream = torch.cuda.Stream()

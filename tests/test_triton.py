@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from oracle import Config
-from cases import HEAD_DIMS, check_case, head_dim_case, make_inputs, run_ours
+from cases import COMMON_FEATURES, HEAD_DIMS, check_case, feature_case, head_dim_case, make_inputs, run_ours
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -43,13 +43,7 @@ def test_head_dims(head_dim, dtype):
 
 
 FEATURES = {
-    "mha": dict(heads_q=3, heads_k=3),
-    "mqa_causal": dict(heads_q=4, heads_k=1, causal=True),
-    "window": dict(window=(32, 8)),
-    "window_left_only": dict(window=(17, -1)),
-    "sq_gt_sk_causal": dict(seqlen_q=200, seqlen_k=70, causal=True),
-    "sq_1": dict(seqlen_q=1, seqlen_k=150, causal=True),
-    "alibi": dict(alibi=True, causal=True),
+    **COMMON_FEATURES,
     "softcap": dict(softcap=8.0),
     "alibi_softcap_window": dict(alibi=True, softcap=5.0, window=(40, 3)),
     "dropout": dict(dropout_p=0.17),
@@ -57,18 +51,16 @@ FEATURES = {
 }
 
 
-BASE = dict(batch=2, seqlen_q=129, seqlen_k=161, heads_q=4, heads_k=2)
-
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("name", sorted(FEATURES))
 def test_features(name, head_dim):
-    _check(Config(**{**BASE, **FEATURES[name]}, head_dim=head_dim))
+    _check(feature_case(FEATURES[name], head_dim))
 
 
 @pytest.mark.parametrize("name", ["mqa_causal", "window", "alibi_softcap_window", "dropout_causal_gqa"])
 def test_features_other_modes(name, backend_options):
-    _check(Config(**{**BASE, **FEATURES[name]}, head_dim=80))
+    _check(feature_case(FEATURES[name], 80))
 
 
 @pytest.mark.parametrize("causal", [False, True])
