@@ -155,9 +155,11 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
             plans[key] = replace(plan, buffers=tuple(b for b in plan.buffers if b.name != "softmax_d"))
         return plans[key]
 
+    full = backward_plan(backend, p)
+    softmax_d = next(b for b in full.buffers if b.name == "softmax_d")
+
     def cost(chunks: list[Chunk]) -> tuple[ChunkPlan, int]:
         """The plan for a chunking and its peak bytes (the largest chunk decides)."""
-        softmax_d = next(b for b in backward_plan(backend, p).buffers if b.name == "softmax_d")
         shared = [softmax_d]
         if any(c.partial(p) for c in chunks):
             widest = max(rows(c)[1] for c in chunks)
@@ -167,12 +169,11 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
             sub = chunk_plan(c)
             if largest is None or sub.total_bytes > largest.total_bytes:
                 largest = sub
-        plan = ChunkPlan(backend.name, cap, tuple(shared), largest, tuple(chunks), unchunked,
+        plan = ChunkPlan(backend.name, cap, tuple(shared), largest, tuple(chunks), full.total_bytes,
                          cu_seqlens_q and tuple(cu_seqlens_q), cu_seqlens_k and tuple(cu_seqlens_k))
         return plan, plan.peak_bytes
 
     whole = Chunk((0, p.batch), (0, p.heads_k), (0, p.group_size), (0, p.seqlen_q))
-    unchunked = backward_plan(backend, p).total_bytes
     plan, peak = cost([whole])
     if cap is None or peak <= cap:
         return plan
@@ -191,12 +192,7 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
     # Stage 1: whole groups and batch entries, largest chunk first.
     candidates = sorted(((nb, ng) for nb in range(1, p.batch + 1) for ng in range(1, p.heads_k + 1)),
                         key=lambda s: (s[0] * s[1], s[1]), reverse=True)
-    seen = set()
     for nb, ng in candidates:
-        layout = (len(_ranges(p.batch, nb)), len(_ranges(p.heads_k, ng)))
-        if layout in seen:            # same number of chunks as a larger candidate: no gain
-            continue
-        seen.add(layout)
         chunks = [Chunk(b, g, (0, p.group_size), (0, p.seqlen_q))
                   for b in _ranges(p.batch, nb) for g in _ranges(p.heads_k, ng)]
         plan, peak = cost(chunks)
