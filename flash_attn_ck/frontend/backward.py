@@ -1,4 +1,5 @@
-"""The mha_bwd pipeline: validate -> canonical mask -> workspace plan -> backend kernel -> reduce.
+"""The mha_bwd pipeline: validate -> canonical mask -> workspace plan (chunks under the cap) ->
+backend kernel -> reduce (GQA group sum, fp32 sums of split-group partials) -> unpad.
 
 Shaped like the seed `mha_bwd`: returns `(dq, dk, dv, softmax_d)`, accepts preallocated dq/dk/dv,
 and for `s_q == 0` runs no kernel (dK, dV and D are zero).
