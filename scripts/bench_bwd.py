@@ -8,7 +8,9 @@ halved when causal) over the median of triton.testing.do_bench; peak extra memor
 allocated during one backward minus what was allocated before it.
 
     python scripts/bench_bwd.py [--quick] [--peers sdpa_flash,cudnn,flex,fa4,...] [--out bench]
-Writes bench/<gpu>-<date>.{json,md,png}.
+Writes bench/<gpu>-<date>.{json,md,png}. `--warm-only` runs each forward and backward once and times
+nothing: run in another process beforehand, it fills the on-disk compile caches of FlexAttention
+(Inductor) and Triton, so that the timed run does not spend its device minutes compiling.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def make_runner(name, q, k, v, causal):
     h, h_k = q.shape[2], k.shape[2]
     if name == "triton":
         return lambda: fa.flash_attn_func(q, k, v, causal=causal, backend="triton")
-    if name in ("triton-accum", "triton-atomic-dq"):   # the backend instance is swapped by measure()
+    if name in VARIANTS:   # the backend instance is swapped by measure()
         return lambda: fa.flash_attn_func(q, k, v, causal=causal, backend="triton")
     if name == "triton-det":
         return lambda: fa.flash_attn_func(q, k, v, causal=causal, deterministic=True, backend="triton")
@@ -64,7 +66,7 @@ def make_runner(name, q, k, v, causal):
                                                                         enable_gqa=h != h_k)
         return run
     if name == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import create_block_mask
         compiled = _flex()
         s = q.shape[1]
         mask = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
@@ -94,22 +96,23 @@ def _flex():
     return _flex_fn
 
 
-VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq": dict(dq_mode="atomic")}
+VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq": dict(dq_mode="atomic"),
+            "triton-dq-pass": dict(dq_mode="pass")}
 
 
-def measure(name, b, h, h_k, s, d, causal, configs=None):
+def measure(name, b, h, h_k, s, d, causal, configs=None, warm_only=False):
     """Forward and backward timings and backward peak memory of one runner on one shape."""
     from flash_attn_ck.backends import base
     from flash_attn_ck.backends.triton import TritonBackend
     saved = base._instances.get("triton")
     base._instances["triton"] = TritonBackend(configs=configs, **VARIANTS.get(name, {}))
     try:
-        return _measure(name, b, h, h_k, s, d, causal)
+        return _measure(name, b, h, h_k, s, d, causal, warm_only)
     finally:
         base._instances["triton"] = saved if saved is not None else TritonBackend()
 
 
-def _measure(name, b, h, h_k, s, d, causal):
+def _measure(name, b, h, h_k, s, d, causal, warm_only):
     torch.manual_seed(0)
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(b, s, h_k, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -120,6 +123,8 @@ def _measure(name, b, h, h_k, s, d, causal):
     bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
     bwd()
     torch.cuda.synchronize()
+    if warm_only:
+        return dict(warm_only=True)
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     grads = bwd()
@@ -140,26 +145,43 @@ def main():
     ap.add_argument("--out", default="bench")
     ap.add_argument("--tag", default="")
     ap.add_argument("--shapes", default="", help="d:h:h_k:s:causal,... instead of the grid (causal 0/1)")
+    ap.add_argument("--dims", default="", help="only these head dims of the grid, e.g. 64,128 (GQA rows are d128)")
+    ap.add_argument("--shard", default="", help="i/n: every n-th row of the grid from row i (for --warm-only)")
     ap.add_argument("--tuned", default="", help="JSON of scripts/triton_tune.py: backward tiles per head dim")
     ap.add_argument("--replot", default="", help="redraw the PNG and markdown of an earlier JSON and exit")
+    ap.add_argument("--merge", default="", help="A.json,B.json,...: one JSON/markdown/PNG of several runs' rows")
+    ap.add_argument("--warm-only", action="store_true", help="compile and run each case once, time nothing")
     args = ap.parse_args()
-    if args.replot:
-        data = json.loads(Path(args.replot).read_text())
-        names = list(dict.fromkeys(n for r in data["results"] for n in r["peers"]))
-        Path(args.replot).with_suffix(".md").write_text(markdown(data["meta"], data["results"], names))
-        plot(data["results"], names, Path(args.replot).with_suffix(".png"))
+    if args.replot or args.merge:
+        paths = [Path(x) for x in (args.replot or args.merge).split(",")]
+        runs = [json.loads(x.read_text()) for x in paths]
+        meta = dict(runs[0]["meta"], merged_from=[x.name for x in paths]) if args.merge else runs[0]["meta"]
+        results = [r for run in runs for r in run["results"]]
+        stem = paths[0].with_suffix("") if args.replot else Path(args.out) / f"{_stem(meta)}{args.tag}"
+        write(stem, meta, results, list(dict.fromkeys(n for r in results for n in r["peers"])), json_too=bool(args.merge))
         return
     names = args.peers.split(",")
+    versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
     if "fa4" in names:
         try:
             import flash_attn.cute.interface  # noqa: F401
+            from importlib.metadata import version
+            versions["flash_attn_4"] = version("flash-attn-4")
         except Exception as e:  # noqa: BLE001
             print(f"FA4 not importable ({type(e).__name__}: {e}); skipped")
             names.remove("fa4")
     tuned = json.loads(Path(args.tuned).read_text()) if args.tuned and Path(args.tuned).exists() else {}
-    results = []
     shapes = [tuple(int(x) for x in spec.split(":")) for spec in args.shapes.split(",")] if args.shapes \
         else grid(args.quick)
+    if args.dims:
+        shapes = [row for row in shapes if row[0] in {int(x) for x in args.dims.split(",")}]
+    if args.shard:
+        i, n = (int(x) for x in args.shard.split("/"))
+        shapes = shapes[i::n]
+    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), **versions,
+                python=platform.python_version(), quick=args.quick, dtype="bf16", tuned_tiles=tuned)
+    stem = Path(args.out) / f"{_stem(meta)}{args.tag}"
+    results = []
     for d, h, h_k, s, causal in shapes:
         causal = bool(causal)
         b = 16384 // s
@@ -168,24 +190,33 @@ def main():
             if name == "sdpa_mem_eff" and h != h_k:
                 continue
             try:
-                row["peers"][name] = measure(name, b, h, h_k, s, d, causal, configs=tuned_configs(tuned, d, causal))
+                row["peers"][name] = measure(name, b, h, h_k, s, d, causal, configs=tuned_configs(tuned, d, causal),
+                                             warm_only=args.warm_only)
             except Exception as e:  # noqa: BLE001
                 row["peers"][name] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
             torch.cuda.empty_cache()
-        results.append(row)
-        cells = " ".join(f"{n}={r['bwd_tflops']:.0f}" if "bwd_tflops" in r else f"{n}=ERR"
+        cells = " ".join(f"{n}={r['bwd_tflops']:.0f}" if "bwd_tflops" in r else f"{n}={'warm' if 'warm_only' in r else 'ERR'}"
                          for n, r in row["peers"].items())
         print(f"d{d} h{h}/{h_k} s{s} {'causal' if causal else 'full'}: bwd TF/s {cells}", flush=True)
+        if not args.warm_only:
+            results.append(row)
+            stem.parent.mkdir(parents=True, exist_ok=True)   # saved per row: a cut-off run keeps its rows
+            stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    if results:
+        write(stem, meta, results, names, json_too=False)
+        print(markdown(meta, results, names))
 
-    meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(),
-                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
-                python=platform.python_version(), quick=args.quick, dtype="bf16", tuned_tiles=tuned)
-    stem = Path(args.out) / f"{meta['gpu'].replace(' ', '-').lower()}-{meta['date']}{args.tag}"
+
+def _stem(meta) -> str:
+    return f"{meta['gpu'].replace(' ', '-').lower()}-{meta['date']}"
+
+
+def write(stem: Path, meta, results, names, json_too: bool):
     stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    if json_too:
+        stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
     stem.with_suffix(".md").write_text(markdown(meta, results, names))
     plot(results, names, stem.with_suffix(".png"))
-    print(markdown(meta, results, names))
 
 
 def tuned_configs(tuned: dict, d: int, causal: bool):
@@ -201,10 +232,12 @@ def tuned_configs(tuned: dict, d: int, causal: bool):
 def markdown(meta, results, names) -> str:
     def cell(r, key, fmt="{:.0f}"):
         return fmt.format(r[key]) if key in r else "-"
-    head = ["d", "h/h_k", "s", "causal"] + [f"bwd {n}" for n in names] + ["ours / FA2", "ours / cuDNN", "ours / Flex"] \
+    head = ["d", "h/h_k", "s", "causal"] + [f"bwd {n}" for n in names] \
+        + ["ours / FA2", "ours / cuDNN", "ours / Flex", "ours / FA4"] \
         + [f"fwd {n}" for n in names] + [f"MiB {n}" for n in names]
     lines = [f"# Attention forward/backward, {meta['gpu']}, {meta['date']}",
-             "", f"torch {meta['torch']} (CUDA {meta['cuda']}), triton {meta['triton']}, bf16; TFLOP/s "
+             "", f"torch {meta['torch']} (CUDA {meta['cuda']}), triton {meta['triton']}"
+             + (f", flash-attn-4 {meta['flash_attn_4']}" if "flash_attn_4" in meta else "") + ", bf16; TFLOP/s "
              "(SPEC §6 FLOPs, median of do_bench); MiB = peak extra memory of one backward.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results:
@@ -216,7 +249,7 @@ def markdown(meta, results, names) -> str:
             return f"{ours / other:.2f}" if ours and other else "-"
         cells = [str(row["d"]), f"{row['h']}/{row['h_k']}", str(row["s"]), "yes" if row["causal"] else "no"]
         cells += [cell(p.get(n, {}), "bwd_tflops") for n in names]
-        cells += [ratio("sdpa_flash"), ratio("sdpa_cudnn"), ratio("flex")]
+        cells += [ratio("sdpa_flash"), ratio("sdpa_cudnn"), ratio("flex"), ratio("fa4")]
         cells += [cell(p.get(n, {}), "fwd_tflops") for n in names]
         cells += [cell(p.get(n, {}), "bwd_peak_mib") for n in names]
         lines.append("| " + " | ".join(cells) + " |")

@@ -12,12 +12,14 @@ Options (constructor arguments, defaults from the environment):
                 stay on chip, no fp32 accumulators. "accumulate": the seed's epilogue, one program
                 per query head adding into fp32 (b, h_k, s_k, d) accumulators (+ semaphores when
                 deterministic).            env FLASH_ATTN_CK_TRITON_GQA
-  dq_mode       "auto" (default): "atomic" where the H200 measured it faster and memory allows
-                (MHA, head block 128, not deterministic: 385 vs 329 TF/s at s8192), else "pass".
+  dq_mode       "auto" (default): "atomic" only where the H200 measured it faster and memory allows
+                (MHA, head block 128, not deterministic, tiles loaded by pointers: 385 vs 329 TF/s
+                at s8192; with TMA loads the pass wins, 392 vs 341), else "pass".
                 "pass": separate query-tile pass, no dQ accumulator, deterministic.
                 "atomic": fp32 dQ accumulator laid out like q, added by the key-tile programs
                 (refused in deterministic mode).       env FLASH_ATTN_CK_TRITON_DQ
-  use_tma       None = TMA descriptors on sm_90+ for dense tensors; False forces pointer stores.
+  use_tma       None = TMA tensor descriptors (tiles.py) for every tile load and store on sm_90+ when
+                the tensors are dense and 16-byte aligned; False forces masked pointer accesses.
 The choice of defaults and the measurements behind it: docs/triton.md.
 """
 
@@ -114,10 +116,20 @@ class TritonBackend(Backend):
         if p.deterministic:
             return False
         if self.dq_mode == "auto":
-            # bench/h200-2026-11-29.md: atomic dQ wins only at d128 (+13-17%); for GQA it would cost
-            # an fp32 dQ the size of q (452 vs 197 MiB at 32/8 s8192), over the memory target.
-            return not p.is_gqa and config.head_block(p.head_dim_padded) == 128
+            # bench/h200-2026-11-29-tma-loads.md, d128 MHA s8192: with TMA tile loads the pass wins
+            # (392 vs 341 TF/s) and needs no fp32 dQ; with pointer loads atomics won (385 vs 329).
+            # GQA keeps the pass: an fp32 dQ the size of q would break the memory target.
+            return not p.is_gqa and config.head_block(p.head_dim_padded) == 128 and not self._tma_loads_planned(p)
         return self.dq_mode == "atomic"
+
+    def _tma_loads_planned(self, p: AttentionProblem) -> bool:
+        """Whether the backward will load its tiles through TMA, as far as the problem tells (the
+        tensors' alignment, checked at launch by `_tma`, can still turn it off)."""
+        if self.use_tma is False or p.varlen or _interpreting() or p.device.type != "cuda":
+            return False
+        if self.use_tma is None and torch.cuda.get_device_capability(p.device)[0] < 9:
+            return False
+        return self._configs(p).bwd_tma_loads
 
     def _accumulate_kv(self, p: AttentionProblem) -> bool:
         return p.is_gqa and self.gqa_epilogue == "accumulate"
@@ -170,7 +182,8 @@ class TritonBackend(Backend):
             *_rows3(out, p.varlen), *_lse_strides(lse, p.varlen), features.pop("stride_slope_b"),
             p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=config.head_block(d), VARLEN=p.varlen,
-            num_warps=tile.num_warps, num_stages=tile.num_stages, **features, **self._mask_args(p))
+            USE_TMA=self._tma(p, params.q, params.k, params.v, out), num_warps=tile.num_warps,
+            num_stages=tile.num_stages, **features, **self._mask_args(p))
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
@@ -228,7 +241,8 @@ class TritonBackend(Backend):
         # ---- 2. key-tile programs: dK/dV (and dQ in atomic mode) ----
         tile = cfg.bwd_kv
         loop_group = not self._accumulate_kv(p)
-        use_tma = self._tma(p, dk, dv, *(t for t in (dq_acc, dk_acc, dv_acc) if t is not None))
+        inputs = (params.q, params.k, params.v, dout)
+        use_tma = self._tma(p, *inputs, dk, dv, *(t for t in (dq_acc, dk_acc, dv_acc) if t is not None))
         prog_heads = p.heads_k if loop_group else p.heads_q
         dq_strides = _rows3(dq_acc, p.varlen) if dq_acc is not None else (0, 0, 0)
         acc_strides = (0, p.total_k * d) if p.varlen else (p.heads_k * p.seqlen_k * d, p.seqlen_k * d)
@@ -243,19 +257,20 @@ class TritonBackend(Backend):
                 p.batch, p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, VARLEN=p.varlen,
                 LOOP_GROUP=loop_group, DQ_ATOMIC=dq_acc is not None, DETERMINISTIC=p.deterministic,
-                USE_TMA=use_tma, num_warps=tile.num_warps, num_stages=tile.num_stages,
-                **features, **mask_args)
+                USE_TMA=use_tma, TMA_LOADS=use_tma and cfg.bwd_tma_loads, num_warps=tile.num_warps,
+                num_stages=tile.num_stages, **features, **mask_args)
 
         # ---- 3. dQ by query-tile programs ----
         if dq_acc is None and p.rows_q > 0:
             tile = cfg.bwd_dq
+            dq_tma = self._tma(p, *inputs, dq)
             attn_bwd_dq_kernel[(triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)](
                 params.q, params.k, params.v, dout, lse, delta, dq, *pointers,
                 *q_strides, *k_strides, *v_strides, *do_strides, *_rows3(dq, p.varlen),
                 *lse_strides, stride_slope_b, p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, VARLEN=p.varlen,
-                USE_TMA=self._tma(p, dq), num_warps=tile.num_warps, num_stages=tile.num_stages,
-                **features, **mask_args)
+                USE_TMA=dq_tma, TMA_LOADS=dq_tma and cfg.bwd_tma_loads, num_warps=tile.num_warps,
+                num_stages=tile.num_stages, **features, **mask_args)
 
         # ---- 4. fp32 accumulators -> output dtype ----
         batch = 1 if p.varlen else p.batch

@@ -6,13 +6,15 @@ extra matrix products per tile (Q K^T and dO V^T again) against the atomic mode 
 
 Per key tile: s = Q K^T -> scores; p = exp2(s - lse); dp = drop(dO V^T);
 ds = p (dp - D) [* (1 - tanh^2)]; dQ += ds K.
+
+USE_TMA / TMA_LOADS: the dQ store / the tile loads through TMA descriptors (tiles.py).
 """
 
 import triton
 import triton.language as tl
 
-from .bwd_epilogue import store_tile
 from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_program
+from .tiles import load_rows, row_tiles, store_rows
 
 
 @triton.jit
@@ -26,7 +28,7 @@ def attn_bwd_dq_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        USE_TMA: tl.constexpr):
+        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr):
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
     m0, b, h, q_start, len_q, k_start, len_k, shift = query_tile_program(
         cu_seqlens_q, cu_seqlens_k, heads, max_seqlen_q, max_seqlen_k, BLOCK_M, VARLEN, TOP_LEFT)
@@ -35,20 +37,21 @@ def attn_bwd_dq_kernel(
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
     row_ok = offs_m < len_q
     b64 = b.to(tl.int64)
-    q_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b64 * stride_qb + (q_start + offs_m[:, None]).to(tl.int64) * stride_qs + h * stride_qh
-                + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(dOut + b64 * stride_dob + (q_start + offs_m[:, None]).to(tl.int64) * stride_dos
-                 + h * stride_doh + offs_d[None, :], mask=q_mask, other=0.0)
+    q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+    do_base = dOut + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h * stride_doh
+    q = load_rows(row_tiles(q_base, stride_qs, len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS), stride_qs, m0, len_q,
+                  head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
+    do = load_rows(row_tiles(do_base, stride_dos, len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS), stride_dos, m0, len_q,
+                   head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
     row_base = b64 * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start
     lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + (h // group) * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + (h // group) * stride_vh
+    k_src = row_tiles(K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + (h // group) * stride_kh, stride_ks,
+                      len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
+    v_src = row_tiles(V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + (h // group) * stride_vh, stride_vs,
+                      len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
     slope = 0.0
     if HAS_ALIBI:
         slope = tl.load(slopes + b * stride_slope_b + h)
@@ -62,9 +65,10 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = key_range(m0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for n0 in range(lo, hi, BLOCK_N):
-        cols, k, v, s, tanh = key_tile_scores(q, k_base, v_base, stride_ks, stride_vs, offs_m, n0, offs_n, offs_d, d_ok,
-                                           m0, len_k, shift, scale, softcap, slope, window_left, window_right,
-                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        cols, k, v, s, tanh = key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m0, len_k,
+                                              head_dim, shift, scale, softcap, slope, window_left, window_right,
+                                              BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
+                                              HAS_ALIBI, TMA_LOADS)
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v))
         if HAS_DROPOUT:
@@ -77,5 +81,5 @@ def attn_bwd_dq_kernel(
         dq += tl.dot(ds.to(k.dtype), k)
 
     # ---- one store in the output dtype (TMA when dense, row-masked for varlen) ----
-    store_tile(dq * scale, dQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh,
+    store_rows(dq * scale, dQ + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh,
                stride_dqs, m0, len_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)

@@ -2,7 +2,7 @@
 
 Grid: (key tiles, batch * program heads). Two head modes (`LOOP_GROUP`):
 - LOOP_GROUP: the program owns kv head hk and loops over the `group` query heads that read it,
-  so dK/dV are complete on chip and leave through `store_tile` in the output dtype (MHA is the
+  so dK/dV are complete on chip and leave through `tiles.store_rows` in the output dtype (MHA is the
   case group == 1). Deterministic by construction, no fp32 accumulators.
 - otherwise (the GQA accumulator epilogue): the program owns one query head and adds its dK/dV
   into fp32 `(b, h_k, s_k, d)` accumulators (`accumulate_kv`), ordered by semaphores when
@@ -13,14 +13,18 @@ buffer laid out like q (not deterministic; cast by bwd_postprocess).
 Per (key tile, query tile), transposed so that keys are rows:
   sT = K Q^T -> scores; pT = exp2(sT - lse); dV += drop(pT) dO; dpT = drop(V dO^T);
   dsT = pT (dpT - D) [* (1 - tanh^2) with softcap]; dK += dsT Q; (dQ += dsT^T K).
+
+USE_TMA: tile stores and adds (the epilogue, atomic dQ) through TMA descriptors; TMA_LOADS: tile
+loads too (config.Configs.bwd_tma_loads; tiles.py says what changes).
 """
 
 import triton
 import triton.language as tl
 
-from .bwd_epilogue import accumulate_kv, add_tile, store_tile
+from .bwd_epilogue import accumulate_kv
 from .scores import (LOG2E, block_needs_mask, dropout_keep, keep_positions, query_range, scores_log2,
                      sequence_bounds)
+from .tiles import add_rows, load_rows, row_tiles, store_rows
 
 
 @triton.jit
@@ -38,7 +42,7 @@ def attn_bwd_kv_kernel(
         VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         LOOP_GROUP: tl.constexpr, DQ_ATOMIC: tl.constexpr, DETERMINISTIC: tl.constexpr,
-        USE_TMA: tl.constexpr):
+        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr):
     # ---- program -> (key tile, sequence, heads) ----
     n_block = tl.program_id(0)
     prog_heads = heads // group if LOOP_GROUP else heads
@@ -60,14 +64,13 @@ def attn_bwd_kv_kernel(
     shift = 0 if TOP_LEFT else len_k - len_q
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
-    kv_mask = (offs_n < len_k)[:, None] & d_ok[None, :]
     b64 = b.to(tl.int64)
-    k = tl.load(K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
-                + offs_n[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
-                + offs_n[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
+    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
+    k = load_rows(row_tiles(k_base, stride_ks, len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS), stride_ks, n0, len_k,
+                  head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
+    v = load_rows(row_tiles(v_base, stride_vs, len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS), stride_vs, n0, len_k,
+                  head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
     seed = 0
     offset = 0
     if HAS_DROPOUT:
@@ -79,8 +82,10 @@ def attn_bwd_kv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(0, n_heads):
         h = h_first + g
-        q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
-        do_base = dOut + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h * stride_doh
+        q_src = row_tiles(Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh, stride_qs, len_q,
+                          head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
+        do_src = row_tiles(dOut + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h * stride_doh, stride_dos,
+                           len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
         row_base = b64 * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start
         slope = 0.0
         if HAS_ALIBI:
@@ -89,9 +94,8 @@ def attn_bwd_kv_kernel(
             # ---- recompute P^T for this query tile ----
             offs_m = m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < len_q
-            q_mask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=q_mask, other=0.0)
+            q = load_rows(q_src, stride_qs, m0, len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
+            do = load_rows(do_src, stride_dos, m0, len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
             lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
             delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
             sT, tanh = scores_log2(tl.dot(k, tl.trans(q)), offs_m[None, :], offs_n[:, None], shift, scale,
@@ -118,14 +122,14 @@ def attn_bwd_kv_kernel(
             dk += tl.dot(dsT.to(q.dtype), q)
             if DQ_ATOMIC:
                 dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k) * scale
-                add_tile(dq_part, dQacc + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh,
+                add_rows(dq_part, dQacc + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh,
                          stride_dqs, m0, len_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
 
     if LOOP_GROUP:
         # ---- dK/dV complete on chip: store in the output dtype ----
-        store_tile(dk * scale, dK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + hk * stride_dkh,
+        store_rows(dk * scale, dK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + hk * stride_dkh,
                    stride_dks, n0, len_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
-        store_tile(dv, dV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + hk * stride_dvh,
+        store_rows(dv, dV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + hk * stride_dvh,
                    stride_dvs, n0, len_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
     else:
         # ---- GQA accumulator epilogue: this query head's share, in rank order if deterministic ----

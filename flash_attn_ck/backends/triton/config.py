@@ -28,6 +28,7 @@ class Configs:
     forward: Tile
     bwd_kv: Tile        # bwd_main: one program per key tile of block_n, walking query tiles of block_m
     bwd_dq: Tile        # bwd_dq: one program per query tile of block_m, walking key tiles of block_n
+    bwd_tma_loads: bool = True   # backward tile loads through TMA descriptors where the tensors allow
 
 
 def head_block(head_dim: int) -> int:
@@ -41,14 +42,17 @@ def head_block(head_dim: int) -> int:
 
 # ---- sm_90 (H200), measured 2026-11-29 (see the module docstring) ----------------------------
 # key: (head block, causal) -> Configs; GQA uses the MHA row (the program shape does not change).
-# Backward tiles: winners of scripts/triton_tune.py on the H200 on 2026-11-29 (bf16, s = 8192,
-# non-causal; full backward TF/s: d64 356, d128 332, d256 240 with the dQ pass). The d32 row reuses
-# d64's. Forward tiles: not searched (FlexAttention's H100 defaults, as a starting point).
+# Backward tiles: winners of scripts/triton_tune.py on the H200 (bf16, s = 8192, non-causal). d64 and
+# d256 from the first search (pointer loads; d64 356, d256 240 TF/s). d128 from the second search, after
+# tile loads moved to TMA descriptors (tiles.py): key tile unchanged, dQ pass (128, 64, 8, 3), 392 TF/s
+# in the dQ-pass mode. d256 keeps pointer loads in the backward: with TMA loads its best tiles reached
+# 233 TF/s against 239 (bench/h200-2026-11-29-tma-loads.md). The d32 row reuses d64's.
+# Forward tiles: not searched (FlexAttention's H100 defaults, as a starting point).
 _BWD_SM90 = {
-    32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3)),
-    64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3)),
-    128: (Tile(64, 128, 8, 3), Tile(64, 64, 4, 3)),
-    256: (Tile(64, 64, 8, 1), Tile(128, 64, 8, 1)),
+    32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), True),
+    64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), True),
+    128: (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3), True),
+    256: (Tile(64, 64, 8, 1), Tile(128, 64, 8, 1), False),
 }
 _FWD_SM90 = {32: Tile(128, 64, 4, 3), 64: Tile(128, 64, 4, 3), 128: Tile(128, 64, 8, 3), 256: Tile(64, 64, 4, 2)}
 SM90 = {(d, causal): Configs(_FWD_SM90[d], *_BWD_SM90[d]) for d in _BWD_SM90 for causal in (False, True)}

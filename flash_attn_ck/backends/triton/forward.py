@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_program
+from .tiles import load_rows, row_tiles, store_rows
 
 
 @triton.jit
@@ -21,7 +22,8 @@ def attn_fwd_kernel(
         scale, softcap, dropout_p, window_left, window_right,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-        HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+        HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        USE_TMA: tl.constexpr):
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
     m0, b, h, q_start, len_q, k_start, len_k, shift = query_tile_program(
         cu_seqlens_q, cu_seqlens_k, heads, max_seqlen_q, max_seqlen_k, BLOCK_M, VARLEN, TOP_LEFT)
@@ -30,15 +32,15 @@ def attn_fwd_kernel(
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
     row_ok = offs_m < len_q
-
-    q_base = Q + b.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + (h // group) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + (h // group) * stride_vh
-    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+    q = load_rows(row_tiles(q_base, stride_qs, len_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA), stride_qs, m0, len_q,
+                  head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+    k_src = row_tiles(K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + (h // group) * stride_kh, stride_ks,
+                      len_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+    v_src = row_tiles(V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + (h // group) * stride_vh, stride_vs,
+                      len_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
 
     slope = 0.0
     if HAS_ALIBI:
@@ -55,9 +57,10 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = key_range(m0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for n0 in range(lo, hi, BLOCK_N):
-        cols, k, v, s, _ = key_tile_scores(q, k_base, v_base, stride_ks, stride_vs, offs_m, n0, offs_n, offs_d, d_ok,
-                                           m0, len_k, shift, scale, softcap, slope, window_left, window_right,
-                                           BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI)
+        cols, k, v, s, _ = key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m0, len_k,
+                                           head_dim, shift, scale, softcap, slope, window_left, window_right,
+                                           BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
+                                           USE_TMA)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -77,8 +80,7 @@ def attn_fwd_kernel(
         inv_l = inv_l / (1.0 - dropout_p)
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
-    o_base = Out + b.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh
-    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
-    lse_base = Lse + b.to(tl.int64) * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start
+    store_rows(out, Out + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh, stride_os, m0, len_q,
+               head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+    lse_base = Lse + b64 * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start
     tl.store(lse_base + offs_m, lse, mask=row_ok)

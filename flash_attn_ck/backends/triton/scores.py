@@ -15,6 +15,8 @@ Conventions (checked by the tests against frontend/mask.py and frontend/dropout.
 import triton
 import triton.language as tl
 
+from .tiles import load_rows
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -115,16 +117,16 @@ def scores_log2(qk, rows, cols, shift, scale, softcap, slope,
 
 
 @triton.jit
-def key_tile_scores(q, k_base, v_base, stride_ks, stride_vs, offs_m, n0, offs_n, offs_d, d_ok, m0, len_k, shift,
+def key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m0, len_k, head_dim, shift,
                     scale, softcap, slope, window_left, window_right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                    HAS_ALIBI: tl.constexpr):
+                    BLOCK_D: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, TMA_LOADS: tl.constexpr):
     """One key tile as a query tile sees it: (columns, K, V, scores in log2 units with softcap/ALiBi and
-    -inf outside the mask, softcap tanh). Key rows past the sequence load as 0."""
+    -inf outside the mask, softcap tanh). k_src/v_src come from tiles.row_tiles; key rows past the
+    sequence load as 0."""
     cols = n0 + offs_n
-    kv_mask = (cols < len_k)[:, None] & d_ok[None, :]
-    k = tl.load(k_base + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_base + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)
+    k = load_rows(k_src, stride_ks, n0, len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
+    v = load_rows(v_src, stride_vs, n0, len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
     s, tanh = scores_log2(tl.dot(q, tl.trans(k)), offs_m[:, None], cols[None, :], shift, scale, softcap, slope,
                           HAS_SOFTCAP, HAS_ALIBI)
     if block_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT):
