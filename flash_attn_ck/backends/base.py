@@ -8,6 +8,7 @@ the highest-priority backend with no reasons, and when none fits it lists every 
 from __future__ import annotations
 
 import abc
+import functools
 import importlib
 import os
 from typing import ClassVar, Optional
@@ -124,7 +125,17 @@ _instances: dict[str, Backend] = {}
 
 def select_backend(problem: AttentionProblem, requested: Optional[str] = None) -> Backend:
     """`requested`, else `$FLASH_ATTN_CK_BACKEND`, else the highest-priority backend that fits."""
-    requested = requested or os.environ.get(BACKEND_ENV) or None
+    name = _choose(problem, requested or os.environ.get(BACKEND_ENV) or None)
+    if name not in _instances:
+        _instances[name] = backend_class(name)()
+    return _instances[name]
+
+
+@functools.lru_cache(maxsize=256)
+def _choose(problem: AttentionProblem, requested: Optional[str]) -> str:
+    """The chosen backend's name. Memoised (a choice depends only on the problem, the request and
+    what this process has installed): it runs on every call, and small calls are host-bound.
+    Refusals raise and are not cached."""
     candidates = [backend_class(requested)] if requested else all_backend_classes()
     refusals = {}
     fitting = []
@@ -140,10 +151,7 @@ def select_backend(problem: AttentionProblem, requested: Optional[str] = None) -
         lines = [f"  {name}: " + "; ".join(reasons) for name, reasons in refusals.items()]
         what = f"backend {requested!r} cannot run" if requested else "no backend can run"
         raise NoBackendError(f"{what} this call ({describe_problem(problem)}):\n" + "\n".join(lines))
-    chosen = max(fitting, key=lambda c: c.priority)
-    if chosen.name not in _instances:
-        _instances[chosen.name] = chosen()
-    return _instances[chosen.name]
+    return max(fitting, key=lambda c: c.priority).name
 
 
 def describe_problem(p: AttentionProblem) -> str:

@@ -14,7 +14,7 @@ import torch
 
 from ..backends.base import Backend, select_backend
 from . import checks
-from .chunking import chunk_problem, chunk_rows, chunk_views, kv_view, plan_chunks, workspace_cap
+from .chunking import chunk_problem, chunk_rows, chunk_views, kv_view, plan_chunks, whole_call, workspace_cap
 from .inputs import describe_call, lse_shape
 from .plan import BufferSpec, WorkspacePlan
 from .problem import AttentionParams, AttentionProblem
@@ -95,8 +95,13 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
         softmax_d.zero_()
         return softmax_d
 
-    # ---- chunks, in a fixed order; a split group's dK/dV partials are summed in fp32 ----------------
+    # ---- one chunk (the call fits under the cap): the call's own tensors, no views ---------------
     chunks = chunking.chunks
+    if chunks == (whole_call(p),):
+        run_chunk(backend, p, params, out, lse, dout, dq, dk, dv, softmax_d, chunking.per_chunk)
+        return softmax_d
+
+    # ---- chunks, in a fixed order; a split group's dK/dV partials are summed in fp32 ----------------
     for index, chunk in enumerate(chunks):
         rows_q, rows_k = chunk_rows(p, chunk, chunking.cu_seqlens_q, chunking.cu_seqlens_k)
         sub = chunk_problem(p, chunk, rows_q, rows_k)
@@ -128,11 +133,12 @@ def _leading(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def run_chunk(backend: Backend, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
               lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-              softmax_d: torch.Tensor) -> None:
-    """One backward over views: plan -> pad -> kernel -> GQA group sum -> unpad."""
+              softmax_d: torch.Tensor, plan: Optional[WorkspacePlan] = None) -> None:
+    """One backward over views: plan -> pad -> kernel -> GQA group sum -> unpad. `plan`: this
+    problem's backward_plan when the caller has it already."""
     p = problem
     # ---- workspace: exactly the plan's named buffers (softmax_d is the caller's view) -----------
-    plan = backward_plan(backend, p)
+    plan = backward_plan(backend, p) if plan is None else plan
     workspace = plan.allocate(p.device, skip=("softmax_d",))
     workspace["softmax_d"] = softmax_d
 

@@ -17,6 +17,7 @@ much it needs.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -91,6 +92,12 @@ class ChunkPlan:
 
 # ---- planning -----------------------------------------------------------------------------------
 
+def whole_call(problem: AttentionProblem) -> Chunk:
+    """The one chunk of a call that fits under the cap."""
+    p = problem
+    return Chunk((0, p.batch), (0, p.heads_k), (0, p.group_size), (0, p.seqlen_q))
+
+
 def chunk_problem(problem: AttentionProblem, chunk: Chunk, rows_q: int, rows_k: int) -> AttentionProblem:
     """The sub-problem a chunk solves; `rows_q/k` are its packed row counts (varlen)."""
     p = problem
@@ -134,7 +141,20 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
                 params: Optional[AttentionParams] = None) -> ChunkPlan:
     """Pick the largest chunks whose workspace fits under `cap` (see the module docstring).
 
-    Varlen offsets are read to the host (a device sync) only when the call must be chunked."""
+    Varlen offsets are read to the host (a device sync) only when the call must be chunked. Dense
+    plans depend on sizes only and are memoised: planning runs on every call, and small calls are
+    host-bound."""
+    if problem.varlen:
+        return _plan_chunks(problem, backend, cap, params)
+    return _plan_chunks_dense(problem, backend, cap)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_chunks_dense(problem: AttentionProblem, backend, cap: Optional[int]) -> ChunkPlan:
+    return _plan_chunks(problem, backend, cap, None)
+
+
+def _plan_chunks(problem: AttentionProblem, backend, cap: Optional[int], params: Optional[AttentionParams]) -> ChunkPlan:
     from .backward import backward_plan  # the per-call plan (backend buffers + padding)
 
     p = problem
@@ -151,11 +171,12 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
         key = (c.batch[1] - c.batch[0], c.kv_heads[1] - c.kv_heads[0], c.group_heads[1] - c.group_heads[0],
                c.rows[1] - c.rows[0], *rows(c))
         if key not in plans:
-            plan = backward_plan(backend, chunk_problem(p, c, *rows(c)))
+            plan = full if c == whole else backward_plan(backend, chunk_problem(p, c, *rows(c)))
             plans[key] = replace(plan, buffers=tuple(b for b in plan.buffers if b.name != "softmax_d"))
         return plans[key]
 
     full = backward_plan(backend, p)
+    whole = whole_call(p)
     softmax_d = next(b for b in full.buffers if b.name == "softmax_d")
 
     def cost(chunks: list[Chunk]) -> tuple[ChunkPlan, int]:
@@ -173,7 +194,6 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
                          cu_seqlens_q and tuple(cu_seqlens_q), cu_seqlens_k and tuple(cu_seqlens_k))
         return plan, plan.peak_bytes
 
-    whole = Chunk((0, p.batch), (0, p.heads_k), (0, p.group_size), (0, p.seqlen_q))
     plan, peak = cost([whole])
     if cap is None or peak <= cap:
         return plan

@@ -1,0 +1,115 @@
+"""Host (Python) cost of one call against its GPU time, for the small shapes where a backward takes
+well under a millisecond and the launch path can dominate.
+
+Per shape: the GPU span of one backward issued alone (CUDA events around one call after a sync; its
+kernels, plus any launch gaps between them), the wall time per call when calls are issued back to
+back (do_bench: bounded by the host when the host is the slower), and the host time of issuing
+alone. `--breakdown`: host time of each layer; `--profile`: cProfile, top entries by own time.
+
+    python scripts/launch_overhead.py [--shapes d:h:h_k:s:causal,...] [--backend triton] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flash_attn_ck as fa  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="64:32:32:512:1,128:16:16:512:1,128:16:16:1024:1")
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="host time of each layer of the backward alone")
+    args = ap.parse_args()
+    for spec in args.shapes.split(","):
+        d, h, h_k, s, causal = (int(x) for x in spec.split(":"))
+        b = 16384 // s
+        q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(b, s, h_k, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn_like(k, requires_grad=True)
+        out = fa.flash_attn_func(q, k, v, causal=bool(causal), backend=args.backend)
+        dout = torch.randn_like(out)
+
+        def bwd():
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        bwd()
+        wall = triton.testing.do_bench(bwd, warmup=25, rep=200, return_mode="median")
+        spans = []
+        for _ in range(20):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            begin.record()
+            bwd()
+            end.record()
+            end.synchronize()
+            spans.append(begin.elapsed_time(end))
+        span = sorted(spans)[len(spans) // 2]
+        n = 50   # few enough that the launch queue never fills and blocks the host
+        start = time.perf_counter()
+        for _ in range(n):
+            bwd()
+        host = (time.perf_counter() - start) / n * 1e3
+        torch.cuda.synchronize()
+        print(f"d{d} h{h}/{h_k} s{s} causal={causal}: GPU span of one call {span:.3f} ms, wall per call {wall:.3f} ms, "
+              f"host issue {host:.3f} ms", flush=True)
+        if args.breakdown:
+            breakdown(q, k, v, out, dout, bool(causal), args.backend)
+        if args.profile:
+            profile = cProfile.Profile()
+            profile.enable()
+            for _ in range(100):
+                bwd()
+            profile.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+
+
+def host_ms(fn, n=50) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = (time.perf_counter() - start) / n * 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
+def breakdown(q, k, v, out, dout, causal, backend_name):
+    """Host ms per call of: the autograd path, the torch.library op, the frontend function, the
+    backend's launches with a ready workspace."""
+    from flash_attn_ck.backends.base import select_backend
+    from flash_attn_ck.frontend.backward import attention_backward, backward_plan
+    from flash_attn_ck.frontend.inputs import describe_call
+    from flash_attn_ck.frontend.problem import AttentionParams
+    with torch.no_grad():
+        o, lse, _ = fa.flash_attn_fwd(q, k, v, causal=causal, backend=backend_name)
+    problem = describe_call(q, k, v, softmax_scale=None, causal=causal, window_size=(-1, 0) if causal else (-1, -1),
+                            softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, cu_seqlens_q=None,
+                            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+    backend = select_backend(problem, backend_name)
+    workspace = backward_plan(backend, problem).allocate(q.device)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    params = AttentionParams(q, k, v, None, None, None, None)
+    rows = {
+        "autograd.grad": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+        "flash_attn_bwd (op)": lambda: fa.flash_attn_bwd(dout, q, k, v, o, lse, causal=causal, backend=backend_name),
+        "attention_backward": lambda: attention_backward(dout, q, k, v, o, lse, causal=causal, backend=backend_name),
+        "backend.backward": lambda: backend.backward(problem, params, o, lse, dout, dq, dk, dv, workspace),
+    }
+    for name, fn in rows.items():
+        print(f"    host {name:22s} {host_ms(fn):.3f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main()
