@@ -61,3 +61,27 @@ def test_fp32_runs_only_on_reference():
     assert out.dtype == torch.float32
     with pytest.raises(fa.NoBackendError, match=r"triton: .*dtype float32"):
         fa.flash_attn_func(q, q, q, backend="triton")
+
+
+@pytest.mark.parametrize("capability, head_dim, heads_k, varlen, deterministic, atomic", [
+    ((9, 0), 128, 2, False, False, False),   # sm_90, dense: TMA tile loads, and with them the dQ pass wins
+    ((9, 0), 128, 2, True, False, True),     # varlen loads by pointers: atomic dQ won there
+    ((8, 0), 128, 2, False, False, True),    # no TMA before sm_90
+    ((9, 0), 128, 1, False, False, False),   # GQA keeps the pass (memory)
+    ((8, 0), 128, 2, False, True, False),    # deterministic: never atomics
+    ((9, 0), 64, 2, False, False, False),    # head block 64: the pass
+])
+def test_triton_auto_dq_mode(monkeypatch, capability, head_dim, heads_k, varlen, deterministic, atomic):
+    """dq_mode="auto" (docs/triton.md): atomic dQ only for MHA with a 128 head block, not
+    deterministic, where the backward loads its tiles by pointers; the plan holds dq_accum iff so."""
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    from flash_attn_ck.backends.triton import TritonBackend
+    monkeypatch.delenv("FLASH_ATTN_CK_TRITON_DQ", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    p = replace(problem(device="cuda"), head_dim=head_dim, head_dim_padded=head_dim, heads_k=heads_k,
+                deterministic=deterministic, varlen=varlen, total_q=16 if varlen else 0, total_k=16 if varlen else 0)
+    names = [b.name for b in TritonBackend().backward_plan(p).buffers]
+    assert ("dq_accum" in names) is atomic
+    assert "dq_accum" not in [b.name for b in TritonBackend(dq_mode="pass").backward_plan(p).buffers]
