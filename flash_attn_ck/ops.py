@@ -20,7 +20,6 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from .frontend.backward import attention_backward
 from .frontend.forward import attention_forward
@@ -84,7 +83,8 @@ def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seql
         max_workspace_bytes=max_workspace_bytes)
 
 
-def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
+@torch.library.custom_op("flash_attn_ck::bwd", mutates_args=())
+def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
         cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
         alibi_slopes: Optional[Tensor], dropout_p: float, softmax_scale: float, causal: bool, window_left: int,
         window_right: int, softcap: float, deterministic: bool, rng_state: Optional[Tensor],
@@ -92,9 +92,6 @@ def _bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse
     return _backward(dout, q, k, v, out, softmax_lse, None, None, None, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window_left,
                      window_right, softcap, deterministic, rng_state, backend, max_workspace_bytes)
-
-
-bwd = torch.library.custom_op("flash_attn_ck::bwd", _bwd, mutates_args=())
 
 
 @bwd.register_fake
@@ -138,19 +135,10 @@ def _fwd_backward(ctx, dout, *_non_differentiable):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
-    tensors = (dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
-    # Traced (torch.compile, export): the op, so that the graph holds it. Eager on plain tensors: the
-    # op's body directly, which saves the custom-op dispatch (~0.1 ms a call on the H200's host),
-    # felt by small, host-bound backwards (docs/triton.md).
-    run = torch.ops.flash_attn_ck.bwd if _traced(tensors) else _bwd
-    dq, dk, dv, _ = run(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes=alibi_slopes,
-                        rng_state=rng_state, **ctx.options)
+    dq, dk, dv, _ = torch.ops.flash_attn_ck.bwd(
+        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes=alibi_slopes,
+        rng_state=rng_state, **ctx.options)
     return (dq, dk, dv) + (None,) * 14
-
-
-def _traced(tensors) -> bool:
-    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or \
-        any(t is not None and type(t) is not torch.Tensor for t in tensors)
 
 
 fwd.register_autograd(_fwd_backward, setup_context=_setup_context)
