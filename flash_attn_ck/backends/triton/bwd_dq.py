@@ -13,7 +13,7 @@ USE_TMA / TMA_LOADS: the dQ store / the tile loads through TMA descriptors (tile
 import triton
 import triton.language as tl
 
-from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_program
+from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_operands, query_tile_program
 from .tiles import load_rows, row_tiles, store_rows
 
 
@@ -38,28 +38,17 @@ def attn_bwd_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < len_q
+    q, k_src, v_src, slope, seed, offset = query_tile_operands(
+        Q, K, V, slopes, rng_state, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+        stride_vs, stride_vh, stride_slope_b, b, h, group, m0, q_start, len_q, k_start, len_k, head_dim,
+        BLOCK_M, BLOCK_N, BLOCK_D, HAS_ALIBI, HAS_DROPOUT, TMA_LOADS)
     b64 = b.to(tl.int64)
-    q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
     do_base = dOut + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h * stride_doh
-    q = load_rows(row_tiles(q_base, stride_qs, len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS), stride_qs, m0, len_q,
-                  head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
     do = load_rows(row_tiles(do_base, stride_dos, len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS), stride_dos, m0, len_q,
                    head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
     row_base = b64 * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start
     lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
-    k_src = row_tiles(K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + (h // group) * stride_kh, stride_ks,
-                      len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
-    v_src = row_tiles(V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + (h // group) * stride_vh, stride_vs,
-                      len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(slopes + b * stride_slope_b + h)
-    seed = 0
-    offset = 0
-    if HAS_DROPOUT:
-        seed = tl.load(rng_state)
-        offset = tl.load(rng_state + 1)
 
     # ---- walk the visible key tiles ----
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

@@ -8,8 +8,8 @@ is 0). MQA/GQA read K/V of head h // group directly (no expansion). Varlen tenso
 import triton
 import triton.language as tl
 
-from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_program
-from .tiles import load_rows, row_tiles, store_rows
+from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_operands, query_tile_program
+from .tiles import store_rows
 
 
 @triton.jit
@@ -33,23 +33,10 @@ def attn_fwd_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < len_q
-    b64 = b.to(tl.int64)
-    q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
-    q = load_rows(row_tiles(q_base, stride_qs, len_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA), stride_qs, m0, len_q,
-                  head_dim, BLOCK_M, BLOCK_D, USE_TMA)
-    k_src = row_tiles(K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + (h // group) * stride_kh, stride_ks,
-                      len_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
-    v_src = row_tiles(V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + (h // group) * stride_vh, stride_vs,
-                      len_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
-
-    slope = 0.0
-    if HAS_ALIBI:
-        slope = tl.load(slopes + b * stride_slope_b + h)
-    seed = 0
-    offset = 0
-    if HAS_DROPOUT:
-        seed = tl.load(rng_state)
-        offset = tl.load(rng_state + 1)
+    q, k_src, v_src, slope, seed, offset = query_tile_operands(
+        Q, K, V, slopes, rng_state, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+        stride_vs, stride_vh, stride_slope_b, b, h, group, m0, q_start, len_q, k_start, len_k, head_dim,
+        BLOCK_M, BLOCK_N, BLOCK_D, HAS_ALIBI, HAS_DROPOUT, USE_TMA)
 
     # ---- online softmax over the visible key tiles (log2 units) ----
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -80,6 +67,7 @@ def attn_fwd_kernel(
         inv_l = inv_l / (1.0 - dropout_p)
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
+    b64 = b.to(tl.int64)
     store_rows(out, Out + b64 * stride_ob + q_start.to(tl.int64) * stride_os + h * stride_oh, stride_os, m0, len_q,
                head_dim, BLOCK_M, BLOCK_D, USE_TMA)
     lse_base = Lse + b64 * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start

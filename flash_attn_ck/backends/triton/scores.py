@@ -15,7 +15,7 @@ Conventions (checked by the tests against frontend/mask.py and frontend/dropout.
 import triton
 import triton.language as tl
 
-from .tiles import load_rows
+from .tiles import load_rows, row_tiles
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -45,6 +45,33 @@ def query_tile_program(cu_seqlens_q, cu_seqlens_k, heads, max_seqlen_q, max_seql
     k_start, len_k = sequence_bounds(cu_seqlens_k, b, max_seqlen_k, VARLEN)
     shift = 0 if TOP_LEFT else len_k - len_q
     return m_block * BLOCK_M, b, h, q_start, len_q, k_start, len_k, shift
+
+
+@triton.jit
+def query_tile_operands(Q, K, V, slopes, rng_state, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                        stride_vb, stride_vs, stride_vh, stride_slope_b, b, h, group, m0, q_start, len_q, k_start,
+                        len_k, head_dim, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        HAS_ALIBI: tl.constexpr, HAS_DROPOUT: tl.constexpr, TMA_LOADS: tl.constexpr):
+    """What a query-tile program (forward, dQ pass) reads before its key loop: its q tile, the K and V
+    sources of its kv head (tiles.row_tiles, for key_tile_scores), the ALiBi slope, and the dropout
+    seed and offset (0 when unused)."""
+    b64 = b.to(tl.int64)
+    q_base = Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh
+    q = load_rows(row_tiles(q_base, stride_qs, len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS), stride_qs, m0, len_q,
+                  head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
+    k_src = row_tiles(K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + (h // group) * stride_kh, stride_ks,
+                      len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
+    v_src = row_tiles(V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + (h // group) * stride_vh, stride_vs,
+                      len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(slopes + b * stride_slope_b + h)
+    seed = 0
+    offset = 0
+    if HAS_DROPOUT:
+        seed = tl.load(rng_state)
+        offset = tl.load(rng_state + 1)
+    return q, k_src, v_src, slope, seed, offset
 
 
 @triton.jit
