@@ -19,14 +19,13 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flash_attn_ck.backends.triton import config  # noqa: E402
-from flash_attn_ck.backends.triton.bwd_dq import attn_bwd_dq_kernel  # noqa: E402
-from flash_attn_ck.backends.triton.bwd_main import attn_bwd_kv_kernel  # noqa: E402
+from flash_attn_ck.backends.triton.bwd_main import attn_bwd_kernel  # noqa: E402
 from flash_attn_ck.backends.triton.bwd_postprocess import cast_rows_kernel  # noqa: E402
 from flash_attn_ck.backends.triton.bwd_preprocess import bwd_preprocess_kernel  # noqa: E402
 from flash_attn_ck.backends.triton.forward import attn_fwd_kernel  # noqa: E402
 
 FLOATS = {"scale", "softcap", "dropout_p"}
-POINTER_TYPES = {"Lse": "*fp32", "Delta": "*fp32", "dQacc": "*fp32", "dKacc": "*fp32", "dVacc": "*fp32",
+POINTER_TYPES = {"Lse": "*fp32", "Delta": "*fp32", "dKacc": "*fp32", "dVacc": "*fp32",
                  "Sems": "*i32", "cu_seqlens_q": "*i32", "cu_seqlens_k": "*i32", "slopes": "*fp32",
                  "rng_state": "*i64", "Src": "*fp32", "zero_a": "*fp32", "zero_b": "*fp32", "zero_c": "*fp32",
                  "zero_sem": "*i32"}
@@ -45,6 +44,8 @@ def compile_one(kernel, constexprs: dict, num_warps: int, num_stages: int, dtype
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
+    if constexprs.get("DQ_ATOMIC"):
+        sig["dQ"] = "*fp32"   # the backward's dQ argument is the fp32 accumulator in the atomic mode
     src = ASTSource(kernel, sig, constexprs)
     t = time.time()
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -69,13 +70,11 @@ def main():
                 runs = [("fwd", attn_fwd_kernel, dict(BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_D=block_d,
                                                       VARLEN=varlen, USE_TMA=not varlen, **feats), f)]
                 for loop, atomic, det in ((True, False, True), (False, False, True), (False, True, False)):
-                    runs.append((f"kv loop={loop} dq_atomic={atomic} det={det}", attn_bwd_kv_kernel,
-                                 dict(BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, BLOCK_D=block_d, VARLEN=varlen,
-                                      LOOP_GROUP=loop, DQ_ATOMIC=atomic, DETERMINISTIC=det, USE_TMA=not varlen,
+                    runs.append((f"bwd loop={loop} dq_atomic={atomic} det={det}", attn_bwd_kernel,
+                                 dict(BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, DQ_BLOCK_M=dq.block_m,
+                                      DQ_BLOCK_N=dq.block_n, BLOCK_D=block_d, VARLEN=varlen, LOOP_GROUP=loop,
+                                      DQ_ATOMIC=atomic, DETERMINISTIC=det, USE_TMA=not varlen,
                                       TMA_LOADS=not varlen and cfg.bwd_tma_loads, **feats), kv))
-                runs.append(("dq", attn_bwd_dq_kernel, dict(BLOCK_M=dq.block_m, BLOCK_N=dq.block_n, BLOCK_D=block_d,
-                                                            VARLEN=varlen, USE_TMA=not varlen,
-                                                            TMA_LOADS=not varlen and cfg.bwd_tma_loads, **feats), dq))
                 for name, kernel, cx, tile in runs:
                     try:
                         r = compile_one(kernel, cx, tile.num_warps, tile.num_stages)

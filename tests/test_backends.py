@@ -85,3 +85,13 @@ def test_triton_auto_dq_mode(monkeypatch, capability, head_dim, heads_k, varlen,
     names = [b.name for b in TritonBackend().backward_plan(p).buffers]
     assert ("dq_accum" in names) is atomic
     assert "dq_accum" not in [b.name for b in TritonBackend(dq_mode="pass").backward_plan(p).buffers]
+
+
+def test_triton_configs_share_one_backward_launch():
+    """Both backward roles run in one launch: a Configs whose key-tile and query-tile roles disagree
+    on warps or stages is refused at construction (the tables themselves build at import)."""
+    pytest.importorskip("triton")
+    from flash_attn_ck.backends.triton import config
+    fwd = config.Tile(64, 64, 4, 2)
+    with pytest.raises(ValueError, match="num_warps and num_stages must match"):
+        config.Configs(fwd, config.Tile(64, 128, 8, 3), config.Tile(128, 64, 4, 3))

@@ -3,9 +3,10 @@
 Forward: forward.py. Backward, in launch order:
   1. bwd_preprocess: D = rowsum(dO * O) into workspace['softmax_d']; zero the fp32 accumulators
      and semaphores of this plan.
-  2. bwd_main: one program per key tile; dK/dV on chip; epilogue per bwd_epilogue (SPEC §4).
-  3. bwd_dq (dq_mode "pass"; always when deterministic): dQ per query tile.
-  4. bwd_postprocess: fp32 accumulators -> dk/dv (GQA "accumulate") and dq (dq_mode "atomic").
+  2. bwd_main: one launch with two program roles: one program per key tile (dK/dV on chip;
+     epilogue per bwd_epilogue, SPEC §4) and, in dq_mode "pass" (always when deterministic), one
+     per query tile (bwd_dq: dQ).
+  3. bwd_postprocess: fp32 accumulators -> dk/dv (GQA "accumulate") and dq (dq_mode "atomic").
 
 Options (constructor arguments, defaults from the environment):
   gqa_epilogue  "loop" (default): a key-tile program loops over its group's query heads, dK/dV
@@ -208,8 +209,7 @@ class TritonBackend(Backend):
     def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
-        from .bwd_dq import attn_bwd_dq_kernel
-        from .bwd_main import attn_bwd_kv_kernel
+        from .bwd_main import attn_bwd_kernel
         from .bwd_preprocess import bwd_preprocess_kernel
         p = problem
         cfg = self._configs(p)
@@ -238,41 +238,30 @@ class TritonBackend(Backend):
             ZERO_A=dq_acc is not None, ZERO_B=dk_acc is not None, ZERO_C=dv_acc is not None,
             ZERO_SEM=sems is not None, num_warps=4)
 
-        # ---- 2. key-tile programs: dK/dV (and dQ in atomic mode) ----
-        tile = cfg.bwd_kv
+        # ---- 2. one launch: key-tile programs (dK/dV, and dQ in atomic mode), then the dQ pass ----
+        kv, dq_tile = cfg.bwd_kv, cfg.bwd_dq
         loop_group = not self._accumulate_kv(p)
         inputs = (params.q, params.k, params.v, dout)
-        use_tma = self._tma(p, *inputs, dk, dv, *(t for t in (dq_acc, dk_acc, dv_acc) if t is not None))
+        dq_target = dq_acc if dq_acc is not None else dq
+        use_tma = self._tma(p, *inputs, dq_target, dk, dv, *(t for t in (dk_acc, dv_acc) if t is not None))
         prog_heads = p.heads_k if loop_group else p.heads_q
-        dq_strides = _rows3(dq_acc, p.varlen) if dq_acc is not None else (0, 0, 0)
+        query_programs = 0 if dq_acc is not None else (p.heads_q // prog_heads) * triton_cdiv(p.seqlen_q, dq_tile.block_m)
+        programs = triton_cdiv(p.seqlen_k, kv.block_n) + query_programs
         acc_strides = (0, p.total_k * d) if p.varlen else (p.heads_k * p.seqlen_k * d, p.seqlen_k * d)
-        if p.seqlen_k > 0:
-            attn_bwd_kv_kernel[(triton_cdiv(p.seqlen_k, tile.block_n), p.batch * prog_heads)](
-                params.q, params.k, params.v, dout, lse, delta,
-                dq_acc if dq_acc is not None else delta, dk, dv,
+        if programs > 0:
+            attn_bwd_kernel[(programs, p.batch * prog_heads)](
+                params.q, params.k, params.v, dout, lse, delta, dq_target, dk, dv,
                 dk_acc if dk_acc is not None else delta, dv_acc if dv_acc is not None else delta,
                 sems if sems is not None else delta, *pointers,
-                *q_strides, *k_strides, *v_strides, *do_strides, *dq_strides,
+                *q_strides, *k_strides, *v_strides, *do_strides, *_rows3(dq_target, p.varlen),
                 *_rows3(dk, p.varlen), *_rows3(dv, p.varlen), *acc_strides, *lse_strides, stride_slope_b,
                 p.batch, p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
-                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, VARLEN=p.varlen,
-                LOOP_GROUP=loop_group, DQ_ATOMIC=dq_acc is not None, DETERMINISTIC=p.deterministic,
-                USE_TMA=use_tma, TMA_LOADS=use_tma and cfg.bwd_tma_loads, num_warps=tile.num_warps,
-                num_stages=tile.num_stages, **features, **mask_args)
+                BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n,
+                BLOCK_D=block_d, VARLEN=p.varlen, LOOP_GROUP=loop_group, DQ_ATOMIC=dq_acc is not None,
+                DETERMINISTIC=p.deterministic, USE_TMA=use_tma, TMA_LOADS=use_tma and cfg.bwd_tma_loads,
+                num_warps=kv.num_warps, num_stages=kv.num_stages, **features, **mask_args)
 
-        # ---- 3. dQ by query-tile programs ----
-        if dq_acc is None and p.rows_q > 0:
-            tile = cfg.bwd_dq
-            dq_tma = self._tma(p, *inputs, dq)
-            attn_bwd_dq_kernel[(triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)](
-                params.q, params.k, params.v, dout, lse, delta, dq, *pointers,
-                *q_strides, *k_strides, *v_strides, *do_strides, *_rows3(dq, p.varlen),
-                *lse_strides, stride_slope_b, p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
-                BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, VARLEN=p.varlen,
-                USE_TMA=dq_tma, TMA_LOADS=dq_tma and cfg.bwd_tma_loads, num_warps=tile.num_warps,
-                num_stages=tile.num_stages, **features, **mask_args)
-
-        # ---- 4. fp32 accumulators -> output dtype ----
+        # ---- 3. fp32 accumulators -> output dtype ----
         batch = 1 if p.varlen else p.batch
         if dq_acc is not None:
             _cast(dq_acc, dq, _bhr(dq_acc, p.varlen), _bhr(dq, p.varlen), p.heads_q, batch, p.rows_q // batch, d)

@@ -1,4 +1,5 @@
-"""Backward dQ pass: one program per (query tile, batch * query head), recomputing P from lse.
+"""Backward dQ pass: the query-tile role of the backward launch (bwd_main.attn_bwd_kernel), one
+program per (query tile, batch, query head), recomputing P from lse.
 
 No atomics and no dQ accumulator: each program owns its dQ tile and writes it once in the output
 dtype, so dQ is deterministic by construction and needs no memory beyond dq itself. Costs two
@@ -13,13 +14,13 @@ USE_TMA / TMA_LOADS: the dQ store / the tile loads through TMA descriptors (tile
 import triton
 import triton.language as tl
 
-from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_operands, query_tile_program
+from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
 from .tiles import load_rows, row_tiles, store_rows
 
 
 @triton.jit
-def attn_bwd_dq_kernel(
-        Q, K, V, dOut, Lse, Delta, dQ, cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
+def query_tile_dq(
+        m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
         stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h, stride_slope_b,
@@ -29,9 +30,8 @@ def attn_bwd_dq_kernel(
         VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr):
-    # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
-    m0, b, h, q_start, len_q, k_start, len_k, shift = query_tile_program(
-        cu_seqlens_q, cu_seqlens_k, heads, max_seqlen_q, max_seqlen_k, BLOCK_M, VARLEN, TOP_LEFT)
+    m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(
+        m_block, b, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, BLOCK_M, VARLEN, TOP_LEFT)
     if m0 >= len_q:
         return
 

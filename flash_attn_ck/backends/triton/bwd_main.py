@@ -1,14 +1,22 @@
-"""Backward main kernel: one program per key tile; recomputes P from lse; dK/dV stay on chip.
+"""Backward main kernel: one launch, two program roles (FlexAttention's layout), so the dQ pass
+fills the SMs the key-tile programs leave idle and costs no launch of its own.
 
-Grid: (key tiles, batch * program heads). Two head modes (`LOOP_GROUP`):
+Grid: (key tiles [+ query tiles * query heads per slot], batch * program heads). In each slot
+(batch, program head) the first `cdiv(max_seqlen_k, BLOCK_N)` programs are key-tile programs
+(`key_tile_dkdv` below); in the dQ-pass mode (not DQ_ATOMIC) the rest are query-tile programs
+(`bwd_dq.query_tile_dq`) of the slot's query heads, the longest causal tiles first. Both roles
+share num_warps and num_stages (config.Configs checks it).
+
+Key-tile programs recompute P from lse; dK/dV stay on chip. Two head modes (`LOOP_GROUP`):
 - LOOP_GROUP: the program owns kv head hk and loops over the `group` query heads that read it,
   so dK/dV are complete on chip and leave through `tiles.store_rows` in the output dtype (MHA is the
   case group == 1). Deterministic by construction, no fp32 accumulators.
 - otherwise (the GQA accumulator epilogue): the program owns one query head and adds its dK/dV
   into fp32 `(b, h_k, s_k, d)` accumulators (`accumulate_kv`), ordered by semaphores when
   DETERMINISTIC; bwd_postprocess casts them.
-dQ is either left to the query-tile pass (bwd_dq.py) or, with DQ_ATOMIC, added here into an fp32
-buffer laid out like q (not deterministic; cast by bwd_postprocess).
+With DQ_ATOMIC there are no query-tile programs: the key-tile programs add dQ into an fp32 buffer
+laid out like q (not deterministic; cast by bwd_postprocess). `dQ` is that buffer in this mode and
+the output otherwise.
 
 Per (key tile, query tile), transposed so that keys are rows:
   sT = K Q^T -> scores; pT = exp2(sT - lse); dV += drop(pT) dO; dpT = drop(V dO^T);
@@ -21,6 +29,7 @@ loads too (config.Configs.bwd_tma_loads; tiles.py says what changes).
 import triton
 import triton.language as tl
 
+from .bwd_dq import query_tile_dq
 from .bwd_epilogue import accumulate_kv
 from .scores import (LOG2E, block_needs_mask, dropout_keep, keep_positions, query_range, scores_log2,
                      sequence_bounds)
@@ -28,8 +37,66 @@ from .tiles import add_rows, load_rows, row_tiles, store_rows
 
 
 @triton.jit
-def attn_bwd_kv_kernel(
-        Q, K, V, dOut, Lse, Delta, dQacc, dK, dV, dKacc, dVacc, Sems,
+def attn_bwd_kernel(
+        Q, K, V, dOut, Lse, Delta, dQ, dK, dV, dKacc, dVacc, Sems,
+        cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
+        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+        stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
+        stride_dvb, stride_dvs, stride_dvh, stride_acc_b, stride_acc_h,
+        stride_lse_b, stride_lse_h, stride_slope_b,
+        batch, heads, group, max_seqlen_q, max_seqlen_k, head_dim,
+        scale, softcap, dropout_p, window_left, window_right,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr,
+        HAS_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+        LOOP_GROUP: tl.constexpr, DQ_ATOMIC: tl.constexpr, DETERMINISTIC: tl.constexpr,
+        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr):
+    # ---- program -> role, sequence and program head ----
+    x = tl.program_id(0)
+    if LOOP_GROUP:
+        prog_heads = heads // group
+    else:
+        prog_heads = heads
+    b = tl.program_id(1) // prog_heads
+    ph = tl.program_id(1) % prog_heads
+    key_tiles = tl.cdiv(max_seqlen_k, BLOCK_N)
+    if x < key_tiles:
+        key_tile_dkdv(
+            x, b, ph, Q, K, V, dOut, Lse, Delta, dQ, dK, dV, dKacc, dVacc, Sems,
+            cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
+            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+            stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
+            stride_dvb, stride_dvs, stride_dvh, stride_acc_b, stride_acc_h,
+            stride_lse_b, stride_lse_h, stride_slope_b,
+            batch, heads, group, max_seqlen_q, max_seqlen_k, head_dim,
+            scale, softcap, dropout_p, window_left, window_right,
+            BLOCK_M, BLOCK_N, BLOCK_D, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+            LOOP_GROUP, DQ_ATOMIC, DETERMINISTIC, USE_TMA, TMA_LOADS)
+    elif not DQ_ATOMIC:
+        # ---- dQ pass: query tile of one of the slot's query heads, counted from the last tile ----
+        query_tiles = tl.cdiv(max_seqlen_q, DQ_BLOCK_M)
+        x -= key_tiles
+        if LOOP_GROUP:
+            h = ph * group + x // query_tiles
+        else:
+            h = ph
+        query_tile_dq(
+            query_tiles - 1 - x % query_tiles, b, h, Q, K, V, dOut, Lse, Delta, dQ,
+            cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
+            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+            stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
+            stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h, stride_slope_b,
+            heads, group, max_seqlen_q, max_seqlen_k, head_dim,
+            scale, softcap, dropout_p, window_left, window_right,
+            DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
+            USE_TMA, TMA_LOADS)
+
+
+@triton.jit
+def key_tile_dkdv(
+        n_block, b, ph, Q, K, V, dOut, Lse, Delta, dQacc, dK, dV, dKacc, dVacc, Sems,
         cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
         stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
@@ -43,11 +110,7 @@ def attn_bwd_kv_kernel(
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         LOOP_GROUP: tl.constexpr, DQ_ATOMIC: tl.constexpr, DETERMINISTIC: tl.constexpr,
         USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr):
-    # ---- program -> (key tile, sequence, heads) ----
-    n_block = tl.program_id(0)
-    prog_heads = heads // group if LOOP_GROUP else heads
-    b = tl.program_id(1) // prog_heads
-    ph = tl.program_id(1) % prog_heads
+    """One key tile of kv head hk (LOOP_GROUP: ph = hk) or query head ph (the accumulator epilogue)."""
     if LOOP_GROUP:
         hk = ph
         h_first = ph * group

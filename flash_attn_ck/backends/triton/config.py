@@ -26,9 +26,15 @@ class Tile:
 @dataclass(frozen=True)
 class Configs:
     forward: Tile
-    bwd_kv: Tile        # bwd_main: one program per key tile of block_n, walking query tiles of block_m
-    bwd_dq: Tile        # bwd_dq: one program per query tile of block_m, walking key tiles of block_n
+    bwd_kv: Tile        # key-tile role: one program per key tile of block_n, walking query tiles of block_m
+    bwd_dq: Tile        # query-tile role (dQ pass): one program per query tile of block_m, walking key tiles
     bwd_tma_loads: bool = True   # backward tile loads through TMA descriptors where the tensors allow
+
+    def __post_init__(self):
+        # Both backward roles run in one launch (bwd_main.attn_bwd_kernel): one num_warps, one num_stages.
+        if (self.bwd_kv.num_warps, self.bwd_kv.num_stages) != (self.bwd_dq.num_warps, self.bwd_dq.num_stages):
+            raise ValueError(f"bwd_kv {self.bwd_kv} and bwd_dq {self.bwd_dq} share one launch: "
+                             "num_warps and num_stages must match")
 
 
 def head_block(head_dim: int) -> int:

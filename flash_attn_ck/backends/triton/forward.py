@@ -8,7 +8,7 @@ is 0). MQA/GQA read K/V of head h // group directly (no expansion). Varlen tenso
 import triton
 import triton.language as tl
 
-from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_operands, query_tile_program
+from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
 from .tiles import store_rows
 
 
@@ -25,8 +25,11 @@ def attn_fwd_kernel(
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         USE_TMA: tl.constexpr):
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
-    m0, b, h, q_start, len_q, k_start, len_k, shift = query_tile_program(
-        cu_seqlens_q, cu_seqlens_k, heads, max_seqlen_q, max_seqlen_k, BLOCK_M, VARLEN, TOP_LEFT)
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    b = tl.program_id(1) // heads
+    h = tl.program_id(1) % heads
+    m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(
+        m_block, b, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, BLOCK_M, VARLEN, TOP_LEFT)
     if m0 >= len_q:
         return
 

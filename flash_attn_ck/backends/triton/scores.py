@@ -33,18 +33,13 @@ def sequence_bounds(cu_seqlens_ptr, b, max_len, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def query_tile_program(cu_seqlens_q, cu_seqlens_k, heads, max_seqlen_q, max_seqlen_k, BLOCK_M: tl.constexpr,
-                       VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr):
-    """A query-tile program's coordinates: (first row m0, sequence b, head h, q start, q length,
-    k start, k length, diagonal shift). Program id 0 counts tiles from the last, so the longest
-    causal tiles start first."""
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1) // heads
-    h = tl.program_id(1) % heads
+def query_tile_bounds(m_block, b, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, BLOCK_M: tl.constexpr,
+                      VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr):
+    """Query tile m_block of sequence b: (first row m0, q start, q length, k start, k length, diagonal shift)."""
     q_start, len_q = sequence_bounds(cu_seqlens_q, b, max_seqlen_q, VARLEN)
     k_start, len_k = sequence_bounds(cu_seqlens_k, b, max_seqlen_k, VARLEN)
     shift = 0 if TOP_LEFT else len_k - len_q
-    return m_block * BLOCK_M, b, h, q_start, len_q, k_start, len_k, shift
+    return m_block * BLOCK_M, q_start, len_q, k_start, len_k, shift
 
 
 @triton.jit
