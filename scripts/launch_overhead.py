@@ -4,9 +4,10 @@ well under a millisecond and the launch path can dominate.
 Per shape: the GPU span of one backward issued alone (CUDA events around one call after a sync; its
 kernels, plus any launch gaps between them), the wall time per call when calls are issued back to
 back (do_bench: bounded by the host when the host is the slower), and the host time of issuing
-alone. `--breakdown`: host time of each layer; `--profile`: cProfile, top entries by own time.
+alone. `--breakdown`: host time of each layer; `--kernels`: GPU time of each kernel (torch.profiler);
+`--profile`: cProfile, top entries by own time.
 
-    python scripts/launch_overhead.py [--shapes d:h:h_k:s:causal,...] [--backend triton] [--profile]
+    python scripts/launch_overhead.py [--shapes d:h:h_k:s:causal,...] [--backend triton] [--kernels] [--profile]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main():
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="host time of each layer of the backward alone")
+    ap.add_argument("--kernels", action="store_true", help="GPU time of each kernel of the backward (torch.profiler)")
     args = ap.parse_args()
     for spec in args.shapes.split(","):
         d, h, h_k, s, causal = (int(x) for x in spec.split(":"))
@@ -65,6 +67,8 @@ def main():
               f"host issue {host:.3f} ms", flush=True)
         if args.breakdown:
             breakdown(q, k, v, out, dout, bool(causal), args.backend)
+        if args.kernels:
+            kernel_times(bwd)
         if args.profile:
             profile = cProfile.Profile()
             profile.enable()
@@ -73,6 +77,19 @@ def main():
             profile.disable()
             torch.cuda.synchronize()
             pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+
+
+def kernel_times(fn, calls: int = 20) -> None:
+    """Mean GPU time per backward of each kernel it launches, from torch.profiler's CUDA activity."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            print(f"    kernel {event.key[:60]:60s} {event.device_time_total / calls / 1e3:.3f} ms x "
+                  f"{event.count / calls:g} per call", flush=True)
 
 
 def host_ms(fn, n=50) -> float:
