@@ -7,7 +7,7 @@ of each candidate in the dQ-pass mode (what GQA and deterministic calls use, and
 where config says otherwise), then the atomic-dQ mode with the winning key tile; prints one line per
 candidate and the winners.
 
-    python scripts/triton_tune.py [--dims 64,128,256] [--seq 8192] [--causal] [--json out.json]
+    python scripts/triton_tune.py [--dims 64,128,256] [--seq 8192] [--causal] [--short] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,6 +33,16 @@ CANDIDATES = {
     256: [(64, 64, 128, 64, 8, 1), (64, 64, 64, 64, 8, 1), (64, 64, 64, 64, 8, 2), (32, 64, 64, 32, 4, 2),
           (64, 32, 32, 64, 4, 2)],
 }
+# Short sequences (`--short`): the kernel is bound by per-program latency (prologue loads, pipeline
+# fill, epilogue) rather than by the tensor cores, so tiles that leave room for two CTAs per SM.
+SHORT_CANDIDATES = {
+    64: [(32, 128, 128, 64, 4, 3), (32, 64, 64, 32, 4, 2), (64, 64, 64, 64, 4, 2), (32, 64, 64, 64, 4, 3),
+         (64, 64, 64, 64, 4, 3)],
+    128: [(64, 128, 128, 64, 8, 3), (64, 64, 64, 64, 4, 2), (32, 64, 64, 32, 4, 2), (64, 64, 64, 64, 8, 2),
+          (32, 128, 128, 32, 4, 2)],
+    256: [(64, 64, 128, 64, 8, 1), (32, 64, 64, 32, 4, 1), (64, 32, 32, 64, 4, 1), (32, 32, 32, 32, 4, 2),
+          (64, 64, 64, 64, 8, 1)],
+}
 
 
 def configs_for(base, cand):
@@ -45,6 +55,7 @@ def main():
     ap.add_argument("--dims", default="64,128,256")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--short", action="store_true", help="search SHORT_CANDIDATES (use with --seq 512 or 1024)")
     ap.add_argument("--json", default="", help="write the winners here (bench_bwd.py --tuned reads it)")
     args = ap.parse_args()
     s = args.seq
@@ -59,14 +70,15 @@ def main():
             except Exception as e:  # noqa: BLE001
                 print(f"  failed: {type(e).__name__}: {str(e)[:160]}")
                 return 0.0
-        best_cand, best = CANDIDATES[d][0], 0.0
-        for cand in CANDIDATES[d]:
+        candidates = (SHORT_CANDIDATES if args.short else CANDIDATES)[d]
+        best_cand, best = candidates[0], 0.0
+        for cand in candidates:
             tf = run(configs_for(base, cand), "triton-dq-pass")
-            print(f"d{d} causal={args.causal} {cand}: {tf:.0f} TF/s", flush=True)
+            print(f"d{d} s{s} causal={args.causal} {cand}: {tf:.0f} TF/s", flush=True)
             if tf > best:
                 best_cand, best = cand, tf
         atomic = run(configs_for(base, best_cand), "triton-atomic-dq")
-        print(f"WINNER d{d} causal={args.causal}: {best_cand} {best:.0f} TF/s (dQ pass); atomic-dQ mode with it: "
+        print(f"WINNER d{d} s{s} causal={args.causal}: {best_cand} {best:.0f} TF/s (dQ pass); atomic-dQ mode with it: "
               f"{atomic:.0f} TF/s", flush=True)
         cfg = configs_for(base, best_cand)
         winners[d] = dict(bwd_kv=dataclasses.astuple(cfg.bwd_kv), bwd_dq=dataclasses.astuple(cfg.bwd_dq), tflops=best,
