@@ -8,6 +8,7 @@ alone. `--breakdown`: host time of each layer; `--kernels`: GPU time of each ker
 `--profile`: cProfile, top entries by own time.
 
     python scripts/launch_overhead.py [--shapes d:h:h_k:s:causal,...] [--backend triton] [--kernels] [--profile]
+        [--tma auto|on|off] [--dq-mode auto|pass|atomic]
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ def main():
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--breakdown", action="store_true", help="host time of each layer of the backward alone")
     ap.add_argument("--kernels", action="store_true", help="GPU time of each kernel of the backward (torch.profiler)")
+    ap.add_argument("--tma", choices=["auto", "on", "off"], default="auto",
+                    help="triton: TritonBackend(use_tma=None/True/False), e.g. to compare TMA and pointer tiles")
+    ap.add_argument("--dq-mode", default="auto", help="triton: TritonBackend(dq_mode=...)")
     args = ap.parse_args()
+    if args.backend == "triton":
+        from flash_attn_ck.backends import base
+        from flash_attn_ck.backends.triton import TritonBackend
+        base._instances["triton"] = TritonBackend(use_tma=dict(auto=None, on=True, off=False)[args.tma],
+                                                  dq_mode=args.dq_mode)
     for spec in args.shapes.split(","):
         d, h, h_k, s, causal = (int(x) for x in spec.split(":"))
         b = 16384 // s
@@ -86,10 +95,13 @@ def kernel_times(fn, calls: int = 20) -> None:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    total = 0.0
     for event in prof.key_averages():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            print(f"    kernel {event.key[:60]:60s} {event.device_time_total / calls / 1e3:.3f} ms x "
-                  f"{event.count / calls:g} per call", flush=True)
+            ms = event.device_time_total / calls / 1e3
+            total += ms
+            print(f"    kernel {event.key[:60]:60s} {ms:.3f} ms x {event.count / calls:g} per call", flush=True)
+    print(f"    all kernels {total:.3f} ms per call", flush=True)
 
 
 def host_ms(fn, n=50) -> float:

@@ -74,7 +74,7 @@ def main():
                                  dict(BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, DQ_BLOCK_M=dq.block_m,
                                       DQ_BLOCK_N=dq.block_n, BLOCK_D=block_d, VARLEN=varlen, LOOP_GROUP=loop,
                                       DQ_ATOMIC=atomic, DETERMINISTIC=det, USE_TMA=not varlen,
-                                      TMA_LOADS=not varlen and cfg.bwd_tma_loads, **feats), kv))
+                                      TMA_LOADS=not varlen and cfg.bwd_tma == "all", **feats), kv))
                 for name, kernel, cx, tile in runs:
                     try:
                         r = compile_one(kernel, cx, tile.num_warps, tile.num_stages)

@@ -11,7 +11,7 @@ from flash_attn_ck.backends.triton import TritonBackend
 torch.manual_seed(0)
 lens_q, lens_k = [37, 0, 70, 5], [50, 9, 70, 0]
 cu_q = torch.tensor([0] + lens_q).cumsum(0).int().cuda(); cu_k = torch.tensor([0] + lens_k).cumsum(0).int().cuda()
-for opts in (dict(), dict(gqa_epilogue="accumulate")):
+for opts in (dict(), dict(gqa_epilogue="accumulate"), dict(gqa_epilogue="accumulate", use_tma=True)):
     base._instances["triton"] = TritonBackend(**opts)
     q = torch.randn(sum(lens_q), 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -19,7 +19,7 @@ for opts in (dict(), dict(gqa_epilogue="accumulate")):
     out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
                                     deterministic=True, backend="triton")
     out.backward(torch.randn_like(out))
-    # dense GQA too, so the TMA store / bulk reduce-add epilogue runs under the tools
+    # dense GQA too: with use_tma=True the TMA loads, stores and bulk reduce-add epilogue run under the tools
     qd = torch.randn(2, 70, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     kd = torch.randn(2, 90, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     vd = torch.randn_like(kd, requires_grad=True)

@@ -63,17 +63,20 @@ def test_fp32_runs_only_on_reference():
         fa.flash_attn_func(q, q, q, backend="triton")
 
 
-@pytest.mark.parametrize("capability, head_dim, heads_k, varlen, deterministic, atomic", [
-    ((9, 0), 128, 2, False, False, False),   # sm_90, dense: TMA tile loads, and with them the dQ pass wins
-    ((9, 0), 128, 2, True, False, True),     # varlen loads by pointers: atomic dQ won there
-    ((8, 0), 128, 2, False, False, True),    # no TMA before sm_90
-    ((9, 0), 128, 1, False, False, False),   # GQA keeps the pass (memory)
-    ((8, 0), 128, 2, False, True, False),    # deterministic: never atomics
-    ((9, 0), 64, 2, False, False, False),    # head block 64: the pass
+@pytest.mark.parametrize("capability, head_dim, heads_k, varlen, deterministic, seqlen, atomic", [
+    ((9, 0), 128, 2, False, False, 4096, False),   # sm_90, dense: TMA tile loads, and with them the dQ pass wins
+    ((9, 0), 128, 2, True, False, 4096, True),     # varlen loads by pointers: atomic dQ won there
+    ((8, 0), 128, 2, False, False, 4096, True),    # no TMA before sm_90
+    ((9, 0), 128, 2, False, False, 2048, False),   # short sequences: pointers, and the pass measured faster
+    ((9, 0), 128, 2, True, False, 512, False),
+    ((9, 0), 128, 1, False, False, 4096, False),   # GQA keeps the pass (memory)
+    ((8, 0), 128, 2, False, True, 4096, False),    # deterministic: never atomics
+    ((9, 0), 64, 2, False, False, 4096, False),    # head block 64: the pass
 ])
-def test_triton_auto_dq_mode(monkeypatch, capability, head_dim, heads_k, varlen, deterministic, atomic):
+def test_triton_auto_dq_mode(monkeypatch, capability, head_dim, heads_k, varlen, deterministic, seqlen, atomic):
     """dq_mode="auto" (docs/triton.md): atomic dQ only for MHA with a 128 head block, not
-    deterministic, where the backward loads its tiles by pointers; the plan holds dq_accum iff so."""
+    deterministic, sequences longer than config.SHORT_SEQLEN, where the backward loads its tiles by
+    pointers; the plan holds dq_accum iff so."""
     pytest.importorskip("triton")
     from dataclasses import replace
 
@@ -81,7 +84,8 @@ def test_triton_auto_dq_mode(monkeypatch, capability, head_dim, heads_k, varlen,
     monkeypatch.delenv("FLASH_ATTN_CK_TRITON_DQ", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     p = replace(problem(device="cuda"), head_dim=head_dim, head_dim_padded=head_dim, heads_k=heads_k,
-                deterministic=deterministic, varlen=varlen, total_q=16 if varlen else 0, total_k=16 if varlen else 0)
+                deterministic=deterministic, varlen=varlen, total_q=16 if varlen else 0, total_k=16 if varlen else 0,
+                seqlen_q=seqlen, seqlen_k=seqlen)
     names = [b.name for b in TritonBackend().backward_plan(p).buffers]
     assert ("dq_accum" in names) is atomic
     assert "dq_accum" not in [b.name for b in TritonBackend(dq_mode="pass").backward_plan(p).buffers]
@@ -95,3 +99,15 @@ def test_triton_configs_share_one_backward_launch():
     fwd = config.Tile(64, 64, 4, 2)
     with pytest.raises(ValueError, match="num_warps and num_stages must match"):
         config.Configs(fwd, config.Tile(64, 128, 8, 3), config.Tile(128, 64, 4, 3))
+
+
+@pytest.mark.parametrize("seqlen, tma", [(512, "none"), (2048, "none"), (2049, "all"), (8192, "all")])
+def test_triton_short_sequences_move_tiles_by_pointers(seqlen, tma):
+    """config.select on sm_90: up to SHORT_SEQLEN the backward uses no TMA descriptors (measured
+    faster there); longer calls keep the table's choice. Tiles do not change."""
+    pytest.importorskip("triton")
+    from flash_attn_ck.backends.triton import config
+    chosen = config.select(128, True, (9, 0), False, seqlen)
+    assert chosen.bwd_tma == tma
+    assert (chosen.bwd_kv, chosen.bwd_dq) == (config.SM90[(128, True)].bwd_kv, config.SM90[(128, True)].bwd_dq)
+    assert config.select(256, False, (9, 0), False, 8192).bwd_tma == "stores"

@@ -19,8 +19,11 @@ from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
 
 
 
-@pytest.fixture(params=[dict(), dict(dq_mode="pass"), dict(gqa_epilogue="accumulate"), dict(dq_mode="atomic")],
-                ids=["defaults", "loop-pass", "accumulate", "atomic-dq"])
+# The test shapes are short (config.SHORT_SEQLEN), where the defaults move tiles by pointers; the
+# use_tma=True rows force TMA loads, stores and bulk reduce-adds so that those paths are tested too.
+@pytest.fixture(params=[dict(), dict(dq_mode="pass"), dict(gqa_epilogue="accumulate"), dict(dq_mode="atomic"),
+                        dict(use_tma=True), dict(use_tma=True, gqa_epilogue="accumulate")],
+                ids=["defaults", "loop-pass", "accumulate", "atomic-dq", "tma", "tma-accumulate"])
 def backend_options(request):
     """Install a TritonBackend with the given options as the one the dispatcher hands out."""
     saved = base._instances.get("triton")
@@ -75,7 +78,8 @@ def test_varlen_empty_sequences(causal, backend_options):
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-@pytest.mark.parametrize("options", [dict(), dict(gqa_epilogue="accumulate")], ids=["loop", "accumulate"])
+@pytest.mark.parametrize("options", [dict(), dict(gqa_epilogue="accumulate"), dict(gqa_epilogue="accumulate", use_tma=True)],
+                         ids=["loop", "accumulate", "accumulate-tma"])
 def test_deterministic_bit_identical(options, varlen):
     saved = base._instances.get("triton")
     base._instances["triton"] = TritonBackend(**options)

@@ -14,13 +14,15 @@ Options (constructor arguments, defaults from the environment):
                 per query head adding into fp32 (b, h_k, s_k, d) accumulators (+ semaphores when
                 deterministic).            env FLASH_ATTN_CK_TRITON_GQA
   dq_mode       "auto" (default): "atomic" only where the H200 measured it faster and memory allows
-                (MHA, head block 128, not deterministic, tiles loaded by pointers: 385 vs 329 TF/s
-                at s8192; with TMA loads the pass wins, 392 vs 341), else "pass".
+                (MHA, head block 128, not deterministic, tiles loaded by pointers, longest sequence
+                over config.SHORT_SEQLEN: 385 vs 329 TF/s at s8192; with TMA loads, and on short
+                sequences, the pass wins), else "pass".
                 "pass": separate query-tile pass, no dQ accumulator, deterministic.
                 "atomic": fp32 dQ accumulator laid out like q, added by the key-tile programs
                 (refused in deterministic mode).       env FLASH_ATTN_CK_TRITON_DQ
-  use_tma       None = TMA tensor descriptors (tiles.py) for every tile load and store on sm_90+ when
-                the tensors are dense and 16-byte aligned; False forces masked pointer accesses.
+  use_tma       None = TMA tensor descriptors (tiles.py) on sm_90+ when the tensors are dense and 16-byte
+                aligned, for the tile loads and stores config.Configs.bwd_tma names (none for short
+                sequences); True: every backward tile where the tensors allow; False: masked pointers.
 The choice of defaults and the measurements behind it: docs/triton.md.
 """
 
@@ -111,7 +113,7 @@ class TritonBackend(Backend):
         if self.configs is not None:
             return self.configs
         cap = torch.cuda.get_device_capability(p.device) if p.device.type == "cuda" else None
-        return config.select(p.head_dim_padded, p.mask.is_causal, cap, _interpreting())
+        return config.select(p.head_dim_padded, p.mask.is_causal, cap, _interpreting(), max(p.seqlen_q, p.seqlen_k))
 
     def _dq_atomic(self, p: AttentionProblem) -> bool:
         if p.deterministic:
@@ -120,7 +122,10 @@ class TritonBackend(Backend):
             # bench/h200-2026-11-29-tma-loads.md, d128 MHA s8192: with TMA tile loads the pass wins
             # (392 vs 341 TF/s) and needs no fp32 dQ; with pointer loads atomics won (385 vs 329).
             # GQA keeps the pass: an fp32 dQ the size of q would break the memory target.
-            return not p.is_gqa and config.head_block(p.head_dim_padded) == 128 and not self._tma_loads_planned(p)
+            # Short sequences load by pointers but keep the pass: it measured faster there (0.610 vs 0.675 ms
+            # of GPU time at d128 s512, 1.841 vs 2.019 at s2048; config.SHORT_SEQLEN).
+            return (not p.is_gqa and config.head_block(p.head_dim_padded) == 128 and not self._tma_loads_planned(p)
+                    and max(p.seqlen_q, p.seqlen_k) > config.SHORT_SEQLEN)
         return self.dq_mode == "atomic"
 
     def _tma_loads_planned(self, p: AttentionProblem) -> bool:
@@ -130,7 +135,7 @@ class TritonBackend(Backend):
             return False
         if self.use_tma is None and torch.cuda.get_device_capability(p.device)[0] < 9:
             return False
-        return self._configs(p).bwd_tma_loads
+        return self.use_tma is True or self._configs(p).bwd_tma == "all"
 
     def _accumulate_kv(self, p: AttentionProblem) -> bool:
         return p.is_gqa and self.gqa_epilogue == "accumulate"
@@ -243,7 +248,9 @@ class TritonBackend(Backend):
         loop_group = not self._accumulate_kv(p)
         inputs = (params.q, params.k, params.v, dout)
         dq_target = dq_acc if dq_acc is not None else dq
-        use_tma = self._tma(p, *inputs, dq_target, dk, dv, *(t for t in (dk_acc, dv_acc) if t is not None))
+        tma_mode = "all" if self.use_tma is True else cfg.bwd_tma   # use_tma=True forces every tile through TMA
+        use_tma = tma_mode != "none" and self._tma(p, *inputs, dq_target, dk, dv,
+                                                   *(t for t in (dk_acc, dv_acc) if t is not None))
         prog_heads = p.heads_k if loop_group else p.heads_q
         query_programs = 0 if dq_acc is not None else (p.heads_q // prog_heads) * triton_cdiv(p.seqlen_q, dq_tile.block_m)
         programs = triton_cdiv(p.seqlen_k, kv.block_n) + query_programs
@@ -258,7 +265,7 @@ class TritonBackend(Backend):
                 p.batch, p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
                 BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n,
                 BLOCK_D=block_d, VARLEN=p.varlen, LOOP_GROUP=loop_group, DQ_ATOMIC=dq_acc is not None,
-                DETERMINISTIC=p.deterministic, USE_TMA=use_tma, TMA_LOADS=use_tma and cfg.bwd_tma_loads,
+                DETERMINISTIC=p.deterministic, USE_TMA=use_tma, TMA_LOADS=use_tma and tma_mode == "all",
                 num_warps=kv.num_warps, num_stages=kv.num_stages, **features, **mask_args)
 
         # ---- 3. fp32 accumulators -> output dtype ----

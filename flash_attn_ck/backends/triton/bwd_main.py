@@ -23,7 +23,7 @@ Per (key tile, query tile), transposed so that keys are rows:
   dsT = pT (dpT - D) [* (1 - tanh^2) with softcap]; dK += dsT Q; (dQ += dsT^T K).
 
 USE_TMA: tile stores and adds (the epilogue, atomic dQ) through TMA descriptors; TMA_LOADS: tile
-loads too (config.Configs.bwd_tma_loads; tiles.py says what changes).
+loads too (config.Configs.bwd_tma; tiles.py says what changes).
 """
 
 import triton

@@ -12,7 +12,7 @@ Where the numbers come from:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,12 @@ class Configs:
     forward: Tile
     bwd_kv: Tile        # key-tile role: one program per key tile of block_n, walking query tiles of block_m
     bwd_dq: Tile        # query-tile role (dQ pass): one program per query tile of block_m, walking key tiles
-    bwd_tma_loads: bool = True   # backward tile loads through TMA descriptors where the tensors allow
+    bwd_tma: str = "all"   # backward tiles through TMA descriptors where the tensors allow: "all" (loads
+                           # and stores), "stores" (loads by pointers), "none" (pointers only)
 
     def __post_init__(self):
+        if self.bwd_tma not in ("all", "stores", "none"):
+            raise ValueError(f"bwd_tma={self.bwd_tma!r}: expected 'all', 'stores' or 'none'")
         # Both backward roles run in one launch (bwd_main.attn_bwd_kernel): one num_warps, one num_stages.
         if (self.bwd_kv.num_warps, self.bwd_kv.num_stages) != (self.bwd_dq.num_warps, self.bwd_dq.num_stages):
             raise ValueError(f"bwd_kv {self.bwd_kv} and bwd_dq {self.bwd_dq} share one launch: "
@@ -55,13 +58,21 @@ def head_block(head_dim: int) -> int:
 # 233 TF/s against 239 (bench/h200-2026-11-29-tma-loads.md). The d32 row reuses d64's.
 # Forward tiles: not searched (FlexAttention's H100 defaults, as a starting point).
 _BWD_SM90 = {
-    32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), True),
-    64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), True),
-    128: (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3), True),
-    256: (Tile(64, 64, 8, 1), Tile(128, 64, 8, 1), False),
+    32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all"),
+    64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all"),
+    128: (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3), "all"),
+    256: (Tile(64, 64, 8, 1), Tile(128, 64, 8, 1), "stores"),
 }
 _FWD_SM90 = {32: Tile(128, 64, 4, 3), 64: Tile(128, 64, 4, 3), 128: Tile(128, 64, 8, 3), 256: Tile(64, 64, 4, 2)}
 SM90 = {(d, causal): Configs(_FWD_SM90[d], *_BWD_SM90[d]) for d in _BWD_SM90 for causal in (False, True)}
+
+# Short sequences (longest query/key length <= SHORT_SEQLEN): the backward moves its tiles through masked
+# pointers, no TMA descriptors. Measured 2026-11-29 on the H200 (GPU time of all backward kernels,
+# `launch_overhead.py --kernels`, SM90 tiles, dQ pass): d128 s512 0.610 vs 0.750 ms (causal 0.476 vs
+# 0.632), s1024 1.019 vs 1.137 (0.681 vs 0.831), s2048 1.841 vs 1.905 (1.108 vs 1.231); d64 s2048
+# 1.975 vs 2.058; d256 s2048 2.718 vs 2.731. At s4096 the descriptors win (d128 3.472 vs 3.757 ms):
+# making a descriptor costs each program a fixed latency that only long key/query walks amortise.
+SHORT_SEQLEN = 2048
 
 GENERIC = {
     32: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
@@ -73,10 +84,13 @@ GENERIC = {
 INTERPRETER = Configs(Tile(16, 16, 1, 1), Tile(16, 16, 1, 1), Tile(16, 16, 1, 1))
 
 
-def select(head_dim: int, causal: bool, capability: tuple[int, int] | None, interpreter: bool) -> Configs:
+def select(head_dim: int, causal: bool, capability: tuple[int, int] | None, interpreter: bool,
+           seqlen: int = 0) -> Configs:
+    """The configs for a call; `seqlen` is its longest (max) query or key length."""
     if interpreter:
         return INTERPRETER
     block = head_block(head_dim)
     if capability is not None and capability[0] == 9:
-        return SM90[(block, causal)]
+        configs = SM90[(block, causal)]
+        return replace(configs, bwd_tma="none") if seqlen <= SHORT_SEQLEN else configs
     return GENERIC[block]
