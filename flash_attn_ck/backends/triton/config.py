@@ -73,6 +73,7 @@ SM90 = {(d, causal): Configs(_FWD_SM90[d], *_BWD_SM90[d]) for d in _BWD_SM90 for
 # 1.975 vs 2.058; d256 s2048 2.718 vs 2.731. At s4096 the descriptors win (d128 3.472 vs 3.757 ms):
 # making a descriptor costs each program a fixed latency that only long key/query walks amortise.
 SHORT_SEQLEN = 2048
+SM90_SHORT = {key: replace(c, bwd_tma="none") for key, c in SM90.items()}   # made once: select is on the call path
 
 GENERIC = {
     32: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
@@ -91,6 +92,5 @@ def select(head_dim: int, causal: bool, capability: tuple[int, int] | None, inte
         return INTERPRETER
     block = head_block(head_dim)
     if capability is not None and capability[0] == 9:
-        configs = SM90[(block, causal)]
-        return replace(configs, bwd_tma="none") if seqlen <= SHORT_SEQLEN else configs
+        return (SM90_SHORT if seqlen <= SHORT_SEQLEN else SM90)[(block, causal)]
     return GENERIC[block]
