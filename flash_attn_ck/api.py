@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from . import ops  # noqa: F401  (registers torch.ops.flash_attn_ck)
+from . import ops
 from .backends.base import backend_class
 from .frontend.checks import ArgumentError, check_tensor
 from .frontend.chunking import ChunkPlan, WorkspaceError, plan_chunks, workspace_cap
@@ -40,7 +40,7 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
 
     `rng_state` is None without dropout. Batch layout unless `cu_seqlens_q/k` are given."""
     left, right = _window(window_size)
-    out, lse, rng_state, probs = torch.ops.flash_attn_ck.fwd(
+    out, lse, rng_state, probs = ops.attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0, max_seqlen_k or 0, alibi_slopes, float(dropout_p),
         _scale(q, softmax_scale), bool(causal), left, right, float(softcap), bool(deterministic),
         bool(return_attn_probs), backend or "")

@@ -1,10 +1,15 @@
-"""torch.library custom ops (namespace `flash_attn_ck`): forward, backward, and their fake versions.
+"""The flash_attn_ck operators (namespace `flash_attn_ck`) and the autograd function around them.
 
-The public functions call these ops, so `torch.compile(fullgraph=True)` traces through them
-without graph breaks and autograd is registered on the op itself. Ops cannot return None: absent
-optional results are empty tensors (`rng_state` without dropout, `probs` unless requested).
+Ops are declared with `torch.library.define` + `impl` + `register_fake` rather than
+`@torch.library.custom_op`, and autograd is a `torch.autograd.Function` outside them: on the H200
+the custom_op wrapper and its registered autograd cost ~0.25 ms of host time per backward
+(`scripts/launch_overhead.py --breakdown`), as much as the kernels of a small call (PyTorch
+issues #139500, #176592). `torch.compile(fullgraph=True)` traces the Function and sees the ops
+through their fakes, so compiled graphs keep one opaque op per direction. Ops cannot return None:
+absent optional results are empty tensors (`rng_state` without dropout, `probs` unless requested).
 
-- `fwd(q, k, v, ...) -> (out, softmax_lse, rng_state, probs)`; only `out` is differentiable.
+- `fwd(q, k, v, ...) -> (out, softmax_lse, rng_state, probs)`; not differentiable by itself:
+  `attention(...)` (the Function) makes `out` differentiable.
 - `bwd(dout, q, k, v, out, softmax_lse, ...) -> (dq, dk, dv, softmax_d)`
 - `bwd_out(...)`: the same, writing into caller-provided dq/dk/dv (declared as mutated).
 
@@ -16,14 +21,28 @@ frontend), so shapes, dtypes and strides match for every backend.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
-from torch import Tensor
 
 from .frontend.backward import attention_backward
 from .frontend.forward import attention_forward
 from .frontend.problem import pad_head_dim
+
+_OPTIONS = ("Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
+            "Tensor? alibi_slopes, float dropout_p, float softmax_scale, bool causal, int window_left, "
+            "int window_right, float softcap, bool deterministic")
+torch.library.define("flash_attn_ck::fwd", f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, bool return_probs, "
+                     "str backend) -> (Tensor, Tensor, Tensor, Tensor)")
+torch.library.define("flash_attn_ck::bwd", f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                     f"Tensor softmax_lse, {_OPTIONS}, Tensor? rng_state, str backend, "
+                     "int? max_workspace_bytes=None) -> (Tensor, Tensor, Tensor, Tensor)")
+torch.library.define("flash_attn_ck::bwd_out", f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                     "Tensor softmax_lse, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
+                     f"{_OPTIONS}, Tensor? rng_state, str backend, int? max_workspace_bytes=None) -> Tensor")
+# The ops themselves are not differentiable (the Function below is): autograd falls through to the
+# kernels, so their outputs never carry a grad_fn and no autograd bookkeeping runs per call. The
+# kernels run under no_grad: a fallthrough does not exclude autograd from the ops they call.
+for _name in ("fwd", "bwd", "bwd_out"):
+    torch.library.impl(f"flash_attn_ck::{_name}", "Autograd", torch.library.fallthrough_kernel)
 
 
 def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict:
@@ -35,11 +54,10 @@ def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict
 
 # ---- forward -------------------------------------------------------------------------------------
 
-@torch.library.custom_op("flash_attn_ck::fwd", mutates_args=())
-def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-        max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], dropout_p: float,
-        softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-        deterministic: bool, return_probs: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@torch.library.impl("flash_attn_ck::fwd", "CompositeExplicitAutograd")
+@torch.no_grad()
+def _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
+         softmax_scale, causal, window_left, window_right, softcap, deterministic, return_probs, backend):
     out, lse, rng_state, probs = attention_forward(
         q, k, v, **_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
@@ -50,7 +68,7 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Optional[Tensor], cu_seql
     return out, lse, rng_state, lse.new_empty(0) if probs is None else probs
 
 
-@fwd.register_fake
+@torch.library.register_fake("flash_attn_ck::fwd")
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
       softmax_scale, causal, window_left, window_right, softcap, deterministic, return_probs, backend):
     d = q.shape[-1]
@@ -83,62 +101,84 @@ def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seql
         max_workspace_bytes=max_workspace_bytes)
 
 
-@torch.library.custom_op("flash_attn_ck::bwd", mutates_args=())
-def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor,
-        cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor], max_seqlen_q: int, max_seqlen_k: int,
-        alibi_slopes: Optional[Tensor], dropout_p: float, softmax_scale: float, causal: bool, window_left: int,
-        window_right: int, softcap: float, deterministic: bool, rng_state: Optional[Tensor],
-        backend: str, max_workspace_bytes: Optional[int] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+@torch.library.impl("flash_attn_ck::bwd", "CompositeExplicitAutograd")
+@torch.no_grad()
+def _bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+         dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic, rng_state, backend,
+         max_workspace_bytes=None):
     return _backward(dout, q, k, v, out, softmax_lse, None, None, None, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window_left,
                      window_right, softcap, deterministic, rng_state, backend, max_workspace_bytes)
 
 
-@bwd.register_fake
-def _(dout, q, k, v, out, softmax_lse, *args):
+@torch.library.register_fake("flash_attn_ck::bwd")
+def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), softmax_lse.new_empty(softmax_lse.shape)
 
 
-@torch.library.custom_op("flash_attn_ck::bwd_out", mutates_args=("dq", "dk", "dv"))
-def bwd_out(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, softmax_lse: Tensor, dq: Tensor,
-            dk: Tensor, dv: Tensor, cu_seqlens_q: Optional[Tensor], cu_seqlens_k: Optional[Tensor],
-            max_seqlen_q: int, max_seqlen_k: int, alibi_slopes: Optional[Tensor], dropout_p: float,
-            softmax_scale: float, causal: bool, window_left: int, window_right: int, softcap: float,
-            deterministic: bool, rng_state: Optional[Tensor], backend: str,
-            max_workspace_bytes: Optional[int] = None) -> Tensor:
+@torch.library.impl("flash_attn_ck::bwd_out", "CompositeExplicitAutograd")
+@torch.no_grad()
+def _bwd_out(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+             alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic,
+             rng_state, backend, max_workspace_bytes=None):
     return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right,
                      softcap, deterministic, rng_state, backend, max_workspace_bytes)[3]
 
 
-@bwd_out.register_fake
-def _(dout, q, k, v, out, softmax_lse, *args):
+@torch.library.register_fake("flash_attn_ck::bwd_out")
+def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
     return softmax_lse.new_empty(softmax_lse.shape)
 
 
-# ---- autograd on the forward op ---------------------------------------------------------------
+# ---- autograd: a Function around the forward op ----------------------------------------------------
 
-def _setup_context(ctx, inputs, output):
-    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale,
-     causal, window_left, window_right, softcap, deterministic, _return_probs, backend) = inputs
-    out, lse, rng_state, probs = output
-    # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
-    # non-differentiable instead of having their gradients silently dropped.
-    ctx.mark_non_differentiable(lse, rng_state, probs)
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
-    ctx.options = dict(max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, dropout_p=dropout_p,
-                       softmax_scale=softmax_scale, causal=causal, window_left=window_left,
-                       window_right=window_right, softcap=softcap, deterministic=deterministic, backend=backend)
+_fwd_op = torch.ops.flash_attn_ck.fwd.default
+_bwd_op = torch.ops.flash_attn_ck.bwd.default
 
 
-def _fwd_backward(ctx, dout, *_non_differentiable):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    dq, dk, dv, _ = torch.ops.flash_attn_ck.bwd(
-        dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes=alibi_slopes,
-        rng_state=rng_state, **ctx.options)
-    return (dq, dk, dv) + (None,) * 14
+class _Attention(torch.autograd.Function):
+    """`fwd` with `out` differentiable; its backward is the `bwd` op."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
+                softmax_scale, causal, window_left, window_right, softcap, deterministic, return_probs, backend):
+        out, lse, rng_state, probs = _fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             alibi_slopes, dropout_p, softmax_scale, causal, window_left,
+                                             window_right, softcap, deterministic, return_probs, backend)
+        # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
+        # non-differentiable instead of having their gradients silently dropped.
+        ctx.mark_non_differentiable(lse, rng_state, probs)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
+        ctx.options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
+                       softcap, deterministic)
+        ctx.backend = backend
+        return out, lse, rng_state, probs
+
+    @staticmethod
+    def backward(ctx, dout, *_non_differentiable):
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        max_seqlen_q, max_seqlen_k, *options = ctx.options
+        dq, dk, dv, _ = _bwd_op(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                alibi_slopes, *options, rng_state, ctx.backend)
+        return (dq, dk, dv) + (None,) * 14
 
 
-fwd.register_autograd(_fwd_backward, setup_context=_setup_context)
+def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
+    """`fwd`'s arguments -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out`."""
+    # Dynamo cannot trace a Function given one tensor twice (self-attention on one tensor, shared
+    # cu_seqlens): repeats become views, which change nothing else (gradients flow through them).
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _distinct(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
+
+
+def _distinct(*tensors):
+    # `is`, not id(): dynamo resolves `is` between inputs while tracing, but guards id() on the object.
+    result = []
+    for t in tensors:
+        if t is not None and any(t is earlier for earlier in result):
+            t = t.view_as(t)
+        result.append(t)
+    return result

@@ -1,5 +1,7 @@
 """torch.library.opcheck for the flash_attn_ck ops: fake shapes/strides, schema (declared mutations),
-autograd registration, and eager-vs-AOT values and gradients.
+autograd registration (the ops fall through autograd: not differentiable themselves), and eager-vs-AOT
+values. Gradients come from the autograd Function around `fwd` (ops.attention): checked here against
+the `bwd` op, and compiled against eager in test_compile.py.
 
 CPU: the reference backend in fp32/bf16. GPU (`-m gpu`): the Triton backend in fp16/bf16.
 With dropout every opcheck sub-test still applies: the AOT check reseeds torch's generators before
@@ -97,7 +99,7 @@ def check_op(op, args):
 
 def run_fwd(layout, dtype, device, dropout_p, return_probs, backend):
     torch.manual_seed(0)
-    call = make_call(layout, dtype, device, dropout_p, return_probs, backend)
+    call = make_call(layout, dtype, device, dropout_p, return_probs, backend, requires_grad=False)
     check_op(ops.fwd.default, fwd_args(call))
 
 
