@@ -43,20 +43,22 @@ GQA_ENV = "FLASH_ATTN_CK_TRITON_GQA"
 DQ_ENV = "FLASH_ATTN_CK_TRITON_DQ"
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+# Read once, like triton itself, which decides when the kernels' modules are imported.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _rows3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     """(batch, row, head) strides of a q/k/v-like tensor: (b, s, h, d) or varlen (total, h, d)."""
-    assert t.stride(-1) == 1, "the head dim must be contiguous"
-    return (0, t.stride(0), t.stride(1)) if varlen else (t.stride(0), t.stride(1), t.stride(2))
+    strides = t.stride()   # one call: this runs ~10 times per backward, on the host-bound path
+    assert strides[-1] == 1, "the head dim must be contiguous"
+    return (0, strides[0], strides[1]) if varlen else strides[:3]
 
 
 def _lse_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
     """(batch, head) strides of an lse-like tensor: (b, h, s_q) or varlen (h, total_q); rows unit."""
-    assert t.stride(-1) == 1
-    return (0, t.stride(0)) if varlen else (t.stride(0), t.stride(1))
+    strides = t.stride()
+    assert strides[-1] == 1
+    return (0, strides[0]) if varlen else strides[:2]
 
 
 def _scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
@@ -96,7 +98,7 @@ class TritonBackend(Backend):
             return "triton is not importable"
         if torch.version.hip is not None:
             return "this is a ROCm build of torch (the Triton backend targets CUDA)"
-        if not _interpreting() and not torch.cuda.is_available():
+        if not _INTERPRETING and not torch.cuda.is_available():
             return "no CUDA device"
         return None
 
@@ -108,12 +110,12 @@ class TritonBackend(Backend):
 
     # ---- configuration -------------------------------------------------------------------------
     def _configs(self, p: AttentionProblem) -> config.Configs:
-        if not _interpreting():
+        if not _INTERPRETING:
             _ensure_tma_allocator()   # TMA descriptors and some kernel variants need global scratch
         if self.configs is not None:
             return self.configs
         cap = torch.cuda.get_device_capability(p.device) if p.device.type == "cuda" else None
-        return config.select(p.head_dim_padded, p.mask.is_causal, cap, _interpreting(), max(p.seqlen_q, p.seqlen_k))
+        return config.select(p.head_dim_padded, p.mask.is_causal, cap, _INTERPRETING, max(p.seqlen_q, p.seqlen_k))
 
     def _dq_atomic(self, p: AttentionProblem) -> bool:
         if p.deterministic:
@@ -131,7 +133,7 @@ class TritonBackend(Backend):
     def _tma_loads_planned(self, p: AttentionProblem) -> bool:
         """Whether the backward will load its tiles through TMA, as far as the problem tells (the
         tensors' alignment, checked at launch by `_tma`, can still turn it off)."""
-        if self.use_tma is False or p.varlen or _interpreting() or p.device.type != "cuda":
+        if self.use_tma is False or p.varlen or _INTERPRETING or p.device.type != "cuda":
             return False
         if self.use_tma is None and torch.cuda.get_device_capability(p.device)[0] < 9:
             return False
@@ -145,7 +147,7 @@ class TritonBackend(Backend):
         if self.use_tma is False or p.varlen:
             return False
         if self.use_tma is None:
-            if _interpreting() or p.device.type != "cuda" or torch.cuda.get_device_capability(p.device)[0] < 9:
+            if _INTERPRETING or p.device.type != "cuda" or torch.cuda.get_device_capability(p.device)[0] < 9:
                 return False
         return all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
                    for t in tensors)
