@@ -1,8 +1,8 @@
 """A small transformer block (attention + MLP, GQA) through `torch.compile(fullgraph=True)`.
 
 fullgraph=True turns any graph break into an error, so passing means the public functions trace
-into one graph, the custom op included, and the compiled backward goes through its registered
-autograd. Compiled and eager must agree on the output and on every gradient.
+into one graph, the ops included (inside the autograd Function's traced forward and backward), and the
+compiled backward calls the `bwd` op. Compiled and eager must agree on the output and on every gradient.
 CPU: the reference backend; inductor for the batch block, aot_eager (the same tracing, fakes and
 autograd, without inductor's ~40 s cold C++ build per graph on a small CI machine) for the rest.
 GPU (`-m gpu`): the Triton backend, inductor throughout.
