@@ -149,6 +149,9 @@ class _Attention(torch.autograd.Function):
         # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
         # non-differentiable instead of having their gradients silently dropped.
         ctx.mark_non_differentiable(lse, rng_state, probs)
+        # Nothing flows back into lse/rng_state/probs: without this, autograd would allocate and zero
+        # an lse-sized gradient (one more fill kernel) on every backward.
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
         ctx.options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
                        softcap, deterministic)
@@ -157,6 +160,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_non_differentiable):
+        if dout is None:   # no gradient reached `out` (grads are not materialised)
+            return (None,) * 17
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()

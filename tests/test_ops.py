@@ -164,6 +164,20 @@ def test_only_out_is_differentiable():
     torch.testing.assert_close(qkv.grad, torch.stack([dq, dk, dv], dim=2))
 
 
+def test_backward_allocates_no_gradient_for_lse():
+    """lse/rng_state/probs take no gradient, so the Function's backward must not have autograd build
+    zero gradients for them (an lse-sized allocation and fill kernel per backward)."""
+    from torch.profiler import profile
+    q, k, v = (torch.randn(2, 9, 2, 16, requires_grad=True) for _ in range(3))
+    out, lse, _ = flash_attn_ck.flash_attn_fwd(q, k, v, causal=True)
+    with profile() as prof:
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    node = [e for e in prof.events() if e.name == "_AttentionBackward"]
+    assert node, "the autograd Function's backward did not run"
+    assert not [e for e in prof.events() if e.name == "aten::zeros" and e.cpu_parent is not None
+                and e.cpu_parent.name == "_AttentionBackward"]
+
+
 # ---- GPU: the Triton backend ----------------------------------------------------------------------
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
