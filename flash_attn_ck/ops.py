@@ -160,8 +160,6 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_non_differentiable):
-        if dout is None:   # no gradient reached `out` (grads are not materialised)
-            return (None,) * 17
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
