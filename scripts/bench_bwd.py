@@ -96,8 +96,11 @@ def _flex():
     return _flex_fn
 
 
+# Backend options timed as extra peers (`--peers triton,triton-pointers,...`): "triton-pointers" moves
+# every tile by pointers (forward included), "triton-tma" every tile through TMA descriptors.
 VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq": dict(dq_mode="atomic"),
-            "triton-dq-pass": dict(dq_mode="pass")}
+            "triton-dq-pass": dict(dq_mode="pass"), "triton-pointers": dict(use_tma=False),
+            "triton-tma": dict(use_tma=True)}
 
 
 def measure(name, b, h, h_k, s, d, causal, configs=None, warm_only=False):
