@@ -160,6 +160,8 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, *_non_differentiable):
+        if dout is None:   # an undefined gradient of `out` (not materialised): zero gradients, as None
+            return (None,) * 17
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
