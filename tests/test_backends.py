@@ -80,9 +80,9 @@ def test_triton_auto_dq_mode(monkeypatch, capability, head_dim, heads_k, varlen,
     pytest.importorskip("triton")
     from dataclasses import replace
 
-    from flash_attn_ck.backends.triton import TritonBackend
+    from flash_attn_ck.backends.triton import TritonBackend, backend
     monkeypatch.delenv("FLASH_ATTN_CK_TRITON_DQ", raising=False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(backend, "_capability", lambda device: capability)
     p = replace(problem(device="cuda"), head_dim=head_dim, head_dim_padded=head_dim, heads_k=heads_k,
                 deterministic=deterministic, varlen=varlen, total_q=16 if varlen else 0, total_k=16 if varlen else 0,
                 seqlen_q=seqlen, seqlen_k=seqlen)
@@ -101,13 +101,28 @@ def test_triton_configs_share_one_backward_launch():
         config.Configs(fwd, config.Tile(64, 128, 8, 3), config.Tile(128, 64, 4, 3))
 
 
-@pytest.mark.parametrize("seqlen, tma", [(512, "none"), (2048, "none"), (2049, "all"), (8192, "all")])
-def test_triton_short_sequences_move_tiles_by_pointers(seqlen, tma):
-    """config.select on sm_90: up to SHORT_SEQLEN the backward uses no TMA descriptors (measured
-    faster there); longer calls keep the table's choice. Tiles do not change."""
+@pytest.mark.parametrize("seqlen, bwd_tma, fwd_tma", [(512, "none", False), (1024, "none", False),
+                                                      (1025, "none", True), (2048, "none", True),
+                                                      (2049, "all", True), (8192, "all", True)])
+def test_triton_short_sequences_move_tiles_by_pointers(seqlen, bwd_tma, fwd_tma):
+    """config.select on sm_90: up to SHORT_SEQLEN the backward uses no TMA descriptors, up to
+    FWD_SHORT_SEQLEN the forward neither (both measured faster there); longer calls keep the
+    table's choice. Tiles do not change."""
     pytest.importorskip("triton")
     from flash_attn_ck.backends.triton import config
+    table = config.SM90[(128, True)]
     chosen = config.select(128, True, (9, 0), False, seqlen)
-    assert chosen.bwd_tma == tma
-    assert (chosen.bwd_kv, chosen.bwd_dq) == (config.SM90[(128, True)].bwd_kv, config.SM90[(128, True)].bwd_dq)
+    assert (chosen.bwd_tma, chosen.fwd_tma) == (bwd_tma, fwd_tma)
+    assert (chosen.forward, chosen.bwd_kv, chosen.bwd_dq) == (table.forward, table.bwd_kv, table.bwd_dq)
     assert config.select(256, False, (9, 0), False, 8192).bwd_tma == "stores"
+
+
+def test_triton_dp_first_only_where_measured():
+    """The dO V^T-before-exp2 order is a d256 choice (config.SM90's comment); no other row, no
+    generic or interpreter config, turns it on."""
+    pytest.importorskip("triton")
+    from flash_attn_ck.backends.triton import config
+    for seqlen in (512, 8192):
+        assert [d for d in (32, 64, 128, 256) if config.select(d, False, (9, 0), False, seqlen).bwd_dp_first] == [256]
+    assert not any(c.bwd_dp_first for c in config.GENERIC.values())
+    assert not config.INTERPRETER.bwd_dp_first

@@ -24,7 +24,8 @@ pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Each case: oracle Config fields, plus backend options (gqa_epilogue, dq_mode, use_tma).
+# Each case: oracle Config fields, plus backend options (gqa_epilogue, dq_mode, use_tma; dp_first:
+# the interpreter tiles with config.Configs.bwd_dp_first set).
 CASES = {
     "mha_dense": dict(cfg=dict(heads_q=2, heads_k=2)),
     "gqa_loop_causal": dict(cfg=dict(causal=True)),
@@ -39,6 +40,9 @@ CASES = {
                                 opts=dict(gqa_epilogue="accumulate")),
     "varlen_det_loop": dict(cfg=dict(seqlens=[[6, 11], [0, 0], [19, 19]], deterministic=True, head_dim=24)),
     "tma_store": dict(cfg=dict(heads_q=4, heads_k=1, head_dim=32), opts=dict(use_tma=True)),
+    # config.Configs.bwd_dp_first (the d256 rows' product order) in both backward roles, with the
+    # features that touch dp (dropout) and ds (softcap).
+    "dp_first": dict(cfg=dict(causal=True, softcap=5.0, dropout_p=0.25), opts=dict(dp_first=True)),
 }
 
 _RUNNER = r"""
@@ -57,7 +61,8 @@ interp._patch_lang_tensor = _patched
 import torch
 import flash_attn_ck.api  # noqa: F401
 from flash_attn_ck.backends import base
-from flash_attn_ck.backends.triton import TritonBackend
+from flash_attn_ck.backends.triton import TritonBackend, config
+from dataclasses import replace
 from oracle import Config
 from cases import check_case
 
@@ -69,7 +74,10 @@ if "seqlens" in cfg:
 if "window" in cfg:
     cfg["window"] = tuple(cfg["window"])
 TritonBackend.device_types = frozenset({"cuda", "cpu"})   # the interpreter runs on CPU tensors
-base._instances["triton"] = TritonBackend(**case.get("opts", {}))
+opts = case.get("opts", {})
+if opts.pop("dp_first", False):
+    opts["configs"] = replace(config.INTERPRETER, bwd_dp_first=True)
+base._instances["triton"] = TritonBackend(**opts)
 check_case(Config(**cfg), backend="triton")
 print("PASS")
 """

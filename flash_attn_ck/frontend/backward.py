@@ -28,13 +28,19 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                        alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                        softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
                        softcap: float = 0.0, deterministic: bool = False, rng_state: Optional[torch.Tensor] = None,
-                       backend: Optional[str] = None, max_workspace_bytes: Optional[int] = None):
+                       backend: Optional[str] = None, max_workspace_bytes: Optional[int] = None,
+                       problem: Optional[AttentionProblem] = None):
+    """`problem`: the forward's description of this very call (attention_forward returns it), from a
+    caller that guarantees the operands are the forward's own (the autograd Function: saved tensors,
+    and a dout that autograd has matched to out). Validation is then skipped; everyone else leaves
+    it None."""
     # ---- validate: everything before any allocation, so a failing call mutates nothing ----------
-    problem = describe_call(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                            deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
-    check_backward_operands(problem, q, k, dout, out, softmax_lse, dq, dk, dv, rng_state)
+    if problem is None:
+        problem = describe_call(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        check_backward_operands(problem, q, k, dout, out, softmax_lse, dq, dk, dv, rng_state)
     chosen = select_backend(problem, backend)
     cap = workspace_cap(max_workspace_bytes)
 

@@ -1,6 +1,7 @@
 """The mha_fwd pipeline: validate -> canonical mask -> backend kernel -> unpad.
 
-Returns `(out, softmax_lse, rng_state)`; lse is fp32 `(b, h, s_q)` (varlen `(h, total_q)`).
+Returns `(out, softmax_lse, rng_state, probs, problem)`; lse is fp32 `(b, h, s_q)` (varlen `(h, total_q)`);
+`problem` is the validated description of the call, which the backward of the same call may reuse.
 With `s_k == 0` no kernel runs: out is zero and lse is +inf (FA's convention for empty rows).
 """
 
@@ -49,5 +50,5 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     out = out[..., :problem.head_dim] if problem.head_dim_padded != problem.head_dim else out
     probs = attention_probs(problem, params, lse) if return_probs else None
-    return out, lse, rng_state, probs
+    return out, lse, rng_state, probs, problem
 

@@ -28,6 +28,7 @@ The choice of defaults and the measurements behind it: docs/triton.md.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -61,16 +62,24 @@ def _lse_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
     return (0, strides[0]) if varlen else strides[:2]
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """Compute capability of a CUDA device (a tensor's device: its index is set); read up to three
+    times per call, so cached."""
+    return torch.cuda.get_device_capability(device)
+
+
 def _scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _ensure_tma_allocator() -> None:
+def _prepare_launch() -> None:
     """Device-side tensor descriptors (and, seen on the H200, the dropout variants of the kernels)
     need global scratch from triton.set_allocator. The allocator lives in a context variable, so
-    it is set on every call: autograd runs the backward on its own thread."""
-    import triton
-    triton.set_allocator(_scratch)
+    it is set before every launch: autograd runs the backward on its own thread."""
+    if not _INTERPRETING:
+        import triton
+        triton.set_allocator(_scratch)
 
 
 class TritonBackend(Backend):
@@ -110,11 +119,9 @@ class TritonBackend(Backend):
 
     # ---- configuration -------------------------------------------------------------------------
     def _configs(self, p: AttentionProblem) -> config.Configs:
-        if not _INTERPRETING:
-            _ensure_tma_allocator()   # TMA descriptors and some kernel variants need global scratch
         if self.configs is not None:
             return self.configs
-        cap = torch.cuda.get_device_capability(p.device) if p.device.type == "cuda" else None
+        cap = _capability(p.device) if p.device.type == "cuda" else None
         return config.select(p.head_dim_padded, p.mask.is_causal, cap, _INTERPRETING, max(p.seqlen_q, p.seqlen_k))
 
     def _dq_atomic(self, p: AttentionProblem) -> bool:
@@ -135,7 +142,7 @@ class TritonBackend(Backend):
         tensors' alignment, checked at launch by `_tma`, can still turn it off)."""
         if self.use_tma is False or p.varlen or _INTERPRETING or p.device.type != "cuda":
             return False
-        if self.use_tma is None and torch.cuda.get_device_capability(p.device)[0] < 9:
+        if self.use_tma is None and _capability(p.device)[0] < 9:
             return False
         return self.use_tma is True or self._configs(p).bwd_tma == "all"
 
@@ -147,7 +154,7 @@ class TritonBackend(Backend):
         if self.use_tma is False or p.varlen:
             return False
         if self.use_tma is None:
-            if _INTERPRETING or p.device.type != "cuda" or torch.cuda.get_device_capability(p.device)[0] < 9:
+            if _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] < 9:
                 return False
         return all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
                    for t in tensors)
@@ -180,7 +187,9 @@ class TritonBackend(Backend):
         p = problem
         if p.rows_q == 0:
             return
-        tile = self._configs(p).forward
+        _prepare_launch()
+        cfg = self._configs(p)
+        tile = cfg.forward
         d = params.q.shape[-1]
         pointers, features = self._feature_args(p, params, lse)
         grid = (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)
@@ -190,7 +199,8 @@ class TritonBackend(Backend):
             *_rows3(out, p.varlen), *_lse_strides(lse, p.varlen), features.pop("stride_slope_b"),
             p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=config.head_block(d), VARLEN=p.varlen,
-            USE_TMA=self._tma(p, params.q, params.k, params.v, out), num_warps=tile.num_warps,
+            USE_TMA=(cfg.fwd_tma or self.use_tma is True) and self._tma(p, params.q, params.k, params.v, out),
+            num_warps=tile.num_warps,
             num_stages=tile.num_stages, **features, **self._mask_args(p))
 
     # ---- backward ------------------------------------------------------------------------------
@@ -219,6 +229,7 @@ class TritonBackend(Backend):
         from .bwd_main import attn_bwd_kernel
         from .bwd_preprocess import bwd_preprocess_kernel
         p = problem
+        _prepare_launch()
         cfg = self._configs(p)
         d = params.q.shape[-1]
         block_d = config.head_block(d)
@@ -268,6 +279,7 @@ class TritonBackend(Backend):
                 BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n,
                 BLOCK_D=block_d, VARLEN=p.varlen, LOOP_GROUP=loop_group, DQ_ATOMIC=dq_acc is not None,
                 DETERMINISTIC=p.deterministic, USE_TMA=use_tma, TMA_LOADS=use_tma and tma_mode == "all",
+                DP_FIRST=cfg.bwd_dp_first,
                 num_warps=kv.num_warps, num_stages=kv.num_stages, **features, **mask_args)
 
         # ---- 3. fp32 accumulators -> output dtype ----

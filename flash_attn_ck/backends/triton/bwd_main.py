@@ -23,7 +23,8 @@ Per (key tile, query tile), transposed so that keys are rows:
   dsT = pT (dpT - D) [* (1 - tanh^2) with softcap]; dK += dsT Q; (dQ += dsT^T K).
 
 USE_TMA: tile stores and adds (the epilogue, atomic dQ) through TMA descriptors; TMA_LOADS: tile
-loads too (config.Configs.bwd_tma; tiles.py says what changes).
+loads too (config.Configs.bwd_tma; tiles.py says what changes). DP_FIRST: dpT (dp in the dQ pass) is
+issued right after the scores' product, before the exp2 (config.Configs.bwd_dp_first).
 """
 
 import triton
@@ -51,7 +52,7 @@ def attn_bwd_kernel(
         BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr,
         HAS_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         LOOP_GROUP: tl.constexpr, DQ_ATOMIC: tl.constexpr, DETERMINISTIC: tl.constexpr,
-        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr):
+        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr, DP_FIRST: tl.constexpr):
     # ---- program -> role, sequence and program head ----
     x = tl.program_id(0)
     if LOOP_GROUP:
@@ -73,7 +74,7 @@ def attn_bwd_kernel(
             batch, heads, group, max_seqlen_q, max_seqlen_k, head_dim,
             scale, softcap, dropout_p, window_left, window_right,
             BLOCK_M, BLOCK_N, BLOCK_D, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            LOOP_GROUP, DQ_ATOMIC, DETERMINISTIC, USE_TMA, TMA_LOADS)
+            LOOP_GROUP, DQ_ATOMIC, DETERMINISTIC, USE_TMA, TMA_LOADS, DP_FIRST)
     elif not DQ_ATOMIC:
         # ---- dQ pass: query tile of one of the slot's query heads, counted from the last tile ----
         query_tiles = tl.cdiv(max_seqlen_q, DQ_BLOCK_M)
@@ -91,7 +92,7 @@ def attn_bwd_kernel(
             heads, group, max_seqlen_q, max_seqlen_k, head_dim,
             scale, softcap, dropout_p, window_left, window_right,
             DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            USE_TMA, TMA_LOADS)
+            USE_TMA, TMA_LOADS, DP_FIRST)
 
 
 @triton.jit
@@ -109,7 +110,7 @@ def key_tile_dkdv(
         VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         LOOP_GROUP: tl.constexpr, DQ_ATOMIC: tl.constexpr, DETERMINISTIC: tl.constexpr,
-        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr):
+        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr, DP_FIRST: tl.constexpr):
     """One key tile of kv head hk (LOOP_GROUP: ph = hk) or query head ph (the accumulator epilogue)."""
     if LOOP_GROUP:
         hk = ph
@@ -161,15 +162,19 @@ def key_tile_dkdv(
             do = load_rows(do_src, stride_dos, m0, len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
             lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
             delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
-            sT, tanh = scores_log2(tl.dot(k, tl.trans(q)), offs_m[None, :], offs_n[:, None], shift, scale,
-                                   softcap, slope, HAS_SOFTCAP, HAS_ALIBI)
+            qkT = tl.dot(k, tl.trans(q))
+            if DP_FIRST:
+                dpT = tl.dot(v, tl.trans(do))
+            sT, tanh = scores_log2(qkT, offs_m[None, :], offs_n[:, None], shift, scale, softcap, slope,
+                                   HAS_SOFTCAP, HAS_ALIBI)
             if block_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N,
                                 HAS_LEFT, HAS_RIGHT):
                 keep = keep_positions(offs_m[None, :], offs_n[:, None], len_k, shift, window_left,
                                       window_right, HAS_LEFT, HAS_RIGHT)
                 sT = tl.where(keep, sT, float("-inf"))
             pT = tl.exp2(sT - lse2[None, :])
-            dpT = tl.dot(v, tl.trans(do))
+            if not DP_FIRST:
+                dpT = tl.dot(v, tl.trans(do))
             # ---- dV and dS^T (dropout scales the kept entries by 1 / (1 - p)) ----
             if HAS_DROPOUT:
                 kept = dropout_keep(seed, offset, b * heads + h, offs_m[None, :], offs_n[:, None],

@@ -30,6 +30,8 @@ class Configs:
     bwd_dq: Tile        # query-tile role (dQ pass): one program per query tile of block_m, walking key tiles
     bwd_tma: str = "all"   # backward tiles through TMA descriptors where the tensors allow: "all" (loads
                            # and stores), "stores" (loads by pointers), "none" (pointers only)
+    bwd_dp_first: bool = False   # issue dO V^T before exp2(S - lse) in both backward roles (see SM90)
+    fwd_tma: bool = True   # forward tiles through TMA descriptors where the tensors allow
 
     def __post_init__(self):
         if self.bwd_tma not in ("all", "stores", "none"):
@@ -56,12 +58,15 @@ def head_block(head_dim: int) -> int:
 # tile loads moved to TMA descriptors (tiles.py): key tile unchanged, dQ pass (128, 64, 8, 3), 392 TF/s
 # in the dQ-pass mode. d256 keeps pointer loads in the backward: with TMA loads its best tiles reached
 # 233 TF/s against 239 (bench/h200-2026-11-29-tma-loads.md). The d32 row reuses d64's.
+# dp_first (d256 only): writing dO V^T before the exp2 in both roles measured 258 vs 249 TF/s at d256
+# s16384, 271 vs 266 at s8192, 253 vs 247 at s4096 causal (three alternating rounds, identical each
+# round); at d128 it lost (causal s8192 355 vs 368), so the other rows keep the source order.
 # Forward tiles: not searched (FlexAttention's H100 defaults, as a starting point).
 _BWD_SM90 = {
-    32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all"),
-    64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all"),
-    128: (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3), "all"),
-    256: (Tile(64, 64, 8, 1), Tile(128, 64, 8, 1), "stores"),
+    32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False),
+    64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False),
+    128: (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3), "all", False),
+    256: (Tile(64, 64, 8, 1), Tile(128, 64, 8, 1), "stores", True),
 }
 _FWD_SM90 = {32: Tile(128, 64, 4, 3), 64: Tile(128, 64, 4, 3), 128: Tile(128, 64, 8, 3), 256: Tile(64, 64, 4, 2)}
 SM90 = {(d, causal): Configs(_FWD_SM90[d], *_BWD_SM90[d]) for d in _BWD_SM90 for causal in (False, True)}
@@ -73,7 +78,14 @@ SM90 = {(d, causal): Configs(_FWD_SM90[d], *_BWD_SM90[d]) for d in _BWD_SM90 for
 # 1.975 vs 2.058; d256 s2048 2.718 vs 2.731. At s4096 the descriptors win (d128 3.472 vs 3.757 ms):
 # making a descriptor costs each program a fixed latency that only long key/query walks amortise.
 SHORT_SEQLEN = 2048
-SM90_SHORT = {key: replace(c, bwd_tma="none") for key, c in SM90.items()}   # made once: select is on the call path
+# The forward, likewise, up to FWD_SHORT_SEQLEN (bench_bwd.py, forward TF/s pointers vs descriptors,
+# 2026-11-29): s512 d64 307 vs 207, d128 300 vs 225, d256 246 vs 216; s1024 d64 causal 263 vs 233,
+# d256 291 vs 279, d128 355 vs 369 (causal 203 vs 185); at s2048 the descriptors mostly win (d256
+# 340 vs 330, GQA 32/8 449 vs 411).
+FWD_SHORT_SEQLEN = 1024
+# Made once: select is on the call path.
+SM90_SHORT = {key: replace(c, bwd_tma="none") for key, c in SM90.items()}
+SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items()}
 
 GENERIC = {
     32: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
@@ -92,5 +104,6 @@ def select(head_dim: int, causal: bool, capability: tuple[int, int] | None, inte
         return INTERPRETER
     block = head_block(head_dim)
     if capability is not None and capability[0] == 9:
-        return (SM90_SHORT if seqlen <= SHORT_SEQLEN else SM90)[(block, causal)]
+        table = SM90_FWD_SHORT if seqlen <= FWD_SHORT_SEQLEN else SM90_SHORT if seqlen <= SHORT_SEQLEN else SM90
+        return table[(block, causal)]
     return GENERIC[block]
