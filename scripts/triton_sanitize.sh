@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck on a small GQA + varlen + deterministic backward of the
-# Triton backend (both GQA epilogues). Logs to $OUT/sanitizer-*.log.
+# Triton backend (both GQA epilogues), and a dense d256 one. Logs to $OUT/sanitizer-*.log.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests
@@ -24,10 +24,14 @@ for opts in (dict(), dict(gqa_epilogue="accumulate"), dict(gqa_epilogue="accumul
     kd = torch.randn(2, 90, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     vd = torch.randn_like(kd, requires_grad=True)
     fa.flash_attn_func(qd, kd, vd, causal=True, deterministic=True, backend="triton").sum().backward()
+    if not opts:   # head dim 256: its table row orders dO V^T before the exp2 (config.Configs.bwd_dp_first)
+        q2, k2, v2 = (torch.randn(2, 150, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                      for _ in range(3))
+        fa.flash_attn_func(q2, k2, v2, causal=True, backend="triton").sum().backward()
 torch.cuda.synchronize()
 print("case done", opts)
 PY
 for tool in memcheck racecheck; do
-  timeout 120 compute-sanitizer --tool $tool --target-processes all python3 /tmp/sanitize_case.py > "$OUT/sanitizer-$tool.log" 2>&1
+  timeout 240 compute-sanitizer --tool $tool --target-processes all python3 /tmp/sanitize_case.py > "$OUT/sanitizer-$tool.log" 2>&1
   echo "$tool rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Device not supported|case done" "$OUT/sanitizer-$tool.log" | tail -4
 done
