@@ -5,7 +5,9 @@ Ops are declared with `torch.library.define` + `impl` + `register_fake` rather t
 the custom_op wrapper and its registered autograd cost ~0.25 ms of host time per backward
 (`scripts/launch_overhead.py --breakdown`), as much as the kernels of a small call (PyTorch
 issues #139500, #176592). `torch.compile(fullgraph=True)` traces the Function and sees the ops
-through their fakes, so compiled graphs keep one opaque op per direction. Ops cannot return None:
+through their fakes, so compiled graphs keep one opaque op per direction; in plain eager mode the
+Function calls the ops' implementations itself (`_direct`) and its backward reuses the forward's
+validated problem. Ops cannot return None:
 absent optional results are empty tensors (`rng_state` without dropout, `probs` unless requested).
 
 - `fwd(q, k, v, ...) -> (out, softmax_lse, rng_state, probs)`; not differentiable by itself:
@@ -157,7 +159,7 @@ def _direct(q) -> bool:
 
 
 class _Attention(torch.autograd.Function):
-    """`fwd` with `out` differentiable; its backward is the `bwd` op."""
+    """`fwd` with `out` differentiable; its backward is the `bwd` op (or, eagerly, its implementation)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
