@@ -126,14 +126,15 @@ def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), softmax_lse.new_empty(softmax_lse.shape)
 
 
-@torch.library.impl("flash_attn_ck::bwd_out", "CompositeExplicitAutograd")
-@torch.no_grad()
 def _bwd_out(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
              alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic,
              rng_state, backend, max_workspace_bytes=None):
     return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right,
                      softcap, deterministic, rng_state, backend, max_workspace_bytes)[3]
+
+
+torch.library.impl("flash_attn_ck::bwd_out", "CompositeExplicitAutograd", torch.no_grad()(_bwd_out))
 
 
 @torch.library.register_fake("flash_attn_ck::bwd_out")
