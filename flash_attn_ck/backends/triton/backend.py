@@ -21,8 +21,9 @@ Options (constructor arguments, defaults from the environment):
                 "atomic": fp32 dQ accumulator laid out like q, added by the key-tile programs
                 (refused in deterministic mode).       env FLASH_ATTN_CK_TRITON_DQ
   use_tma       None = TMA tensor descriptors (tiles.py) on sm_90+ when the tensors are dense and 16-byte
-                aligned, for the tile loads and stores config.Configs.bwd_tma names (none for short
-                sequences); True: every backward tile where the tensors allow; False: masked pointers.
+                aligned, for the forward when config.Configs.fwd_tma and for the backward tiles that
+                Configs.bwd_tma names (neither for short sequences); True: every tile, forward and
+                backward, where the tensors allow; False: masked pointers.
 The choice of defaults and the measurements behind it: docs/triton.md.
 """
 
