@@ -68,14 +68,15 @@ def main():
             for varlen in (False, True):
                 f, kv, dq = cfg.forward, cfg.bwd_kv, cfg.bwd_dq
                 runs = [("fwd", attn_fwd_kernel, dict(BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_D=block_d,
-                                                      VARLEN=varlen, USE_TMA=cfg.fwd_tma and not varlen, **feats), f)]
+                                                      VARLEN=varlen, USE_TMA=cfg.fwd_tma and not varlen,
+                                                      EVEN_K=not varlen, **feats), f)]
                 for loop, atomic, det in ((True, False, True), (False, False, True), (False, True, False)):
                     runs.append((f"bwd loop={loop} dq_atomic={atomic} det={det}", attn_bwd_kernel,
                                  dict(BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, DQ_BLOCK_M=dq.block_m,
                                       DQ_BLOCK_N=dq.block_n, BLOCK_D=block_d, VARLEN=varlen, LOOP_GROUP=loop,
                                       DQ_ATOMIC=atomic, DETERMINISTIC=det, USE_TMA=not varlen,
                                       TMA_LOADS=not varlen and cfg.bwd_tma == "all",
-                                      DP_FIRST=cfg.bwd_dp_first, **feats), kv))
+                                      DP_FIRST=cfg.bwd_dp_first, EVEN_K=not varlen, **feats), kv))
                 for name, kernel, cx, tile in runs:
                     try:
                         r = compile_one(kernel, cx, tile.num_warps, tile.num_stages)

@@ -117,6 +117,21 @@ def test_triton_short_sequences_move_tiles_by_pointers(seqlen, bwd_tma, fwd_tma)
     assert config.select(256, False, (9, 0), False, 8192).bwd_tma == "stores"
 
 
+@pytest.mark.parametrize("seqlen_k, varlen, key_blocks, even", [
+    (48, False, (16,), True), (47, False, (16,), False), (48, True, (16,), False),
+    (8192, False, (128, 64), True), (8256, False, (128, 64), False),   # 8256 = 129 * 64: one role's tiles only
+])
+def test_triton_even_keys(seqlen_k, varlen, key_blocks, even):
+    """EVEN_K (the kernels drop the mask branch of an unwindowed call) only when every key tile of
+    every role in the launch is full; varlen lengths are unknown to the host, so never there."""
+    pytest.importorskip("triton")
+    from dataclasses import replace
+
+    from flash_attn_ck.backends.triton import TritonBackend
+    p = replace(problem(), seqlen_k=seqlen_k, varlen=varlen, total_k=seqlen_k if varlen else 0)
+    assert TritonBackend._even_keys(p, *key_blocks) is even
+
+
 def test_triton_dp_first_only_where_measured():
     """The dO V^T-before-exp2 order is a d256 choice (config.SM90's comment); no other row, no
     generic or interpreter config, turns it on."""
@@ -126,3 +141,13 @@ def test_triton_dp_first_only_where_measured():
         assert [d for d in (32, 64, 128, 256) if config.select(d, False, (9, 0), False, seqlen).bwd_dp_first] == [256]
     assert not any(c.bwd_dp_first for c in config.GENERIC.values())
     assert not config.INTERPRETER.bwd_dp_first
+
+
+def test_triton_backward_even_k_off_only_at_d256():
+    """The backward's branch-free EVEN_K loops lost at d256 (config.SM90's comment): that row keeps the
+    mask branch, every other table keeps EVEN_K on."""
+    pytest.importorskip("triton")
+    from flash_attn_ck.backends.triton import config
+    for seqlen in (512, 8192):
+        assert [d for d in (32, 64, 128, 256) if not config.select(d, False, (9, 0), False, seqlen).bwd_even_k] == [256]
+    assert all(c.bwd_even_k for c in config.GENERIC.values()) and config.INTERPRETER.bwd_even_k

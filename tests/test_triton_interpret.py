@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # the interpreter tiles with config.Configs.bwd_dp_first set).
 CASES = {
     "mha_dense": dict(cfg=dict(heads_q=2, heads_k=2)),
+    # s_k a multiple of the key tiles: the kernels compile without the mask branch (EVEN_K).
+    "even_keys": dict(cfg=dict(seqlen_q=40, seqlen_k=48)),
     "gqa_loop_causal": dict(cfg=dict(causal=True)),
     "gqa_accumulate_det": dict(cfg=dict(causal=True, deterministic=True), opts=dict(gqa_epilogue="accumulate")),
     "gqa_accumulate": dict(cfg=dict(window=(6, 2)), opts=dict(gqa_epilogue="accumulate")),

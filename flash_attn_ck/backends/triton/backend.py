@@ -161,6 +161,11 @@ class TritonBackend(Backend):
                    for t in tensors)
 
     @staticmethod
+    def _even_keys(p: AttentionProblem, *key_blocks: int) -> bool:
+        """Every key tile of a launch is full: dense, and s_k a multiple of each of its key blocks."""
+        return not p.varlen and all(p.seqlen_k % block == 0 for block in key_blocks)
+
+    @staticmethod
     def _mask_args(p: AttentionProblem) -> dict:
         m = p.mask
         masked = m.type != MaskType.NO_MASK
@@ -201,6 +206,7 @@ class TritonBackend(Backend):
             p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=config.head_block(d), VARLEN=p.varlen,
             USE_TMA=(cfg.fwd_tma or self.use_tma is True) and self._tma(p, params.q, params.k, params.v, out),
+            EVEN_K=self._even_keys(p, tile.block_n),
             num_warps=tile.num_warps,
             num_stages=tile.num_stages, **features, **self._mask_args(p))
 
@@ -281,6 +287,7 @@ class TritonBackend(Backend):
                 BLOCK_D=block_d, VARLEN=p.varlen, LOOP_GROUP=loop_group, DQ_ATOMIC=dq_acc is not None,
                 DETERMINISTIC=p.deterministic, USE_TMA=use_tma, TMA_LOADS=use_tma and tma_mode == "all",
                 DP_FIRST=cfg.bwd_dp_first,
+                EVEN_K=cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n),
                 num_warps=kv.num_warps, num_stages=kv.num_stages, **features, **mask_args)
 
         # ---- 3. fp32 accumulators -> output dtype ----

@@ -29,7 +29,7 @@ def query_tile_dq(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr, DP_FIRST: tl.constexpr):
+        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr, DP_FIRST: tl.constexpr, EVEN_K: tl.constexpr):
     m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(
         m_block, b, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, BLOCK_M, VARLEN, TOP_LEFT)
     if m0 >= len_q:
@@ -57,7 +57,7 @@ def query_tile_dq(
         cols, k, v, s, tanh = key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m0, len_k,
                                               head_dim, shift, scale, softcap, slope, window_left, window_right,
                                               BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP,
-                                              HAS_ALIBI, TMA_LOADS)
+                                              HAS_ALIBI, TMA_LOADS, EVEN_K)
         if DP_FIRST:
             dp = tl.dot(do, tl.trans(v))
         p = tl.exp2(s - lse2[:, None])

@@ -24,7 +24,9 @@ Per (key tile, query tile), transposed so that keys are rows:
 
 USE_TMA: tile stores and adds (the epilogue, atomic dQ) through TMA descriptors; TMA_LOADS: tile
 loads too (config.Configs.bwd_tma; tiles.py says what changes). DP_FIRST: dpT (dp in the dQ pass) is
-issued right after the scores' product, before the exp2 (config.Configs.bwd_dp_first).
+issued right after the scores' product, before the exp2 (config.Configs.bwd_dp_first). EVEN_K: every
+key tile of both roles is full (dense, s_k a multiple of BLOCK_N and DQ_BLOCK_N), so without a window
+bound no tile needs the mask (scores.block_needs_mask).
 """
 
 import triton
@@ -52,7 +54,7 @@ def attn_bwd_kernel(
         BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr,
         HAS_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         LOOP_GROUP: tl.constexpr, DQ_ATOMIC: tl.constexpr, DETERMINISTIC: tl.constexpr,
-        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr, DP_FIRST: tl.constexpr):
+        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr, DP_FIRST: tl.constexpr, EVEN_K: tl.constexpr):
     # ---- program -> role, sequence and program head ----
     x = tl.program_id(0)
     if LOOP_GROUP:
@@ -74,7 +76,7 @@ def attn_bwd_kernel(
             batch, heads, group, max_seqlen_q, max_seqlen_k, head_dim,
             scale, softcap, dropout_p, window_left, window_right,
             BLOCK_M, BLOCK_N, BLOCK_D, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            LOOP_GROUP, DQ_ATOMIC, DETERMINISTIC, USE_TMA, TMA_LOADS, DP_FIRST)
+            LOOP_GROUP, DQ_ATOMIC, DETERMINISTIC, USE_TMA, TMA_LOADS, DP_FIRST, EVEN_K)
     elif not DQ_ATOMIC:
         # ---- dQ pass: query tile of one of the slot's query heads, counted from the last tile ----
         query_tiles = tl.cdiv(max_seqlen_q, DQ_BLOCK_M)
@@ -92,7 +94,7 @@ def attn_bwd_kernel(
             heads, group, max_seqlen_q, max_seqlen_k, head_dim,
             scale, softcap, dropout_p, window_left, window_right,
             DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            USE_TMA, TMA_LOADS, DP_FIRST)
+            USE_TMA, TMA_LOADS, DP_FIRST, EVEN_K)
 
 
 @triton.jit
@@ -110,7 +112,7 @@ def key_tile_dkdv(
         VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
         LOOP_GROUP: tl.constexpr, DQ_ATOMIC: tl.constexpr, DETERMINISTIC: tl.constexpr,
-        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr, DP_FIRST: tl.constexpr):
+        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr, DP_FIRST: tl.constexpr, EVEN_K: tl.constexpr):
     """One key tile of kv head hk (LOOP_GROUP: ph = hk) or query head ph (the accumulator epilogue)."""
     if LOOP_GROUP:
         hk = ph
@@ -168,7 +170,7 @@ def key_tile_dkdv(
             sT, tanh = scores_log2(qkT, offs_m[None, :], offs_n[:, None], shift, scale, softcap, slope,
                                    HAS_SOFTCAP, HAS_ALIBI)
             if block_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N,
-                                HAS_LEFT, HAS_RIGHT):
+                                HAS_LEFT, HAS_RIGHT, EVEN_K):
                 keep = keep_positions(offs_m[None, :], offs_n[:, None], len_k, shift, window_left,
                                       window_right, HAS_LEFT, HAS_RIGHT)
                 sT = tl.where(keep, sT, float("-inf"))

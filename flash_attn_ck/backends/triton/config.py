@@ -31,6 +31,8 @@ class Configs:
     bwd_tma: str = "all"   # backward tiles through TMA descriptors where the tensors allow: "all" (loads
                            # and stores), "stores" (loads by pointers), "none" (pointers only)
     bwd_dp_first: bool = False   # issue dO V^T before exp2(S - lse) in both backward roles (see SM90)
+    bwd_even_k: bool = True   # compile the backward's mask branch out when every key tile is full
+                              # (EVEN_K, scores.block_needs_mask); the forward always does
     fwd_tma: bool = True   # forward tiles through TMA descriptors where the tensors allow
 
     def __post_init__(self):
@@ -53,6 +55,7 @@ def head_block(head_dim: int) -> int:
 
 # ---- sm_90 (H200), measured 2026-11-29 (see the module docstring) ----------------------------
 # key: (head block, causal) -> Configs; GQA uses the MHA row (the program shape does not change).
+# Row: (bwd_kv, bwd_dq, bwd_tma, bwd_dp_first, bwd_even_k).
 # Backward tiles: winners of scripts/triton_tune.py on the H200 (bf16, s = 8192, non-causal). d64 and
 # d256 from the first search (pointer loads; d64 356, d256 240 TF/s). d128 from the second search, after
 # tile loads moved to TMA descriptors (tiles.py): key tile unchanged, dQ pass (128, 64, 8, 3), 392 TF/s
@@ -61,12 +64,15 @@ def head_block(head_dim: int) -> int:
 # dp_first (d256 only): writing dO V^T before the exp2 in both roles measured 258 vs 249 TF/s at d256
 # s16384, 271 vs 266 at s8192, 253 vs 247 at s4096 causal (three alternating rounds, identical each
 # round); at d128 it lost (causal s8192 355 vs 368), so the other rows keep the source order.
+# bwd_even_k (2026-11-30, full grid with all peers): dropping the per-tile mask branch of non-causal calls
+# whose key tiles are all full gave d64 non-causal 365-387 vs 351-370 TF/s, d128 395-430 vs 387-415, GQA
+# 32/8 380/428 vs 366/420, but d256 192-197 vs 260-269 (s >= 2048), so the d256 row keeps the branch.
 # Forward tiles: not searched (FlexAttention's H100 defaults, as a starting point).
 _BWD_SM90 = {
-    32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False),
-    64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False),
-    128: (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3), "all", False),
-    256: (Tile(64, 64, 8, 1), Tile(128, 64, 8, 1), "stores", True),
+    32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False, True),
+    64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False, True),
+    128: (Tile(64, 128, 8, 3), Tile(128, 64, 8, 3), "all", False, True),
+    256: (Tile(64, 64, 8, 1), Tile(128, 64, 8, 1), "stores", True, False),
 }
 _FWD_SM90 = {32: Tile(128, 64, 4, 3), 64: Tile(128, 64, 4, 3), 128: Tile(128, 64, 8, 3), 256: Tile(64, 64, 4, 2)}
 SM90 = {(d, causal): Configs(_FWD_SM90[d], *_BWD_SM90[d]) for d in _BWD_SM90 for causal in (False, True)}

@@ -23,7 +23,7 @@ def attn_fwd_kernel(
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
         VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
         HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        USE_TMA: tl.constexpr):
+        USE_TMA: tl.constexpr, EVEN_K: tl.constexpr):
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // heads
@@ -50,7 +50,7 @@ def attn_fwd_kernel(
         cols, k, v, s, _ = key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m0, len_k,
                                            head_dim, shift, scale, softcap, slope, window_left, window_right,
                                            BLOCK_M, BLOCK_N, BLOCK_D, HAS_LEFT, HAS_RIGHT, HAS_SOFTCAP, HAS_ALIBI,
-                                           USE_TMA)
+                                           USE_TMA, EVEN_K)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
