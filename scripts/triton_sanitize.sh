@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer memcheck and racecheck on a small GQA + varlen + deterministic backward of the
-# Triton backend (both GQA epilogues), and a dense d256 one. Logs to $OUT/sanitizer-*.log.
+# Triton backend (both GQA epilogues), a dense d256 one and a dense
+# EVEN_K one (unwindowed, s_k a multiple of the key tiles). Logs to $OUT/sanitizer-*.log.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD:$PWD/tests
@@ -28,6 +29,10 @@ for opts in (dict(), dict(gqa_epilogue="accumulate"), dict(gqa_epilogue="accumul
         q2, k2, v2 = (torch.randn(2, 150, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                       for _ in range(3))
         fa.flash_attn_func(q2, k2, v2, causal=True, backend="triton").sum().backward()
+        # dense, unwindowed, s_k a multiple of every key tile: the EVEN_K kernels (no mask branch), TMA tiles
+        q3, k3, v3 = (torch.randn(1, 2304, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                      for _ in range(3))
+        fa.flash_attn_func(q3, k3, v3, backend="triton").sum().backward()
 torch.cuda.synchronize()
 print("case done", opts)
 PY
