@@ -61,10 +61,11 @@ def main():
     features = dict(TOP_LEFT=False, HAS_LEFT=False, HAS_RIGHT=True, HAS_ALIBI=False, HAS_SOFTCAP=False,
                     HAS_DROPOUT=False)
     full = dict(features, HAS_LEFT=True, HAS_ALIBI=True, HAS_SOFTCAP=True, HAS_DROPOUT=True)
+    plain = dict(features, HAS_RIGHT=False)   # no window: dense calls compile the EVEN_K variants
     blocks = [64, 128] if args.quick else [32, 64, 128, 256]
     for block_d in blocks:
         cfg = config.SM90[(block_d, True)]
-        for feats, tag in ((features, "causal"), (full, "all")):
+        for feats, tag in ((plain, "plain"), (features, "causal"), (full, "all")):
             for varlen in (False, True):
                 f, kv, dq = cfg.forward, cfg.bwd_kv, cfg.bwd_dq
                 runs = [("fwd", attn_fwd_kernel, dict(BLOCK_M=f.block_m, BLOCK_N=f.block_n, BLOCK_D=block_d,
@@ -76,7 +77,8 @@ def main():
                                       DQ_BLOCK_N=dq.block_n, BLOCK_D=block_d, VARLEN=varlen, LOOP_GROUP=loop,
                                       DQ_ATOMIC=atomic, DETERMINISTIC=det, USE_TMA=not varlen,
                                       TMA_LOADS=not varlen and cfg.bwd_tma == "all",
-                                      DP_FIRST=cfg.bwd_dp_first, EVEN_K=not varlen, **feats), kv))
+                                      DP_FIRST=cfg.bwd_dp_first, EVEN_K=cfg.bwd_even_k and not varlen,
+                                      **feats), kv))
                 for name, kernel, cx, tile in runs:
                     try:
                         r = compile_one(kernel, cx, tile.num_warps, tile.num_stages)

@@ -26,7 +26,7 @@ USE_TMA: tile stores and adds (the epilogue, atomic dQ) through TMA descriptors;
 loads too (config.Configs.bwd_tma; tiles.py says what changes). DP_FIRST: dpT (dp in the dQ pass) is
 issued right after the scores' product, before the exp2 (config.Configs.bwd_dp_first). EVEN_K: every
 key tile of both roles is full (dense, s_k a multiple of BLOCK_N and DQ_BLOCK_N), so without a window
-bound no tile needs the mask (scores.block_needs_mask).
+bound no tile needs the mask (scores.block_needs_mask); config.Configs.bwd_even_k turns it off per row.
 """
 
 import triton
