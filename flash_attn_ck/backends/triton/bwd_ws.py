@@ -1,0 +1,375 @@
+"""Warp-specialised backward main kernel for sm_90, written in Gluon (FA3's design).
+
+One CTA per (key tile, batch, kv head). dK and dV stay in registers for the whole walk over the
+query tiles of every query head of the kv head's group, so GQA needs no fp32 dK/dV and no
+reduction. Three partitions share the CTA:
+
+  loader   (1 warp)   TMA: K, V once; then per step the Q and dO tiles into a ring of NUM_STAGES
+                      buffers, each behind its own "ready" mbarrier (TMA byte count) and "empty"
+                      mbarrier (released by the MMA partition).
+  MMA      (default,  per step, 5 matmuls and no recomputation:
+            8 warps)    S^T = K Q^T, dP^T = V dO^T                 (shared-memory operands)
+                        P^T = exp2(S^T * scale * log2e - lse * log2e), masked
+                        dS^T = P^T * (dP^T - D)
+                        dV += P^T dO, dK += dS^T Q                  (P^T, dS^T from registers)
+                        dQ = dS K                                   (dS staged in shared memory)
+                      dQ (scaled) goes to a shared-memory buffer for the writer.
+  dQ writer (1 warp)  a TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32) of each step's dQ
+                      tile into the fp32 dq_accum, then frees the buffer.
+
+Each warp of the 8-warp MMA partition owns 16 key rows of S^T/dP^T/dK/dV (two warpgroups, as
+FA3's AtomLayoutNdKV = 2), so the S^T accumulator's registers are the A operand of the dV/dK
+matmuls without a trip through shared memory.
+
+Tensors reach the kernel as host TMA descriptors over 2-D (rows, heads * head_dim) views, so
+a tile may read rows of the next sequence: those query rows get lse = +inf (P = 0), those key
+rows are masked to P = 0 on the last key tile, and dK/dV are stored by masked pointers. A dQ
+tile that spills into the next sequence adds exact zeros there.
+
+Invariants (checked by `bwd_ws_supported` on the host):
+  - head_dim in {64, 128}; heads adjacent in memory (stride_h = head_dim), rows uniform;
+  - no dropout, ALiBi or softcap; not deterministic (the adds are unordered).
+"""
+
+from __future__ import annotations
+
+import triton
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+
+@builtin
+def tma_reduce_add(desc, coord, src, _semantic=None):
+    """dst[coord] += src through the TMA engine. Gluon 3.6 has the op in its builder but no wrapper
+    (tma.async_atomic_add arrives in Triton 3.8)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+# ---- schedule: which (query head, query tile) pairs a key tile visits --------------------------
+@gluon.jit
+def _sequence(cu_seqlens, b, max_len, VARLEN: gl.constexpr):
+    """(first row in the 2-D view, length) of sequence b."""
+    if VARLEN:
+        start = gl.load(cu_seqlens + b)
+        length = gl.load(cu_seqlens + b + 1) - start
+    else:
+        start = b * max_len
+        length = max_len
+    return start, length
+
+
+@gluon.jit
+def _query_range(n0, len_q, shift, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Query rows [lo, hi) that see keys [n0, n0 + BLOCK_N); lo is a multiple of BLOCK_M."""
+    lo = 0
+    hi = len_q
+    if HAS_RIGHT:
+        lo = gl.maximum(n0 - shift - right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = gl.minimum(n0 + BLOCK_N + left - shift, len_q)
+    return lo, hi
+
+
+@gluon.jit
+def _tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Everything every partition derives from the program id, computed the same way in each."""
+    n0 = gl.program_id(0) * BLOCK_N
+    b = gl.program_id(1)
+    q_row0, len_q = _sequence(cu_seqlens_q, b, seqlen_q, VARLEN)
+    k_row0, len_k = _sequence(cu_seqlens_k, b, seqlen_k, VARLEN)
+    shift = 0 if TOP_LEFT else len_k - len_q
+    m_lo, m_hi = _query_range(n0, len_q, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    m_tiles = gl.maximum(gl.cdiv(m_hi - m_lo, BLOCK_M), 0)
+    return n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles
+
+
+# ---- loader partition ------------------------------------------------------------------------
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
+            q_ready, q_empty, do_ready, do_empty, kv_ready,
+            cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+            VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = _tile_schedule(
+        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
+    kv_head = gl.program_id(2)
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_row0 + n0, kv_head * HEAD_D], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [k_row0 + n0, kv_head * HEAD_D], kv_ready, v_smem)
+    steps = m_tiles * group
+    for step in range(steps):
+        stage = step % NUM_STAGES
+        phase = (step // NUM_STAGES) & 1
+        head = kv_head * group + step // m_tiles
+        row = q_row0 + m_lo + (step % m_tiles) * BLOCK_M
+        mbarrier.wait(q_empty.index(stage), phase ^ 1)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row, head * HEAD_D], q_ready.index(stage), q_smem.index(stage))
+        mbarrier.wait(do_empty.index(stage), phase ^ 1)
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [row, head * HEAD_D], do_ready.index(stage), do_smem.index(stage))
+
+
+# ---- dQ writer partition ---------------------------------------------------------------------
+@gluon.jit
+def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty,
+               cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, DQ_STAGES: gl.constexpr,
+               VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = _tile_schedule(
+        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
+    kv_head = gl.program_id(2)
+    for step in range(m_tiles * group):
+        stage = step % DQ_STAGES
+        phase = (step // DQ_STAGES) & 1
+        head = kv_head * group + step // m_tiles
+        row = q_row0 + m_lo + (step % m_tiles) * BLOCK_M
+        mbarrier.wait(dq_full.index(stage), phase)
+        tma_reduce_add(dq_desc, [row, head * HEAD_D], dq_smem.index(stage))
+        tma.store_wait(0)   # the engine has read the buffer
+        mbarrier.arrive(dq_empty.index(stage), count=1)
+
+
+# ---- MMA partition (default) -----------------------------------------------------------------
+@gluon.jit
+def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+         q_ready, q_empty, do_ready, do_empty, kv_ready, dq_full, dq_empty,
+         Lse, Delta, dK, dV, cu_seqlens_q, cu_seqlens_k,
+         stride_lse_b, stride_lse_h, stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
+         seqlen_q, seqlen_k, group, scale, window_left, window_right,
+         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+         DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
+         HAS_RIGHT: gl.constexpr, num_warps: gl.constexpr):
+    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = _tile_schedule(
+        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
+    kv_head = gl.program_id(2)
+    dtype: gl.constexpr = k_smem.dtype
+
+    # Layouts: every warp owns 16 key rows of the (BLOCK_N, *) tiles; dQ splits its columns.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_D, 16])
+    dq_warps_m: gl.constexpr = BLOCK_M // 16 if BLOCK_M // 16 < num_warps else num_warps
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[dq_warps_m, num_warps // dq_warps_m],
+        instr_shape=[16, HEAD_D // (num_warps // dq_warps_m), 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per key (row of S^T)
+
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
+    offs_m_tile = gl.arange(0, BLOCK_M, layout=col_layout)
+    scale_log2 = scale * LOG2E
+    last_key_tile = n0 + BLOCK_N > len_k
+
+    dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
+
+    mbarrier.wait(kv_ready, 0)
+    for step in range(m_tiles * group):
+        stage = step % NUM_STAGES
+        phase = (step // NUM_STAGES) & 1
+        head = kv_head * group + step // m_tiles
+        m0 = m_lo + (step % m_tiles) * BLOCK_M
+        q_tile = q_smem.index(stage)
+        do_tile = do_smem.index(stage)
+
+        # ---- S^T = K Q^T and dP^T = V dO^T, issued back to back ----
+        mbarrier.wait(q_ready.index(stage), phase)
+        sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+
+        offs_m = m0 + offs_m_tile
+        row_ok = offs_m < len_q
+        lse_rows = Lse + b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + offs_m
+        delta_rows = Delta + b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + offs_m
+        if VARLEN:
+            lse_rows += q_row0
+            delta_rows += q_row0
+        lse2 = gl.load(lse_rows, mask=row_ok, other=float("inf")) * LOG2E
+        delta = gl.load(delta_rows, mask=row_ok, other=0.0)
+
+        # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked ----
+        sT = warpgroup_mma_wait(1, deps=(sT,))
+        pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+        needs_mask = last_key_tile
+        if HAS_LEFT:
+            needs_mask = needs_mask | (n0 < m0 + BLOCK_M - 1 + shift - window_left)
+        if HAS_RIGHT:
+            needs_mask = needs_mask | (n0 + BLOCK_N - 1 > m0 + shift + window_right)
+        if needs_mask:
+            cols = gl.expand_dims(offs_n, 1)
+            rows = gl.expand_dims(offs_m, 0)
+            keep = cols < len_k
+            if HAS_LEFT:
+                keep = keep & (cols >= rows + shift - window_left)
+            if HAS_RIGHT:
+                keep = keep & (cols <= rows + shift + window_right)
+            pT = gl.where(keep, pT, 0.0)
+
+        # ---- dS^T = P^T (dP^T - D); dV += P^T dO ----
+        dpT = warpgroup_mma_wait(0, deps=(dpT,))
+        dsT = pT * (dpT - gl.expand_dims(delta, 0))
+        p_op = gl.convert_layout(pT.to(dtype), a_layout)
+        dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
+
+        # ---- dK += dS^T Q (registers); dQ = dS K (dS through shared memory) ----
+        ds_bf = dsT.to(dtype)
+        ds_smem.store(ds_bf)
+        fence_async_shared()
+        gl.thread_barrier()
+        dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q_tile, dk, is_async=True)
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        gl.thread_barrier()
+        mbarrier.arrive(q_empty.index(stage), count=1)
+        mbarrier.arrive(do_empty.index(stage), count=1)
+
+        # ---- hand dQ (scaled) to the writer ----
+        dq_stage = step % DQ_STAGES
+        mbarrier.wait(dq_empty.index(dq_stage), ((step // DQ_STAGES) & 1) ^ 1)
+        dq_smem.index(dq_stage).store(dq * scale)
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(dq_full.index(dq_stage), count=1)
+
+    # ---- epilogue: dK (scaled) and dV in the output dtype, rows of this sequence only ----
+    offs_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
+    keep = gl.expand_dims(offs_r < len_k, 1)
+    rows = offs_r.to(gl.int64)
+    if VARLEN:
+        rows += k_row0
+    dk_ptrs = (dK + b.to(gl.int64) * stride_dkb + kv_head * stride_dkh + gl.expand_dims(rows * stride_dkr, 1)
+               + gl.expand_dims(offs_d, 0))
+    dv_ptrs = (dV + b.to(gl.int64) * stride_dvb + kv_head * stride_dvh + gl.expand_dims(rows * stride_dvr, 1)
+               + gl.expand_dims(offs_d, 0))
+    gl.store(dk_ptrs, (dk * scale).to(dtype), mask=keep)
+    gl.store(dv_ptrs, dv.to(dtype), mask=keep)
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+@gluon.jit
+def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, cu_seqlens_q, cu_seqlens_k,
+                       stride_lse_b, stride_lse_h, stride_dkb, stride_dkr, stride_dkh,
+                       stride_dvb, stride_dvr, stride_dvh,
+                       seqlen_q, seqlen_k, group, scale, window_left, window_right,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                       NUM_STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                       TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                       LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """Grid: (key tiles, batch, kv heads). See the module docstring."""
+    if VARLEN:
+        n0 = gl.program_id(0) * BLOCK_N
+        b = gl.program_id(1)
+        if n0 >= gl.load(cu_seqlens_k + b + 1) - gl.load(cu_seqlens_k + b):
+            return
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_D], dq_desc.layout)
+
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=1)
+    for i in gl.static_range(DQ_STAGES):
+        mbarrier.init(dq_full.index(i), count=1)
+        mbarrier.init(dq_empty.index(i), count=1)
+    mbarrier.init(kv_ready, count=1)
+
+    gl.warp_specialize([
+        (_mma, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
+                q_ready, q_empty, do_ready, do_empty, kv_ready, dq_full, dq_empty,
+                Lse, Delta, dK, dV, cu_seqlens_q, cu_seqlens_k,
+                stride_lse_b, stride_lse_h, stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
+                seqlen_q, seqlen_k, group, scale, window_left, window_right,
+                BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                num_warps)),
+        (_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
+                   q_ready, q_empty, do_ready, do_empty, kv_ready,
+                   cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
+                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+        (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty,
+                      cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
+                      BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+    ], [1, 1], [LOADER_REGS, WRITER_REGS])
+
+
+# ---- host side -------------------------------------------------------------------------------
+def rows_view(t, varlen: bool):
+    """(rows, heads * head_dim, row stride) of a q/k/v-like tensor seen as one 2-D matrix, or None
+    when its rows are not uniform (heads not adjacent, or a batch stride other than s * row stride)."""
+    d = t.shape[-1]
+    if t.stride(-1) != 1 or t.stride(-2) != d:
+        return None
+    if varlen:
+        return t.shape[0], t.shape[1] * d, t.stride(0)
+    b, s = t.shape[0], t.shape[1]
+    if b > 1 and t.stride(0) != s * t.stride(1):
+        return None
+    return b * s, t.shape[2] * d, t.stride(1)
+
+
+def descriptor(t, varlen: bool, block_rows: int):
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    rows, cols, row_stride = rows_view(t, varlen)
+    d = t.shape[-1]
+    gl_dtype = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16, "torch.float32": gl.float32}[str(t.dtype)]
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], gl_dtype)
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, d], layout)
+
+
+def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int,
+           seqlen_q: int, seqlen_k: int, scale: float, top_left: bool, window_left: int, window_right: int,
+           has_left: bool, has_right: bool, tile):
+    """One launch of attn_bwd_ws_kernel. dq_accum (rows_q, heads_q, d) fp32 must be zero; dq_accum
+    receives dQ already scaled. lse/delta: (b, h, s_q) or varlen (h, total_q)."""
+    d = q.shape[-1]
+    heads_k = k.shape[-2]
+    group = q.shape[-2] // heads_k
+    lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
+    dk_strides = (0, dk.stride(0), dk.stride(1)) if varlen else (dk.stride(0), dk.stride(1), dk.stride(2))
+    dv_strides = (0, dv.stride(0), dv.stride(1)) if varlen else (dv.stride(0), dv.stride(1), dv.stride(2))
+    cu_q = cu_seqlens_q if varlen else lse
+    cu_k = cu_seqlens_k if varlen else lse
+    grid = (triton.cdiv(seqlen_k, tile.block_n), batch, heads_k)
+    attn_bwd_ws_kernel[grid](
+        descriptor(q, varlen, tile.block_m), descriptor(k, varlen, tile.block_n), descriptor(v, varlen, tile.block_n),
+        descriptor(dout, varlen, tile.block_m), descriptor(dq_accum, varlen, tile.block_m),
+        lse, delta, dk, dv, cu_q, cu_k, *lse_strides, *dk_strides, *dv_strides,
+        seqlen_q, seqlen_k, group, scale, window_left, window_right,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=d, NUM_STAGES=tile.num_stages, DQ_STAGES=tile.dq_stages,
+        VARLEN=varlen, TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+        LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, num_warps=tile.num_warps)

@@ -1,0 +1,204 @@
+"""Check and time the warp-specialised Gluon backward kernel (backends/triton/bwd_ws.py) on its own,
+against an fp32 PyTorch reference (the 2x rule: error <= 2x that of the same math in bf16) and, for
+timing, against the current Triton backward and torch SDPA (FA2, cuDNN) in the same process.
+
+    python scripts/bwd_ws_check.py [--check-only] [--time-only] [--tiles 64x128,...]
+
+Prints one line per case; exits non-zero if a check fails. Needs an sm_90 GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flash_attn_ck as fa  # noqa: E402
+from flash_attn_ck.backends.triton import bwd_ws  # noqa: E402
+
+
+@dataclass(frozen=True)
+class WsTile:
+    block_m: int
+    block_n: int
+    num_stages: int = 2
+    dq_stages: int = 1
+    num_warps: int = 8
+    loader_regs: int = 24
+    writer_regs: int = 24
+
+
+def mask_of(causal, window, s_q, s_k):
+    left, right = window
+    if causal:
+        right = 0
+    return dict(top_left=False, window_left=max(left, 0), window_right=max(right, 0),
+                has_left=left >= 0, has_right=right >= 0)
+
+
+def ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max_k=0):
+    varlen = cu_q is not None
+    scale = q.shape[-1] ** -0.5
+    delta = (out.float() * dout.float()).sum(-1)            # (b, s, h) or (total, h)
+    delta = delta.permute(0, 2, 1).contiguous() if not varlen else delta.t().contiguous()
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    batch = q.shape[0] if not varlen else cu_q.numel() - 1
+    s_q, s_k = (q.shape[1], k.shape[1]) if not varlen else (max_q, max_k)
+    m = mask_of(causal, window, s_q, s_k)
+    bwd_ws.launch(q, k, v, dout, lse, delta, dq_acc, dk, dv, cu_q, cu_k, varlen=varlen, batch=batch, seqlen_q=s_q,
+                  seqlen_k=s_k, scale=scale, tile=tile, **m)
+    return dq_acc.to(q.dtype), dk, dv
+
+
+def reference(q, k, v, dout, causal, window, dtype, cu_q=None, cu_k=None):
+    """Gradients of attention computed in `dtype` (per sequence for varlen)."""
+    def one(q, k, v, do):
+        s_q, s_k, h, h_k = q.shape[0], k.shape[0], q.shape[1], k.shape[1]
+        qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
+        ke, ve = kk.repeat_interleave(h // h_k, 1), vv.repeat_interleave(h // h_k, 1)
+        s = torch.einsum("qhd,khd->hqk", qq, ke) * q.shape[-1] ** -0.5
+        i = torch.arange(s_q, device=q.device)[:, None] + s_k - s_q
+        j = torch.arange(s_k, device=q.device)[None, :]
+        left, right = window
+        if causal:
+            right = 0
+        keep = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
+        if right >= 0:
+            keep &= j <= i + right
+        if left >= 0:
+            keep &= j >= i - left
+        s = s.masked_fill(~keep, float("-inf"))
+        p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(dtype)
+        o = torch.einsum("hqk,khd->qhd", p, ve)
+        return torch.autograd.grad(o, (qq, kk, vv), do.to(dtype))
+    if cu_q is None:
+        grads = [one(q[b], k[b], v[b], dout[b]) for b in range(q.shape[0])]
+        return [torch.stack([g[i] for g in grads]) for i in range(3)]
+    grads = [one(q[a:b], k[c:e], v[c:e], dout[a:b])
+             for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())]
+    return [torch.cat([g[i] for g in grads]) for i in range(3)]
+
+
+def check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, varlen_lens=None, dtype=torch.bfloat16):
+    dev = "cuda"
+    if varlen_lens:
+        lq, lk = zip(*varlen_lens)
+        cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        q = torch.randn(sum(lq), h, d, device=dev, dtype=dtype)
+        k = torch.randn(sum(lk), h_k, d, device=dev, dtype=dtype)
+        v = torch.randn(sum(lk), h_k, d, device=dev, dtype=dtype)
+        dout = torch.randn_like(q)
+        out, lse, _ = fa.flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
+                                        max_seqlen_k=max(lk), causal=causal, window_size=window, backend="triton")
+        got = ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q, cu_k, max(lq), max(lk))
+    else:
+        cu_q = cu_k = None
+        q = torch.randn(b, s_q, h, d, device=dev, dtype=dtype)
+        k = torch.randn(b, s_k, h_k, d, device=dev, dtype=dtype)
+        v = torch.randn(b, s_k, h_k, d, device=dev, dtype=dtype)
+        dout = torch.randn_like(q)
+        out, lse, _ = fa.flash_attn_fwd(q, k, v, causal=causal, window_size=window, backend="triton")
+        got = ws_backward(q, k, v, out, dout, lse, causal, window, tile)
+    ref32 = reference(q, k, v, dout, causal, window, torch.float32, cu_q, cu_k)
+    ref16 = reference(q, k, v, dout, causal, window, dtype, cu_q, cu_k)
+    ok = True
+    parts = []
+    for label, g, r32, r16 in zip(("dq", "dk", "dv"), got, ref32, ref16):
+        err = (g.float() - r32).abs().max().item()
+        base = (r16.float() - r32).abs().max().item()
+        good = math.isfinite(err) and err <= 2 * base + 1e-5
+        ok &= good
+        parts.append(f"{label} {err:.2e}/{base:.2e}{'' if good else ' FAIL'}")
+    print(f"{'PASS' if ok else 'FAIL'} {name}: " + ", ".join(parts), flush=True)
+    return ok
+
+
+def flops(b, h, s_q, s_k, d, causal):
+    return 2.5 * 4.0 * b * h * s_q * s_k * d / (2 if causal else 1)
+
+
+def time_case(b, h, h_k, s, d, causal, tiles):
+    dev, dtype = "cuda", torch.bfloat16
+    q = torch.randn(b, s, h, d, device=dev, dtype=dtype)
+    k = torch.randn(b, s, h_k, d, device=dev, dtype=dtype)
+    v = torch.randn(b, s, h_k, d, device=dev, dtype=dtype)
+    dout = torch.randn_like(q)
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, causal=causal, backend="triton")
+    f = flops(b, h, s, s, d, causal)
+    row = {}
+    for tile in tiles:
+        ms = triton.testing.do_bench(lambda: ws_backward(q, k, v, out, dout, lse, causal, (-1, -1), tile),
+                                     return_mode="median")
+        row[f"ws{tile.block_m}x{tile.block_n}s{tile.num_stages}"] = f / ms / 1e9
+    ms = triton.testing.do_bench(lambda: fa.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, backend="triton"),
+                                 return_mode="median")
+    row["triton"] = f / ms / 1e9
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for name, kind in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+            with sdpa_kernel(kind):
+                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != h_k)
+            g = dout.transpose(1, 2)
+            ms = triton.testing.do_bench(lambda: torch.autograd.grad(o, (qt, kt, vt), g, retain_graph=True),
+                                         return_mode="median")
+            row[name] = f / ms / 1e9
+        except Exception as e:  # noqa: BLE001
+            row[name] = float("nan")
+            print(f"  {name}: {type(e).__name__}: {str(e)[:100]}")
+    print(f"TIME d{d} h{h}/{h_k} s{s} causal={causal}: " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()),
+          flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--time-only", action="store_true")
+    ap.add_argument("--tiles", default="64x128")
+    args = ap.parse_args()
+    tiles = [WsTile(*map(int, t.split("x")[:2]), *(int(x) for x in t.split("x")[2:])) for t in args.tiles.split(",")]
+    ok = True
+    if not args.time_only:
+        t = tiles[0]
+        cases = [
+            ("dense d128 s256", 2, 4, 4, 256, 256, 128, False, (-1, -1), None),
+            ("dense d128 s200 (partial tiles)", 2, 4, 4, 200, 200, 128, False, (-1, -1), None),
+            ("causal d128 s384", 2, 4, 4, 384, 384, 128, True, (-1, -1), None),
+            ("causal s_q 100 != s_k 300", 2, 4, 4, 100, 300, 128, True, (-1, -1), None),
+            ("causal s_q 300 != s_k 100", 2, 4, 4, 300, 100, 128, True, (-1, -1), None),
+            ("window (64, 32) d128", 2, 4, 4, 384, 384, 128, False, (64, 32), None),
+            ("gqa 8/2 causal", 2, 8, 2, 256, 256, 128, True, (-1, -1), None),
+            ("gqa 8/1 (mqa)", 1, 8, 1, 256, 256, 128, False, (-1, -1), None),
+            ("gqa 8/4", 1, 8, 4, 256, 256, 128, True, (-1, -1), None),
+            ("d64 causal", 2, 4, 4, 384, 384, 64, True, (-1, -1), None),
+            ("varlen causal gqa", 0, 4, 2, 0, 0, 128, True, (-1, -1), [(100, 100), (0, 50), (257, 300), (64, 0), (130, 70)]),
+            ("varlen d64", 0, 4, 4, 0, 0, 64, False, (-1, -1), [(200, 130), (1, 1), (129, 255)]),
+        ]
+        for name, b, h, h_k, s_q, s_k, d, causal, window, lens in cases:
+            try:
+                ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, t, lens)
+            except Exception as e:  # noqa: BLE001
+                ok = False
+                print(f"FAIL {name}: {type(e).__name__}: {str(e)[:600]}", flush=True)
+        t0 = time.time()
+        for fp16 in (torch.float16,):
+            ok &= check("fp16 causal", 2, 4, 4, 256, 256, 128, True, (-1, -1), t, None, fp16)
+        print(f"(fp16 {time.time() - t0:.1f}s)")
+    if not args.check_only:
+        for d, h, h_k, s in ((128, 16, 16, 8192), (128, 32, 8, 8192), (64, 32, 32, 8192), (128, 16, 16, 2048)):
+            for causal in (False, True):
+                time_case(16384 // s, h, h_k, s, d, causal, tiles)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
