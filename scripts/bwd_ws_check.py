@@ -31,8 +31,17 @@ class WsTile:
     num_stages: int = 2
     dq_stages: int = 1
     num_warps: int = 8
+    pipeline: int = 1
     loader_regs: int = 24
     writer_regs: int = 24
+
+    @classmethod
+    def parse(cls, text: str) -> "WsTile":
+        """'BMxBN[xSTAGESxDQ_STAGESxPIPELINE]'"""
+        return cls(*map(int, text.split("x")))
+
+    def __str__(self):
+        return f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}x{self.pipeline}"
 
 
 def mask_of(causal, window, s_q, s_k):
@@ -138,7 +147,7 @@ def time_case(b, h, h_k, s, d, causal, tiles):
     for tile in tiles:
         ms = triton.testing.do_bench(lambda: ws_backward(q, k, v, out, dout, lse, causal, (-1, -1), tile),
                                      return_mode="median")
-        row[f"ws{tile.block_m}x{tile.block_n}s{tile.num_stages}"] = f / ms / 1e9
+        row[f"ws{tile}"] = f / ms / 1e9
     ms = triton.testing.do_bench(lambda: fa.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, backend="triton"),
                                  return_mode="median")
     row["triton"] = f / ms / 1e9
@@ -163,12 +172,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check-only", action="store_true")
     ap.add_argument("--time-only", action="store_true")
-    ap.add_argument("--tiles", default="64x128")
+    ap.add_argument("--tiles128", default="64x128")
+    ap.add_argument("--tiles64", default="64x128")
     args = ap.parse_args()
-    tiles = [WsTile(*map(int, t.split("x")[:2]), *(int(x) for x in t.split("x")[2:])) for t in args.tiles.split(",")]
+    tiles = {d: [WsTile.parse(t) for t in getattr(args, f"tiles{d}").split(",")] for d in (64, 128)}
     ok = True
-    if not args.time_only:
-        t = tiles[0]
+    for t128, t64 in ([] if args.time_only else zip(tiles[128], tiles[64])):
+        print(f"-- checks with d128 tile {t128}, d64 tile {t64}")
         cases = [
             ("dense d128 s256", 2, 4, 4, 256, 256, 128, False, (-1, -1), None),
             ("dense d128 s200 (partial tiles)", 2, 4, 4, 200, 200, 128, False, (-1, -1), None),
@@ -184,6 +194,7 @@ def main():
             ("varlen d64", 0, 4, 4, 0, 0, 64, False, (-1, -1), [(200, 130), (1, 1), (129, 255)]),
         ]
         for name, b, h, h_k, s_q, s_k, d, causal, window, lens in cases:
+            t = t128 if d == 128 else t64
             try:
                 ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, t, lens)
             except Exception as e:  # noqa: BLE001
@@ -191,12 +202,12 @@ def main():
                 print(f"FAIL {name}: {type(e).__name__}: {str(e)[:600]}", flush=True)
         t0 = time.time()
         for fp16 in (torch.float16,):
-            ok &= check("fp16 causal", 2, 4, 4, 256, 256, 128, True, (-1, -1), t, None, fp16)
+            ok &= check("fp16 causal", 2, 4, 4, 256, 256, 128, True, (-1, -1), t128, None, fp16)
         print(f"(fp16 {time.time() - t0:.1f}s)")
     if not args.check_only:
         for d, h, h_k, s in ((128, 16, 16, 8192), (128, 32, 8, 8192), (64, 32, 32, 8192), (128, 16, 16, 2048)):
             for causal in (False, True):
-                time_case(16384 // s, h, h_k, s, d, causal, tiles)
+                time_case(16384 // s, h, h_k, s, d, causal, tiles[d])
     sys.exit(0 if ok else 1)
 
 

@@ -143,6 +143,15 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty,
         mbarrier.arrive(dq_empty.index(stage), count=1)
 
 
+@gluon.jit
+def _issue_mma(a_smem, b_ring, ready, zero, step, steps, NUM_STAGES: gl.constexpr):
+    """Issue acc = A B^T for `step` (async) once its ring tile has landed: S^T = K Q^T or dP^T = V dO^T.
+    Past the last step nothing waits (the barrier wait is predicated off)."""
+    stage = step % NUM_STAGES
+    mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1, pred=step < steps)
+    return warpgroup_mma(a_smem, b_ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
 # ---- MMA partition (default) -----------------------------------------------------------------
 @gluon.jit
 def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
@@ -152,7 +161,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
          seqlen_q, seqlen_k, group, scale, window_left, window_right,
          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
          DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-         HAS_RIGHT: gl.constexpr, num_warps: gl.constexpr):
+         HAS_RIGHT: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):
     n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = _tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
@@ -182,20 +191,24 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
 
+    steps = m_tiles * group
     mbarrier.wait(kv_ready, 0)
-    for step in range(m_tiles * group):
+    # Software pipeline: S^T and dP^T of step j + 1 are issued before step j hands its dQ over, so the
+    # tensor cores work while dQ goes to shared memory.
+    if PIPELINE >= 1:
+        sT = _issue_mma(k_smem, q_smem, q_ready, s_zero, 0, steps, NUM_STAGES)
+    if PIPELINE == 2:
+        dpT = _issue_mma(v_smem, do_smem, do_ready, s_zero, 0, steps, NUM_STAGES)
+    for step in range(steps):
+        if PIPELINE == 0:
+            sT = _issue_mma(k_smem, q_smem, q_ready, s_zero, step, steps, NUM_STAGES)
+        if PIPELINE < 2:
+            dpT = _issue_mma(v_smem, do_smem, do_ready, s_zero, step, steps, NUM_STAGES)
         stage = step % NUM_STAGES
-        phase = (step // NUM_STAGES) & 1
         head = kv_head * group + step // m_tiles
         m0 = m_lo + (step % m_tiles) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
-
-        # ---- S^T = K Q^T and dP^T = V dO^T, issued back to back ----
-        mbarrier.wait(q_ready.index(stage), phase)
-        sT = warpgroup_mma(k_smem, q_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(stage), phase)
-        dpT = warpgroup_mma(v_smem, do_tile.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
         offs_m = m0 + offs_m_tile
         row_ok = offs_m < len_q
@@ -236,20 +249,35 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
         ds_smem.store(ds_bf)
         fence_async_shared()
         gl.thread_barrier()
-        dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q_tile, dk, is_async=True)
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
-        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        gl.thread_barrier()
-        mbarrier.arrive(q_empty.index(stage), count=1)
-        mbarrier.arrive(do_empty.index(stage), count=1)
+        dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q_tile, dk, is_async=True)
+        # wgmma groups retire in order: waiting for all but the last leaves dK running.
+        if PIPELINE == 0:
+            dv, dq, dk = warpgroup_mma_wait(0, deps=(dv, dq, dk))
+        else:
+            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+        mbarrier.arrive(do_empty.index(stage), count=1)   # dV, the last reader of dO, is done
+        if PIPELINE >= 1:
+            sT = _issue_mma(k_smem, q_smem, q_ready, s_zero, step + 1, steps, NUM_STAGES)
+        if PIPELINE == 2:
+            dpT = _issue_mma(v_smem, do_smem, do_ready, s_zero, step + 1, steps, NUM_STAGES)
 
-        # ---- hand dQ (scaled) to the writer ----
+        # ---- hand dQ (scaled) to the writer while dK runs ----
         dq_stage = step % DQ_STAGES
         mbarrier.wait(dq_empty.index(dq_stage), ((step // DQ_STAGES) & 1) ^ 1)
         dq_smem.index(dq_stage).store(dq * scale)
         fence_async_shared()
-        gl.thread_barrier()
+        if PIPELINE == 1:
+            dk = warpgroup_mma_wait(1, deps=(dk,))
+        elif PIPELINE == 2:
+            dk = warpgroup_mma_wait(2, deps=(dk,))
+        gl.thread_barrier()   # every warp's dQ is in shared memory and its dK matmul has read Q
         mbarrier.arrive(dq_full.index(dq_stage), count=1)
+        mbarrier.arrive(q_empty.index(stage), count=1)
+    if PIPELINE >= 1:
+        warpgroup_mma_wait(0, deps=(sT,))
+    if PIPELINE == 2:
+        warpgroup_mma_wait(0, deps=(dpT,))
 
     # ---- epilogue: dK (scaled) and dV in the output dtype, rows of this sequence only ----
     offs_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
@@ -275,7 +303,8 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        NUM_STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr,
                        TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                       LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, num_warps: gl.constexpr):
+                       LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
+                       num_warps: gl.constexpr):
     """Grid: (key tiles, batch, kv heads). See the module docstring."""
     if VARLEN:
         n0 = gl.program_id(0) * BLOCK_N
@@ -316,7 +345,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                 stride_lse_b, stride_lse_h, stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
                 seqlen_q, seqlen_k, group, scale, window_left, window_right,
                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                num_warps)),
+                PIPELINE, num_warps)),
         (_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                    q_ready, q_empty, do_ready, do_empty, kv_ready,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
@@ -372,4 +401,4 @@ def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens
         seqlen_q, seqlen_k, group, scale, window_left, window_right,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=d, NUM_STAGES=tile.num_stages, DQ_STAGES=tile.dq_stages,
         VARLEN=varlen, TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, num_warps=tile.num_warps)
+        LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, PIPELINE=tile.pipeline, num_warps=tile.num_warps)
