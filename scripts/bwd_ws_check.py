@@ -38,7 +38,8 @@ class WsTile:
     @classmethod
     def parse(cls, text: str) -> "WsTile":
         """'BMxBN[xSTAGESxDQ_STAGESxPIPELINE]'"""
-        return cls(*map(int, text.split("x")))
+        names = ("block_m", "block_n", "num_stages", "dq_stages", "pipeline")
+        return cls(**dict(zip(names, map(int, text.split("x")))))
 
     def __str__(self):
         return f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}x{self.pipeline}"

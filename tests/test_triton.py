@@ -16,14 +16,15 @@ if not torch.cuda.is_available():
 
 from flash_attn_ck.backends import base  # noqa: E402
 from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
+from flash_attn_ck.frontend.inputs import describe_call  # noqa: E402
 
 
 
 # The test shapes are short (config.SHORT_SEQLEN), where the defaults move tiles by pointers; the
 # use_tma=True rows force TMA loads, stores and bulk reduce-adds so that those paths are tested too.
 @pytest.fixture(params=[dict(), dict(dq_mode="pass"), dict(gqa_epilogue="accumulate"), dict(dq_mode="atomic"),
-                        dict(use_tma=True), dict(use_tma=True, gqa_epilogue="accumulate")],
-                ids=["defaults", "loop-pass", "accumulate", "atomic-dq", "tma", "tma-accumulate"])
+                        dict(use_tma=True), dict(use_tma=True, gqa_epilogue="accumulate"), dict(ws=True)],
+                ids=["defaults", "loop-pass", "accumulate", "atomic-dq", "tma", "tma-accumulate", "ws"])
 def backend_options(request):
     """Install a TritonBackend with the given options as the one the dispatcher hands out."""
     saved = base._instances.get("triton")
@@ -39,9 +40,19 @@ def _check(cfg: Config, seed: int = 0):
     check_case(cfg, backend="triton", device="cuda", seed=seed)
 
 
+# Both backward kernels: ws=False the one-launch kernel, ws=True the warp-specialised one wherever it can
+# run (head dims 64/128, no dropout/ALiBi/softcap, not deterministic; other cases fall back).
+@pytest.fixture(params=[False, True], ids=["one-launch", "ws"])
+def kernel(request):
+    saved = base._instances.get("triton")
+    base._instances["triton"] = TritonBackend(ws=request.param)
+    yield request.param
+    base._instances["triton"] = saved if saved is not None else TritonBackend()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_head_dims(head_dim, dtype):
+def test_head_dims(head_dim, dtype, kernel):
     _check(head_dim_case(head_dim, dtype))
 
 
@@ -57,8 +68,40 @@ FEATURES = {
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("name", sorted(FEATURES))
-def test_features(name, head_dim):
+def test_features(name, head_dim, kernel):
     _check(feature_case(FEATURES[name], head_dim))
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", [(300, 300), (100, 333), (333, 100)], ids=["square", "sq<sk", "sq>sk"])
+def test_ws_kernel_runs_and_matches(group, causal, seqlens):
+    """The warp-specialised kernel itself (the plan names it) on GQA ratios 1-8 and s_q != s_k."""
+    backend = TritonBackend(ws=True)
+    cfg = Config(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=8, heads_k=8 // group, head_dim=128,
+                 causal=causal)
+    q, k, v, _, _ = make_inputs(cfg, "cuda", seed=group)
+    plan = backend.backward_plan(describe_call(q, k, v, softmax_scale=None, causal=causal, window_size=(-1, -1),
+                                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False))
+    assert plan.kernel.startswith("bwd_ws"), plan.kernel
+    saved = base._instances.get("triton")
+    base._instances["triton"] = backend
+    try:
+        _check(cfg, seed=group)
+    finally:
+        base._instances["triton"] = saved if saved is not None else TritonBackend()
+
+
+def test_ws_kernel_varlen_empty_sequences():
+    seqlens = [(37, 80), (0, 50), (130, 9), (64, 0), (1, 1), (0, 0), (200, 211), (257, 129)]
+    cfg = Config(seqlens=seqlens, heads_q=8, heads_k=2, head_dim=128, causal=True)
+    saved = base._instances.get("triton")
+    base._instances["triton"] = TritonBackend(ws=True)
+    try:
+        out, (dq, dk, dv) = check_case(cfg, backend="triton", device="cuda")
+    finally:
+        base._instances["triton"] = saved if saved is not None else TritonBackend()
+    assert dk[80:130].abs().max() == 0 and dv[80:130].abs().max() == 0
 
 
 @pytest.mark.parametrize("name", ["mqa_causal", "window", "alibi_softcap_window", "dropout_causal_gqa"])

@@ -41,6 +41,8 @@ class WorkspacePlan:
     # True when the backend writes dK/dV per query head into `dk_expanded`/`dv_expanded` and the
     # frontend must sum each group of h/h_k heads (the CK contract for MQA/GQA).
     reduce_expanded_kv: bool = False
+    # Which kernel runs the backward and, when a faster one was passed over, why.
+    kernel: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -51,6 +53,8 @@ class WorkspacePlan:
 
     def describe(self) -> str:
         lines = [f"workspace plan ({self.backend}): {format_bytes(self.total_bytes)} in {len(self.buffers)} buffers"]
+        if self.kernel:
+            lines.append(f"  kernel: {self.kernel}")
         for b in self.buffers:
             shape = "x".join(map(str, b.shape))
             dtype = str(b.dtype).removeprefix("torch.")

@@ -89,7 +89,8 @@ class TritonBackend(Backend):
     device_types = frozenset({"cuda"})
 
     def __init__(self, gqa_epilogue: Optional[str] = None, dq_mode: Optional[str] = None,
-                 use_tma: Optional[bool] = None, configs: Optional[config.Configs] = None):
+                 use_tma: Optional[bool] = None, configs: Optional[config.Configs] = None,
+                 ws: Optional[bool] = None, ws_tile: Optional[config.WsTile] = None):
         self.gqa_epilogue = gqa_epilogue or os.environ.get(GQA_ENV, "loop")
         self.dq_mode = dq_mode or os.environ.get(DQ_ENV, "auto")
         if self.gqa_epilogue not in ("loop", "accumulate"):
@@ -98,6 +99,8 @@ class TritonBackend(Backend):
             raise ValueError(f"dq_mode={self.dq_mode!r}: expected 'auto', 'pass' or 'atomic'")
         self.use_tma = use_tma
         self.configs = configs
+        self.ws = ws
+        self.ws_tile = ws_tile
 
     # ---- capabilities --------------------------------------------------------------------------
     @classmethod
@@ -146,6 +149,40 @@ class TritonBackend(Backend):
         if self.use_tma is None and _capability(p.device)[0] < 9:
             return False
         return self.use_tma is True or self._configs(p).bwd_tma == "all"
+
+    def ws_reasons(self, p: AttentionProblem) -> list[str]:
+        """Why the warp-specialised backward (bwd_ws.py) does not run this call; empty when it does.
+        ws=None: where it measured faster (config.BWD_WS_SM90, BWD_WS_MIN_SEQLEN); True: wherever it can
+        run; False: never."""
+        if self.ws is False:
+            return ["turned off (TritonBackend(ws=False))"]
+        reasons = []
+        if _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] != 9:
+            reasons.append("needs an sm_90 GPU (Gluon wgmma/TMA kernel)")
+        if p.dtype not in (torch.bfloat16, torch.float16):
+            reasons.append(f"{p.dtype} inputs (bf16/fp16 only)")
+        d = p.head_dim_padded
+        if d not in config.BWD_WS_SM90:
+            reasons.append(f"head dim {d}: the kernel has tiles for head dims {sorted(config.BWD_WS_SM90)}")
+        elif self.ws is None and d not in config.BWD_WS_DEFAULT_HEAD_DIMS:
+            reasons.append(f"head dim {d}: the one-launch kernel measured faster")
+        if self.ws is None and max(p.seqlen_q, p.seqlen_k) < config.BWD_WS_MIN_SEQLEN:
+            reasons.append(f"sequences shorter than {config.BWD_WS_MIN_SEQLEN}: the one-launch kernel measured faster")
+        if p.deterministic:
+            reasons.append("deterministic (its dQ reduce-adds are unordered)")
+        if p.dropout_p > 0:
+            reasons.append("dropout")
+        if p.has_alibi:
+            reasons.append("ALiBi")
+        if p.softcap != 0.0:
+            reasons.append("softcap")
+        return reasons
+
+    def _ws_kv_heads_per_launch(self, p: AttentionProblem) -> int:
+        """KV heads per launch of the warp-specialised kernel: its fp32 dQ accumulator (a launch's query
+        heads) stays under config.BWD_WS_DQ_ACCUM_BYTES."""
+        per_kv_head = p.rows_q * p.group_size * p.head_dim_padded * 4
+        return max(1, min(p.heads_k, config.BWD_WS_DQ_ACCUM_BYTES // max(per_kv_head, 1)))
 
     def _accumulate_kv(self, p: AttentionProblem) -> bool:
         return p.is_gqa and self.gqa_epilogue == "accumulate"
@@ -215,6 +252,16 @@ class TritonBackend(Backend):
         p, d = problem, problem.head_dim_padded
         lse_shape = (p.heads_q, p.total_q) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
         buffers = [BufferSpec("softmax_d", lse_shape, torch.float32, False, "D = rowsum(dO * O), strided like lse")]
+        ws_reasons = self.ws_reasons(p)
+        if not ws_reasons:
+            heads = self._ws_kv_heads_per_launch(p) * p.group_size
+            rows_q = (p.total_q,) if p.varlen else (p.batch, p.seqlen_q)
+            buffers.append(BufferSpec("dq_accum", (*rows_q, heads, d), torch.float32, False,
+                                      f"fp32 dQ of {heads} query heads per launch (TMA reduce-adds; zeroed per launch)"))
+            return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False,
+                                 kernel="bwd_ws (warp-specialised Gluon, sm_90)")
+        kernel = "bwd_main (one launch: key tiles + dQ pass)" if not self._dq_atomic(p) else "bwd_main (atomic dQ)"
+        kernel += "; bwd_ws not used: " + ", ".join(ws_reasons)
         if self._dq_atomic(p):
             rows_q = (p.total_q,) if p.varlen else (p.batch, p.seqlen_q)
             buffers.append(BufferSpec("dq_accum", (*rows_q, p.heads_q, d), torch.float32, False,
@@ -228,15 +275,16 @@ class TritonBackend(Backend):
                 tiles = triton_cdiv(p.seqlen_k, self._configs(p).bwd_kv.block_n)
                 buffers.append(BufferSpec("dkv_semaphore", (max(tiles, 1), p.batch, p.heads_k), torch.int32, False,
                                           "orders the group's adds per (key tile, batch, kv head)"))
-        return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False)
+        return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False, kernel=kernel)
 
     def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
         from .bwd_main import attn_bwd_kernel
-        from .bwd_preprocess import bwd_preprocess_kernel
         p = problem
         _prepare_launch()
+        if not self.ws_reasons(p):
+            return self._backward_ws(p, params, out, lse, dout, dq, dk, dv, workspace)
         cfg = self._configs(p)
         d = params.q.shape[-1]
         block_d = config.head_block(d)
@@ -254,14 +302,7 @@ class TritonBackend(Backend):
         assert _lse_strides(delta, p.varlen) == lse_strides, "softmax_d must be strided like lse"
 
         # ---- 1. D = rowsum(dO * O); zero the accumulators and semaphores ----
-        pre_m = 64
-        zero = [(t if t is not None else delta, t.numel() if t is not None else 0) for t in (dq_acc, dk_acc, dv_acc, sems)]
-        bwd_preprocess_kernel[(max(1, triton_cdiv(p.seqlen_q, pre_m)), p.batch * p.heads_q)](
-            out, dout, delta, pointers[0], *_rows3(out, p.varlen), *do_strides, *lse_strides,
-            p.heads_q, p.seqlen_q, d, *[x for pair in zero for x in pair],
-            BLOCK_M=pre_m, BLOCK_D=block_d, VARLEN=p.varlen, ZERO_BLOCK=1024,
-            ZERO_A=dq_acc is not None, ZERO_B=dk_acc is not None, ZERO_C=dv_acc is not None,
-            ZERO_SEM=sems is not None, num_warps=4)
+        _preprocess(p, out, dout, delta, pointers[0], d, (dq_acc, dk_acc, dv_acc, sems))
 
         # ---- 2. one launch: key-tile programs (dK/dV, and dQ in atomic mode), then the dQ pass ----
         kv, dq_tile = cfg.bwd_kv, cfg.bwd_dq
@@ -298,6 +339,53 @@ class TritonBackend(Backend):
             for acc, grad in ((dk_acc, dk), (dv_acc, dv)):
                 acc_bhr = (0, acc.stride(0), acc.stride(1)) if p.varlen else acc.stride()[:3]
                 _cast(acc, grad, acc_bhr, _bhr(grad, p.varlen), p.heads_k, batch, p.rows_k // batch, d)
+
+
+    def _backward_ws(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor,
+                     dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                     workspace: dict[str, torch.Tensor]) -> None:
+        """The warp-specialised backward: D, then per group of kv heads: zero dq_accum, bwd_ws, dQ cast."""
+        from . import bwd_ws
+        d = params.q.shape[-1]
+        tile = self.ws_tile or config.BWD_WS_SM90[d]
+        delta, dq_acc = workspace["softmax_d"], workspace["dq_accum"]
+        cu_q = params.cu_seqlens_q if p.varlen else delta
+        _preprocess(p, out, dout, delta, cu_q, d, (None, None, None, None))
+        q, k, v = (bwd_ws.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
+        dout = bwd_ws.uniform_rows(dout, p.varlen)
+        mask = self._mask_args(p)
+        kv_per_launch, group = self._ws_kv_heads_per_launch(p), p.group_size
+        batch = 1 if p.varlen else p.batch
+        for h0 in range(0, p.heads_k, kv_per_launch):
+            kv = slice(h0, min(h0 + kv_per_launch, p.heads_k))
+            hq = slice(kv.start * group, kv.stop * group)
+            acc = dq_acc[..., :hq.stop - hq.start, :]
+            acc.zero_()
+            lse_h, delta_h = (t[hq] if p.varlen else t[:, hq] for t in (lse, delta))
+            dk_h, dv_h = dk[..., kv, :], dv[..., kv, :]
+            bwd_ws.launch(q[..., hq, :], k[..., kv, :], v[..., kv, :], dout[..., hq, :], lse_h, delta_h, acc, dk_h,
+                          dv_h, params.cu_seqlens_q, params.cu_seqlens_k, varlen=p.varlen, batch=p.batch,
+                          seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
+                          top_left=mask["TOP_LEFT"], window_left=mask["window_left"],
+                          window_right=mask["window_right"], has_left=mask["HAS_LEFT"], has_right=mask["HAS_RIGHT"],
+                          tile=tile)
+            dq_h = dq[..., hq, :]
+            _cast(acc, dq_h, _bhr(acc, p.varlen), _bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
+                  p.rows_q // batch, d)
+
+
+def _preprocess(p: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, d: int, zero: tuple[Optional[torch.Tensor], ...]) -> None:
+    """bwd_preprocess: D = rowsum(dO * O) into `delta`; zero the (up to four) buffers in `zero`."""
+    from .bwd_preprocess import bwd_preprocess_kernel
+    pre_m = 64
+    pairs = [(t if t is not None else delta, t.numel() if t is not None else 0) for t in zero]
+    bwd_preprocess_kernel[(max(1, triton_cdiv(p.seqlen_q, pre_m)), p.batch * p.heads_q)](
+        out, dout, delta, cu_seqlens_q, *_rows3(out, p.varlen), *_rows3(dout, p.varlen),
+        *_lse_strides(delta, p.varlen), p.heads_q, p.seqlen_q, d, *[x for pair in pairs for x in pair],
+        BLOCK_M=pre_m, BLOCK_D=config.head_block(d), VARLEN=p.varlen, ZERO_BLOCK=1024,
+        ZERO_A=zero[0] is not None, ZERO_B=zero[1] is not None, ZERO_C=zero[2] is not None,
+        ZERO_SEM=zero[3] is not None, num_warps=4)
 
 
 def _bhr(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:

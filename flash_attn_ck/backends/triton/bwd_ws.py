@@ -371,6 +371,15 @@ def rows_view(t, varlen: bool):
     return b * s, t.shape[2] * d, t.stride(1)
 
 
+def uniform_rows(t, varlen: bool):
+    """`t` itself when a TMA descriptor can view it as one 2-D matrix (uniform rows, 16-byte aligned),
+    else a contiguous copy."""
+    view = rows_view(t, varlen)
+    if view is not None and t.data_ptr() % 16 == 0 and (view[2] * t.element_size()) % 16 == 0:
+        return t
+    return t.contiguous()
+
+
 def descriptor(t, varlen: bool, block_rows: int):
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows, cols, row_stride = rows_view(t, varlen)

@@ -1,0 +1,142 @@
+"""CPU tests of the warp-specialised Gluon backward (backends/triton/bwd_ws.py): its dispatch rule
+(`TritonBackend.ws_reasons`), its workspace plan, and that every kernel variant compiles to sm_90a
+with the instructions the design rests on. Its numerics run on the GPU (tests/test_triton.py)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+triton = pytest.importorskip("triton")
+
+from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
+from flash_attn_ck.backends.triton import config  # noqa: E402
+from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
+from flash_attn_ck.frontend.mask import MaskInfo  # noqa: E402
+from flash_attn_ck.frontend.problem import AttentionProblem  # noqa: E402
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Pretend the problem's CUDA device is an sm_90 part (the rule reads only its capability)."""
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(triton_backend, "_INTERPRETING", False)
+
+
+def problem(seqlen=8192, head_dim=128, heads=(16, 16), batch=2, dtype=torch.bfloat16, causal=False, **features):
+    mask = MaskInfo.from_flash_args(causal, (-1, -1), seqlen, seqlen)
+    return AttentionProblem(batch, seqlen, seqlen, *heads, head_dim, dtype, torch.device("cuda"), mask,
+                            head_dim ** -0.5, **features)
+
+
+def test_ws_runs_where_it_measured_faster(sm90):
+    assert TritonBackend().ws_reasons(problem()) == []
+    assert TritonBackend().ws_reasons(problem(heads=(32, 8), causal=True)) == []
+    short = TritonBackend().ws_reasons(problem(seqlen=config.BWD_WS_MIN_SEQLEN - 1))
+    assert short and "one-launch kernel measured faster" in short[0]
+    assert TritonBackend(ws=True).ws_reasons(problem(seqlen=512)) == []        # forced: any length
+    assert TritonBackend(ws=True).ws_reasons(problem(seqlen=512, head_dim=64)) == []
+    assert TritonBackend(ws=False).ws_reasons(problem()) == ["turned off (TritonBackend(ws=False))"]
+
+
+FEATURES = {"deterministic": dict(deterministic=True), "dropout": dict(dropout_p=0.1),
+            "ALiBi": dict(has_alibi=True), "softcap": dict(softcap=5.0)}
+
+
+@settings(max_examples=25, deadline=None)
+@given(names=st.sets(st.sampled_from(sorted(FEATURES)), min_size=1), forced=st.booleans())
+def test_every_unsupported_feature_is_named(names, forced):
+    """Each feature the kernel does not implement keeps the call on the one-launch kernel, with its name."""
+    triton_backend._capability.cache_clear()
+    features = {k: v for n in names for k, v in FEATURES[n].items()}
+    original = triton_backend._capability
+    triton_backend._capability = lambda device: (9, 0)
+    try:
+        reasons = TritonBackend(ws=forced or None).ws_reasons(problem(**features))
+    finally:
+        triton_backend._capability = original
+    for name in names:
+        assert any(name in r for r in reasons), (name, reasons)
+
+
+@pytest.mark.parametrize("head_dim,capability,dtype,expect", [
+    (256, (9, 0), torch.bfloat16, "head dim 256"), (96, (9, 0), torch.bfloat16, "head dim 96"),
+    (64, (9, 0), torch.bfloat16, "head dim 64: the one-launch kernel measured faster"),
+    (128, (8, 0), torch.bfloat16, "sm_90"), (128, (10, 0), torch.bfloat16, "sm_90"),
+    (128, (9, 0), torch.float32, "float32")])
+def test_ws_names_what_it_cannot_run(monkeypatch, head_dim, capability, dtype, expect):
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: capability)
+    monkeypatch.setattr(triton_backend, "_INTERPRETING", False)
+    reasons = TritonBackend().ws_reasons(problem(head_dim=head_dim, dtype=dtype))
+    assert any(expect in r for r in reasons), reasons
+
+
+def test_plan_names_the_kernel_and_bounds_dq_accum(sm90):
+    # GQA 32/8 d128 s8192: the memory target (<= 210 MiB of workspace) holds with the chunked accumulator.
+    p = problem(heads=(32, 8), causal=True)
+    plan = TritonBackend().backward_plan(p)
+    assert plan.kernel.startswith("bwd_ws")
+    assert [b.name for b in plan.buffers] == ["softmax_d", "dq_accum"]
+    acc = plan.buffers[1]
+    assert acc.nbytes <= config.BWD_WS_DQ_ACCUM_BYTES and acc.shape[-2] % p.group_size == 0
+    assert plan.total_bytes <= 210 * 2 ** 20
+    # a call the kernel does not take says which kernel runs instead, and why
+    other = TritonBackend().backward_plan(problem(deterministic=True))
+    assert other.kernel.startswith("bwd_main") and "deterministic" in other.kernel
+    assert "dq_accum" not in [b.name for b in other.buffers]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_launches_cover_every_kv_head_once(sm90, group):
+    """kv heads are walked in launches whose dQ accumulators fit; together they cover every head once."""
+    p = problem(seqlen=16384, heads=(8 * group, 8), batch=4)
+    per = TritonBackend()._ws_kv_heads_per_launch(p)
+    assert per * p.rows_q * group * 128 * 4 <= config.BWD_WS_DQ_ACCUM_BYTES or per == 1
+    covered = [h for h0 in range(0, p.heads_k, per) for h in range(h0, min(h0 + per, p.heads_k))]
+    assert covered == list(range(p.heads_k))
+
+
+# ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ----------------------
+def _compile(tile, head_dim, varlen, masks):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from flash_attn_ck.backends.triton import bwd_ws
+
+    def desc(rows, dtype):
+        return mangle_type(bwd_ws.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows))
+
+    kernel = bwd_ws.attn_bwd_ws_kernel
+    cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=head_dim, NUM_STAGES=tile.num_stages,
+              DQ_STAGES=tile.dq_stages, VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2],
+              LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, PIPELINE=tile.pipeline,
+              num_warps=tile.num_warps)
+    descs = dict(q_desc=desc(tile.block_m, torch.bfloat16), k_desc=desc(tile.block_n, torch.bfloat16),
+                 v_desc=desc(tile.block_n, torch.bfloat16), do_desc=desc(tile.block_m, torch.bfloat16),
+                 dq_desc=desc(tile.block_m, torch.float32))
+    types = {"Lse": "*fp32", "Delta": "*fp32", "dK": "*bf16", "dV": "*bf16", "cu_seqlens_q": "*i32",
+             "cu_seqlens_k": "*i32", "scale": "fp32"}
+    sig = {n: "constexpr" if n in cx else descs.get(n) or types.get(n, "i32")
+           for n in inspect.signature(kernel.fn).parameters}
+    return triton.compile(GluonASTSource(kernel, sig, cx), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=tile.num_warps))
+
+
+@pytest.mark.parametrize("varlen,masks", [(False, (False, False, False)), (True, (False, False, True)),
+                                          (False, (True, True, True))], ids=["dense", "varlen-causal", "window"])
+def test_kernel_compiles_to_the_designed_instructions(varlen, masks):
+    tile = config.BWD_WS_SM90[128]
+    ptx = _compile(tile, 128, varlen, masks).asm["ptx"]
+    # 5 matmuls per step as wgmma (S^T, dP^T, dV, dK: 64-row halves per warpgroup; dQ), TMA loads,
+    # the dQ reduce-add through the TMA engine, and register budgets per partition.
+    assert ptx.count("wgmma.mma_async") >= 5
+    assert "cp.async.bulk.tensor" in ptx
+    assert "cp.reduce.async.bulk.tensor" in ptx and ".add" in ptx
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
+    assert "mbarrier.try_wait" in ptx
