@@ -14,7 +14,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from flash_attn_ck.backends import base  # noqa: E402
+from flash_attn_ck import use_backend  # noqa: E402
 from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
 
 
@@ -26,13 +26,8 @@ from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
                 ids=["defaults", "loop-pass", "accumulate", "atomic-dq", "tma", "tma-accumulate"])
 def backend_options(request):
     """Install a TritonBackend with the given options as the one the dispatcher hands out."""
-    saved = base._instances.get("triton")
-    base._instances["triton"] = TritonBackend(**request.param)
-    yield request.param
-    if saved is None:
-        base._instances.pop("triton", None)
-    else:
-        base._instances["triton"] = saved
+    with use_backend(TritonBackend(**request.param)):
+        yield request.param
 
 
 def _check(cfg: Config, seed: int = 0):
@@ -81,9 +76,7 @@ def test_varlen_empty_sequences(causal, backend_options):
 @pytest.mark.parametrize("options", [dict(), dict(gqa_epilogue="accumulate"), dict(gqa_epilogue="accumulate", use_tma=True)],
                          ids=["loop", "accumulate", "accumulate-tma"])
 def test_deterministic_bit_identical(options, varlen):
-    saved = base._instances.get("triton")
-    base._instances["triton"] = TritonBackend(**options)
-    try:
+    with use_backend(TritonBackend(**options)):
         seqlens = [(700, 900), (0, 64), (1024, 1024)] if varlen else None
         cfg = Config(batch=2, seqlen_q=1024, seqlen_k=1024, heads_q=16, heads_k=2, head_dim=128, causal=False,
                      deterministic=True, seqlens=seqlens)
@@ -93,13 +86,11 @@ def test_deterministic_bit_identical(options, varlen):
             again = run_ours(cfg, q, k, v, dout, slopes, backend="triton")[3]
             for a, b in zip(first, again):
                 assert torch.equal(a, b)
-    finally:
-        base._instances["triton"] = saved if saved is not None else TritonBackend()
 
 
 def test_plan_names_every_buffer():
-    from flash_attn_ck.frontend.mask import MaskInfo
-    from flash_attn_ck.frontend.problem import AttentionProblem
+    from flash_attn_ck.core.mask import MaskInfo
+    from flash_attn_ck.core.problem import AttentionProblem
     mask = MaskInfo.from_flash_args(True, (-1, -1), 8192, 8192)
     p = AttentionProblem(2, 8192, 8192, 32, 8, 128, torch.bfloat16, torch.device("cuda"), mask, 0.088,
                          deterministic=True)
