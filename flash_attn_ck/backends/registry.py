@@ -33,7 +33,8 @@ def backend_class(name: str) -> type[Backend]:
         return importlib.import_module(_BACKEND_MODULES[name]).BACKEND
     except (ImportError, AttributeError) as error:
         reason = f"its module {_BACKEND_MODULES[name]} failed to load ({type(error).__name__}: {error})"
-        return type(f"Unloadable_{name}", (Backend,), {"name": name, "unavailable_reason": classmethod(lambda cls: reason)})
+        why = classmethod(lambda cls: reason)
+        return type(f"Unloadable_{name}", (Backend,), {"name": name, "unavailable_reason": why})
 
 
 def all_backend_classes() -> list[type[Backend]]:

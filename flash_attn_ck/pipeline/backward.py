@@ -66,7 +66,8 @@ def check_backward_operands(problem: AttentionProblem, q, k, dout, out, softmax_
             checks.check_like(name, t, q.dtype, q.device, like.shape)
     if problem.dropout_p > 0:
         if rng_state is None:
-            raise checks.ArgumentError("rng_state: required when dropout_p > 0 (pass the rng_state the forward returned)")
+            raise checks.ArgumentError("rng_state: required when dropout_p > 0 "
+                                       "(pass the rng_state the forward returned)")
         checks.check_rng_state(rng_state, q.device)
 
 

@@ -201,7 +201,8 @@ class _Planner:
                          self.cu_seqlens_q and tuple(self.cu_seqlens_q), self.cu_seqlens_k and tuple(self.cu_seqlens_k))
 
 
-def _plan_chunks(problem: AttentionProblem, backend, cap: Optional[int], params: Optional[AttentionParams]) -> ChunkPlan:
+def _plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
+                 params: Optional[AttentionParams]) -> ChunkPlan:
     planner = _Planner(problem, backend, cap)
     plan = planner.cost([planner.whole])
     if cap is None or plan.peak_bytes <= cap:
@@ -227,8 +228,8 @@ def _check_chunkable(problem: AttentionProblem, backend, cap: int, peak: int) ->
     elif problem.dropout_p > 0 and not backend.supports_chunked_dropout:
         why_not = "with dropout, chunks would change this backend's keep pattern"
     if why_not:
-        raise WorkspaceError(f"backend {backend.name!r}: the backward needs {format_bytes(peak)} of workspace, over the "
-                             f"cap of {format_bytes(cap)}, and {why_not} (raise max_workspace_bytes or {WORKSPACE_ENV})")
+        raise WorkspaceError(f"backend {backend.name!r}: the backward needs {format_bytes(peak)} of workspace, "
+                             f"over the cap of {format_bytes(cap)}, and {why_not} (raise max_workspace_bytes or {WORKSPACE_ENV})")
 
 
 def _chunkings(problem: AttentionProblem, backend) -> Iterator[list[Chunk]]:
