@@ -13,7 +13,7 @@ d head dim (<= 256); varlen: total_q/total_k packed rows, cu_seqlens int32 (b + 
 from __future__ import annotations
 
 from . import ops
-from .backends.registry import BACKEND_NAMES, backend_class
+from .backends.registry import backend_class
 from .core.checks import check_tensor
 from .core.errors import ArgumentError, WorkspaceError
 from .core.inputs import describe_call
@@ -112,7 +112,7 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
 def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                        alibi_slopes=None, deterministic=False, max_workspace_bytes=None,
-                       backends=BACKEND_NAMES) -> dict[str, ChunkPlan | str]:
+                       backends=("reference", "ck", "triton")) -> dict[str, ChunkPlan | str]:
     """The backward workspace each backend would allocate for this call. Plans depend only on shapes,
     so q/k/v may be `device="meta"` tensors of any size.
 

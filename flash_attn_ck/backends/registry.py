@@ -22,7 +22,6 @@ _BACKEND_MODULES = {
     "ck": "flash_attn_ck.backends.ck",
     "reference": "flash_attn_ck.backends.reference",
 }
-BACKEND_NAMES = tuple(_BACKEND_MODULES)
 
 
 def backend_class(name: str) -> type[Backend]:
