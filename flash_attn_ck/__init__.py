@@ -11,14 +11,17 @@ from .api import (
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
 )
-from .backends.base import NoBackendError, select_backend
-from .frontend.checks import ArgumentError
-from .frontend.chunking import WorkspaceError
-from .frontend.mask import MaskInfo, MaskType
+from .backends.base import Backend
+from .backends.registry import use_backend
+from .core.errors import ArgumentError, NoBackendError, WorkspaceError
+from .core.mask import MaskInfo, MaskType
+from .core.options import AttentionOptions
+from .pipeline.select import select_backend
 
 __all__ = [
-    "ArgumentError", "WorkspaceError", "backward_workspace", "MaskInfo", "MaskType", "NoBackendError", "flash_attn_bwd", "flash_attn_func", "flash_attn_fwd",
-    "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "select_backend",
+    "ArgumentError", "AttentionOptions", "Backend", "MaskInfo", "MaskType", "NoBackendError", "WorkspaceError",
+    "backward_workspace", "flash_attn_bwd", "flash_attn_func", "flash_attn_fwd", "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func", "select_backend", "use_backend",
 ]
 __version__ = "0.1.0"

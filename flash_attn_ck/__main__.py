@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from . import backward_workspace, flash_attn_bwd, flash_attn_fwd, flash_attn_func
-from .backends.base import select_backend
-from .frontend.inputs import describe_call
+from .core.inputs import describe_call
+from .core.options import AttentionOptions
+from .pipeline.select import select_backend
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -96,8 +97,8 @@ def main(argv=None) -> int:
     options = dict(causal=args.causal, window_size=tuple(args.window), deterministic=args.deterministic,
                    backend=args.backend)
 
-    problem = describe_call(q, k, v, softmax_scale=None, causal=args.causal, window_size=tuple(args.window),
-                            softcap=0.0, alibi_slopes=None, dropout_p=args.dropout, deterministic=args.deterministic)
+    problem = describe_call(q, k, v, AttentionOptions(causal=args.causal, window_size=tuple(args.window),
+                                                      dropout_p=args.dropout, deterministic=args.deterministic))
     backend = select_backend(problem, args.backend)
     print(f"flash_attn_ck main job: backend={backend.name} device={device} dtype={args.dtype} "
           f"b={args.batch} s_q={args.seqlen} s_k={s_k} h={args.heads}/{args.heads_k} d={args.head_dim} "

@@ -1,91 +1,137 @@
 """The flash-attn 2.x public API, plus the low-level forward/backward for context-parallel users.
 
-Every function takes one extra keyword, `backend` ("triton", "ck", "reference"; default: the
-`FLASH_ATTN_CK_BACKEND` environment variable, else the best backend that fits the call).
-Packed variants pass views of the packed tensor, so gradients flow into it without copies.
+Every function takes one extra keyword, `backend`: a name ("triton", "ck", "reference"), a backend
+instance (e.g. `TritonBackend(use_tma=False)`), or None: the `FLASH_ATTN_CK_BACKEND` environment
+variable, else the best backend that fits the call. Each function builds and validates the call's
+options once (`AttentionOptions`); packed variants pass views of the packed tensor, so gradients flow
+into it without copies.
+
+Shapes: b batch, s_q/s_k query/key lengths, h query heads, h_k key/value heads (h_k divides h),
+d head dim (<= 256); varlen: total_q/total_k packed rows, cu_seqlens int32 (b + 1,) offsets.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Optional
-
-import torch
-
 from . import ops
-from .backends.base import backend_class
-from .frontend.checks import ArgumentError, check_tensor
-from .frontend.chunking import ChunkPlan, WorkspaceError, plan_chunks, workspace_cap
-from .frontend.inputs import describe_call
-from .frontend.problem import AttentionParams
+from .backends.registry import backend_class
+from .core.checks import check_tensor
+from .core.errors import ArgumentError, WorkspaceError
+from .core.inputs import describe_call
+from .core.options import AttentionOptions
+from .core.problem import AttentionParams
+from .pipeline.backward import gradient_outputs
+from .pipeline.chunking import ChunkPlan, plan_chunks, workspace_cap
 
-# ---- low-level ops: (out, lse, rng_state) forward and the seed-shaped mha_bwd --------------------
+_COMMON_ARGS = """
+        dropout_p: dropout probability in [0, 1); the keep pattern comes from `rng_state`.
+        softmax_scale: scale of q k^T before the softmax (default 1 / sqrt(d)).
+        causal: bottom-right aligned causal mask (flash-attn 2.1+).
+        window_size: (left, right) sliding window, -1 = unbounded on that side.
+        softcap: 0, or c > 0 for scores c * tanh(s / c).
+        alibi_slopes: fp32 (h,) or (b, h): score bias -slope * |i + s_k - s_q - j|.
+        deterministic: a bit-identical backward across runs (slower, more workspace on some backends).
+        backend: a backend name, a Backend instance, or None (automatic)."""
 
 
-def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
-    check_tensor("q", q)
-    return 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+def _documented(fn):
+    """Completes `{common}` in fn's docstring with the options every function shares."""
+    fn.__doc__ = fn.__doc__.format(common=_COMMON_ARGS)
+    return fn
 
 
-def _window(window_size) -> tuple[int, int]:
-    if len(window_size) != 2:
-        raise ArgumentError(f"window_size: expected (left, right), got {tuple(window_size)}")
-    return int(window_size[0]), int(window_size[1])
+# ---- low-level forward/backward: (out, lse, rng_state) and flash-attention's mha_bwd ---------------
 
-
+@_documented
 def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                    alibi_slopes=None, deterministic=False, return_attn_probs=False, backend=None):
-    """Forward only: `(out, softmax_lse, rng_state)` (+ `probs` if `return_attn_probs`).
+    """The forward alone, returning what a backward (or a context-parallel merge) needs.
 
-    `rng_state` is None without dropout. Batch layout unless `cu_seqlens_q/k` are given."""
-    left, right = _window(window_size)
-    out, lse, rng_state, probs = ops.attention(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0, max_seqlen_k or 0, alibi_slopes, float(dropout_p),
-        _scale(q, softmax_scale), bool(causal), left, right, float(softcap), bool(deterministic),
-        bool(return_attn_probs), backend or "")
+    Args:
+        q: (b, s_q, h, d), or varlen (total_q, h, d); fp16, bf16, fp32 or fp64.
+        k, v: (b, s_k, h_k, d), or varlen (total_k, h_k, d); q's dtype and device.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: varlen offsets and longest lengths
+            (all four, or none for the batch layout).
+        return_attn_probs: also return the probabilities (testing only).{common}
+
+    Returns:
+        `(out, softmax_lse, rng_state)`, plus `probs` with `return_attn_probs`: out like q; lse fp32
+        (b, h, s_q) or varlen (h, total_q); rng_state int64 [seed, offset] with dropout, else None;
+        probs (b, h, s_q, s_k) with dropped entries negated.
+
+    Raises:
+        ArgumentError: a bad argument (the message names it). NoBackendError: no backend can run the call.
+    """
+    options = AttentionOptions(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), softmax_scale=softmax_scale, causal=bool(causal),
+        window_size=window_size, softcap=float(softcap), deterministic=bool(deterministic),
+        return_attn_probs=bool(return_attn_probs), backend=backend)
+    check_tensor("q", q)     # before the op, whose schema would reject it with a less helpful message
+    out, lse, rng_state, probs = ops.attention(q, k, v, options)
     rng_state = rng_state if rng_state.numel() else None
     return (out, lse, rng_state, probs) if return_attn_probs else (out, lse, rng_state)
 
 
+@_documented
 def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *, cu_seqlens_q=None,
                    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, alibi_slopes=None, dropout_p=0.0,
                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False,
                    rng_state=None, backend=None, max_workspace_bytes=None):
-    """Backward only, shaped like the seed `mha_bwd`: `(dq, dk, dv, softmax_d)`.
+    """The backward alone, shaped like flash-attention's `mha_bwd`.
 
-    Preallocated dq/dk/dv are written in place (checked for dtype, device, last-dim stride, shape).
-    `max_workspace_bytes` caps the backward's workspace (default: `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES`,
-    else 4 GiB; -1: no cap): larger calls run in chunks (frontend/chunking.py)."""
-    left, right = _window(window_size)
-    common = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q or 0, max_seqlen_k or 0, alibi_slopes, float(dropout_p),
-              _scale(q, softmax_scale), bool(causal), left, right, float(softcap), bool(deterministic), rng_state,
-              backend or "", max_workspace_bytes)
+    Args:
+        dout, out: like q. q, k, v and the options: as given to `flash_attn_fwd`.
+        softmax_lse, rng_state: what `flash_attn_fwd` returned (rng_state only with dropout).
+        dq, dk, dv: preallocated gradients, written in place (checked for dtype, device, last-dim
+            stride, shape); missing ones are allocated.
+        max_workspace_bytes: cap on the backward's workspace (default `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES`,
+            else 4 GiB; -1: no cap); larger calls run in chunks (pipeline/chunking.py).{common}
+
+    Returns:
+        `(dq, dk, dv, softmax_d)`: dq like q, dk/dv like k; softmax_d = rowsum(dout * out), like lse.
+
+    Raises:
+        ArgumentError: a bad argument. NoBackendError: no backend can run the call.
+        WorkspaceError: even the smallest chunk's workspace exceeds the cap.
+    """
+    options = AttentionOptions(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), softmax_scale=softmax_scale, causal=bool(causal),
+        window_size=window_size, softcap=float(softcap), deterministic=bool(deterministic), backend=backend,
+        max_workspace_bytes=max_workspace_bytes)
+    check_tensor("q", q)
     if dq is None and dk is None and dv is None:
-        return torch.ops.flash_attn_ck.bwd(dout, q, k, v, out, softmax_lse, *common)
-    # Validate the given outputs before allocating the missing ones (nothing is touched on error).
-    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if t is not None:
-            check_tensor(name, t, like.dim())
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
-    softmax_d = torch.ops.flash_attn_ck.bwd_out(dout, q, k, v, out, softmax_lse, dq, dk, dv, *common)
+        return ops.backward(dout, q, k, v, out, softmax_lse, options, rng_state)
+    dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv)
+    softmax_d = ops.backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options, rng_state)
     return dq, dk, dv, softmax_d
 
 
+@_documented
 def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                        dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                        alibi_slopes=None, deterministic=False, max_workspace_bytes=None,
                        backends=("reference", "ck", "triton")) -> dict[str, ChunkPlan | str]:
-    """The backward workspace each backend would allocate for this call: a `ChunkPlan` (buffers and
-    bytes per chunk, number of chunks, peak; `.describe()` prints it), or why there is none.
+    """The backward workspace each backend would allocate for this call. Plans depend only on shapes,
+    so q/k/v may be `device="meta"` tensors of any size.
 
-    Plans depend only on shapes, so q/k/v may be `device="meta"` tensors of any size."""
-    problem = describe_call(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                            deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    Args:
+        q, k, v, varlen arguments, options: as for `flash_attn_bwd`.
+        backends: the backend names to plan for.{common}
+
+    Returns:
+        backend name -> a `ChunkPlan` (buffers and bytes per chunk, number of chunks, peak;
+        `.describe()` prints it), or a string saying why there is none.
+
+    Raises:
+        ArgumentError: a bad argument.
+    """
+    options = AttentionOptions(
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), softmax_scale=softmax_scale, causal=bool(causal),
+        window_size=window_size, softcap=float(softcap), deterministic=bool(deterministic))
+    problem = describe_call(q, k, v, options)
     params = AttentionParams(q, k, v, cu_seqlens_q, cu_seqlens_k)
     cap = workspace_cap(max_workspace_bytes)
     report = {}
@@ -101,9 +147,8 @@ def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                return_attn_probs, backend, varlen=None):
-    varlen = varlen or {}
-    result = flash_attn_fwd(q, k, v, **varlen, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                            window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+    result = flash_attn_fwd(q, k, v, **(varlen or {}), dropout_p=dropout_p, softmax_scale=softmax_scale,
+                            causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                             deterministic=deterministic, return_attn_probs=return_attn_probs, backend=backend)
     if return_attn_probs:
         out, lse, _, probs = result
@@ -111,38 +156,83 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
     return result[0]
 
 
+_RETURNS = """
+    Returns:
+        out, like q; with `return_attn_probs` (testing only) `(out, softmax_lse, probs)`: lse fp32
+        {lse}, probs {probs} softmax probabilities with dropped entries negated.
+
+    Raises:
+        ArgumentError: a bad argument (the message names it). NoBackendError: no backend can run the call."""
+_BATCH_RETURNS = _RETURNS.format(lse="(b, h, s_q)", probs="(b, h, s_q, s_k)")
+_VARLEN_RETURNS = _RETURNS.format(lse="(h, total_q)", probs="(b, h, max_seqlen_q, max_seqlen_k)")
+
+
+def _flash_documented(returns: str):
+    def document(fn):
+        fn.__doc__ = fn.__doc__.format(common=_COMMON_ARGS + "\n        return_attn_probs: see Returns.",
+                                       returns=returns)
+        return fn
+    return document
+
+
+@_flash_documented(_BATCH_RETURNS)
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend=None):
-    """q (b, s_q, h, d), k/v (b, s_k, h_k, d) -> out (b, s_q, h, d).
+    """Exact attention softmax(scale * q k^T) v, differentiable in q, k and v.
 
-    With `return_attn_probs` (testing only): `(out, softmax_lse, probs)`, `probs` being the softmax
-    probabilities (b, h, s_q, s_k) with dropped entries negated."""
+    Args:
+        q: (b, s_q, h, d); fp16, bf16, fp32 or fp64.
+        k, v: (b, s_k, h_k, d), q's dtype and device.{common}
+{returns}
+    """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, backend)
 
 
+@_flash_documented(_BATCH_RETURNS)
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                               backend=None):
-    """qkv (b, s, 3, h, d)."""
+    """`flash_attn_func` on q, k, v packed in one tensor (self-attention, h_k = h).
+
+    Args:
+        qkv: (b, s, 3, h, d); its gradient flows into the packed tensor.{common}
+{returns}
+    """
     check_tensor("qkv", qkv, 5)
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
                       softcap, alibi_slopes, deterministic, return_attn_probs, backend)
 
 
+@_flash_documented(_BATCH_RETURNS)
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                              backend=None):
-    """q (b, s_q, h, d), kv (b, s_k, 2, h_k, d)."""
+    """`flash_attn_func` with k and v packed in one tensor.
+
+    Args:
+        q: (b, s_q, h, d).
+        kv: (b, s_k, 2, h_k, d), q's dtype and device.{common}
+{returns}
+    """
     check_tensor("kv", kv, 5)
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, backend)
 
 
+@_flash_documented(_VARLEN_RETURNS)
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, backend=None):
-    """q (total_q, h, d), k/v (total_k, h_k, d), cu_seqlens int32 (b + 1,); lse (h, total_q)."""
+    """`flash_attn_func` on sequences of different lengths packed along the first dim.
+
+    Args:
+        q: (total_q, h, d). k, v: (total_k, h_k, d).
+        cu_seqlens_q, cu_seqlens_k: int32 (b + 1,) offsets of each sequence's rows, from 0.
+        max_seqlen_q, max_seqlen_k: the longest query / key length.
+        block_table: must be None (paged KV caches are not supported).{common}
+{returns}
+    """
     if block_table is not None:
         raise ArgumentError("block_table: paged KV caches are not supported by flash_attn_ck (pass None)")
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -151,21 +241,35 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                       deterministic, return_attn_probs, backend, varlen)
 
 
+@_flash_documented(_VARLEN_RETURNS)
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False, *, backend=None):
-    """qkv (total, 3, h, d)."""
+    """`flash_attn_varlen_func` on q, k, v packed in one tensor (self-attention, h_k = h).
+
+    Args:
+        qkv: (total, 3, h, d).
+        cu_seqlens: int32 (b + 1,) offsets, for queries and keys. max_seqlen: the longest sequence.{common}
+{returns}
+    """
     check_tensor("qkv", qkv, 4)
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs, backend=backend)
 
 
+@_flash_documented(_VARLEN_RETURNS)
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
                                     backend=None):
-    """q (total_q, h, d), kv (total_k, 2, h_k, d)."""
+    """`flash_attn_varlen_func` with k and v packed in one tensor.
+
+    Args:
+        q: (total_q, h, d). kv: (total_k, 2, h_k, d).
+        cu_seqlens_q, cu_seqlens_k: int32 (b + 1,) offsets. max_seqlen_q, max_seqlen_k: the longest lengths.{common}
+{returns}
+    """
     check_tensor("kv", kv, 4)
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,

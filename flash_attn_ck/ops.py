@@ -15,62 +15,115 @@ absent optional results are empty tensors (`rng_state` without dropout, `probs` 
 - `bwd(dout, q, k, v, out, softmax_lse, ...) -> (dq, dk, dv, softmax_d)`
 - `bwd_out(...)`: the same, writing into caller-provided dq/dk/dv (declared as mutated).
 
-With dropout, `fwd` draws `rng_state` on the device from torch's default generator (frontend/dropout.py),
+With dropout, `fwd` draws `rng_state` on the device from torch's default generator (core/dropout.py),
 so it is random per call like `torch.nn.functional.dropout`: reseeding reproduces it, and a captured CUDA
 graph draws a fresh one on every replay. The fakes allocate exactly as the real ops do (the shared
-frontend), so shapes, dtypes and strides match for every backend.
+rules), so shapes, dtypes and strides match for every backend.
+
+The call's options travel as one `AttentionOptions`; schemas take plain types, so `_flatten` /
+`_unflatten` below are the one place where the object becomes schema arguments and back, and the
+schemas are generated from the same table.
 """
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
+
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .frontend.backward import attention_backward
-from .frontend.forward import attention_forward
-from .frontend.problem import pad_head_dim
+from .backends.registry import backend_from_key, backend_key
+from .core.options import AttentionOptions
+from .core.problem import pad_head_dim, row_stats_shape
+from .pipeline.backward import attention_backward
+from .pipeline.forward import attention_forward
 
-_OPTIONS = ("Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, SymInt max_seqlen_k, "
-            "Tensor? alibi_slopes, float dropout_p, float softmax_scale, bool causal, int window_left, "
-            "int window_right, float softcap, bool deterministic")
-torch.library.define("flash_attn_ck::fwd", f"(Tensor q, Tensor k, Tensor v, {_OPTIONS}, bool return_probs, "
-                     "str backend) -> (Tensor, Tensor, Tensor, Tensor)")
+# ---- the options as schema arguments: one table, one flatten, one unflatten ----------------------
+
+# Every AttentionOptions field -> its schema arguments (schemas have no tuples: the window is two ints).
+_SCHEMA = {
+    "cu_seqlens_q": "Tensor? cu_seqlens_q", "cu_seqlens_k": "Tensor? cu_seqlens_k",
+    "max_seqlen_q": "SymInt max_seqlen_q", "max_seqlen_k": "SymInt max_seqlen_k",
+    "alibi_slopes": "Tensor? alibi_slopes", "dropout_p": "float dropout_p", "softmax_scale": "float? softmax_scale",
+    "causal": "bool causal", "window_size": "int window_left, int window_right", "softcap": "float softcap",
+    "deterministic": "bool deterministic", "return_attn_probs": "bool return_probs", "backend": "str backend",
+    "max_workspace_bytes": "int? max_workspace_bytes=None",
+}
+assert set(_SCHEMA) == {f.name for f in fields(AttentionOptions)}, "every option needs its schema arguments"
+# Which options each op takes, in schema order (rng_state, an operand, sits between them in the backward).
+_COMMON = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes", "dropout_p",
+           "softmax_scale", "causal", "window_size", "softcap", "deterministic")
+_FWD = _COMMON + ("return_attn_probs", "backend")
+_BWD_TAIL = ("backend", "max_workspace_bytes")
+
+
+def _schema(names: tuple[str, ...]) -> str:
+    return ", ".join(_SCHEMA[name] for name in names)
+
+
+def _flatten(options: AttentionOptions, names: tuple[str, ...]) -> tuple:
+    """The options `names` as schema arguments (see _SCHEMA)."""
+    args = []
+    for name in names:
+        value = getattr(options, name)
+        if name == "window_size":
+            args += value
+        elif name == "backend":
+            args.append(backend_key(value))
+        elif name in ("max_seqlen_q", "max_seqlen_k"):
+            args.append(value or 0)
+        else:
+            args.append(value)
+    return tuple(args)
+
+
+def _unflatten(args: tuple, names: tuple[str, ...]) -> AttentionOptions:
+    """The inverse of `_flatten` (options not in `names` keep their defaults)."""
+    values, args = {}, list(args)
+    for name in names:
+        if name == "window_size":
+            values[name] = (args.pop(0), args.pop(0))
+        elif name == "backend":
+            values[name] = backend_from_key(args.pop(0))
+        else:
+            values[name] = args.pop(0)
+    return AttentionOptions(**values)
+
+
+torch.library.define("flash_attn_ck::fwd", f"(Tensor q, Tensor k, Tensor v, {_schema(_FWD)}) "
+                     "-> (Tensor, Tensor, Tensor, Tensor)")
 torch.library.define("flash_attn_ck::bwd", f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
-                     f"Tensor softmax_lse, {_OPTIONS}, Tensor? rng_state, str backend, "
-                     "int? max_workspace_bytes=None) -> (Tensor, Tensor, Tensor, Tensor)")
+                     f"Tensor softmax_lse, {_schema(_COMMON)}, Tensor? rng_state, {_schema(_BWD_TAIL)}) "
+                     "-> (Tensor, Tensor, Tensor, Tensor)")
 torch.library.define("flash_attn_ck::bwd_out", f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                      "Tensor softmax_lse, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, "
-                     f"{_OPTIONS}, Tensor? rng_state, str backend, int? max_workspace_bytes=None) -> Tensor")
+                     f"{_schema(_COMMON)}, Tensor? rng_state, {_schema(_BWD_TAIL)}) -> Tensor")
 # The ops themselves are not differentiable (the Function below is): autograd falls through to the
 # kernels, so their outputs never carry a grad_fn and no autograd bookkeeping runs per call.
 for _name in ("fwd", "bwd", "bwd_out"):
     torch.library.impl(f"flash_attn_ck::{_name}", "Autograd", torch.library.fallthrough_kernel)
 
 
-def _varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict:
-    if cu_seqlens_q is None:
-        return {}
-    return dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                max_seqlen_k=max_seqlen_k)
+def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
+    """A backward op's options (the common ones, then rng_state, then _BWD_TAIL) and its rng_state."""
+    common, rng_state, tail = args[:len(_COMMON) + 1], args[len(_COMMON) + 1], args[len(_COMMON) + 2:]
+    tail = tail + (None,) * (len(_BWD_TAIL) - len(tail))      # max_workspace_bytes has a default
+    options = _unflatten(common + tail, _COMMON + _BWD_TAIL)
+    return options, rng_state if rng_state is not None and rng_state.numel() else None
 
 
 # ---- forward -------------------------------------------------------------------------------------
 
-def _forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
-             softmax_scale, causal, window_left, window_right, softcap, deterministic, return_probs, backend):
+def _forward(q, k, v, options: AttentionOptions):
     """`fwd`'s results, then the call's AttentionProblem (for the Function's direct backward)."""
-    out, lse, rng_state, probs, problem = attention_forward(
-        q, k, v, **_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=(window_left, window_right), softcap=softcap, deterministic=deterministic,
-        return_probs=return_probs, backend=backend or None)
+    out, lse, rng_state, probs, problem = attention_forward(q, k, v, options)
     rng_state = torch.empty(0, dtype=torch.int64, device=q.device) if rng_state is None else rng_state
     # An absent `probs` keeps the dtype a present one has (fp32/fp64, like lse), so the fake matches.
     return out, lse, rng_state, lse.new_empty(0) if probs is None else probs, problem
 
 
-def _fwd(*args):
-    return _forward(*args)[:4]
+def _fwd(q, k, v, *options):
+    return _forward(q, k, v, _unflatten(options, _FWD))[:4]
 
 
 # The kernels run under no_grad: the Autograd fallthrough does not exclude autograd from the ops they call.
@@ -78,44 +131,27 @@ torch.library.impl("flash_attn_ck::fwd", "CompositeExplicitAutograd", torch.no_g
 
 
 @torch.library.register_fake("flash_attn_ck::fwd")
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
-      softmax_scale, causal, window_left, window_right, softcap, deterministic, return_probs, backend):
+def _(q, k, v, *flat):
+    options = _unflatten(flat, _FWD)
     d = q.shape[-1]
     # out is a view of a buffer padded to a multiple of 8, exactly as the real op returns it.
     out = q.new_empty((*q.shape[:-1], pad_head_dim(d)))[..., :d]
-    heads = q.shape[-2]
     accum = torch.float64 if q.dtype == torch.float64 else torch.float32
-    if cu_seqlens_q is None:
-        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
-        lse = q.new_empty((batch, heads, seqlen_q), dtype=accum)
+    lse = q.new_empty(row_stats_shape(tuple(q.shape[:-2]), q.shape[-2]), dtype=accum)
+    if options.varlen:
+        batch, seqlen_q, seqlen_k = options.cu_seqlens_q.shape[0] - 1, options.max_seqlen_q, options.max_seqlen_k
     else:
-        batch, seqlen_q, seqlen_k = cu_seqlens_q.shape[0] - 1, max_seqlen_q, max_seqlen_k
-        lse = q.new_empty((heads, q.shape[0]), dtype=accum)
-    rng_state = q.new_empty((2 if dropout_p > 0 else 0,), dtype=torch.int64)
-    probs = lse.new_empty((batch, heads, seqlen_q, seqlen_k) if return_probs else (0,))
+        batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    rng_state = q.new_empty((2 if options.dropout_p > 0 else 0,), dtype=torch.int64)
+    probs = lse.new_empty((batch, q.shape[-2], seqlen_q, seqlen_k) if options.return_attn_probs else (0,))
     return out, lse, rng_state, probs
 
 
 # ---- backward ------------------------------------------------------------------------------------
 
-def _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-              max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right,
-              softcap, deterministic, rng_state, backend, max_workspace_bytes, problem=None):
-    return attention_backward(
-        dout, q, k, v, out, softmax_lse, dq, dk, dv,
-        **_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=(window_left, window_right), softcap=softcap, deterministic=deterministic,
-        rng_state=rng_state if rng_state is not None and rng_state.numel() else None, backend=backend or None,
-        max_workspace_bytes=max_workspace_bytes, problem=problem)
-
-
-def _bwd(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-         dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic, rng_state, backend,
-         max_workspace_bytes=None):
-    return _backward(dout, q, k, v, out, softmax_lse, None, None, None, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window_left,
-                     window_right, softcap, deterministic, rng_state, backend, max_workspace_bytes)
+def _bwd(dout, q, k, v, out, softmax_lse, *flat):
+    options, rng_state = _bwd_options(flat)
+    return attention_backward(dout, q, k, v, out, softmax_lse, None, None, None, options, rng_state)
 
 
 torch.library.impl("flash_attn_ck::bwd", "CompositeExplicitAutograd", torch.no_grad()(_bwd))
@@ -126,12 +162,9 @@ def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), softmax_lse.new_empty(softmax_lse.shape)
 
 
-def _bwd_out(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-             alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right, softcap, deterministic,
-             rng_state, backend, max_workspace_bytes=None):
-    return _backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right,
-                     softcap, deterministic, rng_state, backend, max_workspace_bytes)[3]
+def _bwd_out(dout, q, k, v, out, softmax_lse, dq, dk, dv, *flat):
+    options, rng_state = _bwd_options(flat)
+    return attention_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, options, rng_state)[3]
 
 
 torch.library.impl("flash_attn_ck::bwd_out", "CompositeExplicitAutograd", torch.no_grad()(_bwd_out))
@@ -160,17 +193,18 @@ def _direct(q) -> bool:
 
 
 class _Attention(torch.autograd.Function):
-    """`fwd` with `out` differentiable; its backward is the `bwd` op (or, eagerly, its implementation)."""
+    """`fwd` with `out` differentiable; its backward is the `bwd` op (or, eagerly, its implementation).
+
+    It takes the flattened options (`_flatten(options, _FWD)`), as dynamo traces a Function's
+    arguments; ctx keeps them as one `AttentionOptions`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
-                softmax_scale, causal, window_left, window_right, softcap, deterministic, return_probs, backend):
-        args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
-                softmax_scale, causal, window_left, window_right, softcap, deterministic, return_probs, backend)
+    def forward(ctx, q, k, v, *flat):
+        options = _unflatten(flat, _FWD)
         if _direct(q):   # Function.forward runs under no_grad already
-            out, lse, rng_state, probs, ctx.problem = _forward(*args)
+            out, lse, rng_state, probs, ctx.problem = _forward(q, k, v, options)
         else:
-            out, lse, rng_state, probs = _fwd_op(*args)
+            out, lse, rng_state, probs = _fwd_op(q, k, v, *flat)
             ctx.problem = None
         # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
         # non-differentiable instead of having their gradients silently dropped.
@@ -178,34 +212,51 @@ class _Attention(torch.autograd.Function):
         # Nothing flows back into lse/rng_state/probs: without this, autograd would allocate and zero
         # an lse-sized gradient (one more fill kernel) on every backward.
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
-        ctx.options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_left, window_right,
-                       softcap, deterministic)
-        ctx.backend = backend
+        ctx.save_for_backward(q, k, v, out, lse, options.cu_seqlens_q, options.cu_seqlens_k, options.alibi_slopes,
+                              rng_state)
+        ctx.options = options
+        ctx.num_inputs = 3 + len(flat)
         return out, lse, rng_state, probs
 
     @staticmethod
     def backward(ctx, dout, *_non_differentiable):
         if dout is None:   # an undefined gradient of `out` (not materialised): zero gradients, as None
-            return (None,) * 17
+            return (None,) * ctx.num_inputs
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        max_seqlen_q, max_seqlen_k, *options = ctx.options
-        rest = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, *options, rng_state, ctx.backend)
+        # The saved tensors, not ctx.options' own: autograd checks that they were not modified in place.
+        options = replace(ctx.options, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
         if ctx.problem is not None and _direct(q) and not torch.is_grad_enabled():   # create_graph: the op
-            dq, dk, dv, _ = _backward(dout, q, k, v, out, lse, None, None, None, *rest, None, problem=ctx.problem)
+            rng = rng_state if rng_state.numel() else None
+            dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, rng,
+                                               problem=ctx.problem)
         else:
-            dq, dk, dv, _ = _bwd_op(dout, q, k, v, out, lse, *rest)
-        return (dq, dk, dv) + (None,) * 14
+            dq, dk, dv, _ = _bwd_op(dout, q, k, v, out, lse, *_flatten(options, _COMMON), rng_state,
+                                    *_flatten(options, _BWD_TAIL[:1]))
+        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
-def attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *options):
-    """`fwd`'s arguments -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out`."""
+def backward(dout, q, k, v, out, softmax_lse, options: AttentionOptions, rng_state):
+    """The `bwd` op -> `(dq, dk, dv, softmax_d)`."""
+    return _bwd_op(dout, q, k, v, out, softmax_lse, *_flatten(options, _COMMON), rng_state,
+                   *_flatten(options, _BWD_TAIL))
+
+
+def backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options: AttentionOptions, rng_state):
+    """The `bwd_out` op: writes dq/dk/dv, returns softmax_d."""
+    return torch.ops.flash_attn_ck.bwd_out(dout, q, k, v, out, softmax_lse, dq, dk, dv, *_flatten(options, _COMMON),
+                                           rng_state, *_flatten(options, _BWD_TAIL))
+
+
+def attention(q, k, v, options: AttentionOptions):
+    """The forward -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out`."""
     # Dynamo cannot trace a Function given one tensor twice (self-attention on one tensor, shared
     # cu_seqlens): repeats become views, which change nothing else (gradients flow through them).
-    q, k, v, cu_seqlens_q, cu_seqlens_k = _distinct(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    return _Attention.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, *options)
+    q, k, v, cu_seqlens_q, cu_seqlens_k = _distinct(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k)
+    if cu_seqlens_q is not options.cu_seqlens_q or cu_seqlens_k is not options.cu_seqlens_k:
+        options = replace(options, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    return _Attention.apply(q, k, v, *_flatten(options, _FWD))
 
 
 def _distinct(*tensors):

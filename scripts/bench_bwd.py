@@ -105,14 +105,9 @@ VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq":
 
 def measure(name, b, h, h_k, s, d, causal, configs=None, warm_only=False):
     """Forward and backward timings and backward peak memory of one runner on one shape."""
-    from flash_attn_ck.backends import base
     from flash_attn_ck.backends.triton import TritonBackend
-    saved = base._instances.get("triton")
-    base._instances["triton"] = TritonBackend(configs=configs, **VARIANTS.get(name, {}))
-    try:
+    with fa.use_backend(TritonBackend(configs=configs, **VARIANTS.get(name, {}))):
         return _measure(name, b, h, h_k, s, d, causal, warm_only)
-    finally:
-        base._instances["triton"] = saved if saved is not None else TritonBackend()
 
 
 def _measure(name, b, h, h_k, s, d, causal, warm_only):

@@ -13,7 +13,6 @@ import argparse
 import math
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,27 +21,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flash_attn_ck as fa  # noqa: E402
 from flash_attn_ck.backends.triton import bwd_ws  # noqa: E402
-
-
-@dataclass(frozen=True)
-class WsTile:
-    block_m: int
-    block_n: int
-    num_stages: int = 2
-    dq_stages: int = 1
-    num_warps: int = 8
-    pipeline: int = 1
-    loader_regs: int = 24
-    writer_regs: int = 24
-
-    @classmethod
-    def parse(cls, text: str) -> "WsTile":
-        """'BMxBN[xSTAGESxDQ_STAGESxPIPELINE]'"""
-        names = ("block_m", "block_n", "num_stages", "dq_stages", "pipeline")
-        return cls(**dict(zip(names, map(int, text.split("x")))))
-
-    def __str__(self):
-        return f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}x{self.pipeline}"
+from flash_attn_ck.backends.triton.config import WsTile  # noqa: E402
 
 
 def mask_of(causal, window, s_q, s_k):

@@ -39,10 +39,9 @@ def main():
     ap.add_argument("--dq-mode", default="auto", help="triton: TritonBackend(dq_mode=...)")
     args = ap.parse_args()
     if args.backend == "triton":
-        from flash_attn_ck.backends import base
         from flash_attn_ck.backends.triton import TritonBackend
-        base._instances["triton"] = TritonBackend(use_tma=dict(auto=None, on=True, off=False)[args.tma],
-                                                  dq_mode=args.dq_mode)
+        # every call below takes this configured instance as its backend=
+        args.backend = TritonBackend(use_tma=dict(auto=None, on=True, off=False)[args.tma], dq_mode=args.dq_mode)
     for spec in args.shapes.split(","):
         d, h, h_k, s, causal = (int(x) for x in spec.split(":"))
         b = 16384 // s
@@ -114,18 +113,19 @@ def host_ms(fn, n=50) -> float:
     return elapsed
 
 
-def breakdown(q, k, v, out, dout, causal, backend_name):
-    """Host ms per call of: the autograd path, the torch.library op, the frontend function, the
+def breakdown(q, k, v, out, dout, causal, backend_name):  # backend_name: a name or an instance
+    """Host ms per call of: the autograd path, the torch.library op, the pipeline function, the
     backend's launches with a ready workspace."""
-    from flash_attn_ck.backends.base import select_backend
-    from flash_attn_ck.frontend.backward import attention_backward, backward_plan
-    from flash_attn_ck.frontend.inputs import describe_call
-    from flash_attn_ck.frontend.problem import AttentionParams
+    from flash_attn_ck.core.inputs import describe_call
+    from flash_attn_ck.core.options import AttentionOptions
+    from flash_attn_ck.core.problem import AttentionParams
+    from flash_attn_ck.pipeline.backward import attention_backward
+    from flash_attn_ck.pipeline.chunking import backward_plan
+    from flash_attn_ck.pipeline.select import select_backend
     with torch.no_grad():
         o, lse, _ = fa.flash_attn_fwd(q, k, v, causal=causal, backend=backend_name)
-    problem = describe_call(q, k, v, softmax_scale=None, causal=causal, window_size=(-1, 0) if causal else (-1, -1),
-                            softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, cu_seqlens_q=None,
-                            cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None)
+    options = AttentionOptions(causal=causal, backend=backend_name)
+    problem = describe_call(q, k, v, options)
     backend = select_backend(problem, backend_name)
     workspace = backward_plan(backend, problem).allocate(q.device)
     dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
@@ -133,7 +133,7 @@ def breakdown(q, k, v, out, dout, causal, backend_name):
     rows = {
         "autograd.grad": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
         "flash_attn_bwd (op)": lambda: fa.flash_attn_bwd(dout, q, k, v, o, lse, causal=causal, backend=backend_name),
-        "attention_backward": lambda: attention_backward(dout, q, k, v, o, lse, causal=causal, backend=backend_name),
+        "attention_backward": lambda: attention_backward(dout, q, k, v, o, lse, None, None, None, options, None),
         "backend.backward": lambda: backend.backward(problem, params, o, lse, dout, dq, dk, dv, workspace),
     }
     for name, fn in rows.items():

@@ -16,7 +16,7 @@ import time
 import torch
 
 import flash_attn_ck as fa
-from flash_attn_ck.frontend.plan import format_bytes
+from flash_attn_ck.core.plan import format_bytes
 
 
 def measure(backend: str, cap, q, k, v, causal: bool):

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from flash_attn_ck.frontend.dropout import keep_mask
+from flash_attn_ck.core.dropout import keep_mask
 
 
 @dataclass

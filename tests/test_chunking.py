@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 import flash_attn_ck as fa
 from cases import check_case, make_inputs, varlen_meta
 from flash_attn_ck.backends.reference import ReferenceBackend
-from flash_attn_ck.frontend.chunking import WORKSPACE_ENV, Chunk, plan_chunks, workspace_cap
-from flash_attn_ck.frontend.inputs import describe_call
-from flash_attn_ck.frontend.problem import AttentionParams
+from flash_attn_ck.pipeline.chunking import WORKSPACE_ENV, Chunk, plan_chunks, workspace_cap
+from flash_attn_ck.core.inputs import describe_call
+from flash_attn_ck.core.options import AttentionOptions
+from flash_attn_ck.core.problem import AttentionParams
 from oracle import Config
 
 CASES = {
@@ -39,7 +40,7 @@ def backward_once(cfg: Config, seed=0):
                    dropout_p=cfg.dropout_p, deterministic=cfg.deterministic, **varlen)
     torch.manual_seed(seed)
     out, lse, rng_state = fa.flash_attn_fwd(q, k, v, **options)
-    problem = describe_call(q, k, v, softmax_scale=None, **{k_: v_ for k_, v_ in options.items()})
+    problem = describe_call(q, k, v, AttentionOptions(**options))
 
     def run(cap):
         return fa.flash_attn_bwd(dout, q, k, v, out, lse, rng_state=rng_state, max_workspace_bytes=cap, **options)
@@ -110,8 +111,7 @@ def test_planned_peak_respects_the_cap(b, s_q, s_k, groups, d, deterministic, al
     q = torch.empty(b, s_q, groups[0], d, dtype=torch.bfloat16, device="meta")
     k = torch.empty(b, s_k, groups[1], d, dtype=torch.bfloat16, device="meta")
     slopes = torch.empty(groups[0], device="meta") if alibi else None
-    problem = describe_call(q, k, k, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
-                            alibi_slopes=slopes, dropout_p=0.0, deterministic=deterministic)
+    problem = describe_call(q, k, k, AttentionOptions(causal=True, alibi_slopes=slopes, deterministic=deterministic))
     backend = ReferenceBackend()
     unchunked = plan_chunks(problem, backend, None)
     cap = int(unchunked.peak_bytes * cap_fraction)
@@ -161,8 +161,7 @@ def test_report_covers_every_backend():
 def test_chunk_partial_flag():
     q = torch.empty(1, 10, 4, 8, device="meta", dtype=torch.bfloat16)
     k = torch.empty(1, 10, 2, 8, device="meta", dtype=torch.bfloat16)
-    problem = describe_call(q, k, k, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                            alibi_slopes=None, dropout_p=0.0, deterministic=False)
+    problem = describe_call(q, k, k, AttentionOptions())
     assert not Chunk((0, 1), (0, 1), (0, 2), (0, 10)).partial(problem)
     assert Chunk((0, 1), (0, 1), (0, 1), (0, 10)).partial(problem)
     assert Chunk((0, 1), (0, 1), (0, 2), (0, 5)).partial(problem)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flash_attn_ck.backends import ck
-from flash_attn_ck.frontend.mask import MaskType
+from flash_attn_ck.backends.ck import backend as ck
+from flash_attn_ck.core.mask import MaskType
 
 HEADER_DIR = Path(__file__).resolve().parents[1] / "csrc_ck" / "include"
 

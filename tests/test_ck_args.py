@@ -16,10 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flash_attn_ck.backends import ck
-from flash_attn_ck.frontend.inputs import describe_call, kernel_params, lse_shape
-from flash_attn_ck.frontend.mask import MaskType
-from flash_attn_ck.frontend.plan import ck_backward_plan
+from flash_attn_ck.backends.ck import backend as ck
+from flash_attn_ck.core.inputs import describe_call, kernel_params
+from flash_attn_ck.core.options import AttentionOptions
+from flash_attn_ck.core.mask import MaskType
+from flash_attn_ck.backends.ck.plan import ck_backward_plan
 
 
 def make_call(*, b=2, s_q=5, s_k=7, h=4, h_k=4, d=16, dtype=torch.float16, causal=False, window=(-1, -1),
@@ -58,12 +59,12 @@ def make_call(*, b=2, s_q=5, s_k=7, h=4, h_k=4, d=16, dtype=torch.float16, causa
         alibi = torch.rand(b, 2 * h)[:, :h]     # row stride 2h, not h
     rng_state = torch.tensor([1234, 5678], dtype=torch.int64) if dropout_p > 0 else None
 
-    problem = describe_call(q, k, v, softmax_scale=None, causal=causal, window_size=window, softcap=softcap,
-                            alibi_slopes=alibi, dropout_p=dropout_p, deterministic=deterministic,
-                            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=s_q if varlen else None,
-                            max_seqlen_k=s_k if varlen else None)
-    params = kernel_params(problem, q, k, v, cu_q, cu_k, alibi, rng_state)
-    lse = torch.empty(lse_shape(problem), dtype=torch.float32)
+    options = AttentionOptions(causal=causal, window_size=window, softcap=softcap, alibi_slopes=alibi,
+                               dropout_p=dropout_p, deterministic=deterministic, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                               max_seqlen_q=s_q if varlen else None, max_seqlen_k=s_k if varlen else None)
+    problem = describe_call(q, k, v, options)
+    params = kernel_params(problem, q, k, v, options, rng_state)
+    lse = torch.empty(problem.lse_shape, dtype=torch.float32)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     workspace = ck_backward_plan(problem, "ck").allocate(torch.device("cpu"))
     args = ck.backward_args(problem, params, out, lse, dout, dq, dk, dv, workspace)

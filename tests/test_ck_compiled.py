@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from flash_attn_ck.backends import ck
+from flash_attn_ck.backends.ck import backend as ck
 
 from test_ck_args import make_call
 

@@ -5,7 +5,7 @@ re-draws on every replay, so two replays must drop different entries, and each r
 backward must use one and the same pattern. The pattern is read back two ways:
 - from `out`: v's first s_k columns are the identity, so out[..., :s_k] is the dropped-and-rescaled
   probability matrix and is zero exactly where an entry was dropped (softmax probabilities are > 0);
-- from the returned `rng_state`, through the keep-pattern definition in frontend/dropout.py.
+- from the returned `rng_state`, through the keep-pattern definition in core/dropout.py.
 Each replay's out and gradients are then compared with a dense fp32 attention using that pattern.
 
 The same checks run eagerly on the CPU with the reference backend (no capture), which keeps the
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flash_attn_ck import flash_attn_bwd, flash_attn_func, flash_attn_fwd, flash_attn_varlen_func
-from flash_attn_ck.frontend.dropout import keep_mask
+from flash_attn_ck.core.dropout import keep_mask
 
 gpu = pytest.mark.gpu
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -7,10 +7,10 @@ import torch
 
 import flash_attn_ck as fa
 from flash_attn_ck.backends.reference import ReferenceBackend
-from flash_attn_ck.frontend.backward import backward_plan
-from flash_attn_ck.frontend.mask import MaskInfo
-from flash_attn_ck.frontend.plan import CkBwdTile, ck_backward_plan, dq_accum_splits
-from flash_attn_ck.frontend.problem import AttentionProblem
+from flash_attn_ck.pipeline.chunking import backward_plan
+from flash_attn_ck.core.mask import MaskInfo
+from flash_attn_ck.backends.ck.plan import CkBwdTile, ck_backward_plan, dq_accum_splits
+from flash_attn_ck.core.problem import AttentionProblem
 
 
 def problem(s_q=8192, s_k=8192, h=32, h_k=32, d=128, deterministic=False, batch=1, **kw):
@@ -71,7 +71,7 @@ def test_describe_lists_every_buffer_with_bytes():
 
 
 def test_gqa_sum_of_expanded_buffers_equals_per_group_sum():
-    """The frontend's reduce step: dK equals the sum over each group's query-head contributions."""
+    """The pipeline's reduce step: dK equals the sum over each group's query-head contributions."""
     torch.manual_seed(0)
     q = torch.randn(1, 6, 6, 16, dtype=torch.float64)
     k = torch.randn(1, 9, 2, 16, dtype=torch.float64)

@@ -155,7 +155,8 @@ def test_gradcheck_float64(kwargs):
 def test_dropout_gradients_match_finite_differences():
     """With dropout the pattern is fixed by rng_state, so differentiate the forward under one state."""
     from flash_attn_ck.backends.reference import ReferenceBackend
-    from flash_attn_ck.frontend.inputs import describe_call, kernel_params, lse_shape
+    from flash_attn_ck.core.inputs import describe_call, kernel_params
+    from flash_attn_ck.core.options import AttentionOptions
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64) for _ in range(3))
@@ -164,11 +165,11 @@ def test_dropout_gradients_match_finite_differences():
     grads = fa.flash_attn_bwd(dout, q, k, v, out, lse, dropout_p=0.4, causal=True, rng_state=rng_state)[:3]
 
     def loss(q, k, v):
-        problem = describe_call(q, k, v, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
-                                alibi_slopes=None, dropout_p=0.4, deterministic=False)
-        params = kernel_params(problem, q, k, v, None, None, None, rng_state)
+        options = AttentionOptions(causal=True, dropout_p=0.4)
+        problem = describe_call(q, k, v, options)
+        params = kernel_params(problem, q, k, v, options, rng_state)
         result = torch.empty_like(params.q)
-        ReferenceBackend().forward(problem, params, result, torch.empty(lse_shape(problem), dtype=torch.float64))
+        ReferenceBackend().forward(problem, params, result, torch.empty(problem.lse_shape, dtype=torch.float64))
         return (result * dout).sum().item()
 
     eps = 1e-6

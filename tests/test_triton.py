@@ -14,9 +14,10 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from flash_attn_ck.backends import base  # noqa: E402
+from flash_attn_ck import use_backend  # noqa: E402
 from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
-from flash_attn_ck.frontend.inputs import describe_call  # noqa: E402
+from flash_attn_ck.core.inputs import describe_call  # noqa: E402
+from flash_attn_ck.core.options import AttentionOptions  # noqa: E402
 
 
 
@@ -27,13 +28,8 @@ from flash_attn_ck.frontend.inputs import describe_call  # noqa: E402
                 ids=["defaults", "loop-pass", "accumulate", "atomic-dq", "tma", "tma-accumulate", "ws"])
 def backend_options(request):
     """Install a TritonBackend with the given options as the one the dispatcher hands out."""
-    saved = base._instances.get("triton")
-    base._instances["triton"] = TritonBackend(**request.param)
-    yield request.param
-    if saved is None:
-        base._instances.pop("triton", None)
-    else:
-        base._instances["triton"] = saved
+    with use_backend(TritonBackend(**request.param)):
+        yield request.param
 
 
 def _check(cfg: Config, seed: int = 0):
@@ -44,10 +40,8 @@ def _check(cfg: Config, seed: int = 0):
 # run (head dims 64/128, no dropout/ALiBi/softcap, not deterministic; other cases fall back).
 @pytest.fixture(params=[False, True], ids=["one-launch", "ws"])
 def kernel(request):
-    saved = base._instances.get("triton")
-    base._instances["triton"] = TritonBackend(ws=request.param)
-    yield request.param
-    base._instances["triton"] = saved if saved is not None else TritonBackend()
+    with use_backend(TritonBackend(ws=request.param)):
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -81,26 +75,17 @@ def test_ws_kernel_runs_and_matches(group, causal, seqlens):
     cfg = Config(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=8, heads_k=8 // group, head_dim=128,
                  causal=causal)
     q, k, v, _, _ = make_inputs(cfg, "cuda", seed=group)
-    plan = backend.backward_plan(describe_call(q, k, v, softmax_scale=None, causal=causal, window_size=(-1, -1),
-                                               softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False))
+    plan = backend.backward_plan(describe_call(q, k, v, AttentionOptions(causal=causal)))
     assert plan.kernel.startswith("bwd_ws"), plan.kernel
-    saved = base._instances.get("triton")
-    base._instances["triton"] = backend
-    try:
+    with use_backend(backend):
         _check(cfg, seed=group)
-    finally:
-        base._instances["triton"] = saved if saved is not None else TritonBackend()
 
 
 def test_ws_kernel_varlen_empty_sequences():
     seqlens = [(37, 80), (0, 50), (130, 9), (64, 0), (1, 1), (0, 0), (200, 211), (257, 129)]
     cfg = Config(seqlens=seqlens, heads_q=8, heads_k=2, head_dim=128, causal=True)
-    saved = base._instances.get("triton")
-    base._instances["triton"] = TritonBackend(ws=True)
-    try:
+    with use_backend(TritonBackend(ws=True)):
         out, (dq, dk, dv) = check_case(cfg, backend="triton", device="cuda")
-    finally:
-        base._instances["triton"] = saved if saved is not None else TritonBackend()
     assert dk[80:130].abs().max() == 0 and dv[80:130].abs().max() == 0
 
 
@@ -124,9 +109,7 @@ def test_varlen_empty_sequences(causal, backend_options):
 @pytest.mark.parametrize("options", [dict(), dict(gqa_epilogue="accumulate"), dict(gqa_epilogue="accumulate", use_tma=True)],
                          ids=["loop", "accumulate", "accumulate-tma"])
 def test_deterministic_bit_identical(options, varlen):
-    saved = base._instances.get("triton")
-    base._instances["triton"] = TritonBackend(**options)
-    try:
+    with use_backend(TritonBackend(**options)):
         seqlens = [(700, 900), (0, 64), (1024, 1024)] if varlen else None
         cfg = Config(batch=2, seqlen_q=1024, seqlen_k=1024, heads_q=16, heads_k=2, head_dim=128, causal=False,
                      deterministic=True, seqlens=seqlens)
@@ -136,13 +119,11 @@ def test_deterministic_bit_identical(options, varlen):
             again = run_ours(cfg, q, k, v, dout, slopes, backend="triton")[3]
             for a, b in zip(first, again):
                 assert torch.equal(a, b)
-    finally:
-        base._instances["triton"] = saved if saved is not None else TritonBackend()
 
 
 def test_plan_names_every_buffer():
-    from flash_attn_ck.frontend.mask import MaskInfo
-    from flash_attn_ck.frontend.problem import AttentionProblem
+    from flash_attn_ck.core.mask import MaskInfo
+    from flash_attn_ck.core.problem import AttentionProblem
     mask = MaskInfo.from_flash_args(True, (-1, -1), 8192, 8192)
     p = AttentionProblem(2, 8192, 8192, 32, 8, 128, torch.bfloat16, torch.device("cuda"), mask, 0.088,
                          deterministic=True)

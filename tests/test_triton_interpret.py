@@ -62,7 +62,7 @@ interp._patch_lang_tensor = _patched
 
 import torch
 import flash_attn_ck.api  # noqa: F401
-from flash_attn_ck.backends import base
+from flash_attn_ck import use_backend
 from flash_attn_ck.backends.triton import TritonBackend, config
 from dataclasses import replace
 from oracle import Config
@@ -79,8 +79,8 @@ TritonBackend.device_types = frozenset({"cuda", "cpu"})   # the interpreter runs
 opts = case.get("opts", {})
 if opts.pop("dp_first", False):
     opts["configs"] = replace(config.INTERPRETER, bwd_dp_first=True)
-base._instances["triton"] = TritonBackend(**opts)
-check_case(Config(**cfg), backend="triton")
+with use_backend(TritonBackend(**opts)):
+    check_case(Config(**cfg), backend="triton")
 print("PASS")
 """
 

@@ -17,8 +17,8 @@ triton = pytest.importorskip("triton")
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
 from flash_attn_ck.backends.triton import config  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
-from flash_attn_ck.frontend.mask import MaskInfo  # noqa: E402
-from flash_attn_ck.frontend.problem import AttentionProblem  # noqa: E402
+from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
+from flash_attn_ck.core.problem import AttentionProblem  # noqa: E402
 
 
 @pytest.fixture

@@ -1,98 +1,24 @@
-"""The reference backend: CK's kernel contract (SPEC §3) written in PyTorch, for any device.
+"""The reference backend: CK's kernel contract written in PyTorch, for any device.
 
 It computes in fp32 and walks the keys in tiles of CK's `kN0` rows, so memory stays
 O(s_q * kN0) per head and long sequences run on a CPU. The backward honours the same buffers as
 CK's `fmha_bwd`: it fills `softmax_d`, adds dQ into `dq_accum` (split 0, or the key tile's own
 split in deterministic mode) and converts it, and writes dK/dV per query head into the expanded
-buffers for MQA/GQA, leaving the group sum to the frontend. The frontend therefore runs the same
-steps on CPU as on MI300.
+buffers for MQA/GQA, leaving the group sum to the pipeline. The pipeline therefore runs the same
+steps on CPU as on MI300. The scores themselves (core/scores.py) are shared with `return_attn_probs`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Iterator, Optional
+from dataclasses import replace
 
 import torch
 
-from ..frontend.dropout import keep_mask
-from ..frontend.plan import BufferSpec, CkBwdTile, WorkspacePlan, ck_backward_plan
-from ..frontend.problem import AttentionParams, AttentionProblem
+from ..core.plan import BufferSpec, WorkspacePlan
+from ..core.problem import AttentionParams, AttentionProblem
+from ..core.scores import ScoreTile, heads_first, sequences
 from .base import Backend
-
-
-@dataclass(frozen=True)
-class Sequence:
-    """One sequence of the batch: its index, lengths, and row offsets into packed tensors."""
-    index: int
-    seqlen_q: int
-    seqlen_k: int
-    start_q: int
-    start_k: int
-    varlen: bool
-
-    def rows_q(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        """Rows of a q-shaped tensor: (b, s_q, ...) or varlen (total_q, ...) starting at `dim`."""
-        return t.narrow(dim, self.start_q, self.seqlen_q) if self.varlen else t.select(dim, self.index)
-
-    def rows_k(self, t: torch.Tensor) -> torch.Tensor:
-        return t.narrow(0, self.start_k, self.seqlen_k) if self.varlen else t[self.index]
-
-    def lse(self, t: torch.Tensor) -> torch.Tensor:
-        """(h, s_q) view of an lse-shaped tensor: (b, h, s_q) or varlen (h, total_q)."""
-        return t.narrow(1, self.start_q, self.seqlen_q) if self.varlen else t[self.index]
-
-
-def sequences(problem: AttentionProblem, params: AttentionParams) -> Iterator[Sequence]:
-    if not problem.varlen:
-        for i in range(problem.batch):
-            yield Sequence(i, problem.seqlen_q, problem.seqlen_k, 0, 0, False)
-        return
-    cu_q = params.cu_seqlens_q.tolist()
-    cu_k = params.cu_seqlens_k.tolist()
-    for i in range(problem.batch):
-        yield Sequence(i, cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i], cu_q[i], cu_k[i], True)
-
-
-class _ScoreTile:
-    """Scores of all query heads of one sequence against one key tile, with everything applied
-    that CK applies before the softmax: scale, softcap, ALiBi, mask; plus the dropout keep mask."""
-
-    def __init__(self, problem: AttentionProblem, params: AttentionParams, seq: Sequence,
-                 q: torch.Tensor, k: torch.Tensor, key_start: int, key_end: int):
-        p = problem
-        rows = torch.arange(seq.seqlen_q, device=q.device)
-        cols = torch.arange(key_start, key_end, device=q.device)
-        raw = torch.matmul(q, k[:, key_start:key_end].transpose(1, 2)) * p.softmax_scale
-        if p.softcap:
-            self.tanh = torch.tanh(raw / p.softcap)
-            raw = p.softcap * self.tanh
-        if params.alibi_slopes is not None:
-            slopes = params.alibi_slopes
-            slopes = (slopes[seq.index] if slopes.dim() == 2 else slopes).to(raw.dtype)
-            distance = (rows[:, None] + seq.seqlen_k - seq.seqlen_q - cols[None, :]).abs()
-            raw = raw - slopes[:, None, None] * distance
-        mask = p.mask.for_lengths(seq.seqlen_q, seq.seqlen_k)
-        if mask.is_masked:
-            raw = raw.masked_fill(~mask.keep(rows, cols), float("-inf"))
-        self.scores = raw
-        self.keep: Optional[torch.Tensor] = None
-        if p.dropout_p > 0:
-            # Global coordinates: a chunk of a call draws the same pattern as the whole call.
-            where = p.placement
-            heads = torch.arange(p.heads_q, device=q.device) + where.head_offset
-            seed_offset = tuple(params.rng_state.tolist())
-            self.keep = keep_mask(seed_offset, p.dropout_p, seq.index + where.batch_offset, where.heads,
-                                  where.seqlen_q, p.seqlen_k, heads, rows + where.row_offset, cols)
-
-    def dropped(self, probs: torch.Tensor, dropout_p: float) -> torch.Tensor:
-        return probs if self.keep is None else probs * self.keep / (1.0 - dropout_p)
-
-
-def _heads_first(t: torch.Tensor, dtype: torch.dtype, group: int = 1) -> torch.Tensor:
-    """(s, h, d) -> (h * group, s, d) in `dtype`, repeating each head `group` times."""
-    t = t.to(dtype).transpose(0, 1)
-    return t.repeat_interleave(group, dim=0) if group > 1 else t
+from .ck.plan import CkBwdTile, ck_backward_plan
 
 
 class ReferenceBackend(Backend):
@@ -113,16 +39,16 @@ class ReferenceBackend(Backend):
         for seq in sequences(problem, params):
             if seq.seqlen_q == 0:
                 continue
-            q = _heads_first(seq.rows_q(params.q), cdt)
-            k = _heads_first(seq.rows_k(params.k), cdt, problem.group_size)
-            v = _heads_first(seq.rows_k(params.v), cdt, problem.group_size)
+            q = heads_first(seq.rows_q(params.q), cdt)
+            k = heads_first(seq.rows_k(params.k), cdt, problem.group_size)
+            v = heads_first(seq.rows_k(params.v), cdt, problem.group_size)
             row_max = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)
             row_sum = torch.zeros(q.shape[:2], dtype=cdt, device=q.device)
             acc = torch.zeros_like(q)
             # ---- online softmax over key tiles: rescale the running sums when the max grows ----
             for start in range(0, seq.seqlen_k, tile):
                 end = min(start + tile, seq.seqlen_k)
-                st = _ScoreTile(problem, params, seq, q, k, start, end)
+                st = ScoreTile(problem, params, seq, q, k, start, end)
                 new_max = torch.maximum(row_max, st.scores.amax(dim=-1))
                 safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
                 probs = torch.exp(st.scores - safe_max[..., None])
@@ -182,17 +108,17 @@ class ReferenceBackend(Backend):
                 seq.rows_k(dk_target).zero_()
                 seq.rows_k(dv_target).zero_()
                 continue
-            q = _heads_first(seq.rows_q(params.q), cdt)
-            k = _heads_first(seq.rows_k(params.k), cdt, p.group_size)
-            v = _heads_first(seq.rows_k(params.v), cdt, p.group_size)
-            do = _heads_first(seq.rows_q(dout), cdt)
+            q = heads_first(seq.rows_q(params.q), cdt)
+            k = heads_first(seq.rows_k(params.k), cdt, p.group_size)
+            v = heads_first(seq.rows_k(params.v), cdt, p.group_size)
+            do = heads_first(seq.rows_q(dout), cdt)
             row_lse = seq.lse(lse)[..., None]
             row_d = seq.lse(softmax_d)[..., None]
             dq_splits = seq.rows_q(dq_accum, dim=1)            # (splits, s_q, h, d)
             dk_rows, dv_rows = seq.rows_k(dk_target), seq.rows_k(dv_target)
             for split, start in enumerate(range(0, seq.seqlen_k, tile)):
                 end = min(start + tile, seq.seqlen_k)
-                st = _ScoreTile(p, params, seq, q, k, start, end)
+                st = ScoreTile(p, params, seq, q, k, start, end)
                 probs = torch.exp(st.scores - row_lse)           # lse = +inf on empty rows -> 0
                 dv_tile = torch.matmul(st.dropped(probs, p.dropout_p).transpose(1, 2), do)
                 dprobs = st.dropped(torch.matmul(do, v[:, start:end].transpose(1, 2)), p.dropout_p)
@@ -209,25 +135,6 @@ class ReferenceBackend(Backend):
 
         # ---- convert_dq: sum the splits, cast to the output dtype --------------------------------
         dq.copy_(dq_accum.sum(0))
-
-
-def attention_probs(problem: AttentionProblem, params: AttentionParams, lse: torch.Tensor) -> torch.Tensor:
-    """Test-only: the softmax probabilities `(b, h, max_s_q, max_s_k)` with the dropout pattern in
-    the sign (negative = dropped; flash-attn's `S_dmask` convention). Varlen rows/columns past a
-    sequence's end, and masked entries, are 0. Materialises s_q x s_k per head."""
-    p = problem
-    probs = torch.zeros(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, dtype=p.accum_dtype, device=p.device)
-    for seq in sequences(p, params):
-        if seq.seqlen_q == 0 or seq.seqlen_k == 0:
-            continue
-        q = _heads_first(seq.rows_q(params.q), p.accum_dtype)
-        k = _heads_first(seq.rows_k(params.k), p.accum_dtype, p.group_size)
-        st = _ScoreTile(p, params, seq, q, k, 0, seq.seqlen_k)
-        tile = torch.exp(st.scores - seq.lse(lse)[..., None])
-        if st.keep is not None:
-            tile = torch.where(st.keep, tile, -tile)
-        probs[seq.index, :, :seq.seqlen_q, :seq.seqlen_k] = tile
-    return probs
 
 
 BACKEND = ReferenceBackend

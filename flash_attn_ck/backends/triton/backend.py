@@ -1,16 +1,16 @@
-"""TritonBackend: the CUDA (Hopper-first) kernels behind the common frontend.
+"""TritonBackend: the CUDA (Hopper-first) kernels behind the common pipeline.
 
 Forward: forward.py. Backward, in launch order:
   1. bwd_preprocess: D = rowsum(dO * O) into workspace['softmax_d']; zero the fp32 accumulators
      and semaphores of this plan.
   2. bwd_main: one launch with two program roles: one program per key tile (dK/dV on chip;
-     epilogue per bwd_epilogue, SPEC §4) and, in dq_mode "pass" (always when deterministic), one
+     epilogue per bwd_epilogue) and, in dq_mode "pass" (always when deterministic), one
      per query tile (bwd_dq: dQ).
   3. bwd_postprocess: fp32 accumulators -> dk/dv (GQA "accumulate") and dq (dq_mode "atomic").
 
 Options (constructor arguments, defaults from the environment):
   gqa_epilogue  "loop" (default): a key-tile program loops over its group's query heads, dK/dV
-                stay on chip, no fp32 accumulators. "accumulate": the seed's epilogue, one program
+                stay on chip, no fp32 accumulators. "accumulate": flash-attention's epilogue, one program
                 per query head adding into fp32 (b, h_k, s_k, d) accumulators (+ semaphores when
                 deterministic).            env FLASH_ATTN_CK_TRITON_GQA
   dq_mode       "auto" (default): "atomic" only where the H200 measured it faster and memory allows
@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 
-from ...frontend.mask import MaskType
-from ...frontend.plan import BufferSpec, WorkspacePlan
-from ...frontend.problem import AttentionParams, AttentionProblem
+from ...core.mask import MaskType
+from ...core.plan import BufferSpec, WorkspacePlan
+from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
 from . import config
 
@@ -137,18 +137,9 @@ class TritonBackend(Backend):
             # GQA keeps the pass: an fp32 dQ the size of q would break the memory target.
             # Short sequences load by pointers but keep the pass: it measured faster there (0.610 vs 0.675 ms
             # of GPU time at d128 s512, 1.841 vs 2.019 at s2048; config.SHORT_SEQLEN).
-            return (not p.is_gqa and config.head_block(p.head_dim_padded) == 128 and not self._tma_loads_planned(p)
-                    and max(p.seqlen_q, p.seqlen_k) > config.SHORT_SEQLEN)
+            return (not p.is_gqa and config.head_block(p.head_dim_padded) == 128
+                    and self._tma_plan(p, "backward") != "all" and max(p.seqlen_q, p.seqlen_k) > config.SHORT_SEQLEN)
         return self.dq_mode == "atomic"
-
-    def _tma_loads_planned(self, p: AttentionProblem) -> bool:
-        """Whether the backward will load its tiles through TMA, as far as the problem tells (the
-        tensors' alignment, checked at launch by `_tma`, can still turn it off)."""
-        if self.use_tma is False or p.varlen or _INTERPRETING or p.device.type != "cuda":
-            return False
-        if self.use_tma is None and _capability(p.device)[0] < 9:
-            return False
-        return self.use_tma is True or self._configs(p).bwd_tma == "all"
 
     def ws_reasons(self, p: AttentionProblem) -> list[str]:
         """Why the warp-specialised backward (bwd_ws.py) does not run this call; empty when it does.
@@ -187,15 +178,23 @@ class TritonBackend(Backend):
     def _accumulate_kv(self, p: AttentionProblem) -> bool:
         return p.is_gqa and self.gqa_epilogue == "accumulate"
 
-    def _tma(self, p: AttentionProblem, *tensors: torch.Tensor) -> bool:
-        """TMA needs sm_90+, dense tensors, 16-byte aligned bases and row strides."""
+    def _tma_plan(self, p: AttentionProblem, role: str, *tensors: torch.Tensor) -> str:
+        """Which tiles of a `role` ("forward" or "backward") launch move through TMA descriptors: "all"
+        (loads and stores), "stores" (loads by pointers) or "none". TMA needs sm_90+ and dense tensors
+        with 16-byte aligned bases and row strides; `tensors` are checked when given (at launch),
+        before that the plan is what the problem and the configs tell."""
         if self.use_tma is False or p.varlen:
-            return False
-        if self.use_tma is None:
-            if _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] < 9:
-                return False
-        return all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
-                   for t in tensors)
+            return "none"
+        if self.use_tma is True:
+            mode = "all"     # forced: every tile, forward and backward, where the tensors allow
+        elif _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] < 9:
+            return "none"
+        else:
+            cfg = self._configs(p)
+            mode = cfg.bwd_tma if role == "backward" else "all" if cfg.fwd_tma else "none"
+        aligned = all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+                      for t in tensors)
+        return mode if aligned else "none"
 
     @staticmethod
     def _even_keys(p: AttentionProblem, *key_blocks: int) -> bool:
@@ -228,8 +227,6 @@ class TritonBackend(Backend):
                 out: torch.Tensor, lse: torch.Tensor) -> None:
         from .forward import attn_fwd_kernel
         p = problem
-        if p.rows_q == 0:
-            return
         _prepare_launch()
         cfg = self._configs(p)
         tile = cfg.forward
@@ -242,7 +239,7 @@ class TritonBackend(Backend):
             *_rows3(out, p.varlen), *_lse_strides(lse, p.varlen), features.pop("stride_slope_b"),
             p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=config.head_block(d), VARLEN=p.varlen,
-            USE_TMA=(cfg.fwd_tma or self.use_tma is True) and self._tma(p, params.q, params.k, params.v, out),
+            USE_TMA=self._tma_plan(p, "forward", params.q, params.k, params.v, out) == "all",
             EVEN_K=self._even_keys(p, tile.block_n),
             num_warps=tile.num_warps,
             num_stages=tile.num_stages, **features, **self._mask_args(p))
@@ -250,21 +247,18 @@ class TritonBackend(Backend):
     # ---- backward ------------------------------------------------------------------------------
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
         p, d = problem, problem.head_dim_padded
-        lse_shape = (p.heads_q, p.total_q) if p.varlen else (p.batch, p.heads_q, p.seqlen_q)
-        buffers = [BufferSpec("softmax_d", lse_shape, torch.float32, False, "D = rowsum(dO * O), strided like lse")]
+        buffers = [BufferSpec("softmax_d", p.lse_shape, torch.float32, False, "D = rowsum(dO * O), strided like lse")]
         ws_reasons = self.ws_reasons(p)
         if not ws_reasons:
             heads = self._ws_kv_heads_per_launch(p) * p.group_size
-            rows_q = (p.total_q,) if p.varlen else (p.batch, p.seqlen_q)
-            buffers.append(BufferSpec("dq_accum", (*rows_q, heads, d), torch.float32, False,
+            buffers.append(BufferSpec("dq_accum", (*p.q_rows_shape, heads, d), torch.float32, False,
                                       f"fp32 dQ of {heads} query heads per launch (TMA reduce-adds; zeroed per launch)"))
             return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False,
                                  kernel="bwd_ws (warp-specialised Gluon, sm_90)")
         kernel = "bwd_main (one launch: key tiles + dQ pass)" if not self._dq_atomic(p) else "bwd_main (atomic dQ)"
         kernel += "; bwd_ws not used: " + ", ".join(ws_reasons)
         if self._dq_atomic(p):
-            rows_q = (p.total_q,) if p.varlen else (p.batch, p.seqlen_q)
-            buffers.append(BufferSpec("dq_accum", (*rows_q, p.heads_q, d), torch.float32, False,
+            buffers.append(BufferSpec("dq_accum", (*p.q_rows_shape, p.heads_q, d), torch.float32, False,
                                       "fp32 dQ laid out like q, atomic adds (zeroed by bwd_preprocess)"))
         if self._accumulate_kv(p):
             acc_shape = (p.heads_k, p.total_k, d) if p.varlen else (p.batch, p.heads_k, p.seqlen_k, d)
@@ -302,16 +296,16 @@ class TritonBackend(Backend):
         assert _lse_strides(delta, p.varlen) == lse_strides, "softmax_d must be strided like lse"
 
         # ---- 1. D = rowsum(dO * O); zero the accumulators and semaphores ----
-        _preprocess(p, out, dout, delta, pointers[0], d, (dq_acc, dk_acc, dv_acc, sems))
+        self._preprocess(p, out, dout, delta, pointers, (dq_acc, dk_acc, dv_acc, sems), d)
 
         # ---- 2. one launch: key-tile programs (dK/dV, and dQ in atomic mode), then the dQ pass ----
         kv, dq_tile = cfg.bwd_kv, cfg.bwd_dq
         loop_group = not self._accumulate_kv(p)
         inputs = (params.q, params.k, params.v, dout)
         dq_target = dq_acc if dq_acc is not None else dq
-        tma_mode = "all" if self.use_tma is True else cfg.bwd_tma   # use_tma=True forces every tile through TMA
-        use_tma = tma_mode != "none" and self._tma(p, *inputs, dq_target, dk, dv,
-                                                   *(t for t in (dk_acc, dv_acc) if t is not None))
+        tma_mode = self._tma_plan(p, "backward", *inputs, dq_target, dk, dv,
+                                  *(t for t in (dk_acc, dv_acc) if t is not None))
+        use_tma = tma_mode != "none"
         prog_heads = p.heads_k if loop_group else p.heads_q
         query_programs = 0 if dq_acc is not None else (p.heads_q // prog_heads) * triton_cdiv(p.seqlen_q, dq_tile.block_m)
         programs = triton_cdiv(p.seqlen_k, kv.block_n) + query_programs
@@ -332,6 +326,31 @@ class TritonBackend(Backend):
                 num_warps=kv.num_warps, num_stages=kv.num_stages, **features, **mask_args)
 
         # ---- 3. fp32 accumulators -> output dtype ----
+        self._postprocess(p, dq, dk, dv, dq_acc, dk_acc, dv_acc, d)
+
+    @staticmethod
+    def _preprocess(p: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
+                    pointers: list, accumulators: tuple, d: int) -> None:
+        """D = rowsum(dO * O) into `delta`; zero the plan's fp32 accumulators and semaphores (None: absent).
+        `pointers`: `_feature_args`' pointer list (cu_seqlens_q first)."""
+        from .bwd_preprocess import bwd_preprocess_kernel
+        dq_acc, dk_acc, dv_acc, sems = accumulators
+        block_d = config.head_block(d)
+        do_strides, lse_strides = _rows3(dout, p.varlen), _lse_strides(delta, p.varlen)
+        pre_m = 64
+        zero = [(t if t is not None else delta, t.numel() if t is not None else 0) for t in (dq_acc, dk_acc, dv_acc, sems)]
+        bwd_preprocess_kernel[(max(1, triton_cdiv(p.seqlen_q, pre_m)), p.batch * p.heads_q)](
+            out, dout, delta, pointers[0], *_rows3(out, p.varlen), *do_strides, *lse_strides,
+            p.heads_q, p.seqlen_q, d, *[x for pair in zero for x in pair],
+            BLOCK_M=pre_m, BLOCK_D=block_d, VARLEN=p.varlen, ZERO_BLOCK=1024,
+            ZERO_A=dq_acc is not None, ZERO_B=dk_acc is not None, ZERO_C=dv_acc is not None,
+            ZERO_SEM=sems is not None, num_warps=4)
+
+    @staticmethod
+    def _postprocess(p: AttentionProblem, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                     dq_acc: Optional[torch.Tensor], dk_acc: Optional[torch.Tensor], dv_acc: Optional[torch.Tensor],
+                     d: int) -> None:
+        """The fp32 accumulators that this plan has -> dq (atomic dQ), dk/dv (GQA "accumulate")."""
         batch = 1 if p.varlen else p.batch
         if dq_acc is not None:
             _cast(dq_acc, dq, _bhr(dq_acc, p.varlen), _bhr(dq, p.varlen), p.heads_q, batch, p.rows_q // batch, d)
@@ -339,7 +358,6 @@ class TritonBackend(Backend):
             for acc, grad in ((dk_acc, dk), (dv_acc, dv)):
                 acc_bhr = (0, acc.stride(0), acc.stride(1)) if p.varlen else acc.stride()[:3]
                 _cast(acc, grad, acc_bhr, _bhr(grad, p.varlen), p.heads_k, batch, p.rows_k // batch, d)
-
 
     def _backward_ws(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor,
                      dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
@@ -350,7 +368,7 @@ class TritonBackend(Backend):
         tile = self.ws_tile or config.BWD_WS_SM90[d]
         delta, dq_acc = workspace["softmax_d"], workspace["dq_accum"]
         cu_q = params.cu_seqlens_q if p.varlen else delta
-        _preprocess(p, out, dout, delta, cu_q, d, (None, None, None, None))
+        self._preprocess(p, out, dout, delta, [cu_q], (None, None, None, None), d)
         q, k, v = (bwd_ws.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
         dout = bwd_ws.uniform_rows(dout, p.varlen)
         mask = self._mask_args(p)
@@ -372,20 +390,6 @@ class TritonBackend(Backend):
             dq_h = dq[..., hq, :]
             _cast(acc, dq_h, _bhr(acc, p.varlen), _bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                   p.rows_q // batch, d)
-
-
-def _preprocess(p: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
-                cu_seqlens_q: torch.Tensor, d: int, zero: tuple[Optional[torch.Tensor], ...]) -> None:
-    """bwd_preprocess: D = rowsum(dO * O) into `delta`; zero the (up to four) buffers in `zero`."""
-    from .bwd_preprocess import bwd_preprocess_kernel
-    pre_m = 64
-    pairs = [(t if t is not None else delta, t.numel() if t is not None else 0) for t in zero]
-    bwd_preprocess_kernel[(max(1, triton_cdiv(p.seqlen_q, pre_m)), p.batch * p.heads_q)](
-        out, dout, delta, cu_seqlens_q, *_rows3(out, p.varlen), *_rows3(dout, p.varlen),
-        *_lse_strides(delta, p.varlen), p.heads_q, p.seqlen_q, d, *[x for pair in pairs for x in pair],
-        BLOCK_M=pre_m, BLOCK_D=config.head_block(d), VARLEN=p.varlen, ZERO_BLOCK=1024,
-        ZERO_A=zero[0] is not None, ZERO_B=zero[1] is not None, ZERO_C=zero[2] is not None,
-        ZERO_SEM=zero[3] is not None, num_warps=4)
 
 
 def _bhr(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:

@@ -5,7 +5,7 @@ answers device questions (the GPU's gfx target) and renders HIP error codes. Bot
 without a ROCm build of torch, the library or hip-python, the backend explains what is missing.
 
 The argument builders (`attention_args`, `backward_args`) are pure functions from tensors and the
-problem to the ctypes structs, following the seed `get_ck_fmha_bwd_args` field by field, so they
+problem to the ctypes structs, following flash-attention's `get_ck_fmha_bwd_args` field by field, so they
 are tested on CPU tensors.
 """
 
@@ -19,13 +19,14 @@ from typing import Optional
 
 import torch
 
-from ..frontend.plan import WorkspacePlan, ck_backward_plan
-from ..frontend.problem import AttentionParams, AttentionProblem
-from .base import Backend
+from ...core.plan import WorkspacePlan
+from ...core.problem import AttentionParams, AttentionProblem
+from ..base import Backend
+from .plan import ck_backward_plan
 
 LIBRARY_ENV = "FLASH_ATTN_CK_LIBRARY"
 # Where csrc_ck/CMakeLists.txt builds by default (`cmake -S csrc_ck -B build/ck`).
-DEFAULT_LIBRARY = Path(__file__).resolve().parents[2] / "build" / "ck" / "libflash_attn_ck.so"
+DEFAULT_LIBRARY = Path(__file__).resolve().parents[3] / "build" / "ck" / "libflash_attn_ck.so"
 
 ABI_VERSION = 1          # FACK_ABI_VERSION of csrc_ck/include/flash_attn_ck.h
 DTYPES = {torch.float16: 0, torch.bfloat16: 1}      # fack_dtype
@@ -159,7 +160,7 @@ def attention_args(problem: AttentionProblem, params: AttentionParams, out: torc
 def backward_args(problem: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   workspace: dict[str, torch.Tensor]) -> FackBwdArgs:
-    """The seed's `get_ck_fmha_bwd_args`: MQA/GQA write per-query-head dK/dV into the expanded buffers."""
+    """flash-attention's `get_ck_fmha_bwd_args`: MQA/GQA write per-query-head dK/dV into the expanded buffers."""
     p, varlen = problem, problem.varlen
     dk_target = workspace["dk_expanded"] if p.is_gqa else dk
     dv_target = workspace["dv_expanded"] if p.is_gqa else dv
@@ -297,13 +298,6 @@ class CkBackend(Backend):
 
     def forward(self, problem: AttentionProblem, params: AttentionParams,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
-        if problem.rows_q == 0:
-            return
-        if problem.rows_k == 0:
-            # No keys: every row is empty (flash-attn's convention: zeros and lse = +inf).
-            out.zero_()
-            lse.fill_(float("inf"))
-            return
         args = attention_args(problem, params, out, lse)
         self._launch("fack_fwd", self.lib.fack_fwd, args, problem.device)
         # CK writes lse = -inf for a row that sees no key; flash-attn's convention (and what keeps
@@ -316,12 +310,6 @@ class CkBackend(Backend):
     def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
-        if problem.rows_q == 0:
-            # The seed's rule for no query rows: no kernel; dK, dV and D are zero.
-            for t in (dk, dv, workspace["softmax_d"], *(workspace[n] for n in ("dk_expanded", "dv_expanded")
-                                                        if n in workspace)):
-                t.zero_()
-            return
         if lse.stride() != workspace["softmax_d"].stride():
             lse = lse.contiguous()      # CK reads lse and D with one set of strides (D is contiguous)
         args = backward_args(problem, params, out, lse, dout, dq, dk, dv, workspace)

@@ -1,7 +1,7 @@
 """Input validation: one function per rule, each message naming the argument and what was expected.
 
 Every check runs before any output is allocated or written, so a failing call mutates nothing.
-The rules are the seed `mha_bwd`'s (SPEC §3) plus those of the flash-attn Python API.
+The rules are those of flash-attention's `mha_bwd` plus those of the flash-attn Python API.
 """
 
 from __future__ import annotations
@@ -10,12 +10,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from .errors import ArgumentError
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
-
-
-class ArgumentError(ValueError):
-    """A bad argument to a flash_attn_ck function."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -130,7 +128,7 @@ def check_rng_state(rng_state: torch.Tensor, device: torch.device) -> None:
 
 
 def check_like(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, shape: Sequence[int]) -> None:
-    """The seed's checks for an operand or a preallocated output: dtype, device, last stride, shape."""
+    """`mha_bwd`'s checks for an operand or a preallocated output: dtype, device, last stride, shape."""
     check_tensor(name, t)
     if t.dtype != dtype:
         raise ArgumentError(f"{name}: expected dtype {_dtype_name(dtype)} (the dtype of q), got {_dtype_name(t.dtype)}")

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -46,59 +45,38 @@ class MaskInfo:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def decode(cls, spec: str, seqlen_q: int, seqlen_k: int) -> "MaskInfo":
-        """Parse CK's mask strings: `0`..`3`, `t`, `b`, `t:L,R`, `b:L,R`, `g:Y,X`, `xt:W`, `xb:W`."""
-        if ":" in spec:
-            kind, _, value = spec.partition(":")
-            if kind in ("xt", "xb"):
-                # xformers-style window of total width W centred on the diagonal.
-                width = _parse_int(value, spec)
-                left, right = (-1, 0) if width <= 0 else (width // 2, width - 1 - width // 2)
-                top_left = kind == "xt"
-                y, x = generic_coordinates(left, right, seqlen_q, seqlen_k, top_left)
-                mtype = MaskType.TOP_LEFT if top_left else MaskType.BOTTOM_RIGHT
-                return cls(mtype, left, right, y, x, seqlen_q, seqlen_k)
-            first, comma, second = value.partition(",")
-            if not comma:
-                raise ValueError(f"mask spec {spec!r}: expected two comma-separated integers after ':'")
-            v0, v1 = _parse_int(first, spec), _parse_int(second, spec)
-            if kind == "t" or kind == "b":
-                top_left = kind == "t"
-                y, x = generic_coordinates(v0, v1, seqlen_q, seqlen_k, top_left)
-                mtype = MaskType.TOP_LEFT if top_left else MaskType.BOTTOM_RIGHT
-                return cls(mtype, v0, v1, y, x, seqlen_q, seqlen_k)
-            if kind == "g":
-                return cls(MaskType.WINDOW_GENERIC, v0, v1, v0, v1, seqlen_q, seqlen_k)
-            raise ValueError(f"mask spec {spec!r}: unknown kind {kind!r} (expected t, b, g, xt or xb)")
-        if spec == "t":
-            return cls.causal(seqlen_q, seqlen_k, top_left=True)
-        if spec == "b":
-            return cls.causal(seqlen_q, seqlen_k, top_left=False)
-        code = MaskType(_parse_int(spec, spec))
-        if code == MaskType.TOP_LEFT or code == MaskType.BOTTOM_RIGHT:
-            return cls.causal(seqlen_q, seqlen_k, top_left=code == MaskType.TOP_LEFT)
-        # A bare generic type carries no coordinates: CK leaves it everything-visible.
-        return cls(code, -1, -1, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
+    def no_mask(cls, seqlen_q: int, seqlen_k: int) -> "MaskInfo":
+        return cls(MaskType.NO_MASK, -1, -1, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
 
     @classmethod
-    def causal(cls, seqlen_q: int, seqlen_k: int, top_left: bool) -> "MaskInfo":
-        mtype = MaskType.TOP_LEFT if top_left else MaskType.BOTTOM_RIGHT
-        x = 1 if top_left else seqlen_k - seqlen_q + 1
-        return cls(mtype, -1, 0, seqlen_q, x, seqlen_q, seqlen_k)
+    def bottom_right(cls, left: int, right: int, seqlen_q: int, seqlen_k: int) -> "MaskInfo":
+        """A window aligned to the bottom-right corner (flash-attn's alignment); a negative side is unbounded."""
+        y, x = generic_coordinates(left, right, seqlen_q, seqlen_k, top_left=False)
+        return cls(MaskType.BOTTOM_RIGHT, left, right, y, x, seqlen_q, seqlen_k)
 
     @classmethod
-    @functools.lru_cache(maxsize=1024)
     def from_flash_args(cls, causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> "MaskInfo":
-        """flash-attn's arguments -> CK mask, with the seed frontend's normalisation.
+        """flash-attn's arguments -> CK mask, normalised as flash-attention's CK frontend does.
 
-        `seqlen_k` is the key length used for clamping (`max_seqlen_k` for varlen). Memoised (MaskInfo
-        is immutable): every call builds its mask, through the seed's string round trip."""
+        `seqlen_k` is the key length used for clamping (`max_seqlen_k` for varlen)."""
         left, right = canonical_window(causal, window_size, seqlen_k)
-        if causal:
-            return cls.decode(f"b:{left},0", seqlen_q, seqlen_k)
-        if left == -1 and right == -1:
-            return cls.decode("0", seqlen_q, seqlen_k)
-        return cls.decode(f"b:{left},{right}", seqlen_q, seqlen_k)
+        if not causal and left == -1 and right == -1:
+            return cls.no_mask(seqlen_q, seqlen_k)
+        return cls.bottom_right(left, right, seqlen_q, seqlen_k)
+
+    @classmethod
+    def decode(cls, spec: str, seqlen_q: int, seqlen_k: int) -> "MaskInfo":
+        """CK's `mask_identify` strings as flash-attention's CK frontend writes them: `0` (no mask) and
+        `b:L,R` (bottom-right window). Only CK's string interface and its tests use this form."""
+        if spec == "0":
+            return cls.no_mask(seqlen_q, seqlen_k)
+        kind, colon, value = spec.partition(":")
+        if kind != "b" or not colon:
+            raise ValueError(f"mask spec {spec!r}: expected '0' or 'b:LEFT,RIGHT'")
+        first, comma, second = value.partition(",")
+        if not comma:
+            raise ValueError(f"mask spec {spec!r}: expected two comma-separated integers after ':'")
+        return cls.bottom_right(_parse_int(first, spec), _parse_int(second, spec), seqlen_q, seqlen_k)
 
     # ---- queries -------------------------------------------------------------------------------
     @property

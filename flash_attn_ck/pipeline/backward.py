@@ -1,8 +1,8 @@
-"""The mha_bwd pipeline: validate -> canonical mask -> workspace plan (chunks under the cap) ->
+"""The backward pipeline: validate -> workspace plan (chunks under the cap) -> per chunk: pad ->
 backend kernel -> reduce (GQA group sum, fp32 sums of split-group partials) -> unpad.
 
-Shaped like the seed `mha_bwd`: returns `(dq, dk, dv, softmax_d)`, accepts preallocated dq/dk/dv,
-and for `s_q == 0` runs no kernel (dK, dV and D are zero).
+Shaped like flash-attention's `mha_bwd`: returns `(dq, dk, dv, softmax_d)`, accepts preallocated
+dq/dk/dv, and without query rows runs no kernel (dK, dV and D are zero).
 """
 
 from __future__ import annotations
@@ -12,45 +12,46 @@ from typing import Optional
 
 import torch
 
-from ..backends.base import Backend, select_backend
-from . import checks
-from .chunking import chunk_problem, chunk_rows, chunk_views, kv_view, plan_chunks, whole_call, workspace_cap
-from .inputs import describe_call, lse_shape
-from .plan import BufferSpec, WorkspacePlan
-from .problem import AttentionParams, AttentionProblem
+from ..backends.base import Backend
+from ..core import checks
+from ..core.inputs import describe_call
+from ..core.options import AttentionOptions
+from ..core.plan import WorkspacePlan
+from ..core.problem import AttentionParams, AttentionProblem
+from .chunking import backward_plan, chunk_problem, chunk_rows, chunk_views, kv_view, plan_chunks, whole_call, \
+    workspace_cap
+from .select import select_backend
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, softmax_lse: torch.Tensor, dq: Optional[torch.Tensor] = None,
-                       dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None, *,
-                       cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
-                       max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None,
-                       alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                       softmax_scale: Optional[float] = None, causal: bool = False, window_size=(-1, -1),
-                       softcap: float = 0.0, deterministic: bool = False, rng_state: Optional[torch.Tensor] = None,
-                       backend: Optional[str] = None, max_workspace_bytes: Optional[int] = None,
-                       problem: Optional[AttentionProblem] = None):
+                       out: torch.Tensor, softmax_lse: torch.Tensor, dq: Optional[torch.Tensor],
+                       dk: Optional[torch.Tensor], dv: Optional[torch.Tensor], options: AttentionOptions,
+                       rng_state: Optional[torch.Tensor], problem: Optional[AttentionProblem] = None):
     """`problem`: the forward's description of this very call (attention_forward returns it), from a
     caller that guarantees the operands are the forward's own (the autograd Function: saved tensors,
     and a dout that autograd has matched to out). Validation is then skipped; everyone else leaves
     it None."""
     # ---- validate: everything before any allocation, so a failing call mutates nothing ----------
     if problem is None:
-        problem = describe_call(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                                deterministic=deterministic, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        problem = describe_call(q, k, v, options)
         check_backward_operands(problem, q, k, dout, out, softmax_lse, dq, dk, dv, rng_state)
-    chosen = select_backend(problem, backend)
-    cap = workspace_cap(max_workspace_bytes)
+    chosen = select_backend(problem, options.backend)
+    cap = workspace_cap(options.max_workspace_bytes)
 
     # ---- outputs: the caller's, else new ------------------------------------------------------
-    dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty_like(k) if dk is None else dk
-    dv = torch.empty_like(v) if dv is None else dv
-    params = AttentionParams(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state)
+    dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv)
+    params = AttentionParams(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k, options.alibi_slopes, rng_state)
     softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv, cap)
     return dq, dk, dv, softmax_d
+
+
+def gradient_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: Optional[torch.Tensor],
+                     dk: Optional[torch.Tensor], dv: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The caller's dq/dk/dv where given (check_backward_operands checks them), new tensors elsewhere."""
+    for name, t, like in (("q", dq, q), ("k", dk, k), ("v", dv, v)):
+        if t is None:
+            checks.check_tensor(name, like)
+    return tuple(torch.empty_like(like) if t is None else t for t, like in ((dq, q), (dk, k), (dv, v)))
 
 
 def check_backward_operands(problem: AttentionProblem, q, k, dout, out, softmax_lse, dq, dk, dv, rng_state) -> None:
@@ -59,29 +60,15 @@ def check_backward_operands(problem: AttentionProblem, q, k, dout, out, softmax_
     checks.check_tensor("softmax_lse", softmax_lse)
     checks.check_dtype("softmax_lse", softmax_lse, problem.accum_dtype)
     checks.check_device("softmax_lse", softmax_lse, q.device)
-    checks.check_shape("softmax_lse", softmax_lse, lse_shape(problem))
+    checks.check_shape("softmax_lse", softmax_lse, problem.lse_shape)
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
         if t is not None:
             checks.check_like(name, t, q.dtype, q.device, like.shape)
     if problem.dropout_p > 0:
         if rng_state is None:
-            raise checks.ArgumentError("rng_state: required when dropout_p > 0 (pass the rng_state the forward returned)")
+            raise checks.ArgumentError("rng_state: required when dropout_p > 0 "
+                                       "(pass the rng_state the forward returned)")
         checks.check_rng_state(rng_state, q.device)
-
-
-def backward_plan(backend: Backend, problem: AttentionProblem) -> WorkspacePlan:
-    """The backend's buffers plus, for head dims that are not a multiple of 8, the padded copies."""
-    plan = backend.backward_plan(problem)
-    if problem.head_dim_padded == problem.head_dim:
-        return plan
-    p, d = problem, problem.head_dim_padded
-    rows_q = (p.total_q,) if p.varlen else (p.batch, p.seqlen_q)
-    rows_k = (p.total_k,) if p.varlen else (p.batch, p.seqlen_k)
-    padding = [BufferSpec(f"{name}_padded", (*rows, heads, d), p.dtype, True, f"{name} zero-padded to d={d}")
-               for name, rows, heads in (("q", rows_q, p.heads_q), ("k", rows_k, p.heads_k), ("v", rows_k, p.heads_k),
-                                         ("out", rows_q, p.heads_q), ("dout", rows_q, p.heads_q),
-                                         ("dq", rows_q, p.heads_q), ("dk", rows_k, p.heads_k), ("dv", rows_k, p.heads_k))]
-    return replace(plan, buffers=plan.buffers + tuple(padding))
 
 
 def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
@@ -94,8 +81,8 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
     chunking = plan_chunks(p, backend, cap, params)
     shared = {b.name: b.allocate(p.device) for b in chunking.shared}
     softmax_d = shared["softmax_d"]
-    if not p.varlen and p.seqlen_q == 0:
-        # No query rows: no kernel runs; dK, dV and D are zero (the seed's rule).
+    if p.rows_q == 0:
+        # No query rows: no kernel runs; dK, dV and D are zero (flash-attention's rule).
         dk.zero_()
         dv.zero_()
         softmax_d.zero_()

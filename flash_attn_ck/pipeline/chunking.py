@@ -20,22 +20,19 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-from .mask import MaskInfo, MaskType
-from .plan import BufferSpec, WorkspacePlan, format_bytes
-from .problem import AttentionParams, AttentionProblem, Placement
+from ..core.errors import WorkspaceError
+from ..core.mask import MaskInfo, MaskType
+from ..core.plan import BufferSpec, WorkspacePlan, format_bytes
+from ..core.problem import AttentionParams, AttentionProblem, Placement
 
 WORKSPACE_ENV = "FLASH_ATTN_CK_MAX_WORKSPACE_BYTES"
-# 4 GiB: every shape of the SPEC §6 grid runs unchunked in non-deterministic mode, while the
+# 4 GiB: every shape of the benchmark grid runs unchunked in non-deterministic mode, while the
 # deterministic long-context cases that would need tens of GiB are bounded. -1 removes the cap.
 DEFAULT_MAX_WORKSPACE_BYTES = 4 << 30
-
-
-class WorkspaceError(RuntimeError):
-    pass
 
 
 def workspace_cap(max_workspace_bytes: Optional[int]) -> Optional[int]:
@@ -137,6 +134,20 @@ def _partial_sums(problem: AttentionProblem, batch_rows_k: int, heads_k: int) ->
                   for g in ("dk", "dv")])
 
 
+def backward_plan(backend, problem: AttentionProblem) -> WorkspacePlan:
+    """The backend's buffers plus, for head dims that are not a multiple of 8, the padded copies."""
+    plan = backend.backward_plan(problem)
+    if problem.head_dim_padded == problem.head_dim:
+        return plan
+    p, d = problem, problem.head_dim_padded
+    rows_q, rows_k = p.q_rows_shape, p.k_rows_shape
+    padding = [BufferSpec(f"{name}_padded", (*rows, heads, d), p.dtype, True, f"{name} zero-padded to d={d}")
+               for name, rows, heads in (("q", rows_q, p.heads_q), ("k", rows_k, p.heads_k), ("v", rows_k, p.heads_k),
+                                         ("out", rows_q, p.heads_q), ("dout", rows_q, p.heads_q),
+                                         ("dq", rows_q, p.heads_q), ("dk", rows_k, p.heads_k), ("dv", rows_k, p.heads_k))]
+    return replace(plan, buffers=plan.buffers + tuple(padding))
+
+
 def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
                 params: Optional[AttentionParams] = None) -> ChunkPlan:
     """Pick the largest chunks whose workspace fits under `cap` (see the module docstring).
@@ -154,72 +165,82 @@ def _plan_chunks_dense(problem: AttentionProblem, backend, cap: Optional[int]) -
     return _plan_chunks(problem, backend, cap, None)
 
 
-def _plan_chunks(problem: AttentionProblem, backend, cap: Optional[int], params: Optional[AttentionParams]) -> ChunkPlan:
-    from .backward import backward_plan  # the per-call plan (backend buffers + padding)
+class _Planner:
+    """Costs chunkings of one call: the shared buffers, each chunk's own plan (memoised by shape:
+    plans depend on sizes only) and the peak, which the largest chunk decides."""
 
-    p = problem
-    cu_seqlens_q = cu_seqlens_k = None
+    def __init__(self, problem: AttentionProblem, backend, cap: Optional[int]):
+        self.problem, self.backend, self.cap = problem, backend, cap
+        self.full = backward_plan(backend, problem)
+        self.whole = whole_call(problem)
+        self.cu_seqlens_q: Optional[list[int]] = None     # varlen offsets on the host, once read
+        self.cu_seqlens_k: Optional[list[int]] = None
+        self._plans: dict[tuple, WorkspacePlan] = {}
 
-    def rows(chunk: Chunk) -> tuple[int, int]:
-        return chunk_rows(p, chunk, cu_seqlens_q, cu_seqlens_k)
+    def rows(self, chunk: Chunk) -> tuple[int, int]:
+        return chunk_rows(self.problem, chunk, self.cu_seqlens_q, self.cu_seqlens_k)
 
-    plans: dict[tuple, WorkspacePlan] = {}
-
-    def chunk_plan(c: Chunk) -> WorkspacePlan:
-        """A chunk's own buffers (softmax_d is shared). Plans depend on sizes only, so chunks of one
-        shape share one plan."""
+    def chunk_plan(self, c: Chunk) -> WorkspacePlan:
+        """A chunk's own buffers (softmax_d is shared by all chunks)."""
         key = (c.batch[1] - c.batch[0], c.kv_heads[1] - c.kv_heads[0], c.group_heads[1] - c.group_heads[0],
-               c.rows[1] - c.rows[0], *rows(c))
-        if key not in plans:
-            plan = full if c == whole else backward_plan(backend, chunk_problem(p, c, *rows(c)))
-            plans[key] = replace(plan, buffers=tuple(b for b in plan.buffers if b.name != "softmax_d"))
-        return plans[key]
+               c.rows[1] - c.rows[0], *self.rows(c))
+        if key not in self._plans:
+            plan = self.full if c == self.whole else \
+                backward_plan(self.backend, chunk_problem(self.problem, c, *self.rows(c)))
+            self._plans[key] = replace(plan, buffers=tuple(b for b in plan.buffers if b.name != "softmax_d"))
+        return self._plans[key]
 
-    full = backward_plan(backend, p)
-    whole = whole_call(p)
-    softmax_d = next(b for b in full.buffers if b.name == "softmax_d")
-
-    def cost(chunks: list[Chunk]) -> tuple[ChunkPlan, int]:
-        """The plan for a chunking and its peak bytes (the largest chunk decides)."""
-        shared = [softmax_d]
+    def cost(self, chunks: list[Chunk]) -> ChunkPlan:
+        p = self.problem
+        shared = [next(b for b in self.full.buffers if b.name == "softmax_d")]
         if any(c.partial(p) for c in chunks):
-            widest = max(rows(c)[1] for c in chunks)
+            widest = max(self.rows(c)[1] for c in chunks)
             shared += _partial_sums(p, widest, max(c.kv_heads[1] - c.kv_heads[0] for c in chunks))
-        largest = None
-        for c in chunks:
-            sub = chunk_plan(c)
-            if largest is None or sub.total_bytes > largest.total_bytes:
-                largest = sub
-        plan = ChunkPlan(backend.name, cap, tuple(shared), largest, tuple(chunks), full.total_bytes,
-                         cu_seqlens_q and tuple(cu_seqlens_q), cu_seqlens_k and tuple(cu_seqlens_k))
-        return plan, plan.peak_bytes
+        largest = max((self.chunk_plan(c) for c in chunks), key=lambda plan: plan.total_bytes)
+        return ChunkPlan(self.backend.name, self.cap, tuple(shared), largest, tuple(chunks), self.full.total_bytes,
+                         self.cu_seqlens_q and tuple(self.cu_seqlens_q), self.cu_seqlens_k and tuple(self.cu_seqlens_k))
 
-    plan, peak = cost([whole])
-    if cap is None or peak <= cap:
+
+def _plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
+                 params: Optional[AttentionParams]) -> ChunkPlan:
+    planner = _Planner(problem, backend, cap)
+    plan = planner.cost([planner.whole])
+    if cap is None or plan.peak_bytes <= cap:
         return plan
+    _check_chunkable(problem, backend, cap, plan.peak_bytes)
+    if problem.varlen:
+        planner.cu_seqlens_q, planner.cu_seqlens_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
+    smallest = plan.peak_bytes
+    for chunks in _chunkings(problem, backend):
+        plan = planner.cost(chunks)
+        if plan.peak_bytes <= cap:
+            return plan
+        smallest = min(smallest, plan.peak_bytes)
+    raise WorkspaceError(f"backend {backend.name!r}: the backward needs at least {format_bytes(smallest)} of workspace "
+                         f"even in its smallest chunk, over the cap of {format_bytes(cap)} "
+                         f"(raise max_workspace_bytes or {WORKSPACE_ENV})")
+
+
+def _check_chunkable(problem: AttentionProblem, backend, cap: int, peak: int) -> None:
     why_not = None
     if not backend.supports_chunks:
         why_not = "this backend cannot run a call in chunks"
-    elif p.dropout_p > 0 and not backend.supports_chunked_dropout:
+    elif problem.dropout_p > 0 and not backend.supports_chunked_dropout:
         why_not = "with dropout, chunks would change this backend's keep pattern"
     if why_not:
-        raise WorkspaceError(f"backend {backend.name!r}: the backward needs {format_bytes(peak)} of workspace, over the "
-                             f"cap of {format_bytes(cap)}, and {why_not} (raise max_workspace_bytes or {WORKSPACE_ENV})")
+        raise WorkspaceError(f"backend {backend.name!r}: the backward needs {format_bytes(peak)} of workspace, "
+                             f"over the cap of {format_bytes(cap)}, and {why_not} (raise max_workspace_bytes or {WORKSPACE_ENV})")
 
-    if p.varlen:
-        cu_seqlens_q, cu_seqlens_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
 
+def _chunkings(problem: AttentionProblem, backend) -> Iterator[list[Chunk]]:
+    """The chunkings to try, in order (the first that fits wins)."""
+    p = problem
     # Stage 1: whole groups and batch entries, largest chunk first.
-    candidates = sorted(((nb, ng) for nb in range(1, p.batch + 1) for ng in range(1, p.heads_k + 1)),
-                        key=lambda s: (s[0] * s[1], s[1]), reverse=True)
-    for nb, ng in candidates:
-        chunks = [Chunk(b, g, (0, p.group_size), (0, p.seqlen_q))
-                  for b in _ranges(p.batch, nb) for g in _ranges(p.heads_k, ng)]
-        plan, peak = cost(chunks)
-        if peak <= cap:
-            return plan
-    smallest = peak
-
+    sizes = sorted(((nb, ng) for nb in range(1, p.batch + 1) for ng in range(1, p.heads_k + 1)),
+                   key=lambda s: (s[0] * s[1], s[1]), reverse=True)
+    for nb, ng in sizes:
+        yield [Chunk(b, g, (0, p.group_size), (0, p.seqlen_q))
+               for b in _ranges(p.batch, nb) for g in _ranges(p.heads_k, ng)]
     # Stage 2: split one group of one sequence: query-head slices, then query-row slices.
     row_sizes = [p.seqlen_q]
     if not p.varlen and not p.has_alibi and backend.supports_row_chunks:
@@ -231,16 +252,9 @@ def _plan_chunks(problem: AttentionProblem, backend, cap: Optional[int], params:
         for heads_per_chunk in range(p.group_size, 0, -1):
             if (rows_per_chunk, heads_per_chunk) == (p.seqlen_q, p.group_size):
                 continue
-            chunks = [Chunk((b, b + 1), (g, g + 1), a, r)
-                      for b in range(p.batch) for g in range(p.heads_k)
-                      for a in _ranges(p.group_size, heads_per_chunk) for r in _ranges(p.seqlen_q, rows_per_chunk)]
-            plan, peak = cost(chunks)
-            if peak <= cap:
-                return plan
-            smallest = min(smallest, peak)
-    raise WorkspaceError(f"backend {backend.name!r}: the backward needs at least {format_bytes(smallest)} of workspace "
-                         f"even in its smallest chunk, over the cap of {format_bytes(cap)} "
-                         f"(raise max_workspace_bytes or {WORKSPACE_ENV})")
+            yield [Chunk((b, b + 1), (g, g + 1), a, r)
+                   for b in range(p.batch) for g in range(p.heads_k)
+                   for a in _ranges(p.group_size, heads_per_chunk) for r in _ranges(p.seqlen_q, rows_per_chunk)]
 
 
 # ---- views of one chunk -------------------------------------------------------------------------

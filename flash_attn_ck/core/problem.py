@@ -19,9 +19,15 @@ def pad_head_dim(head_dim: int, multiple: int = 8) -> int:
     return -(-head_dim // multiple) * multiple
 
 
+def row_stats_shape(rows: tuple[int, ...], heads: int) -> tuple[int, ...]:
+    """The shape of lse-like row statistics for q-like rows `(b, s)` or varlen `(total,)`:
+    `(b, h, s)`, or `(h, total)`."""
+    return (heads, *rows) if len(rows) == 1 else (rows[0], heads, rows[1])
+
+
 @dataclass(frozen=True)
 class Placement:
-    """Where a chunk of a call sits in the whole call (frontend/chunking.py). Dropout counters and
+    """Where a chunk of a call sits in the whole call (pipeline/chunking.py). Dropout counters and
     masks use these global coordinates, so a chunk draws the same keep pattern as the whole call."""
     batch_offset: int = 0        # first sequence of the chunk
     head_offset: int = 0         # first query head of the chunk
@@ -59,12 +65,6 @@ class AttentionProblem:
             object.__setattr__(self, "placement", Placement(heads=self.heads_q, seqlen_q=self.seqlen_q))
 
     @property
-    def is_chunk(self) -> bool:
-        p = self.placement
-        return (p.batch_offset, p.head_offset, p.row_offset, p.heads, p.seqlen_q) != \
-            (0, 0, 0, self.heads_q, self.seqlen_q)
-
-    @property
     def accum_dtype(self) -> torch.dtype:
         """lse, D and dQ accumulators: fp32 as in CK; fp64 inputs (gradcheck on the reference) keep fp64."""
         return torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -86,8 +86,23 @@ class AttentionProblem:
     def rows_k(self) -> int:
         return self.total_k if self.varlen else self.batch * self.seqlen_k
 
+    @property
+    def q_rows_shape(self) -> tuple[int, ...]:
+        """The leading dims of q (and out, dout, dq): `(b, s_q)`, or varlen `(total_q,)`."""
+        return (self.total_q,) if self.varlen else (self.batch, self.seqlen_q)
+
+    @property
+    def k_rows_shape(self) -> tuple[int, ...]:
+        """The leading dims of k (and v, dk, dv): `(b, s_k)`, or varlen `(total_k,)`."""
+        return (self.total_k,) if self.varlen else (self.batch, self.seqlen_k)
+
+    @property
+    def lse_shape(self) -> tuple[int, ...]:
+        """softmax_lse and softmax_d: `(b, h, s_q)`, or varlen `(h, total_q)`."""
+        return row_stats_shape(self.q_rows_shape, self.heads_q)
+
     def forward_flops(self) -> float:
-        """SPEC §6: 4 b h s_q s_k d, halved when causal (dense shapes; varlen uses the max lengths)."""
+        """4 b h s_q s_k d, halved when causal (dense shapes; varlen uses the max lengths)."""
         flops = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
         return flops / 2 if self.mask.is_causal else flops
 

@@ -1,0 +1,81 @@
+"""Stage 1 of every call: validate q/k/v against the options, and describe the call as a problem.
+
+`describe_call` runs every check that does not depend on the direction (forward or backward) and
+was not already run when the options were built, canonicalises causal/window into a `MaskInfo`,
+and returns an `AttentionProblem`. `kernel_params`
+pads the head dim to a multiple of 8 for the kernels (zeros, so scores and outputs are unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import checks
+from .errors import ArgumentError
+from .mask import MaskInfo
+from .options import AttentionOptions
+from .problem import AttentionParams, AttentionProblem
+
+
+def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> AttentionProblem:
+    """Check q/k/v against each other and the options that depend on their shapes; the problem."""
+    o = options
+    varlen = o.varlen
+    ndim = 3 if varlen else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_tensor(name, t, ndim)
+    checks.check_dtype("q", q, checks.SUPPORTED_DTYPES)
+    checks.check_same_dtype("k", k, "q", q)
+    checks.check_same_dtype("v", v, "q", q)
+    for name, t in (("k", k), ("v", v)):
+        checks.check_device(name, t, q.device)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        checks.check_last_dim_contiguous(name, t)
+
+    head_dim, heads_q = q.shape[-1], q.shape[-2]
+    heads_k = k.shape[-2]
+    checks.check_head_dim(head_dim)
+    checks.check_head_counts(heads_q, heads_k)
+    if varlen:
+        if o.cu_seqlens_q is None or o.cu_seqlens_k is None or o.max_seqlen_q is None or o.max_seqlen_k is None:
+            raise ArgumentError("cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k: "
+                                "varlen calls need all four")
+        batch = o.cu_seqlens_q.numel() - 1
+        total_q, total_k = q.shape[0], k.shape[0]
+        checks.check_positive_batch(batch)
+        checks.check_cu_seqlens("cu_seqlens_q", o.cu_seqlens_q, batch, total_q, o.max_seqlen_q, q.device)
+        checks.check_cu_seqlens("cu_seqlens_k", o.cu_seqlens_k, batch, total_k, o.max_seqlen_k, q.device)
+        seqlen_q, seqlen_k = int(o.max_seqlen_q), int(o.max_seqlen_k)
+        checks.check_shape("k", k, (total_k, heads_k, head_dim))
+    else:
+        batch, seqlen_q = q.shape[0], q.shape[1]
+        seqlen_k = k.shape[1]
+        total_q = total_k = 0
+        checks.check_positive_batch(batch)
+        checks.check_shape("k", k, (batch, seqlen_k, heads_k, head_dim))
+    checks.check_shape("v", v, k.shape)
+    if o.alibi_slopes is not None:
+        checks.check_alibi_slopes(o.alibi_slopes, batch, heads_q, q.device)
+
+    mask = MaskInfo.from_flash_args(o.causal, o.window_size, seqlen_q, seqlen_k)
+    return AttentionProblem(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_k=heads_k,
+        head_dim=head_dim, dtype=q.dtype, device=q.device, mask=mask, softmax_scale=o.scale_for(head_dim),
+        varlen=varlen, total_q=total_q, total_k=total_k, has_alibi=o.alibi_slopes is not None,
+        dropout_p=float(o.dropout_p), softcap=float(o.softcap), deterministic=bool(o.deterministic))
+
+
+def pad_to(t: torch.Tensor, head_dim_padded: int) -> torch.Tensor:
+    """Zero-pad the last dim (a no-op view when it already has the kernel's size)."""
+    extra = head_dim_padded - t.shape[-1]
+    return t if extra == 0 else F.pad(t, (0, extra))
+
+
+def kernel_params(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  options: AttentionOptions, rng_state: Optional[torch.Tensor]) -> AttentionParams:
+    d = problem.head_dim_padded
+    return AttentionParams(q=pad_to(q, d), k=pad_to(k, d), v=pad_to(v, d), cu_seqlens_q=options.cu_seqlens_q,
+                           cu_seqlens_k=options.cu_seqlens_k, alibi_slopes=options.alibi_slopes, rng_state=rng_state)

@@ -1,0 +1,60 @@
+"""One call's options: everything besides its operands, as one frozen object.
+
+`AttentionOptions` is built and validated once (api.py builds it from flash-attn's keyword arguments)
+and then carried unchanged through the ops (ops.py flattens it into plain schema arguments and back),
+the autograd Function's ctx, the pipelines and the backends. Checks that need the operands' shapes
+(ALiBi slopes, cu_seqlens) run in `core/inputs.describe_call`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Optional
+
+import torch
+
+from . import checks
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionOptions:
+    """flash-attn's options, with flash-attn's names and defaults.
+
+    `backend`: a backend name ("triton", "ck", "reference"), a backend instance, or None (automatic).
+    `max_workspace_bytes`: the backward's workspace cap (None: the environment's or the default)."""
+    cu_seqlens_q: Optional[torch.Tensor] = None     # int32 (b + 1,): varlen calls only
+    cu_seqlens_k: Optional[torch.Tensor] = None
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_k: Optional[int] = None
+    alibi_slopes: Optional[torch.Tensor] = None     # fp32 (h,) or (b, h)
+    dropout_p: float = 0.0
+    softmax_scale: Optional[float] = None           # None: 1 / sqrt(head_dim)
+    causal: bool = False
+    window_size: tuple[int, int] = (-1, -1)         # (left, right); -1: unbounded
+    softcap: float = 0.0
+    deterministic: bool = False
+    return_attn_probs: bool = False
+    backend: Any = None
+    max_workspace_bytes: Optional[int] = None
+
+    def __post_init__(self):
+        # eq=False: tensors inside, so options compare by identity; everything cached is keyed on the problem.
+        window = tuple(self.window_size)
+        checks.check_window(window)
+        checks.check_softcap(self.softcap)
+        checks.check_dropout_p(self.dropout_p)
+        if self.softmax_scale is not None:
+            checks.check_softmax_scale(self.softmax_scale)
+        object.__setattr__(self, "window_size", (int(window[0]), int(window[1])))
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None or self.cu_seqlens_k is not None
+
+    def scale_for(self, head_dim: int) -> float:
+        """The softmax scale: the given one, else 1 / sqrt(head_dim)."""
+        return 1.0 / math.sqrt(head_dim) if self.softmax_scale is None else float(self.softmax_scale)
+
+
+OPTION_NAMES = tuple(f.name for f in fields(AttentionOptions))

@@ -1,0 +1,109 @@
+"""The attention scores as the kernels define them, in PyTorch: one key tile at a time.
+
+`ScoreTile` applies everything CK applies before the softmax (scale, softcap, ALiBi, mask) and draws
+the dropout keep mask at the call's global coordinates. The reference backend computes with it, and
+`attention_probs` materialises the probabilities for `return_attn_probs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from .dropout import keep_mask
+from .problem import AttentionParams, AttentionProblem
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One sequence of the batch: its index, lengths, and row offsets into packed tensors."""
+    index: int
+    seqlen_q: int
+    seqlen_k: int
+    start_q: int
+    start_k: int
+    varlen: bool
+
+    def rows_q(self, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """Rows of a q-shaped tensor: (b, s_q, ...) or varlen (total_q, ...) starting at `dim`."""
+        return t.narrow(dim, self.start_q, self.seqlen_q) if self.varlen else t.select(dim, self.index)
+
+    def rows_k(self, t: torch.Tensor) -> torch.Tensor:
+        return t.narrow(0, self.start_k, self.seqlen_k) if self.varlen else t[self.index]
+
+    def lse(self, t: torch.Tensor) -> torch.Tensor:
+        """(h, s_q) view of an lse-shaped tensor: (b, h, s_q) or varlen (h, total_q)."""
+        return t.narrow(1, self.start_q, self.seqlen_q) if self.varlen else t[self.index]
+
+
+def sequences(problem: AttentionProblem, params: AttentionParams) -> Iterator[Sequence]:
+    if not problem.varlen:
+        for i in range(problem.batch):
+            yield Sequence(i, problem.seqlen_q, problem.seqlen_k, 0, 0, False)
+        return
+    cu_q = params.cu_seqlens_q.tolist()
+    cu_k = params.cu_seqlens_k.tolist()
+    for i in range(problem.batch):
+        yield Sequence(i, cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i], cu_q[i], cu_k[i], True)
+
+
+class ScoreTile:
+    """Scores of all query heads of one sequence against one key tile, with everything applied
+    that CK applies before the softmax: scale, softcap, ALiBi, mask; plus the dropout keep mask."""
+
+    def __init__(self, problem: AttentionProblem, params: AttentionParams, seq: Sequence,
+                 q: torch.Tensor, k: torch.Tensor, key_start: int, key_end: int):
+        p = problem
+        rows = torch.arange(seq.seqlen_q, device=q.device)
+        cols = torch.arange(key_start, key_end, device=q.device)
+        raw = torch.matmul(q, k[:, key_start:key_end].transpose(1, 2)) * p.softmax_scale
+        if p.softcap:
+            self.tanh = torch.tanh(raw / p.softcap)
+            raw = p.softcap * self.tanh
+        if params.alibi_slopes is not None:
+            slopes = params.alibi_slopes
+            slopes = (slopes[seq.index] if slopes.dim() == 2 else slopes).to(raw.dtype)
+            distance = (rows[:, None] + seq.seqlen_k - seq.seqlen_q - cols[None, :]).abs()
+            raw = raw - slopes[:, None, None] * distance
+        mask = p.mask.for_lengths(seq.seqlen_q, seq.seqlen_k)
+        if mask.is_masked:
+            raw = raw.masked_fill(~mask.keep(rows, cols), float("-inf"))
+        self.scores = raw
+        self.keep: Optional[torch.Tensor] = None
+        if p.dropout_p > 0:
+            # Global coordinates: a chunk of a call draws the same pattern as the whole call.
+            where = p.placement
+            heads = torch.arange(p.heads_q, device=q.device) + where.head_offset
+            seed_offset = tuple(params.rng_state.tolist())
+            self.keep = keep_mask(seed_offset, p.dropout_p, seq.index + where.batch_offset, where.heads,
+                                  where.seqlen_q, p.seqlen_k, heads, rows + where.row_offset, cols)
+
+    def dropped(self, probs: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        return probs if self.keep is None else probs * self.keep / (1.0 - dropout_p)
+
+
+def heads_first(t: torch.Tensor, dtype: torch.dtype, group: int = 1) -> torch.Tensor:
+    """(s, h, d) -> (h * group, s, d) in `dtype`, repeating each head `group` times."""
+    t = t.to(dtype).transpose(0, 1)
+    return t.repeat_interleave(group, dim=0) if group > 1 else t
+
+
+def attention_probs(problem: AttentionProblem, params: AttentionParams, lse: torch.Tensor) -> torch.Tensor:
+    """Test-only: the softmax probabilities `(b, h, max_s_q, max_s_k)` with the dropout pattern in
+    the sign (negative = dropped; flash-attn's `S_dmask` convention). Varlen rows/columns past a
+    sequence's end, and masked entries, are 0. Materialises s_q x s_k per head."""
+    p = problem
+    probs = torch.zeros(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, dtype=p.accum_dtype, device=p.device)
+    for seq in sequences(p, params):
+        if seq.seqlen_q == 0 or seq.seqlen_k == 0:
+            continue
+        q = heads_first(seq.rows_q(params.q), p.accum_dtype)
+        k = heads_first(seq.rows_k(params.k), p.accum_dtype, p.group_size)
+        st = ScoreTile(p, params, seq, q, k, 0, seq.seqlen_k)
+        tile = torch.exp(st.scores - seq.lse(lse)[..., None])
+        if st.keep is not None:
+            tile = torch.where(st.keep, tile, -tile)
+        probs[seq.index, :, :seq.seqlen_q, :seq.seqlen_k] = tile
+    return probs

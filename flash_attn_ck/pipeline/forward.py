@@ -1,0 +1,44 @@
+"""The forward pipeline: validate -> select backend -> kernel -> unpad.
+
+Returns `(out, softmax_lse, rng_state, probs, problem)`; lse is fp32 `(b, h, s_q)` (varlen `(h, total_q)`);
+`problem` is the validated description of the call, which the backward of the same call may reuse.
+Empty calls run no kernel: without query rows there is nothing to write; without key rows out is zero
+and lse is +inf (flash-attn's convention for empty rows).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.dropout import new_rng_state
+from ..core.errors import ArgumentError
+from ..core.inputs import describe_call, kernel_params
+from ..core.options import AttentionOptions
+from ..core.scores import attention_probs
+from .select import select_backend
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions):
+    # ---- validate and choose the backend before allocating anything ------------------------------
+    problem = describe_call(q, k, v, options)
+    chosen = select_backend(problem, options.backend)
+    if options.return_attn_probs and problem.dropout_p > 0 and not chosen.draws_reference_keep_pattern:
+        raise ArgumentError(f"return_attn_probs: backend {chosen.name!r} draws its own dropout pattern, which "
+                            f"flash_attn_ck cannot materialise (use backend='reference' or 'triton', or dropout_p=0)")
+
+    # ---- outputs -------------------------------------------------------------------------------
+    rng_state = new_rng_state(q.device) if problem.dropout_p > 0 else None
+    params = kernel_params(problem, q, k, v, options, rng_state)
+    out = torch.empty(params.q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(problem.lse_shape, dtype=problem.accum_dtype, device=q.device)
+
+    # ---- kernel --------------------------------------------------------------------------------
+    if problem.rows_k == 0:
+        out.zero_()
+        lse.fill_(float("inf"))
+    elif problem.rows_q > 0:
+        chosen.forward(problem, params, out, lse)
+
+    out = out[..., :problem.head_dim] if problem.head_dim_padded != problem.head_dim else out
+    probs = attention_probs(problem, params, lse) if options.return_attn_probs else None
+    return out, lse, rng_state, probs, problem

@@ -1,0 +1,61 @@
+"""Backend selection, and the "no backend fits" message that lists every backend's reasons."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Union
+
+from ..backends.base import Backend
+from ..backends.registry import all_backend_classes, backend_class, backend_instance
+from ..core.errors import NoBackendError
+from ..core.problem import AttentionProblem
+
+BACKEND_ENV = "FLASH_ATTN_CK_BACKEND"
+
+
+def select_backend(problem: AttentionProblem, requested: Union[str, Backend, None] = None) -> Backend:
+    """`requested` (a name or an instance), else `$FLASH_ATTN_CK_BACKEND`, else the highest-priority
+    backend that fits. A name resolves to the instance `use_backend` installed, else the default one.
+
+    Raises:
+        NoBackendError: the requested backend, or every backend, refuses the call (with the reasons).
+        ValueError: an unknown backend name.
+    """
+    if isinstance(requested, Backend):
+        _choose(problem, type(requested))      # raises with its reasons when it cannot run
+        return requested
+    return backend_instance(_choose(problem, requested or os.environ.get(BACKEND_ENV) or None))
+
+
+@functools.lru_cache(maxsize=256)
+def _choose(problem: AttentionProblem, requested: Union[str, type[Backend], None]) -> str:
+    """The chosen backend's name; `requested`: a name, a backend class or None (automatic).
+    Memoised (a choice depends only on the problem, the request and what this process has
+    installed): it runs on every call, and small calls are host-bound. Refusals raise and are not cached."""
+    if requested is None:
+        candidates = all_backend_classes()
+    else:
+        candidates = [backend_class(requested) if isinstance(requested, str) else requested]
+    refusals = {}
+    fitting = []
+    for cls in candidates:
+        reasons = cls.not_supported_reasons(problem)
+        if not requested and cls.auto_select_devices is not None and problem.device.type not in cls.auto_select_devices:
+            reasons.append(f"not chosen automatically on {problem.device.type} (pass backend={cls.name!r})")
+        if reasons:
+            refusals[cls.name] = reasons
+        else:
+            fitting.append(cls)
+    if not fitting:
+        lines = [f"  {name}: " + "; ".join(reasons) for name, reasons in refusals.items()]
+        what = f"backend {candidates[0].name!r} cannot run" if requested else "no backend can run"
+        raise NoBackendError(f"{what} this call ({describe_problem(problem)}):\n" + "\n".join(lines))
+    return max(fitting, key=lambda c: c.priority).name
+
+
+def describe_problem(p: AttentionProblem) -> str:
+    kind = f"varlen b={p.batch} max_s_q={p.seqlen_q} max_s_k={p.seqlen_k}" if p.varlen else \
+        f"b={p.batch} s_q={p.seqlen_q} s_k={p.seqlen_k}"
+    return (f"{kind} h={p.heads_q}/{p.heads_k} d={p.head_dim} {str(p.dtype).removeprefix('torch.')} "
+            f"on {p.device.type}, mask={p.mask.type.name.lower()}")
