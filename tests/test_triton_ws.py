@@ -44,7 +44,7 @@ def test_ws_runs_where_it_measured_faster(sm90):
     assert TritonBackend(ws=False).ws_reasons(problem()) == ["turned off (TritonBackend(ws=False))"]
 
 
-FEATURES = {"deterministic": dict(deterministic=True), "dropout": dict(dropout_p=0.1),
+FEATURES = {"dropout": dict(dropout_p=0.1),
             "ALiBi": dict(has_alibi=True), "softcap": dict(softcap=5.0)}
 
 
@@ -86,9 +86,20 @@ def test_plan_names_the_kernel_and_bounds_dq_accum(sm90):
     assert acc.nbytes <= config.BWD_WS_DQ_ACCUM_BYTES and acc.shape[-2] % p.group_size == 0
     assert plan.total_bytes <= 210 * 2 ** 20
     # a call the kernel does not take says which kernel runs instead, and why
-    other = TritonBackend().backward_plan(problem(deterministic=True))
-    assert other.kernel.startswith("bwd_main") and "deterministic" in other.kernel
+    other = TritonBackend().backward_plan(problem(dropout_p=0.1))
+    assert other.kernel.startswith("bwd_main") and "dropout" in other.kernel
     assert "dq_accum" not in [b.name for b in other.buffers]
+
+
+def test_deterministic_plan_orders_every_query_tile(sm90):
+    p = problem(seqlen=8191, heads=(32, 8), deterministic=True)
+    plan = TritonBackend().backward_plan(p)
+    assert plan.kernel.startswith("bwd_ws")
+    acc, sem = plan.buffers[1], plan.buffers[2]
+    assert sem.name == "dq_semaphore" and sem.dtype == torch.int32
+    tile = config.BWD_WS_SM90[128]
+    # one semaphore per (batch, head of a launch, query tile), the last partial tile included
+    assert sem.shape == (p.batch, acc.shape[-2], -(-8191 // tile.block_m))
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
@@ -102,7 +113,7 @@ def test_launches_cover_every_kv_head_once(sm90, group):
 
 
 # ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ----------------------
-def _compile(tile, head_dim, varlen, masks):
+def _compile(tile, head_dim, varlen, masks, deterministic=False):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
@@ -116,11 +127,11 @@ def _compile(tile, head_dim, varlen, masks):
     cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=head_dim, NUM_STAGES=tile.num_stages,
               DQ_STAGES=tile.dq_stages, VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2],
               LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, PIPELINE=tile.pipeline,
-              num_warps=tile.num_warps)
+              DETERMINISTIC=deterministic, num_warps=tile.num_warps)
     descs = dict(q_desc=desc(tile.block_m, torch.bfloat16), k_desc=desc(tile.block_n, torch.bfloat16),
                  v_desc=desc(tile.block_n, torch.bfloat16), do_desc=desc(tile.block_m, torch.bfloat16),
                  dq_desc=desc(tile.block_m, torch.float32))
-    types = {"Lse": "*fp32", "Delta": "*fp32", "dK": "*bf16", "dV": "*bf16", "cu_seqlens_q": "*i32",
+    types = {"Lse": "*fp32", "Delta": "*fp32", "dK": "*bf16", "dV": "*bf16", "Sem": "*i32", "cu_seqlens_q": "*i32",
              "cu_seqlens_k": "*i32", "scale": "fp32"}
     sig = {n: "constexpr" if n in cx else descs.get(n) or types.get(n, "i32")
            for n in inspect.signature(kernel.fn).parameters}
@@ -128,11 +139,12 @@ def _compile(tile, head_dim, varlen, masks):
                           options=dict(num_warps=tile.num_warps))
 
 
-@pytest.mark.parametrize("varlen,masks", [(False, (False, False, False)), (True, (False, False, True)),
-                                          (False, (True, True, True))], ids=["dense", "varlen-causal", "window"])
-def test_kernel_compiles_to_the_designed_instructions(varlen, masks):
+@pytest.mark.parametrize("varlen,masks,deterministic", [
+    (False, (False, False, False), False), (True, (False, False, True), False), (False, (True, True, True), False),
+    (True, (False, True, True), True)], ids=["dense", "varlen-causal", "window", "varlen-window-deterministic"])
+def test_kernel_compiles_to_the_designed_instructions(varlen, masks, deterministic):
     tile = config.BWD_WS_SM90[128]
-    ptx = _compile(tile, 128, varlen, masks).asm["ptx"]
+    ptx = _compile(tile, 128, varlen, masks, deterministic).asm["ptx"]
     # 5 matmuls per step as wgmma (S^T, dP^T, dV, dK: 64-row halves per warpgroup; dQ), TMA loads,
     # the dQ reduce-add through the TMA engine, and register budgets per partition.
     assert ptx.count("wgmma.mma_async") >= 5
@@ -140,3 +152,5 @@ def test_kernel_compiles_to_the_designed_instructions(varlen, masks):
     assert "cp.reduce.async.bulk.tensor" in ptx and ".add" in ptx
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
     assert "mbarrier.try_wait" in ptx
+    # deterministic: a full bulk-group wait (not only its shared-memory reads) before the release
+    assert ("cp.async.bulk.wait_group 0" in ptx) == deterministic

@@ -40,6 +40,7 @@ from ...core.plan import BufferSpec, WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
 from . import config
+from .bwd_ws_schedule import semaphore_tiles as bwd_ws_semaphore_tiles
 
 GQA_ENV = "FLASH_ATTN_CK_TRITON_GQA"
 DQ_ENV = "FLASH_ATTN_CK_TRITON_DQ"
@@ -159,8 +160,6 @@ class TritonBackend(Backend):
             reasons.append(f"head dim {d}: the one-launch kernel measured faster")
         if self.ws is None and max(p.seqlen_q, p.seqlen_k) < config.BWD_WS_MIN_SEQLEN:
             reasons.append(f"sequences shorter than {config.BWD_WS_MIN_SEQLEN}: the one-launch kernel measured faster")
-        if p.deterministic:
-            reasons.append("deterministic (its dQ reduce-adds are unordered)")
         if p.dropout_p > 0:
             reasons.append("dropout")
         if p.has_alibi:
@@ -168,6 +167,9 @@ class TritonBackend(Backend):
         if p.softcap != 0.0:
             reasons.append("softcap")
         return reasons
+
+    def _ws_tile(self, p: AttentionProblem) -> config.WsTile:
+        return self.ws_tile or config.BWD_WS_SM90[p.head_dim_padded]
 
     def _ws_kv_heads_per_launch(self, p: AttentionProblem) -> int:
         """KV heads per launch of the warp-specialised kernel: its fp32 dQ accumulator (a launch's query
@@ -253,6 +255,10 @@ class TritonBackend(Backend):
             heads = self._ws_kv_heads_per_launch(p) * p.group_size
             buffers.append(BufferSpec("dq_accum", (*p.q_rows_shape, heads, d), torch.float32, False,
                                       f"fp32 dQ of {heads} query heads per launch (TMA reduce-adds; zeroed per launch)"))
+            if p.deterministic:
+                tiles = bwd_ws_semaphore_tiles(p.seqlen_q, self._ws_tile(p))
+                buffers.append(BufferSpec("dq_semaphore", (p.batch, heads, tiles), torch.int32, False,
+                                          "orders the dQ adds per (batch, head, query tile); zeroed per launch"))
             return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False,
                                  kernel="bwd_ws (warp-specialised Gluon, sm_90)")
         kernel = "bwd_main (one launch: key tiles + dQ pass)" if not self._dq_atomic(p) else "bwd_main (atomic dQ)"
@@ -365,8 +371,8 @@ class TritonBackend(Backend):
         """The warp-specialised backward: D, then per group of kv heads: zero dq_accum, bwd_ws, dQ cast."""
         from . import bwd_ws
         d = params.q.shape[-1]
-        tile = self.ws_tile or config.BWD_WS_SM90[d]
-        delta, dq_acc = workspace["softmax_d"], workspace["dq_accum"]
+        tile = self._ws_tile(p)
+        delta, dq_acc, sems = workspace["softmax_d"], workspace["dq_accum"], workspace.get("dq_semaphore")
         cu_q = params.cu_seqlens_q if p.varlen else delta
         self._preprocess(p, out, dout, delta, [cu_q], (None, None, None, None), d)
         q, k, v = (bwd_ws.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
@@ -379,6 +385,7 @@ class TritonBackend(Backend):
             hq = slice(kv.start * group, kv.stop * group)
             acc = dq_acc[..., :hq.stop - hq.start, :]
             acc.zero_()
+            sem = None if sems is None else sems[:, :hq.stop - hq.start].zero_()
             lse_h, delta_h = (t[hq] if p.varlen else t[:, hq] for t in (lse, delta))
             dk_h, dv_h = dk[..., kv, :], dv[..., kv, :]
             bwd_ws.launch(q[..., hq, :], k[..., kv, :], v[..., kv, :], dout[..., hq, :], lse_h, delta_h, acc, dk_h,
@@ -386,7 +393,7 @@ class TritonBackend(Backend):
                           seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
                           top_left=mask["TOP_LEFT"], window_left=mask["window_left"],
                           window_right=mask["window_right"], has_left=mask["HAS_LEFT"], has_right=mask["HAS_RIGHT"],
-                          tile=tile)
+                          tile=tile, semaphores=sem)
             dq_h = dq[..., hq, :]
             _cast(acc, dq_h, _bhr(acc, p.varlen), _bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                   p.rows_q // batch, d)

@@ -28,7 +28,9 @@ tile that spills into the next sequence adds exact zeros there.
 
 Invariants (checked by `bwd_ws_supported` on the host):
   - head_dim in {64, 128}; heads adjacent in memory (stride_h = head_dim), rows uniform;
-  - no dropout, ALiBi or softcap; not deterministic (the adds are unordered).
+  - no dropout, ALiBi or softcap.
+Deterministic mode: the writer adds a query tile's dQ only when the semaphore of that (batch, head,
+query tile) counts the key tiles before its own, so the fp32 sums happen in one order on every run.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
+
+from .bwd_ws_schedule import semaphore_tiles
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -124,22 +128,46 @@ def _loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
 
 # ---- dQ writer partition ---------------------------------------------------------------------
 @gluon.jit
-def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty,
-               cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
+def _bulk_wait_all(token):
+    """Wait until every bulk async copy of this thread has completed (its writes done, not only its
+    reads of shared memory as tma.store_wait), then order them before later generic-proxy accesses."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n mov.b32 $0, $1;",
+                                     "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem,
+               cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, DQ_STAGES: gl.constexpr,
-               VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+               VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+               DETERMINISTIC: gl.constexpr):
     n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = _tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
     kv_head = gl.program_id(2)
+    heads = gl.num_programs(2) * group
     for step in range(m_tiles * group):
         stage = step % DQ_STAGES
         phase = (step // DQ_STAGES) & 1
         head = kv_head * group + step // m_tiles
-        row = q_row0 + m_lo + (step % m_tiles) * BLOCK_M
+        m0 = m_lo + (step % m_tiles) * BLOCK_M
         mbarrier.wait(dq_full.index(stage), phase)
-        tma_reduce_add(dq_desc, [row, head * HEAD_D], dq_smem.index(stage))
-        tma.store_wait(0)   # the engine has read the buffer
+        if DETERMINISTIC:
+            # Key tiles add into a query tile in ascending order: tile n waits until the tiles before it
+            # that see this query tile (from the first one, n_first) have added theirs.
+            n_first = 0
+            if HAS_LEFT:
+                n_first = gl.cdiv(gl.maximum(m0 - BLOCK_N - window_left + shift + 1, 0), BLOCK_N)
+            turn = gl.program_id(0) - n_first
+            sem = Sem + ((b * heads + head) * sem_m_tiles + m0 // BLOCK_M)
+            while gl.atomic_add(sem, 0, sem="acquire") != turn:
+                pass
+        tma_reduce_add(dq_desc, [q_row0 + m0, head * HEAD_D], dq_smem.index(stage))
+        if DETERMINISTIC:
+            _bulk_wait_all(step)
+            gl.atomic_add(sem, 1, sem="release")
+        else:
+            tma.store_wait(0)   # the engine has read the buffer
         mbarrier.arrive(dq_empty.index(stage), count=1)
 
 
@@ -296,15 +324,15 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
-def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, cu_seqlens_q, cu_seqlens_k,
+def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem, cu_seqlens_q, cu_seqlens_k,
                        stride_lse_b, stride_lse_h, stride_dkb, stride_dkr, stride_dkh,
                        stride_dvb, stride_dvr, stride_dvh,
-                       seqlen_q, seqlen_k, group, scale, window_left, window_right,
+                       seqlen_q, seqlen_k, group, scale, window_left, window_right, sem_m_tiles,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        NUM_STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr,
                        TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                        LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
-                       num_warps: gl.constexpr):
+                       DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
     """Grid: (key tiles, batch, kv heads). See the module docstring."""
     if VARLEN:
         n0 = gl.program_id(0) * BLOCK_N
@@ -350,9 +378,9 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                    q_ready, q_empty, do_ready, do_empty, kv_ready,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
                    BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
-        (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty,
-                      cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
-                      BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+        (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
+                      cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
+                      BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, DETERMINISTIC)),
     ], [1, 1], [LOADER_REGS, WRITER_REGS])
 
 
@@ -391,9 +419,10 @@ def descriptor(t, varlen: bool, block_rows: int):
 
 def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int,
            seqlen_q: int, seqlen_k: int, scale: float, top_left: bool, window_left: int, window_right: int,
-           has_left: bool, has_right: bool, tile):
+           has_left: bool, has_right: bool, tile, semaphores=None):
     """One launch of attn_bwd_ws_kernel. dq_accum (rows_q, heads_q, d) fp32 must be zero; dq_accum
-    receives dQ already scaled. lse/delta: (b, h, s_q) or varlen (h, total_q)."""
+    receives dQ already scaled. lse/delta: (b, h, s_q) or varlen (h, total_q). `semaphores`: zeroed
+    int32 (batch, heads_q, semaphore_tiles(seqlen_q, tile)) for the deterministic mode, else None."""
     d = q.shape[-1]
     heads_k = k.shape[-2]
     group = q.shape[-2] // heads_k
@@ -406,8 +435,11 @@ def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens
     attn_bwd_ws_kernel[grid](
         descriptor(q, varlen, tile.block_m), descriptor(k, varlen, tile.block_n), descriptor(v, varlen, tile.block_n),
         descriptor(dout, varlen, tile.block_m), descriptor(dq_accum, varlen, tile.block_m),
-        lse, delta, dk, dv, cu_q, cu_k, *lse_strides, *dk_strides, *dv_strides,
-        seqlen_q, seqlen_k, group, scale, window_left, window_right,
+        lse, delta, dk, dv, semaphores if semaphores is not None else lse, cu_q, cu_k,
+        *lse_strides, *dk_strides, *dv_strides,
+        seqlen_q, seqlen_k, group, scale, window_left, window_right, semaphore_tiles(seqlen_q, tile),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=d, NUM_STAGES=tile.num_stages, DQ_STAGES=tile.dq_stages,
         VARLEN=varlen, TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, PIPELINE=tile.pipeline, num_warps=tile.num_warps)
+        LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, PIPELINE=tile.pipeline,
+        DETERMINISTIC=semaphores is not None, num_warps=tile.num_warps)
+
