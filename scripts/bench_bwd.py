@@ -27,7 +27,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flash_attn_ck as fa  # noqa: E402
+import flash_attn_ck as fa
 
 MiB = 2 ** 20
 
@@ -123,7 +123,7 @@ def _measure(name, b, h, h_k, s, d, causal, warm_only):
     fwd = make_runner(name, q, k, v, causal)
     out = fwd()
     dout = torch.randn_like(out)
-    bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+    bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     bwd()
     torch.cuda.synchronize()
     if warm_only:
@@ -161,16 +161,18 @@ def main():
         meta = dict(runs[0]["meta"], merged_from=[x.name for x in paths]) if args.merge else runs[0]["meta"]
         results = [r for run in runs for r in run["results"]]
         stem = paths[0].with_suffix("") if args.replot else Path(args.out) / f"{_stem(meta)}{args.tag}"
-        write(stem, meta, results, list(dict.fromkeys(n for r in results for n in r["peers"])), json_too=bool(args.merge))
+        peers = list(dict.fromkeys(n for r in results for n in r["peers"]))
+        write(stem, meta, results, peers, json_too=bool(args.merge))
         return
     names = args.peers.split(",")
     versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
     if "fa4" in names:
         try:
-            import flash_attn.cute.interface  # noqa: F401
             from importlib.metadata import version
+
+            import flash_attn.cute.interface  # noqa: F401
             versions["flash_attn_4"] = version("flash-attn-4")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             print(f"FA4 not importable ({type(e).__name__}: {e}); skipped")
             names.remove("fa4")
     tuned = json.loads(Path(args.tuned).read_text()) if args.tuned and Path(args.tuned).exists() else {}
@@ -195,11 +197,11 @@ def main():
             try:
                 row["peers"][name] = measure(name, b, h, h_k, s, d, causal, configs=tuned_configs(tuned, d, causal),
                                              warm_only=args.warm_only)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 row["peers"][name] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
             torch.cuda.empty_cache()
-        cells = " ".join(f"{n}={r['bwd_tflops']:.0f}" if "bwd_tflops" in r else f"{n}={'warm' if 'warm_only' in r else 'ERR'}"
-                         for n, r in row["peers"].items())
+        cells = " ".join(f"{n}={r['bwd_tflops']:.0f}" if "bwd_tflops" in r
+                         else f"{n}={'warm' if 'warm_only' in r else 'ERR'}" for n, r in row["peers"].items())
         print(f"d{d} h{h}/{h_k} s{s} {'causal' if causal else 'full'}: bwd TF/s {cells}", flush=True)
         if not args.warm_only:
             results.append(row)
@@ -227,6 +229,7 @@ def tuned_configs(tuned: dict, d: int, causal: bool):
     if str(d) not in tuned:
         return None
     import dataclasses
+
     from flash_attn_ck.backends.triton.config import SM90, Tile
     w = tuned[str(d)]
     return dataclasses.replace(SM90[(d, causal)], bwd_kv=Tile(*w["bwd_kv"]), bwd_dq=Tile(*w["bwd_dq"]))

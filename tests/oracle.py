@@ -5,7 +5,6 @@ keep pattern, which is a definition, not an implementation detail."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -27,7 +26,7 @@ class Config:
     dropout_p: float = 0.0
     deterministic: bool = False
     dtype: torch.dtype = torch.bfloat16
-    seqlens: Optional[list[tuple[int, int]]] = field(default=None)  # varlen: (s_q, s_k) per sequence
+    seqlens: list[tuple[int, int]] | None = field(default=None)  # varlen: (s_q, s_k) per sequence
 
 
 def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
@@ -65,8 +64,8 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
     if dropout_p > 0:
-        keep = keep_mask(tuple(rng_state.tolist()), dropout_p, batch_index, heads or h,
-                         max_seqlen_q or s_q, max_seqlen_k or s_k, torch.arange(h), torch.arange(s_q), torch.arange(s_k))
+        keep = keep_mask(tuple(rng_state.tolist()), dropout_p, batch_index, heads or h, max_seqlen_q or s_q,
+                         max_seqlen_k or s_k, torch.arange(h), torch.arange(s_q), torch.arange(s_k))
         probs = probs * keep / (1 - dropout_p)
     out = (probs @ vc).transpose(0, 1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)

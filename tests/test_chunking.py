@@ -39,7 +39,7 @@ def backward_once(cfg: Config, seed=0):
                    dropout_p=cfg.dropout_p, deterministic=cfg.deterministic, **varlen)
     torch.manual_seed(seed)
     out, lse, rng_state = fa.flash_attn_fwd(q, k, v, **options)
-    problem = describe_call(q, k, v, softmax_scale=None, **{k_: v_ for k_, v_ in options.items()})
+    problem = describe_call(q, k, v, softmax_scale=None, **dict(options))
 
     def run(cap):
         return fa.flash_attn_bwd(dout, q, k, v, out, lse, rng_state=rng_state, max_workspace_bytes=cap, **options)

@@ -22,8 +22,16 @@ from flash_attn_ck.backends.ck import CkBackend  # noqa: E402
 if CkBackend.unavailable_reason():
     pytest.skip(f"CK backend unavailable: {CkBackend.unavailable_reason()}", allow_module_level=True)
 
-from cases import (COMMON_FEATURES, FEATURE_BASE, HEAD_DIMS, check_case, feature_case, head_dim_case,  # noqa: E402
-                   make_inputs, run_ours)
+from cases import (  # noqa: E402
+    COMMON_FEATURES,
+    FEATURE_BASE,
+    HEAD_DIMS,
+    check_case,
+    feature_case,
+    head_dim_case,
+    make_inputs,
+    run_ours,
+)
 from oracle import Config  # noqa: E402
 
 CK_HEAD_DIMS = [d for d in HEAD_DIMS if d >= 32]   # the grid the CK tests were written for

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from flash_attn_ck.frontend.mask import MaskInfo, MaskType, canonical_window
 
-
 # (spec, s_q, s_k) -> (type, left, right, y, x), worked out by hand from CK's mask.hpp rules.
 DECODE_TABLE = [
     ("0", 8, 8, (MaskType.NO_MASK, -1, -1, 8, 8)),
@@ -36,7 +35,7 @@ def test_decode_table(spec, s_q, s_k, expected):
 
 @pytest.mark.parametrize("spec", ["b:1", "q:1,2", "t:a,2", "7", "xt:"])
 def test_decode_rejects_malformed(spec):
-    with pytest.raises(ValueError, match="mask spec|MaskType"):
+    with pytest.raises(ValueError, match=r"mask spec|MaskType"):
         MaskInfo.decode(spec, 4, 4)
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import Config
 from cases import COMMON_FEATURES, HEAD_DIMS, check_case, feature_case, head_dim_case, make_inputs, run_ours
+from oracle import Config
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
 
 from flash_attn_ck.backends import base  # noqa: E402
 from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
-
 
 
 # The test shapes are short (config.SHORT_SEQLEN), where the defaults move tiles by pointers; the
@@ -78,7 +77,8 @@ def test_varlen_empty_sequences(causal, backend_options):
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-@pytest.mark.parametrize("options", [dict(), dict(gqa_epilogue="accumulate"), dict(gqa_epilogue="accumulate", use_tma=True)],
+@pytest.mark.parametrize("options", [dict(), dict(gqa_epilogue="accumulate"),
+                                     dict(gqa_epilogue="accumulate", use_tma=True)],
                          ids=["loop", "accumulate", "accumulate-tma"])
 def test_deterministic_bit_identical(options, varlen):
     saved = base._instances.get("triton")

@@ -6,8 +6,9 @@ interpreter covers (docs/triton.md): forward, pre-process, the key-tile kernel i
 (loop over the group on chip; fp32 accumulators with tl.atomic_add, ordered by semaphores when
 deterministic), the dQ pass, the atomic-dQ mode, the post-process, and the TMA tensor-descriptor
 *store* epilogue. All cases run fp16: the triton 3.6 interpreter's bf16 `tl.dot` returns garbage
-(seen with NumPy 2.4), so bf16 is left to the GPU tests. Not covered: the TMA bulk reduce-add (`descriptor.atomic_add` has no interpreter
-implementation in triton 3.6) and its completion wait (inline PTX), which only the GPU tests reach.
+(seen with NumPy 2.4), so bf16 is left to the GPU tests. Not covered: the TMA bulk reduce-add
+(`descriptor.atomic_add` has no interpreter implementation in triton 3.6) and its completion wait
+(inline PTX), which only the GPU tests reach.
 """
 
 from __future__ import annotations
