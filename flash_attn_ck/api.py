@@ -19,7 +19,7 @@ from .frontend.chunking import ChunkPlan, WorkspaceError, plan_chunks, workspace
 from .frontend.inputs import describe_call
 from .frontend.problem import AttentionParams
 
-# ---- low-level ops: (out, lse, rng_state) forward and the seed-shaped mha_bwd --------------------
+# ---- low-level ops: (out, lse, rng_state) forward and the CK-shaped mha_bwd ---------------------
 
 
 def _scale(q: torch.Tensor, softmax_scale: Optional[float]) -> float:
@@ -52,7 +52,7 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
                    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, alibi_slopes=None, dropout_p=0.0,
                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False,
                    rng_state=None, backend=None, max_workspace_bytes=None):
-    """Backward only, shaped like the seed `mha_bwd`: `(dq, dk, dv, softmax_d)`.
+    """Backward only, shaped like flash-attention's CK `mha_bwd`: `(dq, dk, dv, softmax_d)`.
 
     Preallocated dq/dk/dv are written in place (checked for dtype, device, last-dim stride, shape).
     `max_workspace_bytes` caps the backward's workspace (default: `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES`,

@@ -1,9 +1,9 @@
-"""Forward and backward of the Triton backend side by side with peers, on SPEC §6's grid.
+"""Forward and backward of the Triton backend side by side with peers, on the grid of docs/semantics.md §FLOPs.
 
 Peers (each when it runs here): torch SDPA with the flash (FA2), cuDNN and memory-efficient
 backends; FlexAttention (torch.compile(flex_attention)); FA4 (flash_attn.cute) when importable.
 Shapes: b = 16384 / s, h = 2048 / d, d in {64, 128, 256}, s in 512..16384, causal and not, plus
-GQA 32/8 rows at d128. bf16. TFLOP/s = SPEC's count (2.5 x 4 b h s_q s_k d for the backward,
+GQA 32/8 rows at d128. bf16. TFLOP/s = docs/semantics.md's count (2.5 x 4 b h s_q s_k d for the backward,
 halved when causal) over the median of triton.testing.do_bench; peak extra memory = peak
 allocated during one backward minus what was allocated before it.
 
@@ -244,7 +244,7 @@ def markdown(meta, results, names) -> str:
     lines = [f"# Attention forward/backward, {meta['gpu']}, {meta['date']}",
              "", f"torch {meta['torch']} (CUDA {meta['cuda']}), triton {meta['triton']}"
              + (f", flash-attn-4 {meta['flash_attn_4']}" if "flash_attn_4" in meta else "") + ", bf16; TFLOP/s "
-             "(SPEC §6 FLOPs, median of do_bench); MiB = peak extra memory of one backward.", "",
+             "(docs/semantics.md §FLOPs, median of do_bench); MiB = peak extra memory of one backward.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results:
         p = row["peers"]

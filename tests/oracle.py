@@ -1,5 +1,5 @@
 """An independent naive attention (full s_q x s_k matrices, autograd for gradients) and the
-flash-attention correctness rule of SPEC §5. Shares nothing with the package but the dropout
+flash-attention correctness rule (docs/semantics.md §Correctness). Shares nothing with the package but the dropout
 keep pattern, which is a definition, not an implementation detail."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
 
 def assert_close_2x(name: str, ours: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor, factor: float = 2.0,
                     unit: float = 1.0):
-    """SPEC §5: max|ours - ref| <= factor * max|pt - ref| + atol, atol = 2 * rounding of ref in ours' dtype."""
+    """The 2x rule: max|ours - ref| <= factor * max|pt - ref| + atol, atol = 2 * rounding of ref in ours' dtype."""
     ref = ref.double()
     assert not torch.isnan(ours).any(), f"{name}: NaN in result"
     rounded = ref.to(ours.dtype)

@@ -1,5 +1,5 @@
 """ROCm GPU tests of the CK backend: the public API with backend="ck" against the float64 oracle
-of tests/oracle.py under SPEC §5's 2x rule, as the other backends' GPU tests do.
+of tests/oracle.py under the 2x rule (docs/semantics.md §Correctness), as the other backends' GPU tests do.
 
 Skipped unless torch is a ROCm build with a visible GPU and the CK library loads (the Docker
 image builds it). These tests have never run in this project's CI: no AMD GPU exists there.

@@ -1,4 +1,4 @@
-"""The reference backend, through the public API, against the naive float64 oracle (SPEC §5)."""
+"""The reference backend, through the public API, against the naive float64 oracle (docs/semantics.md §Correctness)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """GPU tests of the Triton backend (skipped without CUDA): the feature grid through the public API
-(backend="triton") against the float64 oracle of tests/oracle.py under SPEC §5's 2x rule, both GQA
+(backend="triton") against the float64 oracle of tests/oracle.py under the 2x rule (docs/semantics.md), both GQA
 epilogues, both dQ modes, varlen with empty sequences, and bit-identical deterministic repeats."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """CPU tests: the Triton kernels' logic under TRITON_INTERPRET=1 on tiny shapes, through the public
-API (backend="triton") against the float64 oracle of tests/oracle.py under SPEC §5's 2x rule.
+API (backend="triton") against the float64 oracle of tests/oracle.py under the 2x rule (docs/semantics.md).
 
 TRITON_INTERPRET must be set before triton is imported, so the cases run in a subprocess. What the
 interpreter covers (docs/triton.md): forward, pre-process, the key-tile kernel in both GQA modes

@@ -5,7 +5,7 @@ answers device questions (the GPU's gfx target) and renders HIP error codes. Bot
 without a ROCm build of torch, the library or hip-python, the backend explains what is missing.
 
 The argument builders (`attention_args`, `backward_args`) are pure functions from tensors and the
-problem to the ctypes structs, following the seed `get_ck_fmha_bwd_args` field by field, so they
+problem to the ctypes structs, following flash-attention's `get_ck_fmha_bwd_args` field by field, so they
 are tested on CPU tensors.
 """
 
@@ -159,7 +159,7 @@ def attention_args(problem: AttentionProblem, params: AttentionParams, out: torc
 def backward_args(problem: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor,
                   dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                   workspace: dict[str, torch.Tensor]) -> FackBwdArgs:
-    """The seed's `get_ck_fmha_bwd_args`: MQA/GQA write per-query-head dK/dV into the expanded buffers."""
+    """flash-attention's `get_ck_fmha_bwd_args`: MQA/GQA write per-query-head dK/dV into the expanded buffers."""
     p, varlen = problem, problem.varlen
     dk_target = workspace["dk_expanded"] if p.is_gqa else dk
     dv_target = workspace["dv_expanded"] if p.is_gqa else dv
@@ -317,7 +317,7 @@ class CkBackend(Backend):
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
         if problem.rows_q == 0:
-            # The seed's rule for no query rows: no kernel; dK, dV and D are zero.
+            # CK mha_bwd's rule for no query rows: no kernel; dK, dV and D are zero.
             for t in (dk, dv, workspace["softmax_d"], *(workspace[n] for n in ("dk_expanded", "dv_expanded")
                                                         if n in workspace)):
                 t.zero_()

@@ -1,7 +1,7 @@
 """The mha_bwd pipeline: validate -> canonical mask -> workspace plan (chunks under the cap) ->
 backend kernel -> reduce (GQA group sum, fp32 sums of split-group partials) -> unpad.
 
-Shaped like the seed `mha_bwd`: returns `(dq, dk, dv, softmax_d)`, accepts preallocated dq/dk/dv,
+Shaped like flash-attention's CK `mha_bwd`: returns `(dq, dk, dv, softmax_d)`, accepts preallocated dq/dk/dv,
 and for `s_q == 0` runs no kernel (dK, dV and D are zero).
 """
 
@@ -95,7 +95,7 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
     shared = {b.name: b.allocate(p.device) for b in chunking.shared}
     softmax_d = shared["softmax_d"]
     if not p.varlen and p.seqlen_q == 0:
-        # No query rows: no kernel runs; dK, dV and D are zero (the seed's rule).
+        # No query rows: no kernel runs; dK, dV and D are zero (docs/semantics.md §The CK fmha_bwd workspace contract).
         dk.zero_()
         dv.zero_()
         softmax_d.zero_()

@@ -89,10 +89,10 @@ class MaskInfo:
     @classmethod
     @functools.lru_cache(maxsize=1024)
     def from_flash_args(cls, causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> "MaskInfo":
-        """flash-attn's arguments -> CK mask, with the seed frontend's normalisation.
+        """flash-attn's arguments -> CK mask, with flash-attention's normalisation (docs/semantics.md §Masks).
 
         `seqlen_k` is the key length used for clamping (`max_seqlen_k` for varlen). Memoised (MaskInfo
-        is immutable): every call builds its mask, through the seed's string round trip."""
+        is immutable): every call builds its mask, through CK's mask-string round trip."""
         left, right = canonical_window(causal, window_size, seqlen_k)
         if causal:
             return cls.decode(f"b:{left},0", seqlen_q, seqlen_k)

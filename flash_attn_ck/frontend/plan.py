@@ -67,7 +67,7 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-# ---- the CK fmha_bwd contract (SPEC §3) -------------------------------------------------------
+# ---- the CK fmha_bwd contract (docs/semantics.md §The CK fmha_bwd workspace contract) ------------
 
 @dataclass(frozen=True)
 class CkBwdTile:
@@ -88,7 +88,7 @@ def dq_accum_splits(problem: AttentionProblem) -> int:
 
 
 def ck_backward_plan(problem: AttentionProblem, backend: str) -> WorkspacePlan:
-    """The buffers of the seed `mha_bwd`: softmax_d, dq_accum, and expanded dK/dV for MQA/GQA."""
+    """The buffers of flash-attention's CK `mha_bwd`: softmax_d, dq_accum, and expanded dK/dV for MQA/GQA."""
     p, d = problem, problem.head_dim_padded
     rows_q = (p.total_q,) if p.varlen else (p.batch, p.seqlen_q)
     rows_k = (p.total_k,) if p.varlen else (p.batch, p.seqlen_k)
