@@ -4,7 +4,7 @@
                             [--causal] [--window L R] [--dtype bf16|fp16] [--deterministic] [--dropout P]
 
 It compares out/dq/dk/dv with torch's scaled_dot_product_attention run in fp32 (an independent
-implementation), reports the same-precision error that SPEC §5's 2x rule is measured against,
+implementation), reports the same-precision error that the 2x rule (docs/semantics.md) is measured against,
 times forward and backward (median), and prints the backward's workspace plan (buffers, chunks
 under the workspace cap, peak) and a one-line plan for every other backend.
 """

@@ -1,9 +1,9 @@
-"""Forward and backward of the Triton backend side by side with peers, on SPEC §6's grid.
+"""Forward and backward of the Triton backend side by side with peers, on the grid of docs/semantics.md §FLOPs.
 
 Peers (each when it runs here): torch SDPA with the flash (FA2), cuDNN and memory-efficient
 backends; FlexAttention (torch.compile(flex_attention)); FA4 (flash_attn.cute) when importable.
 Shapes: b = 16384 / s, h = 2048 / d, d in {64, 128, 256}, s in 512..16384, causal and not, plus
-GQA 32/8 rows at d128. bf16. TFLOP/s = SPEC's count (2.5 x 4 b h s_q s_k d for the backward,
+GQA 32/8 rows at d128. bf16. TFLOP/s = docs/semantics.md's count (2.5 x 4 b h s_q s_k d for the backward,
 halved when causal) over the median of triton.testing.do_bench; peak extra memory = peak
 allocated during one backward minus what was allocated before it.
 
@@ -27,7 +27,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flash_attn_ck as fa  # noqa: E402
+import flash_attn_ck as fa
 
 MiB = 2 ** 20
 
@@ -118,7 +118,7 @@ def _measure(name, b, h, h_k, s, d, causal, warm_only):
     fwd = make_runner(name, q, k, v, causal)
     out = fwd()
     dout = torch.randn_like(out)
-    bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)  # noqa: E731
+    bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
     bwd()
     torch.cuda.synchronize()
     if warm_only:
@@ -156,16 +156,18 @@ def main():
         meta = dict(runs[0]["meta"], merged_from=[x.name for x in paths]) if args.merge else runs[0]["meta"]
         results = [r for run in runs for r in run["results"]]
         stem = paths[0].with_suffix("") if args.replot else Path(args.out) / f"{_stem(meta)}{args.tag}"
-        write(stem, meta, results, list(dict.fromkeys(n for r in results for n in r["peers"])), json_too=bool(args.merge))
+        peers = list(dict.fromkeys(n for r in results for n in r["peers"]))
+        write(stem, meta, results, peers, json_too=bool(args.merge))
         return
     names = args.peers.split(",")
     versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
     if "fa4" in names:
         try:
-            import flash_attn.cute.interface  # noqa: F401
             from importlib.metadata import version
+
+            import flash_attn.cute.interface  # noqa: F401
             versions["flash_attn_4"] = version("flash-attn-4")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             print(f"FA4 not importable ({type(e).__name__}: {e}); skipped")
             names.remove("fa4")
     tuned = json.loads(Path(args.tuned).read_text()) if args.tuned and Path(args.tuned).exists() else {}
@@ -190,11 +192,11 @@ def main():
             try:
                 row["peers"][name] = measure(name, b, h, h_k, s, d, causal, configs=tuned_configs(tuned, d, causal),
                                              warm_only=args.warm_only)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 row["peers"][name] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
             torch.cuda.empty_cache()
-        cells = " ".join(f"{n}={r['bwd_tflops']:.0f}" if "bwd_tflops" in r else f"{n}={'warm' if 'warm_only' in r else 'ERR'}"
-                         for n, r in row["peers"].items())
+        cells = " ".join(f"{n}={r['bwd_tflops']:.0f}" if "bwd_tflops" in r
+                         else f"{n}={'warm' if 'warm_only' in r else 'ERR'}" for n, r in row["peers"].items())
         print(f"d{d} h{h}/{h_k} s{s} {'causal' if causal else 'full'}: bwd TF/s {cells}", flush=True)
         if not args.warm_only:
             results.append(row)
@@ -222,6 +224,7 @@ def tuned_configs(tuned: dict, d: int, causal: bool):
     if str(d) not in tuned:
         return None
     import dataclasses
+
     from flash_attn_ck.backends.triton.config import SM90, Tile
     w = tuned[str(d)]
     return dataclasses.replace(SM90[(d, causal)], bwd_kv=Tile(*w["bwd_kv"]), bwd_dq=Tile(*w["bwd_dq"]))
@@ -236,7 +239,7 @@ def markdown(meta, results, names) -> str:
     lines = [f"# Attention forward/backward, {meta['gpu']}, {meta['date']}",
              "", f"torch {meta['torch']} (CUDA {meta['cuda']}), triton {meta['triton']}"
              + (f", flash-attn-4 {meta['flash_attn_4']}" if "flash_attn_4" in meta else "") + ", bf16; TFLOP/s "
-             "(SPEC §6 FLOPs, median of do_bench); MiB = peak extra memory of one backward.", "",
+             "(docs/semantics.md §FLOPs, median of do_bench); MiB = peak extra memory of one backward.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in results:
         p = row["peers"]

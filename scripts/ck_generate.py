@@ -92,7 +92,7 @@ def generate(ck_root: Path, out: Path, targets: list[str], selection: str) -> li
         old.unlink()        # a narrower selection must not leave stale instances behind
     sys.path.insert(0, str(example))
     with inside(example):
-        import generate as ck_generate         # CK's generate.py: registers its codegen ops on import
+        import generate as ck_generate  # CK's generate.py: registers its codegen ops on import
     ops = {op.__name__.removeprefix("fmha_"): op for op in ck_generate.ops}
     for api in ("bwd", "fwd"):
         # The filter pattern is non-empty so CK consults it; our predicate ignores its text.

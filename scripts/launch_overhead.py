@@ -24,7 +24,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flash_attn_ck as fa  # noqa: E402
+import flash_attn_ck as fa
 
 
 def main():

@@ -20,8 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_bwd import measure  # noqa: E402
-from flash_attn_ck.backends.triton.config import SM90, Tile  # noqa: E402
+from bench_bwd import measure
+
+from flash_attn_ck.backends.triton.config import SM90, Tile
 
 # The first candidate of each list is the current config.SM90 row; FlexAttention's H100 defaults
 # (64 x 128 key tile, 128 x 64 query tile, 8 warps, 3 stages) are among the others.
@@ -67,7 +68,7 @@ def main():
         def run(cfg, name):
             try:
                 return measure(name, b, h, h, s, d, args.causal, configs=cfg)["bwd_tflops"]
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 print(f"  failed: {type(e).__name__}: {str(e)[:160]}")
                 return 0.0
         candidates = (SHORT_CANDIDATES if args.short else CANDIDATES)[d]

@@ -7,7 +7,6 @@ import torch
 import flash_attn_ck as fa
 from oracle import Config, assert_close_2x, naive_attention
 
-
 # The head-dim grid of the GPU backends' tests: any d <= 256 (multiples of 8 and not).
 HEAD_DIMS = [8, 16, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
 

@@ -1,11 +1,10 @@
 """An independent naive attention (full s_q x s_k matrices, autograd for gradients) and the
-flash-attention correctness rule of SPEC §5. Shares nothing with the package but the dropout
+flash-attention correctness rule (docs/semantics.md §Correctness). Shares nothing with the package but the dropout
 keep pattern, which is a definition, not an implementation detail."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -27,7 +26,7 @@ class Config:
     dropout_p: float = 0.0
     deterministic: bool = False
     dtype: torch.dtype = torch.bfloat16
-    seqlens: Optional[list[tuple[int, int]]] = field(default=None)  # varlen: (s_q, s_k) per sequence
+    seqlens: list[tuple[int, int]] | None = field(default=None)  # varlen: (s_q, s_k) per sequence
 
 
 def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
@@ -65,8 +64,8 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
     if dropout_p > 0:
-        keep = keep_mask(tuple(rng_state.tolist()), dropout_p, batch_index, heads or h,
-                         max_seqlen_q or s_q, max_seqlen_k or s_k, torch.arange(h), torch.arange(s_q), torch.arange(s_k))
+        keep = keep_mask(tuple(rng_state.tolist()), dropout_p, batch_index, heads or h, max_seqlen_q or s_q,
+                         max_seqlen_k or s_k, torch.arange(h), torch.arange(s_q), torch.arange(s_k))
         probs = probs * keep / (1 - dropout_p)
     out = (probs @ vc).transpose(0, 1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
@@ -75,7 +74,7 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
 
 def assert_close_2x(name: str, ours: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor, factor: float = 2.0,
                     unit: float = 1.0):
-    """SPEC §5: max|ours - ref| <= factor * max|pt - ref| + atol, atol = 2 * rounding of ref in ours' dtype."""
+    """The 2x rule: max|ours - ref| <= factor * max|pt - ref| + atol, atol = 2 * rounding of ref in ours' dtype."""
     ref = ref.double()
     assert not torch.isnan(ours).any(), f"{name}: NaN in result"
     rounded = ref.to(ours.dtype)

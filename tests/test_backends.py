@@ -18,10 +18,33 @@ def problem(device="cpu", dtype=torch.bfloat16, **kw):
                             softmax_scale=0.125, **kw)
 
 
+# Each declared capability, a problem that needs it, and the sentence a backend without it must give.
+FEATURES = [("supports_alibi", dict(has_alibi=True), "ALiBi is not supported"),
+            ("supports_softcap", dict(softcap=3.0), "softcap is not supported"),
+            ("supports_dropout", dict(dropout_p=0.1), "dropout is not supported"),
+            ("supports_varlen", dict(varlen=True, total_q=16, total_k=16), "varlen is not supported"),
+            ("supports_deterministic", dict(deterministic=True), "deterministic mode is not supported")]
+
+
 def test_every_backend_declares_capabilities():
-    for cls in all_backend_classes():
-        assert cls.name in ("triton", "ck", "reference")
-        assert isinstance(cls.not_supported_reasons(problem()), list)
+    """Every registered backend loads, declares its capabilities as data (its own device types and dtypes,
+    a boolean per feature), and each declaration decides a refusal: a feature declared unsupported gives
+    its reason, a supported one none; a device type or dtype outside the declared sets gives a reason."""
+    classes = all_backend_classes()
+    assert sorted(cls.name for cls in classes) == ["ck", "reference", "triton"]
+    for cls in classes:
+        assert cls.device_types and cls.dtypes, f"{cls.name}: no device types or dtypes declared (module failed?)"
+        device = sorted(cls.device_types)[0]
+        for flag, features, sentence in FEATURES:
+            declared = getattr(cls, flag)
+            assert isinstance(declared, bool), (cls.name, flag)
+            reasons = cls.not_supported_reasons(problem(device=device, **features))
+            assert (sentence in reasons) is (not declared), (cls.name, flag, reasons)
+        outside = next(t for t in ("meta", "cpu", "cuda") if t not in cls.device_types)
+        assert any(f"device type {outside!r}" in r for r in cls.not_supported_reasons(problem(device=outside)))
+        if torch.float64 not in cls.dtypes:
+            assert any("dtype float64" in r for r in cls.not_supported_reasons(problem(device=device,
+                                                                                       dtype=torch.float64)))
 
 
 def test_cpu_default_is_reference(monkeypatch):
@@ -38,14 +61,19 @@ def test_environment_variable_selects_backend(monkeypatch):
 
 
 def test_reference_is_not_chosen_automatically_on_accelerators(monkeypatch):
-    """A meta-device problem stands in for an accelerator: the slow oracle is never picked silently."""
+    """On a CUDA problem the reference backend can run (no capability refuses it, and asking for it
+    works), yet automatic selection never picks the slow oracle: without a GPU backend that fits, the
+    error names the rule; with one, that backend is chosen."""
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    with pytest.raises(fa.NoBackendError) as error:
-        select_backend(problem(device="meta"))
-    text = str(error.value)
-    for name in ("triton", "ck", "reference"):
-        assert f"\n  {name}: " in text
-    assert "pass backend='reference'" in text or "device type 'meta'" in text
+    cuda = problem(device="cuda")
+    assert backend_class("reference").not_supported_reasons(cuda) == []
+    assert select_backend(cuda, "reference").name == "reference"
+    gpu_backend_fits = any(not backend_class(name).not_supported_reasons(cuda) for name in ("triton", "ck"))
+    if gpu_backend_fits:
+        assert select_backend(cuda).name != "reference"
+    else:
+        with pytest.raises(fa.NoBackendError, match=r"\n  reference: not chosen automatically on cuda \(pass"):
+            select_backend(cuda)
 
 
 def test_declared_features_become_reasons():
@@ -78,7 +106,6 @@ def test_triton_auto_dq_mode(monkeypatch, capability, head_dim, heads_k, varlen,
     """dq_mode="auto" (docs/triton.md): atomic dQ only for MHA with a 128 head block, not
     deterministic, sequences longer than config.SHORT_SEQLEN, where the backward loads its tiles by
     pointers; the plan holds dq_accum iff so."""
-    pytest.importorskip("triton")
     from dataclasses import replace
 
     from flash_attn_ck.backends.triton import TritonBackend, backend
@@ -95,27 +122,28 @@ def test_triton_auto_dq_mode(monkeypatch, capability, head_dim, heads_k, varlen,
 def test_triton_configs_share_one_backward_launch():
     """Both backward roles run in one launch: a Configs whose key-tile and query-tile roles disagree
     on warps or stages is refused at construction (the tables themselves build at import)."""
-    pytest.importorskip("triton")
     from flash_attn_ck.backends.triton import config
     fwd = config.Tile(64, 64, 4, 2)
     with pytest.raises(ValueError, match="num_warps and num_stages must match"):
         config.Configs(fwd, config.Tile(64, 128, 8, 3), config.Tile(128, 64, 4, 3))
 
 
-@pytest.mark.parametrize("seqlen, bwd_tma, fwd_tma", [(512, "none", False), (1024, "none", False),
-                                                      (1025, "none", True), (2048, "none", True),
-                                                      (2049, "all", True), (8192, "all", True)])
-def test_triton_short_sequences_move_tiles_by_pointers(seqlen, bwd_tma, fwd_tma):
-    """config.select on sm_90: up to SHORT_SEQLEN the backward uses no TMA descriptors, up to
-    FWD_SHORT_SEQLEN the forward neither (both measured faster there); longer calls keep the
-    table's choice. Tiles do not change."""
-    pytest.importorskip("triton")
+def test_triton_select_changes_only_tile_transport():
+    """config.select on sm_90: a call no longer than SHORT_SEQLEN moves its backward tiles by pointers,
+    one no longer than FWD_SHORT_SEQLEN its forward tiles too; everything else (tiles, product order,
+    EVEN_K) is the table row's at every length. Checked at each threshold and one past it."""
+    from dataclasses import replace
+
     from flash_attn_ck.backends.triton import config
-    table = config.SM90[(128, True)]
-    chosen = config.select(128, True, (9, 0), False, seqlen)
-    assert (chosen.bwd_tma, chosen.fwd_tma) == (bwd_tma, fwd_tma)
-    assert (chosen.forward, chosen.bwd_kv, chosen.bwd_dq) == (table.forward, table.bwd_kv, table.bwd_dq)
-    assert config.select(256, False, (9, 0), False, 8192).bwd_tma == "stores"
+    assert config.FWD_SHORT_SEQLEN <= config.SHORT_SEQLEN
+    lengths = sorted({1, config.FWD_SHORT_SEQLEN, config.FWD_SHORT_SEQLEN + 1, config.SHORT_SEQLEN,
+                      config.SHORT_SEQLEN + 1, 8 * config.SHORT_SEQLEN})
+    for (block, causal), row in config.SM90.items():
+        for seqlen in lengths:
+            chosen = config.select(block, causal, (9, 0), False, seqlen)
+            assert chosen.bwd_tma == ("none" if seqlen <= config.SHORT_SEQLEN else row.bwd_tma), (block, seqlen)
+            assert chosen.fwd_tma == (row.fwd_tma and seqlen > config.FWD_SHORT_SEQLEN), (block, seqlen)
+            assert replace(chosen, bwd_tma=row.bwd_tma, fwd_tma=row.fwd_tma) == row, (block, causal, seqlen)
 
 
 @pytest.mark.parametrize("seqlen_k, varlen, key_blocks, even", [
@@ -125,7 +153,6 @@ def test_triton_short_sequences_move_tiles_by_pointers(seqlen, bwd_tma, fwd_tma)
 def test_triton_even_keys(seqlen_k, varlen, key_blocks, even):
     """EVEN_K (the kernels drop the mask branch of an unwindowed call) only when every key tile of
     every role in the launch is full; varlen lengths are unknown to the host, so never there."""
-    pytest.importorskip("triton")
     from dataclasses import replace
 
     from flash_attn_ck.backends.triton import TritonBackend
@@ -133,22 +160,61 @@ def test_triton_even_keys(seqlen_k, varlen, key_blocks, even):
     assert TritonBackend._even_keys(p, *key_blocks) is even
 
 
-def test_triton_dp_first_only_where_measured():
-    """The dO V^T-before-exp2 order is a d256 choice (config.SM90's comment); no other row, no
-    generic or interpreter config, turns it on."""
-    pytest.importorskip("triton")
+def _all_triton_configs():
+    """(table name, key, Configs) for every row select can return."""
     from flash_attn_ck.backends.triton import config
-    for seqlen in (512, 8192):
-        assert [d for d in (32, 64, 128, 256) if config.select(d, False, (9, 0), False, seqlen).bwd_dp_first] == [256]
-    assert not any(c.bwd_dp_first for c in config.GENERIC.values())
-    assert not config.INTERPRETER.bwd_dp_first
+    tables = {"SM90": config.SM90, "SM90_SHORT": config.SM90_SHORT, "SM90_FWD_SHORT": config.SM90_FWD_SHORT,
+              "GENERIC": config.GENERIC, "INTERPRETER": {None: config.INTERPRETER}}
+    return [(name, key, c) for name, table in tables.items() for key, c in table.items()]
 
 
-def test_triton_backward_even_k_off_only_at_d256():
-    """The backward's branch-free EVEN_K loops lost at d256 (config.SM90's comment): that row keeps the
-    mask branch, every other table keeps EVEN_K on."""
-    pytest.importorskip("triton")
+def _shared_memory_floor(resident_rows: int, walked_rows: int, stages: int, head_block: int) -> int:
+    """Bytes of shared memory a program needs at least (16-bit operands): two tiles of `resident_rows`
+    kept for the whole walk (K and V, or Q and dO) plus `stages` copies of the two tiles it walks. On the
+    H200 the d128 one-launch backward compiled to 164 888 bytes; this floor gives 163 840 for it."""
+    return 2 * 2 * head_block * (resident_rows + stages * walked_rows)
+
+
+def test_triton_every_head_dim_has_a_config():
+    """Every head dim the API accepts (<= 256) maps to a head block with a row in every table, causal or
+    not, on sm_90, other GPUs and the interpreter."""
     from flash_attn_ck.backends.triton import config
-    for seqlen in (512, 8192):
-        assert [d for d in (32, 64, 128, 256) if not config.select(d, False, (9, 0), False, seqlen).bwd_even_k] == [256]
-    assert all(c.bwd_even_k for c in config.GENERIC.values()) and config.INTERPRETER.bwd_even_k
+    for d in range(1, 257):
+        block = config.head_block(d)
+        assert block >= d and block & (block - 1) == 0
+        for causal in (False, True):
+            for capability, interpreter in (((9, 0), False), ((8, 0), False), (None, False), (None, True)):
+                for seqlen in (1, config.SHORT_SEQLEN + 1):
+                    assert isinstance(config.select(d, causal, capability, interpreter, seqlen), config.Configs)
+
+
+def test_triton_tiles_fit_the_hardware():
+    """Invariants of every tile table (not its values, which retuning changes): blocks are powers of two
+    that tl.dot takes (>= 16); the two backward roles share warps and stages (one launch); key blocks of
+    the two roles divide one another (EVEN_K tests both); each role's shared memory floor fits the part
+    the table is for (H200: 227 KiB per block; GENERIC: the ~99 KiB of consumer and Ampere parts)."""
+    limits = {"SM90": 227 << 10, "SM90_SHORT": 227 << 10, "SM90_FWD_SHORT": 227 << 10, "GENERIC": 99 << 10}
+    for name, key, c in _all_triton_configs():
+        where = (name, key)
+        for tile in (c.forward, c.bwd_kv, c.bwd_dq):
+            for block in (tile.block_m, tile.block_n):
+                assert block >= 16 and block & (block - 1) == 0, where
+            assert tile.num_warps in (1, 2, 4, 8) and tile.num_stages >= 1, where
+        assert (c.bwd_kv.num_warps, c.bwd_kv.num_stages) == (c.bwd_dq.num_warps, c.bwd_dq.num_stages), where
+        small, large = sorted((c.bwd_kv.block_n, c.bwd_dq.block_n))
+        assert large % small == 0, where
+        if name in limits:
+            head_block = key[0] if isinstance(key, tuple) else key
+            fwd, kv, dq = c.forward, c.bwd_kv, c.bwd_dq
+            needs = {"forward": _shared_memory_floor(fwd.block_m, fwd.block_n, fwd.num_stages, head_block),
+                     "bwd_kv": _shared_memory_floor(kv.block_n, kv.block_m, kv.num_stages, head_block),
+                     "bwd_dq": _shared_memory_floor(dq.block_m, dq.block_n, dq.num_stages, head_block)}
+            assert max(needs.values()) <= limits[name], (where, needs)
+
+
+def test_triton_unmeasured_tables_keep_the_defaults():
+    """The product order and the EVEN_K switch are per-row measurements on the H200: the untuned GENERIC
+    and INTERPRETER rows keep the source order and EVEN_K on."""
+    from flash_attn_ck.backends.triton import config
+    for c in [*config.GENERIC.values(), config.INTERPRETER]:
+        assert not c.bwd_dp_first and c.bwd_even_k

@@ -148,14 +148,43 @@ def test_cap_from_environment(monkeypatch):
     assert workspace_cap(None) == 4 << 30 and workspace_cap(77) == 77
 
 
+def _coverage(chunks, batch, heads_k, group, seqlen_q):
+    """How many chunks cover each (sequence, kv head, query head in group, query row)."""
+    count = torch.zeros(batch, heads_k, group, seqlen_q, dtype=torch.int32)
+    for c in chunks:
+        count[c.batch[0]:c.batch[1], c.kv_heads[0]:c.kv_heads[1], c.group_heads[0]:c.group_heads[1],
+              c.rows[0]:c.rows[1]] += 1
+    return count
+
+
 def test_report_covers_every_backend():
-    q = torch.empty(1, 16384, 64, 128, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(1, 16384, 8, 128, dtype=torch.bfloat16, device="meta")
-    report = fa.backward_workspace(q, k, k, deterministic=True, max_workspace_bytes=2 << 30)
+    """backward_workspace plans every backend under the cap: each plan's chunks cover the call exactly
+    once and its peak fits; the CK plan carries CK's deterministic dQ splits (ceil(s_k / kN0) fp32
+    copies, kN0 = 128 at d128) and so must chunk, but never by query rows; the Triton plan (dQ pass when
+    deterministic) needs only softmax_d and runs in one piece."""
+    b, s, h, h_k, d, cap = 1, 16384, 64, 8, 128, 2 << 30
+    q = torch.empty(b, s, h, d, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(b, s, h_k, d, dtype=torch.bfloat16, device="meta")
+    report = fa.backward_workspace(q, k, k, deterministic=True, max_workspace_bytes=cap)
     assert set(report) == {"reference", "ck", "triton"}
+    for name, plan in report.items():
+        assert torch.equal(_coverage(plan.chunks, b, h_k, h // h_k, s), torch.ones(b, h_k, h // h_k, s,
+                                                                                   dtype=torch.int32)), name
+        assert plan.peak_bytes <= cap, name
     reference = report["reference"]
-    assert reference.unchunked_bytes > 60 << 30 and reference.peak_bytes <= 2 << 30 and len(reference.chunks) > 1
+    assert reference.unchunked_bytes > 60 << 30 and len(reference.chunks) > 1
     assert "dq_accum" in reference.describe()
+
+    ck = report["ck"]
+    splits = -(-s // 128)
+    dq_accum = {buf.name: buf for buf in ck.per_chunk.buffers}["dq_accum"]
+    assert dq_accum.shape[0] == splits and dq_accum.dtype == torch.float32
+    assert ck.unchunked_bytes >= splits * b * s * h * d * 4 and len(ck.chunks) > 1
+    assert all(c.rows == (0, s) for c in ck.chunks)
+
+    triton = report["triton"]
+    assert len(triton.chunks) == 1 and triton.unchunked_bytes == triton.peak_bytes == b * h * s * 4
+    assert [buf.name for buf in triton.shared] == ["softmax_d"] and not triton.per_chunk.buffers
 
 
 def test_chunk_partial_flag():

@@ -1,4 +1,4 @@
-"""The CK argument builders against the seed's `get_ck_fmha_bwd_args` rules, on CPU tensors.
+"""The CK argument builders against flash-attention's `get_ck_fmha_bwd_args` rules, on CPU tensors.
 
 Batch mode: every (b, s, h, d) tensor gives (batch, row, head) = strides 0, 1, 2; lse and D
 (b, h, s_q) give strides 0, 1; dq_acc (splits, b, s_q, h, d) gives its split stride and strides
@@ -86,7 +86,7 @@ def assert_tensor(arg: ck.FackTensor, t: torch.Tensor, varlen: bool) -> None:
 
 
 def assert_seed_rules(c) -> None:
-    """Every struct field the seed derives from tensors, for any call."""
+    """Every struct field flash-attention's CK frontend derives from tensors, for any call."""
     p, a, varlen = c.problem, c.args, c.problem.varlen
     attn = a.attn
     for arg, t in ((attn.q, c.params.q), (attn.k, c.params.k), (attn.v, c.params.v), (attn.out, c.out),

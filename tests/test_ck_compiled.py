@@ -13,13 +13,12 @@ import os
 from pathlib import Path
 
 import pytest
+from test_ck_args import make_call
 
 from flash_attn_ck.backends.ck import backend as ck
 
-from test_ck_args import make_call
-
-LIBRARY = Path(os.environ.get("FLASH_ATTN_CK_CHECK_LIBRARY",
-                              Path(__file__).resolve().parents[1] / "build" / "ck_compile_check" / "libflash_attn_ck.so"))
+_DEFAULT_LIBRARY = Path(__file__).resolve().parents[1] / "build" / "ck_compile_check" / "libflash_attn_ck.so"
+LIBRARY = Path(os.environ.get("FLASH_ATTN_CK_CHECK_LIBRARY", _DEFAULT_LIBRARY))
 EXPORTED = ["fack_fwd", "fack_bwd", "fack_last_error", "fack_last_hip_error", "fack_abi_version",
             "fack_attention_size", "fack_bwd_args_size", "fack_gpu_targets"]
 

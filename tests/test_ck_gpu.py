@@ -1,5 +1,5 @@
 """ROCm GPU tests of the CK backend: the public API with backend="ck" against the float64 oracle
-of tests/oracle.py under SPEC §5's 2x rule, as the other backends' GPU tests do.
+of tests/oracle.py under the 2x rule (docs/semantics.md §Correctness), as the other backends' GPU tests do.
 
 Skipped unless torch is a ROCm build with a visible GPU and the CK library loads (the Docker
 image builds it). These tests have never run in this project's CI: no AMD GPU exists there.
@@ -22,8 +22,16 @@ from flash_attn_ck.backends.ck import CkBackend  # noqa: E402
 if CkBackend.unavailable_reason():
     pytest.skip(f"CK backend unavailable: {CkBackend.unavailable_reason()}", allow_module_level=True)
 
-from cases import (COMMON_FEATURES, FEATURE_BASE, HEAD_DIMS, check_case, feature_case, head_dim_case,  # noqa: E402
-                   make_inputs, run_ours)
+from cases import (  # noqa: E402
+    COMMON_FEATURES,
+    FEATURE_BASE,
+    HEAD_DIMS,
+    check_case,
+    feature_case,
+    head_dim_case,
+    make_inputs,
+    run_ours,
+)
 from oracle import Config  # noqa: E402
 
 CK_HEAD_DIMS = [d for d in HEAD_DIMS if d >= 32]   # the grid the CK tests were written for

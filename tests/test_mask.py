@@ -28,13 +28,13 @@ def test_decode_table(spec, s_q, s_k, expected):
 
 @pytest.mark.parametrize("spec", ["b:1", "q:1,2", "b:a,2", "7", "xt:"])
 def test_decode_rejects_malformed(spec):
-    with pytest.raises(ValueError, match="mask spec|MaskType"):
+    with pytest.raises(ValueError, match=r"mask spec|MaskType"):
         MaskInfo.decode(spec, 4, 4)
 
 
 def brute_force_keep(s_q, s_k, causal, left, right):
-    """SPEC §1 in words: row i attends j in [i + s_k - s_q - left, i + s_k - s_q + right], -1 unbounded,
-    after flash-attn's normalisation (SPEC §2: causal -> right = 0; a side >= s_k -> unbounded)."""
+    """docs/semantics.md §Masks in words: row i attends j in [i + s_k - s_q - left, i + s_k - s_q + right],
+    -1 unbounded, after flash-attn's normalisation (causal -> right = 0; a side >= s_k -> unbounded)."""
     keep = torch.zeros(s_q, s_k, dtype=torch.bool)
     if causal:
         right = 0
@@ -54,8 +54,23 @@ def test_keep_rule_matches_brute_force(s_q, s_k, causal, left, right):
     mask = MaskInfo.from_flash_args(causal, (left, right), s_q, s_k)
     keep = mask.keep(torch.arange(s_q), torch.arange(s_k))
     assert torch.equal(keep, brute_force_keep(s_q, s_k, causal, left, right))
-    if mask.type != MaskType.NO_MASK:
-        assert mask.x + mask.y > 1 or not keep.any()
+    # Only type, left and right reach a CK kernel, which rebuilds (y, x) itself: they alone must give the mask.
+    assert torch.equal(ck_kernel_keep(mask.type, mask.left, mask.right, s_q, s_k), keep)
+
+
+def ck_kernel_keep(mtype, left, right, s_q, s_k):
+    """What a CK kernel keeps given only (type, left, right): CK's mask_info rules written out here
+    (docs/semantics.md §Masks), independent of MaskInfo's stored (y, x)."""
+    if mtype == MaskType.NO_MASK:
+        return torch.ones(s_q, s_k, dtype=torch.bool)
+    top_left = mtype == MaskType.TOP_LEFT
+    left = (s_q - 1 if top_left else s_k - 1) if left < 0 else left
+    right = (s_k - 1 if top_left else s_q - 1) if right < 0 else right
+    x = 1 + right + (0 if top_left else s_k - s_q)
+    y = 1 + left + (0 if top_left else s_q - s_k)
+    assert x + y > 1, "CK requires x + y > 1"
+    i, j = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
+    return (j >= i + 1 - y) & (j < torch.minimum(i + x, torch.tensor(s_k)))
 
 
 def test_normalisation_follows_flash_attention():

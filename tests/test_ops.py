@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.library import opcheck
 
-import flash_attn_ck  # noqa: F401  (registers torch.ops.flash_attn_ck)
+import flash_attn_ck
 from flash_attn_ck.ops import _Attention
 
 ops = torch.ops.flash_attn_ck

@@ -1,5 +1,5 @@
 """GPU tests of the Triton backend (skipped without CUDA): the feature grid through the public API
-(backend="triton") against the float64 oracle of tests/oracle.py under SPEC §5's 2x rule, both GQA
+(backend="triton") against the float64 oracle of tests/oracle.py under the 2x rule (docs/semantics.md), both GQA
 epilogues, both dQ modes, varlen with empty sequences, and bit-identical deterministic repeats."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oracle import Config
 from cases import COMMON_FEATURES, HEAD_DIMS, check_case, feature_case, head_dim_case, make_inputs, run_ours
+from oracle import Config
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -18,7 +18,6 @@ from flash_attn_ck import use_backend  # noqa: E402
 from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
 from flash_attn_ck.core.inputs import describe_call  # noqa: E402
 from flash_attn_ck.core.options import AttentionOptions  # noqa: E402
-
 
 
 # The test shapes are short (config.SHORT_SEQLEN), where the defaults move tiles by pointers; the

@@ -1,13 +1,14 @@
 """CPU tests: the Triton kernels' logic under TRITON_INTERPRET=1 on tiny shapes, through the public
-API (backend="triton") against the float64 oracle of tests/oracle.py under SPEC §5's 2x rule.
+API (backend="triton") against the float64 oracle of tests/oracle.py under the 2x rule (docs/semantics.md).
 
 TRITON_INTERPRET must be set before triton is imported, so the cases run in a subprocess. What the
 interpreter covers (docs/triton.md): forward, pre-process, the key-tile kernel in both GQA modes
 (loop over the group on chip; fp32 accumulators with tl.atomic_add, ordered by semaphores when
 deterministic), the dQ pass, the atomic-dQ mode, the post-process, and the TMA tensor-descriptor
 *store* epilogue. All cases run fp16: the triton 3.6 interpreter's bf16 `tl.dot` returns garbage
-(seen with NumPy 2.4), so bf16 is left to the GPU tests. Not covered: the TMA bulk reduce-add (`descriptor.atomic_add` has no interpreter
-implementation in triton 3.6) and its completion wait (inline PTX), which only the GPU tests reach.
+(seen with NumPy 2.4), so bf16 is left to the GPU tests. Not covered: the TMA bulk reduce-add
+(`descriptor.atomic_add` has no interpreter implementation in triton 3.6) and its completion wait
+(inline PTX), which only the GPU tests reach.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The reference backend: CK's kernel contract written in PyTorch, for any device.
+"""The reference backend: CK's kernel contract (docs/semantics.md) written in PyTorch, for any device.
 
 It computes in fp32 and walks the keys in tiles of CK's `kN0` rows, so memory stays
 O(s_q * kN0) per head and long sequences run on a CPU. The backward honours the same buffers as

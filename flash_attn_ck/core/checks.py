@@ -1,7 +1,8 @@
 """Input validation: one function per rule, each message naming the argument and what was expected.
 
 Every check runs before any output is allocated or written, so a failing call mutates nothing.
-The rules are those of flash-attention's `mha_bwd` plus those of the flash-attn Python API.
+The rules are flash-attention's CK `mha_bwd`'s (docs/semantics.md §The CK fmha_bwd workspace
+contract) plus those of the flash-attn Python API.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def check_rng_state(rng_state: torch.Tensor, device: torch.device) -> None:
 
 
 def check_like(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, shape: Sequence[int]) -> None:
-    """`mha_bwd`'s checks for an operand or a preallocated output: dtype, device, last stride, shape."""
+    """CK `mha_bwd`'s checks for an operand or a preallocated output: dtype, device, last stride, shape."""
     check_tensor(name, t)
     if t.dtype != dtype:
         raise ArgumentError(f"{name}: expected dtype {_dtype_name(dtype)} (the dtype of q), got {_dtype_name(t.dtype)}")

@@ -56,7 +56,7 @@ class MaskInfo:
 
     @classmethod
     def from_flash_args(cls, causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> "MaskInfo":
-        """flash-attn's arguments -> CK mask, normalised as flash-attention's CK frontend does.
+        """flash-attn's arguments -> CK mask, with flash-attention's normalisation (docs/semantics.md §Masks).
 
         `seqlen_k` is the key length used for clamping (`max_seqlen_k` for varlen)."""
         left, right = canonical_window(causal, window_size, seqlen_k)

@@ -102,7 +102,7 @@ class AttentionProblem:
         return row_stats_shape(self.q_rows_shape, self.heads_q)
 
     def forward_flops(self) -> float:
-        """4 b h s_q s_k d, halved when causal (dense shapes; varlen uses the max lengths)."""
+        """docs/semantics.md: 4 b h s_q s_k d, halved when causal (dense shapes; varlen uses the max lengths)."""
         flops = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
         return flops / 2 if self.mask.is_causal else flops
 

@@ -82,7 +82,7 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
     shared = {b.name: b.allocate(p.device) for b in chunking.shared}
     softmax_d = shared["softmax_d"]
     if p.rows_q == 0:
-        # No query rows: no kernel runs; dK, dV and D are zero (flash-attention's rule).
+        # No query rows: no kernel runs; dK, dV and D are zero (docs/semantics.md §The CK fmha_bwd workspace contract).
         dk.zero_()
         dv.zero_()
         softmax_d.zero_()

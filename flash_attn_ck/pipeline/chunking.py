@@ -30,7 +30,7 @@ from ..core.plan import BufferSpec, WorkspacePlan, format_bytes
 from ..core.problem import AttentionParams, AttentionProblem, Placement
 
 WORKSPACE_ENV = "FLASH_ATTN_CK_MAX_WORKSPACE_BYTES"
-# 4 GiB: every shape of the benchmark grid runs unchunked in non-deterministic mode, while the
+# 4 GiB: every shape of the benchmark grid (docs/semantics.md) runs unchunked in non-deterministic mode, while the
 # deterministic long-context cases that would need tens of GiB are bounded. -1 removes the cap.
 DEFAULT_MAX_WORKSPACE_BYTES = 4 << 30
 

@@ -4,13 +4,13 @@ Forward: forward.py. Backward, in launch order:
   1. bwd_preprocess: D = rowsum(dO * O) into workspace['softmax_d']; zero the fp32 accumulators
      and semaphores of this plan.
   2. bwd_main: one launch with two program roles: one program per key tile (dK/dV on chip;
-     epilogue per bwd_epilogue) and, in dq_mode "pass" (always when deterministic), one
+     epilogue per bwd_epilogue, docs/semantics.md) and, in dq_mode "pass" (always when deterministic), one
      per query tile (bwd_dq: dQ).
   3. bwd_postprocess: fp32 accumulators -> dk/dv (GQA "accumulate") and dq (dq_mode "atomic").
 
 Options (constructor arguments, defaults from the environment):
   gqa_epilogue  "loop" (default): a key-tile program loops over its group's query heads, dK/dV
-                stay on chip, no fp32 accumulators. "accumulate": flash-attention's epilogue, one program
+                stay on chip, no fp32 accumulators. "accumulate": the Hopper epilogue, one program
                 per query head adding into fp32 (b, h_k, s_k, d) accumulators (+ semaphores when
                 deterministic).            env FLASH_ATTN_CK_TRITON_GQA
   dq_mode       "auto" (default): "atomic" only where the H200 measured it faster and memory allows
@@ -133,7 +133,7 @@ class TritonBackend(Backend):
         if p.deterministic:
             return False
         if self.dq_mode == "auto":
-            # bench/h200-2026-11-29-tma-loads.md, d128 MHA s8192: with TMA tile loads the pass wins
+            # docs/triton.md §Modes (CHANGELOG 2026-11-29), d128 MHA s8192: with TMA tile loads the pass wins
             # (392 vs 341 TF/s) and needs no fp32 dQ; with pointer loads atomics won (385 vs 329).
             # GQA keeps the pass: an fp32 dQ the size of q would break the memory target.
             # Short sequences load by pointers but keep the pass: it measured faster there (0.610 vs 0.675 ms

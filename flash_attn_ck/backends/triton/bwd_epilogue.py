@@ -1,4 +1,4 @@
-"""Backward epilogue (SPEC §4, the Hopper design): what a key-tile program does with its dK/dV.
+"""Backward epilogue (docs/semantics.md §The Hopper epilogue contract): what a key-tile program does with its dK/dV.
 
 - MHA, and GQA when one program loops over its group's query heads: the finished tile goes to
   global memory in the output dtype through `tiles.store_rows`, a TMA tensor-descriptor store when

@@ -3,7 +3,7 @@ and GQA. Chosen offline: nothing is autotuned on the call path.
 
 Where the numbers come from:
 - `SM90_*`: measured on one NVIDIA H200 (sm_90, torch 2.11.0+cu130, triton 3.6.0) by
-  `scripts/triton_tune.py`, which times each candidate of `candidates()` on the SPEC §6 shapes
+  `scripts/triton_tune.py`, which times each candidate of `candidates()` on the grid of docs/semantics.md
   (bf16, s = 4096/8192) and keeps the fastest; the date is beside each table.
 - `GENERIC_*`: for other CUDA GPUs, untuned; smaller tiles and two pipeline stages so that the
   shared memory of consumer and Ampere parts (about 100 KB per block) suffices.
@@ -84,7 +84,7 @@ def head_block(head_dim: int) -> int:
 # d256 from the first search (pointer loads; d64 356, d256 240 TF/s). d128 from the second search, after
 # tile loads moved to TMA descriptors (tiles.py): key tile unchanged, dQ pass (128, 64, 8, 3), 392 TF/s
 # in the dQ-pass mode. d256 keeps pointer loads in the backward: with TMA loads its best tiles reached
-# 233 TF/s against 239 (bench/h200-2026-11-29-tma-loads.md). The d32 row reuses d64's.
+# 233 TF/s against 239 (docs/triton.md §Measured and dropped). The d32 row reuses d64's.
 # dp_first (d256 only): writing dO V^T before the exp2 in both roles measured 258 vs 249 TF/s at d256
 # s16384, 271 vs 266 at s8192, 253 vs 247 at s4096 causal (three alternating rounds, identical each
 # round); at d128 it lost (causal s8192 355 vs 368), so the other rows keep the source order.

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Everything that needs a CUDA GPU, one subcommand per job; run from the repository root on the device
+# machine. Logs and result files go to $OUT (default /tmp/out); every subcommand first writes the GPU,
+# driver and versions to $OUT/gpu.txt. Each step runs under `timeout $TIMEOUT` (seconds) when TIMEOUT is
+# set; otherwise under the subcommand's default, given below.
+#
+#   bash scripts/device.sh tests [PYTEST ARGS]   GPU tests, two pytest processes side by side (420 s):
+#                                                 tests/test_triton.py -> triton.log, and the ops / torch.compile /
+#                                                 CUDA graphs / chunking files (-m gpu) -> ops.log; then the host-time
+#                                                 breakdown of a small backward. PYTEST ARGS go to both (e.g. -k 256).
+#                                                 WARM_FLEX=1: also fill FlexAttention's compile caches for a grid
+#                                                 run in the next call (two bench_bwd.py --warm-only shards).
+#   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
+#                                                 (ws: the warp-specialised kernel's case, synccheck too)
+#                                                 (240 s each) -> sanitizer-memcheck.log, sanitizer-racecheck.log
+#   bash scripts/device.sh memory                the workspace cap measured (scripts/memory_cap.py, 100 s each):
+#                                                 triton s16384, reference s4096 causal -> memory-*.json
+#   bash scripts/device.sh bench [ARGS]          scripts/bench_bwd.py --out $OUT ARGS (no default limit), e.g.
+#                                                 --dims 64,128 --tag=-grid-a; --merge A.json,B.json --tag=-grid-final
+#   bash scripts/device.sh kernels [SHAPES]      GPU time of each backward kernel, TMA tiles on and off
+#                                                 (scripts/launch_overhead.py --kernels, 60 s each)
+#   bash scripts/device.sh main [ARGS]           the main job, python3 -m flash_attn_ck ARGS (120 s) -> main-job.txt
+#   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
+#                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
+#                                                 this tree: old, new, old, new, so each version is timed twice
+#                                                 (the spread between a version's runs is the noise). SHAPES is
+#                                                 d:h:h_k:s:causal,...
+set -u
+cmd=${1:-}; shift || true
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/tests
+
+limit() {  # default-seconds command...: run under TIMEOUT or the default (0: no limit)
+  local secs=${TIMEOUT:-$1}; shift
+  if [ "$secs" = 0 ]; then "$@"; else timeout "$secs" "$@"; fi
+}
+
+info() {
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+    | tee -a "$OUT/gpu.txt"
+}
+
+case $cmd in
+  tests)
+    info
+    warm=()
+    if [ "${WARM_FLEX:-0}" = 1 ]; then
+      for i in 0 1; do
+        python3 scripts/bench_bwd.py --warm-only --peers flex --shard "$i/2" > "$OUT/warm$i.log" 2>&1 &
+        warm+=($!)
+      done
+    fi
+    limit 420 python3 -m pytest -q -p no:cacheprovider -rf tests/test_triton.py "$@" > "$OUT/triton.log" 2>&1 &
+    triton_pid=$!
+    limit 420 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/test_ops.py tests/test_compile.py \
+      tests/test_cuda_graphs.py tests/test_chunking_gpu.py "$@" > "$OUT/ops.log" 2>&1
+    echo "ops/compile/graphs/chunking rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/ops.log" | tail -6
+    wait "$triton_pid"; echo "test_triton rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/triton.log" | tail -6
+    for pid in "${warm[@]}"; do wait "$pid"; done
+    [ ${#warm[@]} -gt 0 ] && echo "flex warm-up done: $(cat "$OUT"/warm*.log | grep -c .) log lines"
+    python3 scripts/launch_overhead.py --breakdown --shapes 128:16:16:512:1,64:32:32:512:0 2>&1 | grep -v Warn
+    ;;
+  sanitize)
+    info
+    # `sanitize ws`: the warp-specialised kernel's case, also under synccheck (its named barriers)
+    case=${1:-}; tools="memcheck racecheck"; [ "$case" = ws ] && tools="memcheck racecheck synccheck"
+    for tool in $tools; do
+      limit 240 compute-sanitizer --tool "$tool" --target-processes all python3 scripts/sanitize_case.py $case \
+        > "$OUT/sanitizer${case:+-$case}-$tool.log" 2>&1
+      echo "$tool rc=$?"
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Device not supported|case done" "$OUT/sanitizer${case:+-$case}-$tool.log" \
+        | tail -4
+    done
+    ;;
+  memory)
+    info
+    limit 100 python3 scripts/memory_cap.py --seqlen 16384 --backends triton --json "$OUT/memory-triton.json" 2>&1 \
+      | tail -6
+    limit 100 python3 scripts/memory_cap.py --seqlen 4096 --causal --backends reference \
+      --json "$OUT/memory-reference.json" 2>&1 | tail -6
+    ;;
+  bench)
+    info
+    limit 0 python3 scripts/bench_bwd.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" \
+      | grep -E "bwd TF/s|not importable|Error"
+    ;;
+  kernels)
+    info
+    shapes=${1:-128:16:16:512:1,128:16:16:1024:1}
+    for tma in on off; do
+      limit 60 python3 scripts/launch_overhead.py --kernels --dq-mode pass --tma "$tma" --shapes "$shapes" 2>&1 \
+        | grep -E "^d|all kernels" | sed "s/^/tma=$tma /"
+    done
+    ;;
+  main)
+    info
+    limit 120 python3 -m flash_attn_ck "$@" 2>&1 | tee "$OUT/main-job.txt"
+    ;;
+  ab)
+    [ $# -eq 2 ] || { echo "usage: bash scripts/device.sh ab OLD_TREE SHAPES" >&2; exit 2; }
+    info
+    old=$1 shapes=$2
+    for round in 1 2; do
+      for tree in "$old" .; do
+        name=$([ "$tree" = . ] && echo new || echo old)
+        limit 0 python3 "$tree/scripts/bench_bwd.py" --peers triton --shapes "$shapes" --out "$OUT/ab-$name-$round" 2>&1 \
+          | grep -E "bwd TF/s|Error" | sed "s|^|$name#$round |"
+      done
+    done
+    ;;
+  *)
+    sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    [ -z "$cmd" ] || [ "$cmd" = help ] || { echo "unknown subcommand: $cmd" >&2; exit 2; }
+    ;;
+esac

@@ -1,0 +1,68 @@
+"""The compute-sanitizer case of `scripts/device.sh sanitize`: small Triton backwards under memcheck and
+racecheck. A GQA 8/2 d64 varlen call (empty sequences on either side, causal, deterministic) and a dense
+GQA one, for each GQA epilogue (with use_tma=True the TMA loads, stores and the bulk reduce-add epilogue
+with its semaphores run under the tools); with the defaults also a dense d256 call (its row orders dO V^T
+before the exp2, config.Configs.bwd_dp_first) and a dense unwindowed call whose s_k is a multiple of every
+key tile (the EVEN_K kernels, TMA tiles).
+
+`python3 scripts/sanitize_case.py ws` runs the warp-specialised kernel (bwd_ws.py) instead: a causal GQA 8/2
+d128 varlen call with empty sequences, deterministic (its semaphore-ordered dQ adds) and not, and a dense
+windowed one."""
+
+import sys
+
+import torch
+
+import flash_attn_ck as fa
+from flash_attn_ck.backends.triton import TritonBackend
+
+torch.manual_seed(0)
+
+
+def ws_case():
+    lens_q, lens_k = [137, 0, 70, 5, 200], [150, 9, 70, 0, 129]
+    cu_q = torch.tensor([0, *lens_q]).cumsum(0).int().cuda()
+    cu_k = torch.tensor([0, *lens_k]).cumsum(0).int().cuda()
+    with fa.use_backend(TritonBackend(ws=True)):
+        for deterministic in (True, False):
+            q = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn_like(k, requires_grad=True)
+            out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                            deterministic=deterministic, backend="triton")
+            out.backward(torch.randn_like(out))
+        qd, kd, vd = (torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                      for h in (4, 2, 2))
+        fa.flash_attn_func(qd, kd, vd, window_size=(100, 20), backend="triton").sum().backward()
+
+
+if sys.argv[1:] == ["ws"]:
+    ws_case()
+    torch.cuda.synchronize()
+    print("case done")
+    sys.exit(0)
+
+lens_q, lens_k = [37, 0, 70, 5], [50, 9, 70, 0]
+cu_q = torch.tensor([0, *lens_q]).cumsum(0).int().cuda()
+cu_k = torch.tensor([0, *lens_k]).cumsum(0).int().cuda()
+for opts in (dict(), dict(gqa_epilogue="accumulate"), dict(gqa_epilogue="accumulate", use_tma=True)):
+    with fa.use_backend(TritonBackend(**opts)):
+        q = torch.randn(sum(lens_q), 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k = torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn_like(k, requires_grad=True)
+        out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                        deterministic=True, backend="triton")
+        out.backward(torch.randn_like(out))
+        qd = torch.randn(2, 70, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        kd = torch.randn(2, 90, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        vd = torch.randn_like(kd, requires_grad=True)
+        fa.flash_attn_func(qd, kd, vd, causal=True, deterministic=True, backend="triton").sum().backward()
+        if not opts:
+            q2, k2, v2 = (torch.randn(2, 150, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                          for _ in range(3))
+            fa.flash_attn_func(q2, k2, v2, causal=True, backend="triton").sum().backward()
+            q3, k3, v3 = (torch.randn(1, 2304, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                          for _ in range(3))
+            fa.flash_attn_func(q3, k3, v3, backend="triton").sum().backward()
+torch.cuda.synchronize()
+print("case done")
