@@ -100,7 +100,7 @@ def _flex():
 # every tile by pointers (forward included), "triton-tma" every tile through TMA descriptors.
 VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq": dict(dq_mode="atomic"),
             "triton-dq-pass": dict(dq_mode="pass"), "triton-pointers": dict(use_tma=False),
-            "triton-tma": dict(use_tma=True)}
+            "triton-tma": dict(use_tma=True), "triton-one-launch": dict(ws=False)}
 
 
 def measure(name, b, h, h_k, s, d, causal, configs=None, warm_only=False):
