@@ -92,8 +92,9 @@ def main():
                         r = compile_one(spec)
                         if args.dump:
                             Path(args.dump, "_".join(label.split()) + ".ptx").write_text(r["asm"]["ptx"])
-                        tma = r["asm"]["ptx"].count("cp.async.bulk.tensor") + r["asm"]["ptx"].count("cp.reduce.async.bulk")
-                        wgmma = r["asm"]["ptx"].count("wgmma.mma_async")
+                        ptx = r["asm"]["ptx"]
+                        tma = ptx.count("cp.async.bulk.tensor") + ptx.count("cp.reduce.async.bulk")
+                        wgmma = ptx.count("wgmma.mma_async")
                         print(f"{label} regs={r['regs']} stack={r['stack']} "
                               f"smem={r['shared']} wgmma={wgmma} tma={tma} ({r['secs']:.1f}s)", flush=True)
                     except Exception as e:  # noqa: BLE001
