@@ -96,13 +96,17 @@ def bhr(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return b, h, r
 
 
+_NAMED = frozenset(ScoreArgs._fields) | frozenset(Features._fields)
+
+
 def split_named(named: dict, **flags: bool) -> tuple[ScoreArgs, Features]:
     """The ScoreArgs and Features of a call from backend.py's named values (`_feature_args`,
     `_mask_args`) plus `flags`; names that are neither are an error, so no flag is dropped."""
-    unknown = set(named) - set(ScoreArgs._fields) - set(Features._fields)
-    assert not unknown, f"not a ScoreArgs or Features field: {sorted(unknown)}"
-    scores = ScoreArgs(*(named[f] for f in ScoreArgs._fields))
-    return scores, Features(**{k: v for k, v in named.items() if k in Features._fields}, **flags)
+    assert _NAMED.issuperset(named), f"not a ScoreArgs or Features field: {sorted(set(named) - _NAMED)}"
+    assert _NAMED.issuperset(flags), f"not a Features field: {sorted(set(flags) - _NAMED)}"
+    scores = ScoreArgs._make([named[f] for f in ScoreArgs._fields])
+    values = {**named, **flags}   # (on the host-bound launch path: no keyword construction)
+    return scores, Features._make([values.get(f, False) for f in Features._fields])
 
 
 # ---- the spec --------------------------------------------------------------------------------------
