@@ -39,7 +39,7 @@ from ...core.mask import MaskType
 from ...core.plan import BufferSpec, WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
-from . import config
+from . import config, launch
 from .bwd_ws_schedule import semaphore_tiles as bwd_ws_semaphore_tiles
 
 GQA_ENV = "FLASH_ATTN_CK_TRITON_GQA"
@@ -48,20 +48,6 @@ DQ_ENV = "FLASH_ATTN_CK_TRITON_DQ"
 
 # Read once, like triton itself, which decides when the kernels' modules are imported.
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _rows3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, row, head) strides of a q/k/v-like tensor: (b, s, h, d) or varlen (total, h, d)."""
-    strides = t.stride()   # one call: this runs ~10 times per backward, on the host-bound path
-    assert strides[-1] == 1, "the head dim must be contiguous"
-    return (0, strides[0], strides[1]) if varlen else strides[:3]
-
-
-def _lse_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
-    """(batch, head) strides of an lse-like tensor: (b, h, s_q) or varlen (h, total_q); rows unit."""
-    strides = t.stride()
-    assert strides[-1] == 1
-    return (0, strides[0]) if varlen else strides[:2]
 
 
 @functools.lru_cache(maxsize=None)
@@ -224,27 +210,28 @@ class TritonBackend(Backend):
         scalars = dict(scale=p.softmax_scale, softcap=p.softcap, dropout_p=p.dropout_p)
         return pointers, dict(stride_slope_b=stride_slope_b, **flags, **scalars)
 
+    def _launch_args(self, p: AttentionProblem, params: AttentionParams,
+                     dummy: torch.Tensor) -> tuple[launch.SequenceArgs, launch.Sizes, dict]:
+        """The pointers, sizes and named values (ScoreArgs and Features fields) of a kernel call."""
+        pointers, named = self._feature_args(p, params, dummy)
+        seq = launch.SequenceArgs(*pointers, named.pop("stride_slope_b"))
+        sizes = launch.Sizes(p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, params.q.shape[-1])
+        return seq, sizes, dict(named, **self._mask_args(p))
+
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, problem: AttentionProblem, params: AttentionParams,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
-        from .forward import attn_fwd_kernel
         p = problem
         _prepare_launch()
         cfg = self._configs(p)
         tile = cfg.forward
-        d = params.q.shape[-1]
-        pointers, features = self._feature_args(p, params, lse)
-        grid = (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)
-        attn_fwd_kernel[grid](
-            params.q, params.k, params.v, out, lse, *pointers,
-            *_rows3(params.q, p.varlen), *_rows3(params.k, p.varlen), *_rows3(params.v, p.varlen),
-            *_rows3(out, p.varlen), *_lse_strides(lse, p.varlen), features.pop("stride_slope_b"),
-            p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=config.head_block(d), VARLEN=p.varlen,
-            USE_TMA=self._tma_plan(p, "forward", params.q, params.k, params.v, out) == "all",
-            EVEN_K=self._even_keys(p, tile.block_n),
-            num_warps=tile.num_warps,
-            num_stages=tile.num_stages, **features, **self._mask_args(p))
+        seq, sizes, named = self._launch_args(p, params, lse)
+        use_tma = self._tma_plan(p, "forward", params.q, params.k, params.v, out) == "all"
+        scores, features = launch.split_named(named, VARLEN=p.varlen, USE_TMA=use_tma, TMA_LOADS=use_tma,
+                                              EVEN_K=self._even_keys(p, tile.block_n))
+        launch.forward(params.q, params.k, params.v, out, lse, seq, sizes, scores, features, tile,
+                       config.head_block(sizes.head_dim), (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)
+                       ).launch()
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
@@ -280,29 +267,24 @@ class TritonBackend(Backend):
     def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
-        from .bwd_main import attn_bwd_kernel
         p = problem
         _prepare_launch()
         if not self.ws_reasons(p):
             return self._backward_ws(p, params, out, lse, dout, dq, dk, dv, workspace)
         cfg = self._configs(p)
-        d = params.q.shape[-1]
-        block_d = config.head_block(d)
         delta = workspace["softmax_d"]
         dq_acc = workspace.get("dq_accum")
         dk_acc, dv_acc = workspace.get("dk_accum"), workspace.get("dv_accum")
         sems = workspace.get("dkv_semaphore")
         assert (dq_acc is not None) == self._dq_atomic(p) and (dk_acc is not None) == self._accumulate_kv(p)
-        pointers, features = self._feature_args(p, params, delta)
-        stride_slope_b = features.pop("stride_slope_b")
-        mask_args = self._mask_args(p)
-        q_strides, do_strides = _rows3(params.q, p.varlen), _rows3(dout, p.varlen)
-        k_strides, v_strides = _rows3(params.k, p.varlen), _rows3(params.v, p.varlen)
-        lse_strides = _lse_strides(lse, p.varlen)
-        assert _lse_strides(delta, p.varlen) == lse_strides, "softmax_d must be strided like lse"
+        seq, sizes, named = self._launch_args(p, params, delta)
+        d = sizes.head_dim
+        block_d = config.head_block(d)
+        assert launch.lse_strides(delta, p.varlen) == launch.lse_strides(lse, p.varlen), \
+            "softmax_d must be strided like lse"
 
         # ---- 1. D = rowsum(dO * O); zero the accumulators and semaphores ----
-        self._preprocess(p, out, dout, delta, pointers, (dq_acc, dk_acc, dv_acc, sems), d)
+        self._preprocess(p, out, dout, delta, seq.cu_seqlens_q, (dq_acc, dk_acc, dv_acc, sems), sizes)
 
         # ---- 2. one launch: key-tile programs (dK/dV, and dQ in atomic mode), then the dQ pass ----
         kv, dq_tile = cfg.bwd_kv, cfg.bwd_dq
@@ -315,42 +297,24 @@ class TritonBackend(Backend):
         prog_heads = p.heads_k if loop_group else p.heads_q
         query_programs = 0 if dq_acc is not None else (p.heads_q // prog_heads) * triton_cdiv(p.seqlen_q, dq_tile.block_m)
         programs = triton_cdiv(p.seqlen_k, kv.block_n) + query_programs
-        acc_strides = (0, p.total_k * d) if p.varlen else (p.heads_k * p.seqlen_k * d, p.seqlen_k * d)
         if programs > 0:
-            attn_bwd_kernel[(programs, p.batch * prog_heads)](
-                params.q, params.k, params.v, dout, lse, delta, dq_target, dk, dv,
-                dk_acc if dk_acc is not None else delta, dv_acc if dv_acc is not None else delta,
-                sems if sems is not None else delta, *pointers,
-                *q_strides, *k_strides, *v_strides, *do_strides, *_rows3(dq_target, p.varlen),
-                *_rows3(dk, p.varlen), *_rows3(dv, p.varlen), *acc_strides, *lse_strides, stride_slope_b,
-                p.batch, p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d,
-                BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n,
-                BLOCK_D=block_d, VARLEN=p.varlen, LOOP_GROUP=loop_group, DQ_ATOMIC=dq_acc is not None,
+            scores, features = launch.split_named(
+                named, VARLEN=p.varlen, LOOP_GROUP=loop_group, DQ_ATOMIC=dq_acc is not None,
                 DETERMINISTIC=p.deterministic, USE_TMA=use_tma, TMA_LOADS=use_tma and tma_mode == "all",
-                DP_FIRST=cfg.bwd_dp_first,
-                EVEN_K=cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n),
-                num_warps=kv.num_warps, num_stages=kv.num_stages, **features, **mask_args)
+                DP_FIRST=cfg.bwd_dp_first, EVEN_K=cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n))
+            launch.bwd_main(params.q, params.k, params.v, dout, lse, delta, dq_target, dk, dv, dk_acc, dv_acc, sems,
+                            seq, p.batch, sizes, scores, features, kv, dq_tile, block_d,
+                            (programs, p.batch * prog_heads)).launch()
 
         # ---- 3. fp32 accumulators -> output dtype ----
         self._postprocess(p, dq, dk, dv, dq_acc, dk_acc, dv_acc, d)
 
     @staticmethod
     def _preprocess(p: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
-                    pointers: list, accumulators: tuple, d: int) -> None:
-        """D = rowsum(dO * O) into `delta`; zero the plan's fp32 accumulators and semaphores (None: absent).
-        `pointers`: `_feature_args`' pointer list (cu_seqlens_q first)."""
-        from .bwd_preprocess import bwd_preprocess_kernel
-        dq_acc, dk_acc, dv_acc, sems = accumulators
-        block_d = config.head_block(d)
-        do_strides, lse_strides = _rows3(dout, p.varlen), _lse_strides(delta, p.varlen)
-        pre_m = 64
-        zero = [(t if t is not None else delta, t.numel() if t is not None else 0) for t in (dq_acc, dk_acc, dv_acc, sems)]
-        bwd_preprocess_kernel[(max(1, triton_cdiv(p.seqlen_q, pre_m)), p.batch * p.heads_q)](
-            out, dout, delta, pointers[0], *_rows3(out, p.varlen), *do_strides, *lse_strides,
-            p.heads_q, p.seqlen_q, d, *[x for pair in zero for x in pair],
-            BLOCK_M=pre_m, BLOCK_D=block_d, VARLEN=p.varlen, ZERO_BLOCK=1024,
-            ZERO_A=dq_acc is not None, ZERO_B=dk_acc is not None, ZERO_C=dv_acc is not None,
-            ZERO_SEM=sems is not None, num_warps=4)
+                    cu_seqlens_q: torch.Tensor, accumulators: tuple, sizes: launch.Sizes) -> None:
+        """D = rowsum(dO * O) into `delta`; zero the plan's fp32 accumulators and semaphores (None: absent)."""
+        launch.bwd_preprocess(out, dout, delta, cu_seqlens_q, accumulators, p.batch, sizes, p.varlen,
+                              config.head_block(sizes.head_dim)).launch()
 
     @staticmethod
     def _postprocess(p: AttentionProblem, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
@@ -359,11 +323,12 @@ class TritonBackend(Backend):
         """The fp32 accumulators that this plan has -> dq (atomic dQ), dk/dv (GQA "accumulate")."""
         batch = 1 if p.varlen else p.batch
         if dq_acc is not None:
-            _cast(dq_acc, dq, _bhr(dq_acc, p.varlen), _bhr(dq, p.varlen), p.heads_q, batch, p.rows_q // batch, d)
+            _cast(dq_acc, dq, launch.bhr(dq_acc, p.varlen), launch.bhr(dq, p.varlen), p.heads_q, batch,
+                  p.rows_q // batch, d)
         if dk_acc is not None:
             for acc, grad in ((dk_acc, dk), (dv_acc, dv)):
                 acc_bhr = (0, acc.stride(0), acc.stride(1)) if p.varlen else acc.stride()[:3]
-                _cast(acc, grad, acc_bhr, _bhr(grad, p.varlen), p.heads_k, batch, p.rows_k // batch, d)
+                _cast(acc, grad, acc_bhr, launch.bhr(grad, p.varlen), p.heads_k, batch, p.rows_k // batch, d)
 
     def _backward_ws(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor,
                      dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
@@ -374,7 +339,8 @@ class TritonBackend(Backend):
         tile = self._ws_tile(p)
         delta, dq_acc, sems = workspace["softmax_d"], workspace["dq_accum"], workspace.get("dq_semaphore")
         cu_q = params.cu_seqlens_q if p.varlen else delta
-        self._preprocess(p, out, dout, delta, [cu_q], (None, None, None, None), d)
+        sizes = launch.Sizes(p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d)
+        self._preprocess(p, out, dout, delta, cu_q, (None, None, None, None), sizes)
         q, k, v = (bwd_ws.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
         dout = bwd_ws.uniform_rows(dout, p.varlen)
         mask = self._mask_args(p)
@@ -395,22 +361,15 @@ class TritonBackend(Backend):
                           window_right=mask["window_right"], has_left=mask["HAS_LEFT"], has_right=mask["HAS_RIGHT"],
                           tile=tile, semaphores=sem)
             dq_h = dq[..., hq, :]
-            _cast(acc, dq_h, _bhr(acc, p.varlen), _bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
+            _cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                   p.rows_q // batch, d)
 
 
-def _bhr(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
-    """(batch, head, row) strides of a q/k-like tensor."""
-    b, r, h = _rows3(t, varlen)
-    return b, h, r
-
 
 def _cast(src: torch.Tensor, dst: torch.Tensor, src_bhr, dst_bhr, heads: int, batch: int, rows: int, d: int) -> None:
-    from .bwd_postprocess import cast_rows_kernel
     if rows == 0:
         return
-    cast_rows_kernel[(triton_cdiv(rows, 64), heads, batch)](
-        src, dst, *src_bhr, *dst_bhr, rows, d, BLOCK_R=64, BLOCK_D=config.head_block(d), num_warps=4)
+    launch.cast_rows(src, dst, src_bhr, dst_bhr, heads, batch, rows, config.head_block(d), d).launch()
 
 
 def triton_cdiv(a: int, b: int) -> int:

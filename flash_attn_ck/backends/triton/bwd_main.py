@@ -27,6 +27,10 @@ loads too (config.Configs.bwd_tma; tiles.py says what changes). DP_FIRST: dpT (d
 issued right after the scores' product, before the exp2 (config.Configs.bwd_dp_first). EVEN_K: every
 key tile of both roles is full (dense, s_k a multiple of BLOCK_N and DQ_BLOCK_N), so without a window
 bound no tile needs the mask (scores.block_needs_mask); config.Configs.bwd_even_k turns it off per row.
+
+Arguments (launch.bwd_main builds them): per-tensor stride tuples, batch, D (launch.Sizes), S
+(launch.ScoreArgs) and every compile-time flag above in F (launch.Features, constexpr), handed
+whole to the roles and to the helpers of scores.py.
 """
 
 import triton
@@ -36,174 +40,145 @@ from .bwd_dq import query_tile_dq
 from .bwd_epilogue import accumulate_kv
 from .scores import (LOG2E, block_needs_mask, dropout_keep, keep_positions, query_range, scores_log2,
                      sequence_bounds)
-from .tiles import add_rows, load_rows, row_tiles, store_rows
+from .tiles import add_rows, head_rows, load_rows, row_tiles, store_rows
 
 
 @triton.jit
 def attn_bwd_kernel(
-        Q, K, V, dOut, Lse, Delta, dQ, dK, dV, dKacc, dVacc, Sems,
-        cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
-        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-        stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-        stride_dvb, stride_dvs, stride_dvh, stride_acc_b, stride_acc_h,
-        stride_lse_b, stride_lse_h, stride_slope_b,
-        batch, heads, group, max_seqlen_q, max_seqlen_k, head_dim,
-        scale, softcap, dropout_p, window_left, window_right,
+        Q, K, V, dOut, Lse, Delta, dQ, dK, dV, dKacc, dVacc, Sems, cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
+        stride_q, stride_k, stride_v, stride_do, stride_dq, stride_dk, stride_dv, stride_acc, stride_lse,
+        stride_slope_b, batch, D, S,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr,
-        HAS_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        LOOP_GROUP: tl.constexpr, DQ_ATOMIC: tl.constexpr, DETERMINISTIC: tl.constexpr,
-        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr, DP_FIRST: tl.constexpr, EVEN_K: tl.constexpr):
+        BLOCK_D: tl.constexpr, F: tl.constexpr):
     # ---- program -> role, sequence and program head ----
     x = tl.program_id(0)
-    if LOOP_GROUP:
-        prog_heads = heads // group
+    if F.LOOP_GROUP:
+        prog_heads = D.heads // D.group
     else:
-        prog_heads = heads
+        prog_heads = D.heads
     b = tl.program_id(1) // prog_heads
     ph = tl.program_id(1) % prog_heads
-    key_tiles = tl.cdiv(max_seqlen_k, BLOCK_N)
+    key_tiles = tl.cdiv(D.max_seqlen_k, BLOCK_N)
     if x < key_tiles:
         key_tile_dkdv(
             x, b, ph, Q, K, V, dOut, Lse, Delta, dQ, dK, dV, dKacc, dVacc, Sems,
             cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
-            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-            stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-            stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-            stride_dvb, stride_dvs, stride_dvh, stride_acc_b, stride_acc_h,
-            stride_lse_b, stride_lse_h, stride_slope_b,
-            batch, heads, group, max_seqlen_q, max_seqlen_k, head_dim,
-            scale, softcap, dropout_p, window_left, window_right,
-            BLOCK_M, BLOCK_N, BLOCK_D, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            LOOP_GROUP, DQ_ATOMIC, DETERMINISTIC, USE_TMA, TMA_LOADS, DP_FIRST, EVEN_K)
-    elif not DQ_ATOMIC:
+            stride_q, stride_k, stride_v, stride_do, stride_dq, stride_dk, stride_dv, stride_acc, stride_lse,
+            stride_slope_b, batch, D, S, BLOCK_M, BLOCK_N, BLOCK_D, F)
+    elif not F.DQ_ATOMIC:
         # ---- dQ pass: query tile of one of the slot's query heads, counted from the last tile ----
-        query_tiles = tl.cdiv(max_seqlen_q, DQ_BLOCK_M)
+        query_tiles = tl.cdiv(D.max_seqlen_q, DQ_BLOCK_M)
         x -= key_tiles
-        if LOOP_GROUP:
-            h = ph * group + x // query_tiles
+        if F.LOOP_GROUP:
+            h = ph * D.group + x // query_tiles
         else:
             h = ph
         query_tile_dq(
             query_tiles - 1 - x % query_tiles, b, h, Q, K, V, dOut, Lse, Delta, dQ,
             cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
-            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-            stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-            stride_dqb, stride_dqs, stride_dqh, stride_lse_b, stride_lse_h, stride_slope_b,
-            heads, group, max_seqlen_q, max_seqlen_k, head_dim,
-            scale, softcap, dropout_p, window_left, window_right,
-            DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, HAS_ALIBI, HAS_SOFTCAP, HAS_DROPOUT,
-            USE_TMA, TMA_LOADS, DP_FIRST, EVEN_K)
+            stride_q, stride_k, stride_v, stride_do, stride_dq, stride_lse, stride_slope_b, D, S,
+            DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, F)
 
 
 @triton.jit
 def key_tile_dkdv(
         n_block, b, ph, Q, K, V, dOut, Lse, Delta, dQacc, dK, dV, dKacc, dVacc, Sems,
         cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
-        stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh, stride_dob, stride_dos, stride_doh,
-        stride_dqb, stride_dqs, stride_dqh, stride_dkb, stride_dks, stride_dkh,
-        stride_dvb, stride_dvs, stride_dvh, stride_acc_b, stride_acc_h,
-        stride_lse_b, stride_lse_h, stride_slope_b,
-        batch, heads, group, max_seqlen_q, max_seqlen_k, head_dim,
-        scale, softcap, dropout_p, window_left, window_right,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        VARLEN: tl.constexpr, TOP_LEFT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-        HAS_ALIBI: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-        LOOP_GROUP: tl.constexpr, DQ_ATOMIC: tl.constexpr, DETERMINISTIC: tl.constexpr,
-        USE_TMA: tl.constexpr, TMA_LOADS: tl.constexpr, DP_FIRST: tl.constexpr, EVEN_K: tl.constexpr):
+        stride_q, stride_k, stride_v, stride_do, stride_dq, stride_dk, stride_dv, stride_acc, stride_lse,
+        stride_slope_b, batch, D, S,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
     """One key tile of kv head hk (LOOP_GROUP: ph = hk) or query head ph (the accumulator epilogue)."""
-    if LOOP_GROUP:
+    # ---- program -> kv head, its query heads, the key tile ----
+    if F.LOOP_GROUP:
         hk = ph
-        h_first = ph * group
-        n_heads = group
+        h_first = ph * D.group
+        n_heads = D.group
     else:
-        hk = ph // group
+        hk = ph // D.group
         h_first = ph
         n_heads = 1
-    q_start, len_q = sequence_bounds(cu_seqlens_q, b, max_seqlen_q, VARLEN)
-    k_start, len_k = sequence_bounds(cu_seqlens_k, b, max_seqlen_k, VARLEN)
+    head_dim = D.head_dim
+    q_start, len_q = sequence_bounds(cu_seqlens_q, b, D.max_seqlen_q, F.VARLEN)
+    k_start, len_k = sequence_bounds(cu_seqlens_k, b, D.max_seqlen_k, F.VARLEN)
     n0 = n_block * BLOCK_N
     if n0 >= len_k:
         return
-    shift = 0 if TOP_LEFT else len_k - len_q
+    shift = 0 if F.TOP_LEFT else len_k - len_q
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     b64 = b.to(tl.int64)
-    k_base = K + b64 * stride_kb + k_start.to(tl.int64) * stride_ks + hk * stride_kh
-    v_base = V + b64 * stride_vb + k_start.to(tl.int64) * stride_vs + hk * stride_vh
-    k = load_rows(row_tiles(k_base, stride_ks, len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS), stride_ks, n0, len_k,
-                  head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
-    v = load_rows(row_tiles(v_base, stride_vs, len_k, head_dim, BLOCK_N, BLOCK_D, TMA_LOADS), stride_vs, n0, len_k,
-                  head_dim, BLOCK_N, BLOCK_D, TMA_LOADS)
+    k_base = head_rows(K, stride_k, b64, k_start, hk)
+    v_base = head_rows(V, stride_v, b64, k_start, hk)
+    k = load_rows(row_tiles(k_base, stride_k[1], len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS), stride_k[1], n0,
+                  len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
+    v = load_rows(row_tiles(v_base, stride_v[1], len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS), stride_v[1], n0,
+                  len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
     seed = 0
     offset = 0
-    if HAS_DROPOUT:
+    if F.HAS_DROPOUT:
         seed = tl.load(rng_state)
         offset = tl.load(rng_state + 1)
-    m_lo, m_hi = query_range(n0, len_q, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    m_lo, m_hi = query_range(n0, len_q, shift, S, BLOCK_M, BLOCK_N, F)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(0, n_heads):
+        # ---- one query head: its q / dO sources, lse and D rows, ALiBi slope ----
         h = h_first + g
-        q_src = row_tiles(Q + b64 * stride_qb + q_start.to(tl.int64) * stride_qs + h * stride_qh, stride_qs, len_q,
-                          head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
-        do_src = row_tiles(dOut + b64 * stride_dob + q_start.to(tl.int64) * stride_dos + h * stride_doh, stride_dos,
-                           len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
-        row_base = b64 * stride_lse_b + h.to(tl.int64) * stride_lse_h + q_start
+        q_src = row_tiles(head_rows(Q, stride_q, b64, q_start, h), stride_q[1], len_q, head_dim, BLOCK_M, BLOCK_D,
+                          F.TMA_LOADS)
+        do_src = row_tiles(head_rows(dOut, stride_do, b64, q_start, h), stride_do[1], len_q, head_dim, BLOCK_M,
+                           BLOCK_D, F.TMA_LOADS)
+        row_base = b64 * stride_lse[0] + h.to(tl.int64) * stride_lse[1] + q_start
         slope = 0.0
-        if HAS_ALIBI:
+        if F.HAS_ALIBI:
             slope = tl.load(slopes + b * stride_slope_b + h)
         for m0 in range(m_lo, m_hi, BLOCK_M):
             # ---- recompute P^T for this query tile ----
             offs_m = m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < len_q
-            q = load_rows(q_src, stride_qs, m0, len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
-            do = load_rows(do_src, stride_dos, m0, len_q, head_dim, BLOCK_M, BLOCK_D, TMA_LOADS)
+            q = load_rows(q_src, stride_q[1], m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
+            do = load_rows(do_src, stride_do[1], m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
             lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
             delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
             qkT = tl.dot(k, tl.trans(q))
-            if DP_FIRST:
+            if F.DP_FIRST:
                 dpT = tl.dot(v, tl.trans(do))
-            sT, tanh = scores_log2(qkT, offs_m[None, :], offs_n[:, None], shift, scale, softcap, slope,
-                                   HAS_SOFTCAP, HAS_ALIBI)
-            if block_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N,
-                                HAS_LEFT, HAS_RIGHT, EVEN_K):
-                keep = keep_positions(offs_m[None, :], offs_n[:, None], len_k, shift, window_left,
-                                      window_right, HAS_LEFT, HAS_RIGHT)
+            sT, tanh = scores_log2(qkT, offs_m[None, :], offs_n[:, None], shift, S, slope, F)
+            if block_needs_mask(m0, n0, len_k, shift, S, BLOCK_M, BLOCK_N, F):
+                keep = keep_positions(offs_m[None, :], offs_n[:, None], len_k, shift, S, F)
                 sT = tl.where(keep, sT, float("-inf"))
             pT = tl.exp2(sT - lse2[None, :])
-            if not DP_FIRST:
+            if not F.DP_FIRST:
                 dpT = tl.dot(v, tl.trans(do))
             # ---- dV and dS^T (dropout scales the kept entries by 1 / (1 - p)) ----
-            if HAS_DROPOUT:
-                kept = dropout_keep(seed, offset, b * heads + h, offs_m[None, :], offs_n[:, None],
-                                    max_seqlen_q, max_seqlen_k, dropout_p)
-                inv_keep = 1.0 / (1.0 - dropout_p)
+            if F.HAS_DROPOUT:
+                kept = dropout_keep(seed, offset, b * D.heads + h, offs_m[None, :], offs_n[:, None],
+                                    D.max_seqlen_q, D.max_seqlen_k, S.dropout_p)
+                inv_keep = 1.0 / (1.0 - S.dropout_p)
                 dv += tl.dot(tl.where(kept, pT * inv_keep, 0.0).to(do.dtype), do)
                 dpT = tl.where(kept, dpT * inv_keep, 0.0)
             else:
                 dv += tl.dot(pT.to(do.dtype), do)
             dsT = pT * (dpT - delta[None, :])
-            if HAS_SOFTCAP:
+            if F.HAS_SOFTCAP:
                 dsT = dsT * (1.0 - tanh * tanh)
             dk += tl.dot(dsT.to(q.dtype), q)
-            if DQ_ATOMIC:
-                dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k) * scale
-                add_rows(dq_part, dQacc + b64 * stride_dqb + q_start.to(tl.int64) * stride_dqs + h * stride_dqh,
-                         stride_dqs, m0, len_q, head_dim, BLOCK_M, BLOCK_D, USE_TMA)
+            if F.DQ_ATOMIC:
+                # ---- atomic dQ: this tile's share into the fp32 buffer ----
+                dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k) * S.scale
+                add_rows(dq_part, head_rows(dQacc, stride_dq, b64, q_start, h), stride_dq[1], m0, len_q, head_dim,
+                         BLOCK_M, BLOCK_D, F.USE_TMA)
 
-    if LOOP_GROUP:
+    if F.LOOP_GROUP:
         # ---- dK/dV complete on chip: store in the output dtype ----
-        store_rows(dk * scale, dK + b64 * stride_dkb + k_start.to(tl.int64) * stride_dks + hk * stride_dkh,
-                   stride_dks, n0, len_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
-        store_rows(dv, dV + b64 * stride_dvb + k_start.to(tl.int64) * stride_dvs + hk * stride_dvh,
-                   stride_dvs, n0, len_k, head_dim, BLOCK_N, BLOCK_D, USE_TMA)
+        store_rows(dk * S.scale, head_rows(dK, stride_dk, b64, k_start, hk), stride_dk[1], n0, len_k, head_dim,
+                   BLOCK_N, BLOCK_D, F.USE_TMA)
+        store_rows(dv, head_rows(dV, stride_dv, b64, k_start, hk), stride_dv[1], n0, len_k, head_dim,
+                   BLOCK_N, BLOCK_D, F.USE_TMA)
     else:
         # ---- GQA accumulator epilogue: this query head's share, in rank order if deterministic ----
-        lock = Sems + (n_block * batch + b) * (heads // group) + hk
-        acc_off = b64 * stride_acc_b + hk.to(tl.int64) * stride_acc_h + k_start.to(tl.int64) * head_dim
-        accumulate_kv(dk * scale, dv, dKacc + acc_off, dVacc + acc_off, head_dim, n0, len_k, head_dim,
-                      lock, h_first % group, BLOCK_N, BLOCK_D, USE_TMA, DETERMINISTIC)
+        lock = Sems + (n_block * batch + b) * (D.heads // D.group) + hk
+        acc_off = b64 * stride_acc[0] + hk.to(tl.int64) * stride_acc[1] + k_start.to(tl.int64) * head_dim
+        accumulate_kv(dk * S.scale, dv, dKacc + acc_off, dVacc + acc_off, head_dim, n0, len_k, head_dim,
+                      lock, h_first % D.group, BLOCK_N, BLOCK_D, F.USE_TMA, F.DETERMINISTIC)

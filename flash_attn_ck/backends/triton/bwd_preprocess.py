@@ -2,7 +2,10 @@
 accumulators (dK/dV for the GQA accumulator epilogue, dQ for the atomic dQ mode) and of the
 deterministic semaphores, so the frontend can hand them over uninitialised.
 
-Grid: (query tiles, batch * heads). Every program also zeroes its share of each flat buffer.
+Grid: (query tiles, batch * heads). Every program also zeroes its share of each flat buffer:
+`zero_ptrs` / `zero_numels` are tuples (dq, dk, dv accumulators, semaphores) and the constexpr
+tuple ZERO says which exist (launch.bwd_preprocess). Strides are (batch, row, head) tuples, and
+(batch, head) for Delta.
 """
 
 import triton
@@ -24,23 +27,15 @@ def _zero_share(ptr, numel, pid, nprog, ZERO_BLOCK: tl.constexpr):
 
 @triton.jit
 def bwd_preprocess_kernel(
-        Out, dOut, Delta, cu_seqlens_q,
-        stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
-        stride_d_b, stride_d_h, heads, max_seqlen_q, head_dim,
-        zero_a, numel_a, zero_b, numel_b, zero_c, numel_c, zero_sem, numel_sem,
-        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-        ZERO_A: tl.constexpr, ZERO_B: tl.constexpr, ZERO_C: tl.constexpr, ZERO_SEM: tl.constexpr):
+        Out, dOut, Delta, cu_seqlens_q, stride_o, stride_do, stride_delta, heads, max_seqlen_q, head_dim,
+        zero_ptrs, zero_numels, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
+        ZERO_BLOCK: tl.constexpr, ZERO: tl.constexpr):
     pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
     nprog = tl.num_programs(0) * tl.num_programs(1)
     # ---- accumulators and semaphores ----
-    if ZERO_A:
-        _zero_share(zero_a, numel_a, pid, nprog, ZERO_BLOCK)
-    if ZERO_B:
-        _zero_share(zero_b, numel_b, pid, nprog, ZERO_BLOCK)
-    if ZERO_C:
-        _zero_share(zero_c, numel_c, pid, nprog, ZERO_BLOCK)
-    if ZERO_SEM:
-        _zero_share(zero_sem, numel_sem, pid, nprog, ZERO_BLOCK)
+    for i in tl.static_range(len(ZERO)):
+        if ZERO[i]:
+            _zero_share(zero_ptrs[i], zero_numels[i], pid, nprog, ZERO_BLOCK)
 
     # ---- D = rowsum(dO * O) ----
     bh = tl.program_id(1)
@@ -52,9 +47,9 @@ def bwd_preprocess_kernel(
     row_ok = offs_m < len_q
     mask = row_ok[:, None] & (offs_d < head_dim)[None, :]
     rows = (q_start + offs_m).to(tl.int64)
-    o = tl.load(Out + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_os + offs_d[None, :],
+    o = tl.load(Out + b.to(tl.int64) * stride_o[0] + h * stride_o[2] + rows[:, None] * stride_o[1] + offs_d[None, :],
                 mask=mask, other=0.0)
-    do = tl.load(dOut + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dos + offs_d[None, :],
-                 mask=mask, other=0.0)
+    do = tl.load(dOut + b.to(tl.int64) * stride_do[0] + h * stride_do[2] + rows[:, None] * stride_do[1]
+                 + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + b.to(tl.int64) * stride_d_b + h.to(tl.int64) * stride_d_h + rows, delta, mask=row_ok)
+    tl.store(Delta + b.to(tl.int64) * stride_delta[0] + h.to(tl.int64) * stride_delta[1] + rows, delta, mask=row_ok)

@@ -7,11 +7,19 @@ written, no per-element masks or addresses live in registers, and Triton's pipel
 loads of the next iterations asynchronously. Otherwise (varlen, older GPUs, the interpreter by
 default) masked pointer accesses with the same semantics.
 
-Usage: `src = row_tiles(base, ...)` once, outside the loop; `load_rows(src, ..., row0, ...)` inside.
+Usage: `src = row_tiles(head_rows(T, stride_t, b64, start, h), ...)` once, outside the loop;
+`load_rows(src, ..., row0, ...)` inside. Strides come as launch.py's per-tensor tuples.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def head_rows(base, strides, b64, start, h):
+    """Row 0 of sequence b (b64, int64; packed from row `start` when varlen), head h, of a (b, s, h, d)
+    or varlen (total, h, d) tensor with (batch, row, head) strides (launch.rows3)."""
+    return base + b64 * strides[0] + start.to(tl.int64) * strides[1] + h * strides[2]
 
 
 @triton.jit

@@ -1,0 +1,221 @@
+"""Launch specs: what each Triton kernel of this backend is called with, built in one place.
+
+backend.py builds a `LaunchSpec` per kernel call (`forward`, `bwd_preprocess`, `bwd_main`,
+`cast_rows` below) and launches it; scripts/triton_compile_check.py builds the same specs from meta
+tensors and reads their signatures (`LaunchSpec.signature`), so the two never disagree.
+
+The kernels' arguments are grouped (Triton 3.6 kernels take tuples and named tuples; each element is
+specialised like a scalar argument, so grouping costs no register and no instruction):
+- per-tensor stride tuples: `stride_q = (batch, row, head)` strides of a (b, s, h, d) tensor, or
+  (0, row, head) of a varlen (total, h, d) one (`rows3`); `stride_lse = (batch, head)`;
+- `D`, a `Sizes` (heads, group, max_seqlen_q, max_seqlen_k, head_dim) and `S`, a
+  `ScoreArgs` (scale, softcap, dropout_p, window_left, window_right): runtime named tuples;
+- `F`, the `Features`: one constexpr named tuple of every compile-time flag, read in the kernels
+  as `F.HAS_ALIBI`, ... and handed whole to the helpers of scores.py.
+
+Adding a feature flag: a field of `Features` (default off, so every spec and the compile check
+keep compiling), its value where backend.py names the call's flags (`_feature_args`,
+`_mask_args`), and its use in the kernels. A new runtime value of the scores: a field of
+`ScoreArgs`, likewise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from .config import Tile
+
+
+class Features(NamedTuple):
+    """The kernels' compile-time flags (constexpr `F`). Each distinct value compiles its own variant."""
+    VARLEN: bool = False         # packed (total, h, d) tensors with cu_seqlens; else dense (b, s, h, d)
+    TOP_LEFT: bool = False       # mask diagonal aligned top-left (else bottom-right, per sequence)
+    HAS_LEFT: bool = False       # the mask has a left (sliding window) bound: window_left
+    HAS_RIGHT: bool = False      # the mask has a right bound (causal: 0): window_right
+    HAS_ALIBI: bool = False      # subtract slope * |i + shift - j| (slopes, stride_slope_b)
+    HAS_SOFTCAP: bool = False    # score = softcap * tanh(score / softcap)
+    HAS_DROPOUT: bool = False    # Philox dropout (rng_state, dropout_p)
+    EVEN_K: bool = False         # every key tile is full: no mask branch without a window bound
+    USE_TMA: bool = False        # tile stores and adds through TMA descriptors (tiles.py)
+    TMA_LOADS: bool = False      # tile loads through TMA descriptors too
+    # backward (bwd_main) only
+    LOOP_GROUP: bool = False     # a key-tile program loops over its kv head's query heads
+    DQ_ATOMIC: bool = False      # dQ added into an fp32 buffer by the key-tile programs (no dQ pass)
+    DETERMINISTIC: bool = False  # the GQA accumulator epilogue's adds ordered by semaphores
+    DP_FIRST: bool = False       # dO V^T issued before exp2(S - lse) (config.Configs.bwd_dp_first)
+
+
+class Sizes(NamedTuple):
+    """Problem sizes (runtime `D`). The batch is not one of them: only the backward's epilogue needs it
+    (an argument of its own there), and an unused kernel parameter moves ptxas's register allocation."""
+    heads: int           # query heads
+    group: int           # query heads per kv head
+    max_seqlen_q: int
+    max_seqlen_k: int
+    head_dim: int
+
+
+class ScoreArgs(NamedTuple):
+    """Runtime values of the scores (runtime `S`); window bounds are >= 0 (Features says which apply)."""
+    scale: float
+    softcap: float
+    dropout_p: float
+    window_left: int
+    window_right: int
+
+
+class SequenceArgs(NamedTuple):
+    """Per-call pointers of the score features (a dummy tensor where a feature is off)."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    slopes: torch.Tensor
+    rng_state: torch.Tensor
+    stride_slope_b: int
+
+
+def rows3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, row, head) strides of a q/k/v-like tensor: (b, s, h, d) or varlen (total, h, d)."""
+    strides = t.stride()   # one call: this runs ~10 times per backward, on the host-bound path
+    assert strides[-1] == 1, "the head dim must be contiguous"
+    return (0, strides[0], strides[1]) if varlen else strides[:3]
+
+
+def lse_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
+    """(batch, head) strides of an lse-like tensor: (b, h, s_q) or varlen (h, total_q); rows unit."""
+    strides = t.stride()
+    assert strides[-1] == 1
+    return (0, strides[0]) if varlen else strides[:2]
+
+
+def bhr(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a q/k-like tensor."""
+    b, r, h = rows3(t, varlen)
+    return b, h, r
+
+
+_NAMED = frozenset(ScoreArgs._fields) | frozenset(Features._fields)
+
+
+def split_named(named: dict, **flags: bool) -> tuple[ScoreArgs, Features]:
+    """The ScoreArgs and Features of a call from backend.py's named values (`_feature_args`,
+    `_mask_args`) plus `flags`; names that are neither are an error, so no flag is dropped."""
+    assert _NAMED.issuperset(named), f"not a ScoreArgs or Features field: {sorted(set(named) - _NAMED)}"
+    assert _NAMED.issuperset(flags), f"not a Features field: {sorted(set(flags) - _NAMED)}"
+    scores = ScoreArgs._make([named[f] for f in ScoreArgs._fields])
+    values = {**named, **flags}   # (on the host-bound launch path: no keyword construction)
+    return scores, Features._make([values.get(f, False) for f in Features._fields])
+
+
+# ---- the spec --------------------------------------------------------------------------------------
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64", torch.int8: "i8"}
+
+
+def _type_of(value: Any) -> Any:
+    """Triton's signature type of a runtime argument (unspecialised: every int is i32)."""
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, tuple):
+        types = [_type_of(v) for v in value]
+        return type(value)(*types) if hasattr(value, "_fields") else tuple(types)
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """One kernel call: `kernel[grid](*args.values(), num_warps=, num_stages=)`. `args` holds every
+    parameter of the kernel by name, in its order (runtime values, then the constexprs)."""
+    kernel: Any
+    grid: tuple[int, ...]
+    args: dict[str, Any]
+    num_warps: int
+    num_stages: int
+
+    def launch(self) -> None:
+        self.kernel[self.grid](*self.args.values(), num_warps=self.num_warps, num_stages=self.num_stages)
+
+    def signature(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(signature, constexprs) for triton.compiler.ASTSource, from the kernel's parameters."""
+        names = self.kernel.arg_names
+        assert list(self.args) == names, f"{self.kernel.__name__}: spec {list(self.args)} != kernel {names}"
+        sig, constexprs = {}, {}
+        for param in self.kernel.params:
+            value = self.args[param.name]
+            if param.is_constexpr:
+                sig[param.name] = "constexpr"
+                constexprs[param.name] = value
+            else:
+                sig[param.name] = _type_of(value)
+        return sig, constexprs
+
+
+# ---- the kernels' specs --------------------------------------------------------------------------
+
+def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArgs, features: Features,
+            tile: Tile, block_d: int, grid: tuple[int, int]) -> LaunchSpec:
+    from .forward import attn_fwd_kernel
+    varlen = features.VARLEN
+    return LaunchSpec(attn_fwd_kernel, grid, dict(
+        Q=q, K=k, V=v, Out=out, Lse=lse, cu_seqlens_q=seq.cu_seqlens_q, cu_seqlens_k=seq.cu_seqlens_k,
+        slopes=seq.slopes, rng_state=seq.rng_state,
+        stride_q=rows3(q, varlen), stride_k=rows3(k, varlen), stride_v=rows3(v, varlen), stride_o=rows3(out, varlen),
+        stride_lse=lse_strides(lse, varlen), stride_slope_b=seq.stride_slope_b, D=sizes, S=scores,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, F=features), tile.num_warps, tile.num_stages)
+
+
+def bwd_preprocess(out, dout, delta, cu_seqlens_q, zero: tuple[Optional[torch.Tensor], ...], batch: int,
+                   sizes: Sizes, varlen: bool, block_d: int, block_m: int = 64) -> LaunchSpec:
+    """D = rowsum(dO * O) into delta; zero the buffers of `zero` (dq, dk, dv accumulators, semaphores;
+    None where the plan has none)."""
+    from .bwd_preprocess import bwd_preprocess_kernel
+    grid = (max(1, -(-sizes.max_seqlen_q // block_m)), batch * sizes.heads)
+    return LaunchSpec(bwd_preprocess_kernel, grid, dict(
+        Out=out, dOut=dout, Delta=delta, cu_seqlens_q=cu_seqlens_q,
+        stride_o=rows3(out, varlen), stride_do=rows3(dout, varlen), stride_delta=lse_strides(delta, varlen),
+        heads=sizes.heads, max_seqlen_q=sizes.max_seqlen_q, head_dim=sizes.head_dim,
+        zero_ptrs=tuple(t if t is not None else delta for t in zero),
+        zero_numels=tuple(t.numel() if t is not None else 0 for t in zero),
+        BLOCK_M=block_m, BLOCK_D=block_d, VARLEN=varlen, ZERO_BLOCK=1024,
+        ZERO=tuple(t is not None for t in zero)), 4, 1)
+
+
+def bwd_main(q, k, v, dout, lse, delta, dq, dk, dv, dk_acc, dv_acc, sems, seq: SequenceArgs, batch: int,
+             sizes: Sizes, scores: ScoreArgs, features: Features, kv: Tile, dq_tile: Tile, block_d: int,
+             grid: tuple[int, int]) -> LaunchSpec:
+    """The backward's one launch (bwd_main.attn_bwd_kernel). dq is the fp32 accumulator in the atomic
+    mode; dk_acc/dv_acc/sems are None where the plan has none."""
+    from .bwd_main import attn_bwd_kernel
+    varlen, d = features.VARLEN, sizes.head_dim
+    total_k = dk.shape[0] if varlen else sizes.max_seqlen_k
+    heads_k = sizes.heads // sizes.group
+    acc_strides = (0, total_k * d) if varlen else (heads_k * sizes.max_seqlen_k * d, sizes.max_seqlen_k * d)
+    return LaunchSpec(attn_bwd_kernel, grid, dict(
+        Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta, dQ=dq, dK=dk, dV=dv,
+        dKacc=dk_acc if dk_acc is not None else delta, dVacc=dv_acc if dv_acc is not None else delta,
+        Sems=sems if sems is not None else delta, cu_seqlens_q=seq.cu_seqlens_q, cu_seqlens_k=seq.cu_seqlens_k,
+        slopes=seq.slopes, rng_state=seq.rng_state,
+        stride_q=rows3(q, varlen), stride_k=rows3(k, varlen), stride_v=rows3(v, varlen),
+        stride_do=rows3(dout, varlen), stride_dq=rows3(dq, varlen), stride_dk=rows3(dk, varlen),
+        stride_dv=rows3(dv, varlen), stride_acc=acc_strides, stride_lse=lse_strides(lse, varlen),
+        stride_slope_b=seq.stride_slope_b, batch=batch, D=sizes, S=scores,
+        BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n,
+        BLOCK_D=block_d, F=features), kv.num_warps, kv.num_stages)
+
+
+def cast_rows(src, dst, src_bhr, dst_bhr, heads: int, batch: int, rows: int, block_d: int,
+              head_dim: int) -> LaunchSpec:
+    """fp32 accumulator -> output dtype (bwd_postprocess.cast_rows_kernel)."""
+    from .bwd_postprocess import cast_rows_kernel
+    return LaunchSpec(cast_rows_kernel, (-(-rows // 64), heads, batch), dict(
+        Src=src, Dst=dst, stride_src=tuple(src_bhr), stride_dst=tuple(dst_bhr), n_rows=rows, head_dim=head_dim,
+        BLOCK_R=64, BLOCK_D=block_d), 4, 1)
