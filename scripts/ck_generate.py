@@ -112,7 +112,7 @@ def generate(ck_root: Path, out: Path, targets: list[str], selection: str) -> li
         ops[api].fnmatch = SimpleNamespace(fnmatch=kernel_predicate(RULES[selection]))
         ck_generate.write_blobs(targets, str(out), [api], ["*"], [-1], RECEIPT_FLASH_ATTENTION, "simplified")
     write_tile_api(ops["bwd"], targets, out)
-    return sorted(out.glob("fmha_*.cpp"), key=build_order) + [out / TILE_API]
+    return [*sorted(out.glob("fmha_*.cpp"), key=build_order), out / TILE_API]
 
 
 TILE_API = "fack_bwd_tile_api.cpp"

@@ -15,11 +15,10 @@ import dataclasses
 
 import pytest
 import torch
-from cases import check_case, make_inputs
 from ck_emulator import EmulatedCkLibrary, Memory, OutOfBounds, TrackAllocations
-from oracle import Config
 
 import flash_attn_ck as fa
+from cases import check_case, make_inputs
 from flash_attn_ck.backends.ck import backend as ck
 from flash_attn_ck.backends.ck.backend import CkBackend, CkError
 from flash_attn_ck.backends.ck.plan import ck_backward_plan
@@ -27,6 +26,7 @@ from flash_attn_ck.core import checks
 from flash_attn_ck.core.errors import ArgumentError
 from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.options import AttentionOptions
+from oracle import Config
 
 
 def _fields(params):
