@@ -55,7 +55,7 @@ rm -rf "$OUT"
 OVERLAY=$PWD/$OUT/overlay
 python3 scripts/ck_debian_overlay.py "$OVERLAY" >/dev/null
 
-step "configure (minimal instance set)"
+step "configure (CI instance set: fwd fp16 d128 batch; bwd the same + bf16 d96/pd8 group mask ALiBi dropout deterministic)"
 cmake -S csrc_ck -B "$OUT" -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CXX_COMPILER=clang++-19 -DCMAKE_CXX_COMPILER_LAUNCHER="$PWD/scripts/ck_compile_check.sh;--time" \
     -DCK_ROOT="$CK" -DGPU_ARCHS="$ARCH" -DCK_MINIMAL_INSTANCES=ON -DCK_EARLY_INLINE=OFF \

@@ -22,14 +22,17 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct below changes; the Python side refuses a library of another version. */
-#define FACK_ABI_VERSION 1
+#define FACK_ABI_VERSION 2
 
 typedef enum fack_status {
     FACK_OK = 0,
     FACK_INVALID_ARGUMENT = 1, /* a value the glue rejects before calling CK (see fack_last_error) */
     FACK_NO_INSTANCE = 2,      /* CK's dispatcher has no compiled kernel for these traits */
     FACK_HIP_ERROR = 3,        /* a HIP call failed; fack_last_hip_error() gives the hipError_t */
-    FACK_INTERNAL_ERROR = 4    /* an exception escaped CK */
+    FACK_INTERNAL_ERROR = 4,   /* an exception escaped CK */
+    FACK_LAUNCH_ERROR = 5      /* CK's launch raised a HIP error (e.g. an invalid grid). CK has read and so
+                                  cleared it: fack_last_error() carries its text, fack_last_hip_error()
+                                  its code where the glue could map the text back, else 0 */
 } fack_status;
 
 typedef enum fack_dtype { FACK_FP16 = 0, FACK_BF16 = 1 } fack_dtype;
@@ -103,6 +106,13 @@ typedef struct fack_bwd_args {
 /* Launch on `stream` (a hipStream_t; NULL is the default stream). Return a fack_status. */
 int fack_fwd(const fack_attention* args, void* stream);
 int fack_bwd(const fack_bwd_args* args, void* stream);
+
+/* The key-tile rows (kN0, CK's bn0) of the dq_dk_dv instance that fack_bwd would run for `args` on
+ * a device of `gfx_arch` (e.g. "gfx942"), into *kn0: deterministic mode needs ceil(s_k / kN0)
+ * dq_acc splits. Only sizes, dtype and features of `args` are read (no pointer is dereferenced).
+ * Generated from the same instance list and dispatch conditions as fack_bwd's kernels
+ * (scripts/ck_generate.py). FACK_NO_INSTANCE when no instance matches. */
+int fack_bwd_tile(const fack_bwd_args* args, const char* gfx_arch, int32_t* kn0);
 
 /* The message of the last failure on this thread ("" after a success). */
 const char* fack_last_error(void);

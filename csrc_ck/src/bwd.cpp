@@ -5,6 +5,10 @@
 #include "glue.hpp"
 
 namespace fack_detail {
+
+// scripts/ck_generate.py: CK's backward dispatcher with each launch replaced by its instance's bn0.
+int bwd_tile_kn0(const fmha_bwd_traits& t, const fmha_bwd_args& a, const std::string& device_name);
+
 namespace {
 
 fmha_bwd_traits bwd_traits(const fack_bwd_args& b)
@@ -80,5 +84,29 @@ extern "C" int fack_bwd(const fack_bwd_args* args, void* stream)
         const fmha_bwd_traits traits = bwd_traits(*args);
         const std::string what = describe(traits) + (traits.is_deterministic ? ", deterministic" : "");
         return check_launch(fmha_bwd<2>(traits, bwd_args(*args), on_stream(stream)), "fmha_bwd", what);
+    });
+}
+
+extern "C" int fack_bwd_tile(const fack_bwd_args* args, const char* gfx_arch, int32_t* kn0)
+{
+    using namespace fack_detail;
+    return guarded(args, [&] {
+        if(!gfx_arch || !kn0)
+            throw invalid_argument("fack_bwd_tile needs gfx_arch and kn0");
+        // Only sizes and features are read: stand-ins for pointers the caller may not have yet.
+        static const int32_t no_seqstart[2] = {0, 0};
+        static const int64_t no_rng[2]      = {0, 0};
+        fack_bwd_args sizes = *args;
+        sizes.attn.seqstart_q  = sizes.attn.seqstart_q ? sizes.attn.seqstart_q : no_seqstart;
+        sizes.attn.seqstart_k  = sizes.attn.seqstart_k ? sizes.attn.seqstart_k : no_seqstart;
+        sizes.attn.drop_seed   = sizes.attn.drop_seed ? sizes.attn.drop_seed : no_rng;
+        sizes.attn.drop_offset = sizes.attn.drop_offset ? sizes.attn.drop_offset : no_rng + 1;
+        const fmha_bwd_traits traits = bwd_traits(sizes);
+        const int tile = bwd_tile_kn0(traits, bwd_args(sizes), gfx_arch);
+        if(tile <= 0)
+            return fail(FACK_NO_INSTANCE, "fack_bwd_tile: no CK kernel instance was compiled for " + describe(traits) +
+                                              " on " + gfx_arch + " (library targets " FACK_GPU_TARGETS ")");
+        *kn0 = tile;
+        return static_cast<int>(FACK_OK);
     });
 }

@@ -47,6 +47,10 @@ extern "C" int fack_fwd(const fack_attention* args, void* stream)
     using namespace fack_detail;
     return guarded(args, [&] {
         const fmha_fwd_traits traits = fwd_traits(*args);
+        // fmha_fwd returns -1 both for "no instance" and when its CU-count query fails: ask first, so
+        // a negative result below means "no instance" only.
+        if(const int status = check_device(); status != FACK_OK)
+            return status;
         return check_launch(fmha_fwd(traits, fwd_args(*args), on_stream(stream)), "fmha_fwd",
                             describe(traits));
     });

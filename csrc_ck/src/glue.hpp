@@ -157,6 +157,41 @@ inline int check_launch(float ck_result, const char* api, const std::string& wha
     return FACK_OK;
 }
 
+// The HIP device queries fmha_fwd makes before dispatching (hipGetDevice, hipGetDeviceProperties).
+inline int check_device()
+{
+    int device = 0;
+    hipError_t err = hipGetDevice(&device);
+    hipDeviceProp_t props{};
+    if(err == hipSuccess)
+        err = hipGetDeviceProperties(&props, device);
+    if(err != hipSuccess)
+    {
+        set_hip_error(static_cast<int>(err));
+        return fail(FACK_HIP_ERROR, std::string("querying the current HIP device failed: ") + hipGetErrorName(err));
+    }
+    return FACK_OK;
+}
+
+// CK's launch path checks hipGetLastError() itself and throws ("HIP runtime error: <text>. ..." or
+// "HIP Function Failed (...) <text>"), which clears the error: map the text back to its code.
+inline bool is_hip_exception(const std::string& what, int& code)
+{
+    if(what.rfind("HIP runtime error", 0) != 0 && what.rfind("HIP Function Failed", 0) != 0)
+        return false;
+    code = 0;
+    for(int e = 1; e < 1100; ++e)
+    {
+        const char* text = hipGetErrorString(static_cast<hipError_t>(e));
+        if(text && *text && what.find(text) != std::string::npos && std::string(text) != "unknown error")
+        {
+            code = e;
+            break;
+        }
+    }
+    return true;
+}
+
 // Runs one call with the error state reset; no exception may cross the C ABI.
 template <typename Call>
 int guarded(const void* args, Call&& call)
@@ -174,6 +209,12 @@ int guarded(const void* args, Call&& call)
     }
     catch(const std::exception& e)
     {
+        int code = 0;
+        if(is_hip_exception(e.what(), code))
+        {
+            set_hip_error(code);
+            return fail(FACK_LAUNCH_ERROR, std::string("kernel launch failed: ") + e.what());
+        }
         return fail(FACK_INTERNAL_ERROR, std::string("CK raised: ") + e.what());
     }
     catch(...)

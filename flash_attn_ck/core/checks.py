@@ -110,6 +110,9 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, batch: int, total: int, max_se
     check_dtype(name, cu, torch.int32)
     check_device(name, cu, device)
     check_shape(name, cu, (batch + 1,))
+    if not cu.is_contiguous():
+        # Kernels read cu_seqlens as a plain int32 array (CK's seqstart[b]): a strided view would be misread.
+        raise ArgumentError(f"{name}: must be contiguous, got stride {cu.stride()}")
     if cu.device.type == "cpu":
         values = cu.tolist()
         lengths = [b - a for a, b in zip(values, values[1:])]

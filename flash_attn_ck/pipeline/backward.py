@@ -87,6 +87,16 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
         dv.zero_()
         softmax_d.zero_()
         return softmax_d
+    if p.rows_k == 0 or p.seqlen_k == 0:
+        # No key rows (dense s_k = 0, or varlen with max_seqlen_k = 0): no kernel runs (CK's dq_dk_dv grid
+        # would have ceil(0 / kN0) = 0 blocks, an invalid launch). Every row sees no key: dQ is zero,
+        # D = rowsum(dO * O) as the reference's dot_do_o computes it.
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        d_rows = (dout.to(p.accum_dtype) * out.to(p.accum_dtype)).sum(-1)      # (b, s_q, h) / (total_q, h)
+        softmax_d.copy_(d_rows.movedim(-1, -2) if not p.varlen else d_rows.transpose(0, 1))
+        return softmax_d
 
     # ---- one chunk (the call fits under the cap): the call's own tensors, no views ---------------
     chunks = chunking.chunks

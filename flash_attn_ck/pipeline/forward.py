@@ -33,7 +33,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
     lse = torch.empty(problem.lse_shape, dtype=problem.accum_dtype, device=q.device)
 
     # ---- kernel --------------------------------------------------------------------------------
-    if problem.rows_k == 0:
+    if problem.rows_k == 0 or problem.seqlen_k == 0:
         out.zero_()
         lse.fill_(float("inf"))
     elif problem.rows_q > 0:

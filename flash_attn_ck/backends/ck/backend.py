@@ -14,8 +14,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Optional
+from typing import ClassVar
 
 import torch
 
@@ -28,10 +29,12 @@ LIBRARY_ENV = "FLASH_ATTN_CK_LIBRARY"
 # Where csrc_ck/CMakeLists.txt builds by default (`cmake -S csrc_ck -B build/ck`).
 DEFAULT_LIBRARY = Path(__file__).resolve().parents[3] / "build" / "ck" / "libflash_attn_ck.so"
 
-ABI_VERSION = 1          # FACK_ABI_VERSION of csrc_ck/include/flash_attn_ck.h
+ABI_VERSION = 2          # FACK_ABI_VERSION of csrc_ck/include/flash_attn_ck.h
 DTYPES = {torch.float16: 0, torch.bfloat16: 1}      # fack_dtype
-STATUS_NAMES = {1: "invalid argument", 2: "no kernel instance", 3: "HIP error", 4: "internal error"}
+STATUS_NAMES = {1: "invalid argument", 2: "no kernel instance", 3: "HIP error", 4: "internal error",
+                5: "kernel launch failed"}
 FACK_HIP_ERROR = 3
+FACK_LAUNCH_ERROR = 5
 
 
 # ---- the C structs (csrc_ck/include/flash_attn_ck.h); tests/test_ck_abi.py checks every offset ----
@@ -178,6 +181,21 @@ def backward_args(problem: AttentionProblem, params: AttentionParams, out: torch
     )
 
 
+def tile_query_args(problem: AttentionProblem) -> FackBwdArgs:
+    """The backward struct with sizes and features only, for `fack_bwd_tile` (planning happens before
+    the tensors exist). The library tests pointers for NULL only: ALiBi is flagged by a non-NULL
+    stand-in that is never dereferenced."""
+    p = problem
+    attn = FackAttention(
+        dtype=DTYPES[p.dtype], group_mode=int(p.varlen), batch=p.batch,
+        seqlen_q=p.total_q if p.varlen else p.seqlen_q, seqlen_k=p.total_k if p.varlen else p.seqlen_k,
+        max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k, nhead_q=p.heads_q, nhead_k=p.heads_k,
+        head_dim=p.head_dim_padded, softmax_scale=p.softmax_scale, mask_type=int(p.mask.type),
+        window_left=p.mask.left, window_right=p.mask.right, p_drop=p.dropout_p,
+        alibi_slopes=1 if p.has_alibi else None)
+    return FackBwdArgs(attn=attn, p_undrop=1.0 - p.dropout_p, deterministic=int(p.deterministic))
+
+
 # ---- loading ----------------------------------------------------------------------------------
 
 def library_path() -> Path:
@@ -189,7 +207,7 @@ class CkError(RuntimeError):
 
 
 @functools.cache
-def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
     """(library, None) or (None, why not); cached: the answer does not change within a process."""
     if torch.version.hip is None:
         return None, "torch is not a ROCm build (torch.version.hip is None)"
@@ -214,7 +232,11 @@ def declare_functions(lib: ctypes.CDLL) -> None:
     """Signatures of the exported C functions (flash_attn_ck.h)."""
     lib.fack_fwd.argtypes = [ctypes.POINTER(FackAttention), ctypes.c_void_p]
     lib.fack_bwd.argtypes = [ctypes.POINTER(FackBwdArgs), ctypes.c_void_p]
-    for fn in (lib.fack_fwd, lib.fack_bwd, lib.fack_last_hip_error, lib.fack_abi_version):
+    lib.fack_abi_version.argtypes = []
+    if lib.fack_abi_version() != ABI_VERSION:
+        return      # abi_mismatch() says so; other functions may be missing
+    lib.fack_bwd_tile.argtypes = [ctypes.POINTER(FackBwdArgs), ctypes.c_char_p, ctypes.POINTER(ctypes.c_int32)]
+    for fn in (lib.fack_fwd, lib.fack_bwd, lib.fack_bwd_tile, lib.fack_last_hip_error, lib.fack_abi_version):
         fn.restype = ctypes.c_int
     for fn in (lib.fack_last_error, lib.fack_gpu_targets):
         fn.argtypes, fn.restype = [], ctypes.c_char_p
@@ -222,7 +244,7 @@ def declare_functions(lib: ctypes.CDLL) -> None:
         fn.argtypes, fn.restype = [], ctypes.c_int64
 
 
-def abi_mismatch(lib: ctypes.CDLL) -> Optional[str]:
+def abi_mismatch(lib: ctypes.CDLL) -> str | None:
     if lib.fack_abi_version() != ABI_VERSION:
         return f"ABI version {lib.fack_abi_version()}, this package expects {ABI_VERSION} (rebuild it)"
     sizes = {"fack_attention": (lib.fack_attention_size(), ctypes.sizeof(FackAttention)),
@@ -271,17 +293,42 @@ class CkBackend(Backend):
     # (CK draws its pattern from positions inside the launch).
     supports_chunks = True
     draws_reference_keep_pattern = False
+    # The library to run: None is libflash_attn_ck.so (loaded on first use). `on_library` makes a
+    # backend over another object with the same fack_* entry points (the tests' CPU emulation of CK).
+    _library: ClassVar[object | None] = None
+    _arch_of: ClassVar[Callable[[torch.device], str] | None] = None
 
     @classmethod
-    def unavailable_reason(cls) -> Optional[str]:
-        return _load()[1]
+    def on_library(cls, library, device_types: Iterable[str], arch_of: Callable[[torch.device], str]) -> CkBackend:
+        """A CK backend whose kernels are `library`'s (an object with the entry points of
+        flash_attn_ck.h, already declared), for devices of `device_types`, whose gfx target is
+        `arch_of(device)`. Tests run the backend end to end on CPU tensors through an emulation of
+        CK's kernels this way; the default backend (libflash_attn_ck.so, HIP devices) is unchanged."""
+        attrs = {"_library": library, "device_types": frozenset(device_types), "_arch_of": staticmethod(arch_of)}
+        return type(f"{cls.__name__}On{type(library).__name__}", (cls,), attrs)()
+
+    @classmethod
+    def _resolve(cls):
+        """(library, None) or (None, why not)."""
+        if cls._library is None:
+            return _load()
+        mismatch = abi_mismatch(cls._library)
+        return (None, f"the CK library {cls._library!r}: {mismatch}") if mismatch else (cls._library, None)
+
+    @classmethod
+    def unavailable_reason(cls) -> str | None:
+        return cls._resolve()[1]
+
+    @classmethod
+    def _device_arch(cls, device: torch.device) -> str:
+        return cls._arch_of(device) if cls._arch_of is not None else device_arch(_device_index(device))
 
     @classmethod
     def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
-        lib = _load()[0]
-        if lib is None or problem.device.type != "cuda":
+        lib = cls._resolve()[0]
+        if lib is None or problem.device.type not in cls.device_types:
             return []
-        arch = device_arch(_device_index(problem.device))
+        arch = cls._device_arch(problem.device)
         targets = library_targets(lib)
         if arch not in targets:
             return [f"the CK library was built for {', '.join(targets)}, the device is {arch} "
@@ -291,39 +338,85 @@ class CkBackend(Backend):
     @property
     def lib(self):
         """The loaded library; resolved at the first kernel call, so plans need no ROCm machine."""
-        lib, reason = _load()
+        lib, reason = self._resolve()
         if lib is None:
             raise CkError(f"the CK backend cannot run: {reason}")
         return lib
 
     def forward(self, problem: AttentionProblem, params: AttentionParams,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
+        if problem.varlen:
+            check_seqlens_on_device(problem, params)
         args = attention_args(problem, params, out, lse)
         self._launch("fack_fwd", self.lib.fack_fwd, args, problem.device)
         # CK writes lse = -inf for a row that sees no key; flash-attn's convention (and what keeps
         # exp(s - lse) at 0, not NaN, in the backward) is +inf.
         lse.masked_fill_(lse == float("-inf"), float("inf"))
 
+    def key_tile(self, problem: AttentionProblem) -> int | None:
+        """kN0 of the dq_dk_dv instance the library will run for `problem` (its `fack_bwd_tile`), or
+        None where no library is loaded (plans on machines without ROCm: CK's gfx942 table then)."""
+        lib = self._resolve()[0]
+        if lib is None or problem.device.type not in self.device_types:
+            return None
+        kn0 = ctypes.c_int32(0)
+        args = tile_query_args(problem)
+        arch = self._device_arch(problem.device)
+        status = lib.fack_bwd_tile(ctypes.byref(args), arch.encode(), ctypes.byref(kn0))
+        if status != 0:
+            raise CkError(f"fack_bwd_tile: {STATUS_NAMES.get(status, f'status {status}')}: "
+                          f"{lib.fack_last_error().decode()}")
+        return kn0.value
+
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
-        return ck_backward_plan(problem, self.name)
+        return ck_backward_plan(problem, self.name, kn0=self.key_tile(problem))
 
     def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
         if lse.stride() != workspace["softmax_d"].stride():
             lse = lse.contiguous()      # CK reads lse and D with one set of strides (D is contiguous)
+        if problem.varlen:
+            check_seqlens_on_device(problem, params)
+            # CK's group-mode dq_dk_dv returns before its dK/dV epilogue for a sequence with
+            # seqlen_q == 0 or seqlen_k == 0, and no kernel visits rows past cu_seqlens[-1]: those
+            # rows would keep whatever the buffers held. Zero the targets first (upstream's
+            # `zero_tensors`, always on here); CK overwrites every row it computes.
+            for name, t in (("dk_expanded", dk), ("dv_expanded", dv)):
+                (workspace[name] if problem.is_gqa else t).zero_()
+            dq.zero_()
         args = backward_args(problem, params, out, lse, dout, dq, dk, dv, workspace)
         self._launch("fack_bwd", self.lib.fack_bwd, args, problem.device)
 
     def _launch(self, api: str, fn, args: ctypes.Structure, device: torch.device) -> None:
-        with torch.cuda.device(device):
-            stream = torch.cuda.current_stream(device).cuda_stream
-            status = fn(ctypes.byref(args), ctypes.c_void_p(stream))
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                stream = torch.cuda.current_stream(device).cuda_stream
+                status = fn(ctypes.byref(args), ctypes.c_void_p(stream))
+        else:       # a library given to on_library for another device type (the CPU emulation)
+            status = fn(ctypes.byref(args), None)
         if status != 0:
             message = self.lib.fack_last_error().decode()
-            if status == FACK_HIP_ERROR:
-                message += f" ({hip_error_string(self.lib.fack_last_hip_error())})"
+            code = self.lib.fack_last_hip_error()
+            if status in (FACK_HIP_ERROR, FACK_LAUNCH_ERROR) and code and self._library is None:
+                message += f" ({hip_error_string(code)})"
             raise CkError(f"{api}: {STATUS_NAMES.get(status, f'status {status}')}: {message}")
+
+
+def check_seqlens_on_device(problem: AttentionProblem, params: AttentionParams) -> None:
+    """CK sizes its grids (and the frontend dq_accum) from max_seqlen_q/k on the host but reads each
+    sequence's length from cu_seqlens on the device: a longer sequence would have key tiles never
+    launched and, deterministic, convert_dq would read splits past dq_accum. On the CPU the values
+    are checked before anything runs (core/checks.py); on a GPU reading them would sync, so this
+    asserts on the device (torch._assert_async: asynchronous, no host sync; a failure is a device
+    assert that the next synchronising call reports, and the HIP context is then unusable). On CPU
+    tensors it raises at once (the emulated-CK tests)."""
+    if params.cu_seqlens_q is None:
+        return
+    for cu, longest in ((params.cu_seqlens_q, problem.seqlen_q), (params.cu_seqlens_k, problem.seqlen_k)):
+        lengths = cu[1:] - cu[:-1]
+        torch._assert_async(((lengths >= 0) & (lengths <= longest)).all() & (cu[0] == 0),
+                            "cu_seqlens: a sequence longer than max_seqlen (or decreasing offsets)")
 
 
 BACKEND = CkBackend

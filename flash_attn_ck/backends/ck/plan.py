@@ -19,23 +19,26 @@ class CkBwdTile:
     kN0: int
 
     @classmethod
-    def for_head_dim(cls, head_dim_padded: int) -> "CkBwdTile":
+    def for_head_dim(cls, head_dim_padded: int) -> CkBwdTile:
         return cls(128 if head_dim_padded <= 128 else 64)
 
 
-def dq_accum_splits(problem: AttentionProblem) -> int:
-    """One fp32 split when dQ is added with atomics; one per key tile in deterministic mode."""
+def dq_accum_splits(problem: AttentionProblem, kn0: int | None = None) -> int:
+    """One fp32 split when dQ is added with atomics; one per key tile in deterministic mode. `kn0`:
+    the tile of the instance that will run (the CK library's `fack_bwd_tile`); None: CK's gfx942 table."""
     if not problem.deterministic:
         return 1
-    return max(1, -(-problem.seqlen_k // CkBwdTile.for_head_dim(problem.head_dim_padded).kN0))
+    kn0 = kn0 or CkBwdTile.for_head_dim(problem.head_dim_padded).kN0
+    return max(1, -(-problem.seqlen_k // kn0))
 
 
-def ck_backward_plan(problem: AttentionProblem, backend: str) -> WorkspacePlan:
-    """`mha_bwd`'s buffers: softmax_d, dq_accum, and expanded dK/dV for MQA/GQA."""
+def ck_backward_plan(problem: AttentionProblem, backend: str, kn0: int | None = None) -> WorkspacePlan:
+    """`mha_bwd`'s buffers: softmax_d, dq_accum, and expanded dK/dV for MQA/GQA. `kn0`: the key tile of
+    the dq_dk_dv instance that will run (None: CK's gfx942 table, as the reference backend uses)."""
     p, d = problem, problem.head_dim_padded
     buffers = [
         BufferSpec("softmax_d", p.lse_shape, p.accum_dtype, False, "D = rowsum(dO * O), strided like lse"),
-        BufferSpec("dq_accum", (dq_accum_splits(p), *p.q_rows_shape, p.heads_q, d), p.accum_dtype, True,
+        BufferSpec("dq_accum", (dq_accum_splits(p, kn0), *p.q_rows_shape, p.heads_q, d), p.accum_dtype, True,
                    "fp32 dQ, one split per key tile when deterministic"),
     ]
     if p.is_gqa:

@@ -1,0 +1,288 @@
+"""backend="ck" end to end on CPU tensors, through a CPU emulation of CK's kernels behind the C ABI
+(tests/ck_emulator.py), against the float64 oracle under the 2x rule.
+
+What runs: the whole frontend (validation, plan, chunks, padding, the GQA group sum), the CK backend's
+argument builders and launch code, and the emulator executing CK's kernel contract from the very
+`fack_*` structs the backend built, reading and writing only through their pointers and strides
+(every access bounds-checked against the registered allocations). Everything the backend is handed
+as an output (out, lse, dq, dk, dv, the expanded dK/dV, D) is poisoned with NaN first, so a row CK
+leaves unwritten shows. Nothing here ran on an AMD GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from ck_emulator import EmulatedCkLibrary, Memory, OutOfBounds, TrackAllocations
+
+import flash_attn_ck as fa
+from cases import check_case, make_inputs
+from flash_attn_ck.backends.ck import backend as ck
+from flash_attn_ck.backends.ck.backend import CkBackend, CkError
+from flash_attn_ck.backends.ck.plan import ck_backward_plan
+from flash_attn_ck.core import checks
+from flash_attn_ck.core.errors import ArgumentError
+from flash_attn_ck.core.inputs import describe_call
+from flash_attn_ck.core.options import AttentionOptions
+from oracle import Config
+
+
+def _fields(params):
+    return [getattr(params, f.name) for f in dataclasses.fields(params)]
+
+
+class PoisonedCk(CkBackend):
+    """The CK backend with its outputs poisoned before each launch and its tensors registered."""
+    memory: Memory
+
+    def _register(self, *tensors, workspace=None):
+        for t in (*tensors, *(workspace or {}).values()):
+            self.memory.register(t)
+
+    def forward(self, problem, params, out, lse):
+        self._register(*_fields(params), out, lse)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        with TrackAllocations(self.memory):
+            super().forward(problem, params, out, lse)
+
+    def backward(self, problem, params, out, lse, dout, dq, dk, dv, workspace):
+        self._register(*_fields(params), out, lse, dout, dq, dk, dv, workspace=workspace)
+        for name in ("dk_expanded", "dv_expanded", "softmax_d"):
+            if name in workspace:
+                workspace[name].fill_(float("nan"))
+        for t in (dq, dk, dv):
+            t.fill_(float("nan"))
+        with TrackAllocations(self.memory):
+            super().backward(problem, params, out, lse, dout, dq, dk, dv, workspace)
+
+
+def _dq_accum(plan):
+    return next(b for b in plan.buffers if b.name == "dq_accum")
+
+
+def emulated(**kwargs) -> PoisonedCk:
+    memory = Memory()
+    library = EmulatedCkLibrary(memory, **kwargs)
+    backend = PoisonedCk.on_library(library, {"cpu"}, lambda device: "gfx942")
+    backend.memory = memory
+    backend.library = library
+    return backend
+
+
+# ---- the feature grid ----------------------------------------------------------------------------
+
+BASE = dict(batch=2, seqlen_q=77, seqlen_k=141, heads_q=4, heads_k=2, head_dim=64)
+DENSE = {
+    "mha": dict(heads_q=3, heads_k=3),
+    "gqa": {},
+    "mqa_causal": dict(heads_q=4, heads_k=1, causal=True),
+    "window": dict(window=(32, 8)),
+    "window_left_only": dict(window=(17, -1)),
+    "sq_gt_sk_causal": dict(seqlen_q=150, seqlen_k=70, causal=True),
+    "sq_1": dict(seqlen_q=1, causal=True),
+    "alibi_causal": dict(alibi=True, causal=True),
+    "padded_d59": dict(head_dim=59, causal=True),
+    "padded_d72_fp16": dict(head_dim=72, dtype=torch.float16),
+    "d160_kn0_64": dict(head_dim=160, deterministic=True),
+    "deterministic_window": dict(deterministic=True, window=(40, 3)),
+    "dropout": dict(dropout_p=0.2),
+    "dropout_gqa_causal_deterministic": dict(dropout_p=0.15, causal=True, deterministic=True),
+}
+VARLEN = {
+    "empty_sequences": dict(seqlens=[(30, 50), (0, 37), (21, 0), (0, 0), (64, 129)]),
+    "empty_causal_deterministic": dict(seqlens=[(0, 37), (45, 20), (17, 140)], causal=True, deterministic=True),
+    "mha_window": dict(seqlens=[(33, 47), (0, 9), (80, 80)], heads_q=2, heads_k=2, window=(10, 10)),
+    "mqa_alibi": dict(seqlens=[(5, 200), (0, 130), (90, 3)], heads_q=4, heads_k=1, alibi=True),
+    "padded_d40_causal": dict(seqlens=[(12, 30), (0, 31), (40, 8)], head_dim=40, causal=True),
+    "dropout": dict(seqlens=[(20, 33), (0, 12), (31, 7)], dropout_p=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DENSE))
+def test_dense_grid(name):
+    backend = emulated()
+    check_case(Config(**{**BASE, **DENSE[name]}), backend=backend)
+    assert [kind for kind, _ in backend.library.launches[-3:]] == ["dot_do_o", "dq_dk_dv", "convert_dq"]
+
+
+@pytest.mark.parametrize("name", sorted(VARLEN))
+def test_varlen_grid(name):
+    check_case(Config(**{**BASE, **VARLEN[name]}), backend=emulated())
+
+
+def test_deterministic_is_bit_identical():
+    cfg = Config(**{**BASE, "deterministic": True, "seqlens": [(30, 300), (0, 5), (60, 129)]})
+    first = check_case(cfg, backend=emulated())[1]
+    second = check_case(cfg, backend=emulated())[1]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_chunked_under_a_workspace_cap():
+    # A cap below one call's deterministic dq_accum: chunks of batch entries / KV groups / head slices.
+    cfg = Config(**{**BASE, "deterministic": True})
+    q, k, v, dout, _ = make_inputs(cfg)
+    backend = emulated()
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, backend=backend)
+    whole = fa.flash_attn_bwd(dout, q, k, v, out, lse, deterministic=True, backend=backend)
+    plan = backend.backward_plan(describe_call(q, k, v, AttentionOptions(deterministic=True)))
+    cap = plan.total_bytes // 3
+    chunked = fa.flash_attn_bwd(dout, q, k, v, out, lse, deterministic=True, backend=backend, max_workspace_bytes=cap)
+    assert sum(kind == "dq_dk_dv" for kind, _ in backend.library.launches) > 2
+    for a, b in zip(whole[:3], chunked[:3]):
+        assert torch.equal(a, b)
+
+
+def test_dropout_can_be_refused_clearly():
+    cfg = Config(**{**BASE, "dropout_p": 0.1})
+    with pytest.raises(CkError, match="dropout is not emulated"):
+        check_case(cfg, backend=emulated(dropout=False))
+
+
+# ---- the emulator catches wrong pointers and strides ---------------------------------------------
+
+def test_a_wrong_stride_is_detected(monkeypatch):
+    # k's row stride doubled in the struct: the emulator walks out of k's storage.
+    build = ck.tensor_arg
+
+    def wrong(name, t, varlen):
+        arg = build(name, t, varlen)
+        if name == "k":
+            arg.row_stride *= 2
+        return arg
+    monkeypatch.setattr(ck, "tensor_arg", wrong)
+    with pytest.raises(OutOfBounds, match="k: elements"):
+        check_case(Config(**BASE), backend=emulated())
+
+
+def test_an_unregistered_pointer_is_detected():
+    memory = Memory()
+    backend = CkBackend.on_library(EmulatedCkLibrary(memory), {"cpu"}, lambda d: "gfx942")
+    q, k, v, _, _ = make_inputs(Config(**BASE))
+    with pytest.raises(OutOfBounds, match="no registered allocation"):
+        fa.flash_attn_func(q, k, v, backend=backend)
+
+
+# ---- the issue's findings --------------------------------------------------------------------
+
+def test_finding1_dk_dv_rows_of_empty_query_sequences_are_zero():
+    # CK's group-mode dq_dk_dv returns before its dK/dV epilogue for s_q == 0: MHA (dk/dv) and GQA
+    # (the expanded buffers) both.
+    for heads in ((2, 2), (4, 2)):
+        cfg = Config(**{**BASE, "heads_q": heads[0], "heads_k": heads[1], "seqlens": [(0, 37), (20, 30)]})
+        _, (dq, dk, dv) = check_case(cfg, backend=emulated())
+        assert (dk[:37] == 0).all() and (dv[:37] == 0).all()
+
+
+def test_finding2_non_contiguous_cu_seqlens_are_refused():
+    cfg = Config(**{**BASE, "seqlens": [(3, 5), (4, 6)]})
+    q, k, v, _, _ = make_inputs(cfg)
+    strided = torch.tensor([0, 99, 3, 99, 7, 99], dtype=torch.int32)[::2]
+    cu_k = torch.tensor([0, 5, 11], dtype=torch.int32)
+    with pytest.raises(ArgumentError, match="cu_seqlens_q: must be contiguous"):
+        fa.flash_attn_varlen_func(q, k, v, strided, cu_k, 4, 6, backend=emulated())
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_finding3_no_keys_no_launch(varlen):
+    if varlen:
+        cfg = Config(**{**BASE, "seqlens": [(5, 0), (7, 0)]})
+    else:
+        cfg = Config(**{**BASE, "seqlen_k": 0})
+    for backend in (emulated(), "reference"):
+        _, (dq, dk, dv) = check_case(cfg, backend=backend)
+        assert (dq == 0).all()
+    assert emulated().library.launches == []
+
+
+def test_finding4_max_seqlen_k_too_small_is_caught_on_the_device(monkeypatch):
+    # On a GPU the frontend does not read cu_seqlens (a sync); simulate that by skipping the CPU check.
+    original = checks.check_cu_seqlens
+
+    def gpu_like(name, cu, batch, total, max_seqlen, device):
+        original(name, cu, batch, total, 10 ** 9, device)      # shapes etc., not the lengths
+    monkeypatch.setattr(checks, "check_cu_seqlens", gpu_like)
+    cfg = Config(**{**BASE, "deterministic": True, "seqlens": [(20, 300), (10, 20)]})
+    q, k, v, dout, _ = make_inputs(cfg)
+    cu_q = torch.tensor([0, 20, 30], dtype=torch.int32)
+    cu_k = torch.tensor([0, 300, 320], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="longer than max_seqlen"):
+        fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 128, deterministic=True, backend=emulated())
+
+
+def test_finding4_rows_past_the_last_sequence_are_zero():
+    cfg = Config(**{**BASE, "seqlens": [(20, 30), (10, 20)]})
+    q, k, v, dout, _ = make_inputs(cfg)
+    pad = 7
+    q, dout = (torch.cat([t, torch.randn(pad, *t.shape[1:]).to(t.dtype)]) for t in (q, dout))
+    k, v = (torch.cat([t, torch.randn(pad, *t.shape[1:]).to(t.dtype)]) for t in (k, v))
+    cu_q = torch.tensor([0, 20, 30], dtype=torch.int32)
+    cu_k = torch.tensor([0, 30, 50], dtype=torch.int32)
+    backend = emulated()
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=20, max_seqlen_k=30,
+                                    backend=backend)
+    dq, dk, dv, _ = fa.flash_attn_bwd(dout, q, k, v, out.nan_to_num(), lse, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      max_seqlen_q=20, max_seqlen_k=30, backend=backend)
+    assert (dq[30:] == 0).all() and (dk[50:] == 0).all() and (dv[50:] == 0).all()
+    assert not dq[:30].isnan().any() and not dk[:50].isnan().any()
+
+
+@pytest.mark.parametrize("kn0", [16, 64, 192])
+def test_finding5_plan_uses_the_tile_of_the_instance(kn0):
+    cfg = Config(**{**BASE, "head_dim": 128, "deterministic": True, "seqlens": [(30, 141), (0, 9), (12, 70)]})
+    backend = emulated(kn0=kn0)
+    q, k, v, *_ = make_inputs(cfg)
+    cu_k = torch.tensor([0, 141, 150, 220], dtype=torch.int32)
+    cu_q = torch.tensor([0, 30, 30, 42], dtype=torch.int32)
+    problem = describe_call(q, k, v, AttentionOptions(deterministic=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                                      max_seqlen_q=30, max_seqlen_k=141))
+    plan = backend.backward_plan(problem)
+    assert _dq_accum(plan).shape[0] == -(-141 // kn0)
+    check_case(cfg, backend=backend)
+
+
+def test_finding5_a_plan_with_the_wrong_tile_is_caught():
+    # What the hard-coded kN0 = 128 did with an instance of kN0 = 64: CK writes splits past dq_accum.
+    class HardCoded(PoisonedCk):
+        def backward_plan(self, problem):
+            return ck_backward_plan(problem, self.name)
+
+    memory = Memory()
+    backend = HardCoded.on_library(EmulatedCkLibrary(memory, kn0=64), {"cpu"}, lambda d: "gfx942")
+    backend.memory = memory
+    with pytest.raises(OutOfBounds, match="dq_acc"):
+        check_case(Config(**{**BASE, "head_dim": 128, "deterministic": True}), backend=backend)
+
+
+def test_finding5_no_library_plans_with_the_gfx942_table():
+    q = torch.randn(1, 300, 2, 128, dtype=torch.float16)
+    problem = describe_call(q, q, q, AttentionOptions(deterministic=True))
+    assert _dq_accum(CkBackend().backward_plan(problem)).shape[0] == 3
+
+
+def test_finding7_launch_failure_is_reported_as_such():
+    # An invalid grid (what s_k = 0 did before finding 3): CK's launch throws a HIP error.
+    memory = Memory()
+    library = EmulatedCkLibrary(memory)
+    backend = CkBackend.on_library(library, {"cpu"}, lambda d: "gfx942")
+    q = torch.randn(1, 4, 2, 16, dtype=torch.float16)
+    k = torch.randn(1, 0, 2, 16, dtype=torch.float16)
+    problem = describe_call(q, k, k, AttentionOptions())
+    from flash_attn_ck.core.inputs import kernel_params
+    params = kernel_params(problem, q, k, k, AttentionOptions(), None)
+    plan = backend.backward_plan(problem)
+    workspace = plan.allocate(torch.device("cpu"))
+    lse = torch.zeros(problem.lse_shape)
+    for t in (q, k, lse, *workspace.values()):
+        memory.register(t)
+    with pytest.raises(CkError, match="fack_bwd: kernel launch failed: kernel launch failed: HIP runtime error: "
+                                      "invalid configuration argument"):
+        backend.backward(problem, params, q, lse, q, q.clone(), k.clone(), k.clone(), workspace)
+
+
+def test_seam_keeps_the_real_backend_unchanged():
+    assert CkBackend.device_types == frozenset({"cuda"}) and CkBackend._library is None
+    assert "cpu" in emulated().device_types
+    assert ck.STATUS_NAMES[5] == "kernel launch failed"
