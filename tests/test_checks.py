@@ -42,7 +42,7 @@ FORWARD_CASES = {
     "window": (lambda q, k, v, kw: (q, k, v, {**kw, "window_size": (-2, 0)}), r"^window_size: expected"),
     "dropout": (lambda q, k, v, kw: (q, k, v, {**kw, "dropout_p": 1.0}), r"^dropout_p: expected a probability"),
     "softcap": (lambda q, k, v, kw: (q, k, v, {**kw, "softcap": -1.0}), r"^softcap: expected"),
-    "scale": (lambda q, k, v, kw: (q, k, v, {**kw, "softmax_scale": 0.0}), r"^softmax_scale: expected a positive"),
+    "scale": (lambda q, k, v, kw: (q, k, v, {**kw, "softmax_scale": 0.0}), r"^softmax_scale: expected a finite positive"),
     "alibi dtype": (lambda q, k, v, kw: (q, k, v, {**kw, "alibi_slopes": torch.ones(H, dtype=torch.float64)}),
                     r"^alibi_slopes: expected dtype float32"),
     "alibi shape": (lambda q, k, v, kw: (q, k, v, {**kw, "alibi_slopes": torch.ones(H + 1)}),

@@ -77,8 +77,8 @@ class ScoreTile:
             where = p.placement
             heads = torch.arange(p.heads_q, device=q.device) + where.head_offset
             seed_offset = tuple(params.rng_state.tolist())
-            self.keep = keep_mask(seed_offset, p.dropout_p, seq.index + where.batch_offset, where.heads,
-                                  where.seqlen_q, p.seqlen_k, heads, rows + where.row_offset, cols)
+            self.keep = keep_mask(seed_offset, p.dropout_p, seq.index + where.batch_offset, where.heads, heads,
+                                  rows + where.row_offset, cols)
 
     def dropped(self, probs: torch.Tensor, dropout_p: float) -> torch.Tensor:
         return probs if self.keep is None else probs * self.keep / (1.0 - dropout_p)

@@ -24,7 +24,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..core.errors import WorkspaceError
+from ..core import checks
+from ..core.errors import ArgumentError, WorkspaceError
 from ..core.mask import MaskInfo, MaskType
 from ..core.plan import BufferSpec, WorkspacePlan, format_bytes
 from ..core.problem import AttentionParams, AttentionProblem, Placement
@@ -36,17 +37,22 @@ DEFAULT_MAX_WORKSPACE_BYTES = 4 << 30
 
 
 def workspace_cap(max_workspace_bytes: Optional[int]) -> Optional[int]:
-    """The argument, else `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES`, else the default; None = no cap."""
+    """The argument, else `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES` (unset or empty: not given), else the
+    default; None = no cap (-1). Other negative values are refused, naming the argument or the variable."""
     if max_workspace_bytes is None:
-        text = os.environ.get(WORKSPACE_ENV)
-        if text is not None:
+        text = os.environ.get(WORKSPACE_ENV, "").strip()
+        if text:
             try:
-                max_workspace_bytes = int(text)
+                value = int(text)
             except ValueError:
-                raise WorkspaceError(f"{WORKSPACE_ENV}={text!r}: expected an integer number of bytes (-1: no cap)") from None
+                raise ArgumentError(f"{WORKSPACE_ENV}={text!r}: expected an integer number of bytes "
+                                    f"(-1: no cap)") from None
+            max_workspace_bytes = checks.check_workspace_bytes(f"{WORKSPACE_ENV}={text!r}", value)
         else:
             max_workspace_bytes = DEFAULT_MAX_WORKSPACE_BYTES
-    return None if max_workspace_bytes < 0 else int(max_workspace_bytes)
+    else:
+        max_workspace_bytes = checks.check_workspace_bytes("max_workspace_bytes", max_workspace_bytes)
+    return None if max_workspace_bytes == -1 else int(max_workspace_bytes)
 
 
 @dataclass(frozen=True)
