@@ -191,7 +191,7 @@ def test_long_sequence_runs_on_cpu_in_key_tiles(monkeypatch):
     from torch.utils._pytree import tree_leaves
 
     from flash_attn_ck.backends.reference import ReferenceBackend
-    from flash_attn_ck.frontend.plan import CkBwdTile
+    from flash_attn_ck.backends.ck.plan import CkBwdTile
 
     class LargestTensor(TorchFunctionMode):
         largest = 0

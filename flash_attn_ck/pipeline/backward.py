@@ -20,6 +20,7 @@ from ..core.plan import WorkspacePlan
 from ..core.problem import AttentionParams, AttentionProblem
 from .chunking import backward_plan, chunk_problem, chunk_rows, chunk_views, kv_view, plan_chunks, whole_call, \
     workspace_cap
+from .rows import fill_outside_sequences
 from .select import select_backend
 
 
@@ -42,6 +43,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv)
     params = AttentionParams(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k, options.alibi_slopes, rng_state)
     softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv, cap)
+    if problem.varlen:      # rows in no sequence (after cu_seqlens[-1]): zero gradients and D, on every backend
+        fill_outside_sequences(dq, options.cu_seqlens_q, 0, 0.0)
+        fill_outside_sequences(softmax_d, options.cu_seqlens_q, 1, 0.0)
+        fill_outside_sequences(dk, options.cu_seqlens_k, 0, 0.0)
+        fill_outside_sequences(dv, options.cu_seqlens_k, 0, 0.0)
     return dq, dk, dv, softmax_d
 
 
