@@ -7,7 +7,6 @@ contract) plus those of the flash-attn Python API.
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -78,6 +77,14 @@ def check_positive_heads(heads: int) -> None:
         raise ArgumentError(f"q: the number of heads must be positive, got {heads}")
 
 
+def _as_int(value) -> int | None:
+    """An integer-like value (numpy integer, 0-d integer tensor: anything with __index__) as an int, else None."""
+    try:
+        return int(value.__index__())
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return None
+
+
 def check_number(name: str, value) -> float:
     """A real number (not a bool, string, tensor or None) that is finite; returned as a float."""
     if isinstance(value, torch.SymFloat):      # traced by torch.compile: checked when it is concrete
@@ -88,7 +95,7 @@ def check_number(name: str, value) -> float:
         number = float(value)
     except (TypeError, ValueError):
         raise ArgumentError(f"{name}: expected a finite real number, got {type(value).__name__} {value!r}") from None
-    if not math.isfinite(number):
+    if not number - number == 0.0:     # inf and nan (math.isfinite would break torch.compile's graph)
         raise ArgumentError(f"{name}: expected a finite real number, got {value!r}")
     return number
 
@@ -141,10 +148,9 @@ def check_window(window_size) -> tuple[int, int]:
     for w in sides:
         if isinstance(w, (bool, float, str, bytes)) or w is None:
             raise ArgumentError(f"window_size: {expected}, got {window_size!r}")
-        try:
-            side = int(w.__index__())      # ints, numpy integers, 0-d integer tensors; not 1.7 or nan
-        except (AttributeError, TypeError, ValueError, RuntimeError):
-            raise ArgumentError(f"window_size: {expected}, got {window_size!r}") from None
+        side = w if isinstance(w, int) else _as_int(w)     # numpy integers, 0-d integer tensors; not 1.7 or nan
+        if side is None:
+            raise ArgumentError(f"window_size: {expected}, got {window_size!r}")
         if not -1 <= side <= MAX_WINDOW_SIDE:
             raise ArgumentError(f"window_size: {expected}, got {window_size!r}")
         result.append(side)
@@ -157,10 +163,9 @@ def check_max_seqlen(name: str, value) -> int:
         return value
     if isinstance(value, (bool, float, str, bytes)) or value is None:
         raise ArgumentError(f"{name}: expected a non-negative integer, got {type(value).__name__} {value!r}")
-    try:
-        number = int(value.__index__())
-    except (AttributeError, TypeError, ValueError, RuntimeError):
-        raise ArgumentError(f"{name}: expected a non-negative integer, got {type(value).__name__} {value!r}") from None
+    number = value if isinstance(value, int) else _as_int(value)    # ints as they are: SymInts under compile
+    if number is None:
+        raise ArgumentError(f"{name}: expected a non-negative integer, got {type(value).__name__} {value!r}")
     if number < 0:
         raise ArgumentError(f"{name}: expected a non-negative integer, got {number}")
     return number
@@ -170,10 +175,9 @@ def check_workspace_bytes(name: str, value) -> int:
     """A workspace cap: bytes >= 0, or -1 for none (other negative values are refused, not "no cap")."""
     if isinstance(value, (bool, float, str, bytes)) or value is None:
         raise ArgumentError(f"{name}: expected an integer number of bytes (-1: no cap), got {value!r}")
-    try:
-        number = int(value.__index__())
-    except (AttributeError, TypeError, ValueError, RuntimeError):
-        raise ArgumentError(f"{name}: expected an integer number of bytes (-1: no cap), got {value!r}") from None
+    number = value if isinstance(value, int) else _as_int(value)
+    if number is None:
+        raise ArgumentError(f"{name}: expected an integer number of bytes (-1: no cap), got {value!r}")
     if number < -1:
         raise ArgumentError(f"{name}: expected an integer number of bytes >= 0, or -1 for no cap, got {number}")
     return number
