@@ -12,6 +12,8 @@ d head dim (<= 256); varlen: total_q/total_k packed rows, cu_seqlens int32 (b + 
 
 from __future__ import annotations
 
+import re
+
 from . import ops
 from .backends.registry import backend_class
 from .core.checks import check_packed_slots, check_real_devices, check_tensor
@@ -210,6 +212,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """
     check_tensor("qkv", qkv, 5)
     check_packed_slots("qkv", qkv, 2, 3)
+    check_real_devices((("qkv", qkv),))
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
                       softcap, alibi_slopes, deterministic, return_attn_probs, backend)
 
@@ -227,6 +230,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     """
     check_tensor("kv", kv, 5)
     check_packed_slots("kv", kv, 2, 2)
+    check_real_devices((("kv", kv),))
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, backend)
 
@@ -265,9 +269,14 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """
     check_tensor("qkv", qkv, 4)
     check_packed_slots("qkv", qkv, 1, 3)
-    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, backend=backend)
+    check_real_devices((("qkv", qkv),))
+    try:
+        return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                      deterministic, return_attn_probs, backend=backend)
+    except ArgumentError as error:     # name the arguments this function has (one cu_seqlens, one max_seqlen)
+        message = re.sub(r"^(cu_seqlens|max_seqlen)_[qk]\b", r"\1", str(error))
+        raise ArgumentError(message) from None
 
 
 @_flash_documented(_VARLEN_RETURNS)
@@ -284,6 +293,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """
     check_tensor("kv", kv, 4)
     check_packed_slots("kv", kv, 1, 2)
+    check_real_devices((("kv", kv),))
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs, backend=backend)

@@ -121,6 +121,8 @@ class ReferenceBackend(Backend):
                 end = min(start + tile, seq.seqlen_k)
                 st = ScoreTile(p, params, seq, q, k, start, end)
                 probs = torch.exp(st.scores - row_lse)           # lse = +inf on empty rows -> 0
+                if st.kept is not None:     # exactly 0 where a row does not attend, even if its lse is NaN
+                    probs = torch.where(st.kept, probs, torch.zeros((), dtype=cdt, device=probs.device))
                 dv_tile = torch.matmul(st.dropped(probs, p.dropout_p).transpose(1, 2), do)
                 dprobs = st.dropped(torch.matmul(do, v[:, start:end].transpose(1, 2)), p.dropout_p)
                 dscores = probs * (dprobs - row_d)
