@@ -234,8 +234,8 @@ def test_empty_environment_means_unset(monkeypatch):
                                               ("FLASH_ATTN_CK_TRITON_DQ", "dq_mode")])
 def test_triton_environment_errors_name_the_variable(monkeypatch, variable, option):
     pytest.importorskip("triton")
-    from flash_attn_ck.backends.triton import backend as triton_backend
     from flash_attn_ck.backends.triton import TritonBackend
+    from flash_attn_ck.backends.triton import backend as triton_backend
     env = {"gqa_epilogue": triton_backend.GQA_ENV, "dq_mode": triton_backend.DQ_ENV}[option]
     monkeypatch.setenv(env, "bogus")
     with pytest.raises(ValueError, match=f"^{env}="):

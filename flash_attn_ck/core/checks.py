@@ -7,7 +7,8 @@ contract) plus those of the flash-attn Python API.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable
+from typing import Optional, Sequence
 
 import torch
 
@@ -190,7 +191,7 @@ def check_packed_slots(name: str, t: torch.Tensor, dim: int, slots: int) -> None
                             f"got shape {tuple(t.shape)}")
 
 
-def check_real_devices(tensors: Iterable[tuple[str, Optional[torch.Tensor]]]) -> None:
+def check_real_devices(tensors: Iterable[tuple[str, torch.Tensor | None]]) -> None:
     """Every tensor of a call on one real device: `meta` tensors have no data (a call given one would
     run the op's fake implementation and return uninitialised results), and mixed devices are refused.
     The first tensor sets the device; None entries are skipped."""
@@ -271,8 +272,8 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return _lattice_hits(b.storage_offset() - a.storage_offset(), dims)
 
 
-def check_outputs_disjoint(outputs: Sequence[tuple[str, Optional[torch.Tensor]]],
-                           inputs: Sequence[tuple[str, Optional[torch.Tensor]]]) -> None:
+def check_outputs_disjoint(outputs: Sequence[tuple[str, torch.Tensor | None]],
+                           inputs: Sequence[tuple[str, torch.Tensor | None]]) -> None:
     """Preallocated outputs: none with overlapping elements, none sharing memory with an input or with
     another output. Runs before anything is written."""
     given = [(name, t) for name, t in outputs if isinstance(t, torch.Tensor)]

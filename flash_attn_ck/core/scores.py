@@ -69,7 +69,7 @@ class ScoreTile:
             raw = raw - slopes[:, None, None] * distance
         mask = p.mask.for_lengths(seq.seqlen_q, seq.seqlen_k)
         # (s_q, tile) boolean: the keys each row attends (None: all of the tile's keys).
-        self.kept: Optional[torch.Tensor] = mask.keep(rows, cols) if mask.is_masked else None
+        self.kept: torch.Tensor | None = mask.keep(rows, cols) if mask.is_masked else None
         if self.kept is not None:
             raw = raw.masked_fill(~self.kept, float("-inf"))
         self.scores = raw
@@ -86,7 +86,7 @@ class ScoreTile:
         return probs if self.keep is None else probs * self.keep / (1.0 - dropout_p)
 
 
-def kept_matmul(a: torch.Tensor, b: torch.Tensor, kept: Optional[torch.Tensor]) -> torch.Tensor:
+def kept_matmul(a: torch.Tensor, b: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
     """`a @ b` over one key tile, `a` (h, rows, keys) zero where a row does not attend a key, `b` (h, keys, d),
     where a key a row does not attend contributes nothing to that row, even a NaN/Inf in `b` (a plain
     matmul would spread it as 0 * NaN). `kept`: (rows, keys) booleans, or None (every key attended).

@@ -251,7 +251,8 @@ class _Planner:
         if not p.varlen or batch == ((0, p.batch),):
             probe = Chunk(batch[0], grid.axes[1][0], grid.axes[2][0], grid.axes[3][0])
             return ((batch[0], self.rows(probe)),)
-        rows = {r: (self.cu_seqlens_q[r[1]] - self.cu_seqlens_q[r[0]], self.cu_seqlens_k[r[1]] - self.cu_seqlens_k[r[0]])
+        cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
+        rows = {r: (cu_q[r[1]] - cu_q[r[0]], cu_k[r[1]] - cu_k[r[0]])
                 for r in batch}
         best = {}
         for r, (rq, rk) in rows.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional, Union
+from typing import Union
 
 from ..backends.base import Backend
 from ..backends.registry import BACKEND_NAMES, all_backend_classes, backend_class, backend_instance
@@ -28,7 +28,7 @@ def select_backend(problem: AttentionProblem, requested: Union[str, Backend, Non
     return backend_instance(_choose(problem, requested or backend_from_env()))
 
 
-def backend_from_env() -> Optional[str]:
+def backend_from_env() -> str | None:
     """`$FLASH_ATTN_CK_BACKEND`: a backend name, exactly; unset or empty means automatic."""
     name = os.environ.get(BACKEND_ENV, "")
     if not name:
