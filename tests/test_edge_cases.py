@@ -299,6 +299,22 @@ def check_rows_outside_sequences(backend="reference", dtype=torch.float64, lengt
         assert torch.equal(torch.isfinite(lse[:, rq]), finite)
 
 
+@settings(max_examples=30, deadline=None)
+@given(total=st.integers(1, 12), end=st.integers(0, 12), dim=st.integers(0, 2))
+def test_device_form_of_the_outside_rows_fill(total, end, dim):
+    """pipeline/rows.py's sync-free form (used off the CPU) fills exactly what the CPU form fills."""
+    from flash_attn_ck.pipeline.rows import fill_by_mask, fill_outside_sequences
+    end = min(end, total)
+    shape = [3, 3, 3]
+    shape[dim] = total
+    cu = torch.tensor([0, end], dtype=torch.int32)
+    a = torch.randn(shape)
+    b = a.clone()
+    fill_outside_sequences(a, cu, dim, float("inf"))
+    fill_by_mask(b, cu, dim, float("inf"))
+    assert torch.equal(a, b) and (a.narrow(dim, end, total - end) == INF).all()
+
+
 @settings(max_examples=25, **SETTINGS)
 @given(lengths=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=3),
        extra_q=st.integers(0, 3), extra_k=st.integers(0, 3), heads=st.sampled_from([(2, 2), (4, 2), (2, 1)]),

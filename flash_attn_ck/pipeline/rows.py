@@ -20,6 +20,12 @@ def fill_outside_sequences(t: torch.Tensor, cu_seqlens: torch.Tensor, dim: int, 
         if end < total:
             t.narrow(dim, end, total - end).fill_(value)
         return
+    fill_by_mask(t, cu_seqlens, dim, value)
+
+
+def fill_by_mask(t: torch.Tensor, cu_seqlens: torch.Tensor, dim: int, value: float) -> None:
+    """The device form of `fill_outside_sequences`: compares indices with `cu_seqlens[-1]` where it lies."""
+    total = t.shape[dim]
     outside = torch.arange(total, device=t.device, dtype=cu_seqlens.dtype) >= cu_seqlens[-1]
     shape = [1] * t.dim()
     shape[dim] = total
