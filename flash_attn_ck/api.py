@@ -12,9 +12,11 @@ d head dim (<= 256); varlen: total_q/total_k packed rows, cu_seqlens int32 (b + 
 
 from __future__ import annotations
 
+import re
+
 from . import ops
 from .backends.registry import backend_class
-from .core.checks import check_tensor
+from .core.checks import check_packed_slots, check_real_devices, check_tensor
 from .core.errors import ArgumentError, WorkspaceError
 from .core.inputs import describe_call
 from .core.options import AttentionOptions
@@ -64,10 +66,15 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     """
     options = AttentionOptions(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), softmax_scale=softmax_scale, causal=bool(causal),
-        window_size=window_size, softcap=float(softcap), deterministic=bool(deterministic),
-        return_attn_probs=bool(return_attn_probs), backend=backend)
-    check_tensor("q", q)     # before the op, whose schema would reject it with a less helpful message
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, deterministic=deterministic,
+        return_attn_probs=return_attn_probs, backend=backend)
+    # Before the op: its schema would reject a non-tensor with a less helpful message, and a meta
+    # tensor anywhere would route the call to the op's fake (uninitialised results, no error).
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
+    check_real_devices((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+                        ("alibi_slopes", alibi_slopes)))
     out, lse, rng_state, probs = ops.attention(q, k, v, options)
     rng_state = rng_state if rng_state.numel() else None
     return (out, lse, rng_state, probs) if return_attn_probs else (out, lse, rng_state)
@@ -97,10 +104,14 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
     """
     options = AttentionOptions(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), softmax_scale=softmax_scale, causal=bool(causal),
-        window_size=window_size, softcap=float(softcap), deterministic=bool(deterministic), backend=backend,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, deterministic=deterministic, backend=backend,
         max_workspace_bytes=max_workspace_bytes)
-    check_tensor("q", q)
+    operands = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse))
+    for name, t in operands:
+        check_tensor(name, t)
+    check_real_devices((("q", q), *operands, ("dq", dq), ("dk", dk), ("dv", dv), ("cu_seqlens_q", cu_seqlens_q),
+                        ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes), ("rng_state", rng_state)))
     if dq is None and dk is None and dv is None:
         return ops.backward(dout, q, k, v, out, softmax_lse, options, rng_state)
     dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv)
@@ -129,14 +140,14 @@ def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     """
     options = AttentionOptions(
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        alibi_slopes=alibi_slopes, dropout_p=float(dropout_p), softmax_scale=softmax_scale, causal=bool(causal),
-        window_size=window_size, softcap=float(softcap), deterministic=bool(deterministic))
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
+        window_size=window_size, softcap=softcap, deterministic=deterministic, max_workspace_bytes=max_workspace_bytes)
     problem = describe_call(q, k, v, options)
     params = AttentionParams(q, k, v, cu_seqlens_q, cu_seqlens_k)
     cap = workspace_cap(max_workspace_bytes)
     report = {}
     for name in backends:
-        try:
+        try:     # a backend whose module failed to import refuses to plan with its reason (registry.py)
             report[name] = plan_chunks(problem, backend_class(name)(), cap, params)
         except (WorkspaceError, RuntimeError, ImportError) as error:
             report[name] = f"{type(error).__name__}: {error}"
@@ -200,6 +211,8 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
 {returns}
     """
     check_tensor("qkv", qkv, 5)
+    check_packed_slots("qkv", qkv, 2, 3)
+    check_real_devices((("qkv", qkv),))
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
                       softcap, alibi_slopes, deterministic, return_attn_probs, backend)
 
@@ -216,6 +229,8 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 {returns}
     """
     check_tensor("kv", kv, 5)
+    check_packed_slots("kv", kv, 2, 2)
+    check_real_devices((("kv", kv),))
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                       alibi_slopes, deterministic, return_attn_probs, backend)
 
@@ -253,9 +268,15 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
 {returns}
     """
     check_tensor("qkv", qkv, 4)
-    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                                  dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, backend=backend)
+    check_packed_slots("qkv", qkv, 1, 3)
+    check_real_devices((("qkv", qkv),))
+    try:
+        return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                      deterministic, return_attn_probs, backend=backend)
+    except ArgumentError as error:     # name the arguments this function has (one cu_seqlens, one max_seqlen)
+        message = re.sub(r"^(cu_seqlens|max_seqlen)_[qk]\b", r"\1", str(error))
+        raise ArgumentError(message) from None
 
 
 @_flash_documented(_VARLEN_RETURNS)
@@ -271,6 +292,8 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 {returns}
     """
     check_tensor("kv", kv, 4)
+    check_packed_slots("kv", kv, 1, 2)
+    check_real_devices((("kv", kv),))
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                   deterministic, return_attn_probs, backend=backend)

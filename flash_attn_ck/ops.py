@@ -234,7 +234,29 @@ class _Attention(torch.autograd.Function):
         else:
             dq, dk, dv, _ = _bwd_op(dout, q, k, v, out, lse, *_flatten(options, _COMMON), rng_state,
                                     *_flatten(options, _BWD_TAIL[:1]))
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # create_graph=True: the gradients are not differentiable (flash-attn's backward is not either).
+            # Rather than returning dq/dk/dv without a graph (a silent zero second-order term), they carry a
+            # node that raises when anything differentiates through them.
+            dq, dk, dv = _not_twice_differentiable(dq, dk, dv)
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+
+
+DOUBLE_BACKWARD_MESSAGE = (
+    "flash_attn_ck: the attention backward is not differentiable (double backward, e.g. a gradient penalty "
+    "through create_graph=True, is not supported; flash-attn's is not either)")
+
+
+def _not_twice_differentiable(*grads):
+    """`grads` behind torch's DelayedError node (what `once_differentiable` uses): backpropagating through
+    them raises DOUBLE_BACKWARD_MESSAGE; using their values is fine."""
+    error = torch._C._functions.DelayedError(DOUBLE_BACKWARD_MESSAGE, len(grads))
+    detached = []
+    for g in grads:
+        g = g.detach()
+        g.requires_grad_(True)
+        detached.append(g)
+    return error(*detached)
 
 
 def backward(dout, q, k, v, out, softmax_lse, options: AttentionOptions, rng_state):

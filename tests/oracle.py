@@ -35,7 +35,7 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
     """One sequence: q (s_q, h, d), k/v (s_k, h_k, d) -> out (s_q, h, d), lse (h, s_q).
 
     Bottom-right aligned window: row i keeps keys j with i + s_k - s_q - left <= j <= i + s_k - s_q + right,
-    after flash-attn's normalisation: a side >= max_seqlen_k (s_k in batch mode) is unbounded."""
+    -1 unbounded: flash-attn's documented interval exactly (no normalisation; docs/semantics.md §Masks)."""
     s_q, h, d = q.shape
     s_k, h_k = k.shape[0], k.shape[1]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
@@ -53,8 +53,6 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
     left, right = window
     if causal:
         right = 0
-    left = -1 if left >= (max_seqlen_k or s_k) else left
-    right = -1 if right >= (max_seqlen_k or s_k) else right
     allowed = torch.ones(s_q, s_k, dtype=torch.bool)
     if left >= 0:
         allowed &= j >= diag - left
@@ -64,8 +62,8 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
     if dropout_p > 0:
-        keep = keep_mask(tuple(rng_state.tolist()), dropout_p, batch_index, heads or h, max_seqlen_q or s_q,
-                         max_seqlen_k or s_k, torch.arange(h), torch.arange(s_q), torch.arange(s_k))
+        keep = keep_mask(tuple(rng_state.tolist()), dropout_p, batch_index, heads or h, torch.arange(h),
+                         torch.arange(s_q), torch.arange(s_k))
         probs = probs * keep / (1 - dropout_p)
     out = (probs @ vc).transpose(0, 1)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)

@@ -141,9 +141,12 @@ def test_cap_from_environment(monkeypatch):
     assert workspace_cap(None) == 12345
     monkeypatch.setenv(WORKSPACE_ENV, "-1")
     assert workspace_cap(None) is None
-    monkeypatch.setenv(WORKSPACE_ENV, "lots")
-    with pytest.raises(fa.WorkspaceError, match=WORKSPACE_ENV):
-        workspace_cap(None)
+    for bad in ("lots", "-5", "1.5"):      # only -1 means "no cap"; every error names the variable
+        monkeypatch.setenv(WORKSPACE_ENV, bad)
+        with pytest.raises(fa.ArgumentError, match=WORKSPACE_ENV):
+            workspace_cap(None)
+    monkeypatch.setenv(WORKSPACE_ENV, "")      # empty: unset
+    assert workspace_cap(None) == 4 << 30
     monkeypatch.delenv(WORKSPACE_ENV)
     assert workspace_cap(None) == 4 << 30 and workspace_cap(77) == 77
 

@@ -143,7 +143,7 @@ def keep_from_out(out: torch.Tensor) -> torch.Tensor:
 def keep_from_rng_state(rng_state: torch.Tensor, device) -> torch.Tensor:
     rows, cols, heads = (torch.arange(n, device=device) for n in (S_Q, S_K, H))
     seed_offset = tuple(rng_state.tolist())
-    return torch.stack([keep_mask(seed_offset, DROPOUT_P, b, H, S_Q, S_K, heads, rows, cols) for b in range(B)])
+    return torch.stack([keep_mask(seed_offset, DROPOUT_P, b, H, heads, rows, cols) for b in range(B)])
 
 
 def dense_attention_grads(q, k, v, dout, keep):

@@ -33,13 +33,11 @@ def test_decode_rejects_malformed(spec):
 
 
 def brute_force_keep(s_q, s_k, causal, left, right):
-    """docs/semantics.md §Masks in words: row i attends j in [i + s_k - s_q - left, i + s_k - s_q + right],
-    -1 unbounded, after flash-attn's normalisation (causal -> right = 0; a side >= s_k -> unbounded)."""
+    """docs/semantics.md §Masks in words, flash-attn's documented interval with no normalisation: row i
+    attends j in [i + s_k - s_q - left, i + s_k - s_q + right], -1 unbounded, causal -> right = 0."""
     keep = torch.zeros(s_q, s_k, dtype=torch.bool)
     if causal:
         right = 0
-    left = -1 if left >= s_k else left
-    right = -1 if right >= s_k else right
     for i in range(s_q):
         for j in range(s_k):
             diag = i + s_k - s_q
@@ -49,9 +47,10 @@ def brute_force_keep(s_q, s_k, causal, left, right):
 
 @settings(max_examples=300, deadline=None)
 @given(s_q=st.integers(1, 24), s_k=st.integers(1, 24), causal=st.booleans(),
-       left=st.integers(-1, 30), right=st.integers(-1, 30))
-def test_keep_rule_matches_brute_force(s_q, s_k, causal, left, right):
-    mask = MaskInfo.from_flash_args(causal, (left, right), s_q, s_k)
+       left=st.integers(-1, 30), right=st.integers(-1, 30), extra_q=st.integers(0, 8), extra_k=st.integers(0, 8))
+def test_keep_rule_matches_brute_force(s_q, s_k, causal, left, right, extra_q, extra_k):
+    # Built from bounds of the lengths (varlen: max_seqlen), applied to a sequence of lengths (s_q, s_k).
+    mask = MaskInfo.from_flash_args(causal, (left, right), s_q + extra_q, s_k + extra_k).for_lengths(s_q, s_k)
     keep = mask.keep(torch.arange(s_q), torch.arange(s_k))
     assert torch.equal(keep, brute_force_keep(s_q, s_k, causal, left, right))
     # Only type, left and right reach a CK kernel, which rebuilds (y, x) itself: they alone must give the mask.
@@ -73,10 +72,15 @@ def ck_kernel_keep(mtype, left, right, s_q, s_k):
     return (j >= i + 1 - y) & (j < torch.minimum(i + x, torch.tensor(s_k)))
 
 
-def test_normalisation_follows_flash_attention():
-    assert canonical_window(True, (-1, -1), 10) == (-1, 0)
-    assert canonical_window(False, (10, 3), 10) == (-1, 3)        # left >= s_k -> unbounded
-    assert canonical_window(False, (2, 12), 10) == (2, -1)
+def test_normalisation_drops_only_redundant_sides():
+    assert canonical_window(True, (-1, -1), 10, 10) == (-1, 0)
+    assert canonical_window(False, (9, 3), 10, 10) == (-1, 3)     # left >= s_k - 1 -> unbounded
+    assert canonical_window(False, (8, 3), 10, 10) == (8, 3)
+    assert canonical_window(False, (2, 9), 10, 10) == (2, -1)     # right >= s_q - 1 -> unbounded
+    # s_q > s_k (issue 16 item 6): right = 5 >= s_k is NOT unbounded (flash-attention's CK frontend drops it).
+    assert canonical_window(False, (1, 5), 10, 3) == (1, 5)
+    assert not MaskInfo.from_flash_args(False, (1, 5), 10, 3).keep(torch.arange(10), torch.arange(3))[0].any()
+    assert canonical_window(False, (1, 9), 10, 3) == (1, -1)
     assert MaskInfo.from_flash_args(False, (20, 20), 5, 10).type == MaskType.NO_MASK
     causal = MaskInfo.from_flash_args(True, (-1, -1), 5, 10)
     assert causal.type == MaskType.BOTTOM_RIGHT and causal.is_causal

@@ -190,8 +190,8 @@ def test_long_sequence_runs_on_cpu_in_key_tiles(monkeypatch):
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves
 
-    from flash_attn_ck.backends.reference import ReferenceBackend
     from flash_attn_ck.backends.ck.plan import CkBwdTile
+    from flash_attn_ck.backends.reference import ReferenceBackend
 
     class LargestTensor(TorchFunctionMode):
         largest = 0

@@ -16,7 +16,7 @@ import torch
 
 from ..core.plan import BufferSpec, WorkspacePlan
 from ..core.problem import AttentionParams, AttentionProblem
-from ..core.scores import ScoreTile, heads_first, sequences
+from ..core.scores import ScoreTile, heads_first, kept_matmul, sequences
 from .base import Backend
 from .ck.plan import CkBwdTile, ck_backward_plan
 
@@ -54,7 +54,8 @@ class ReferenceBackend(Backend):
                 probs = torch.exp(st.scores - safe_max[..., None])
                 rescale = torch.exp(row_max - safe_max)
                 row_sum = row_sum * rescale + probs.sum(-1)
-                acc = acc * rescale[..., None] + torch.matmul(st.dropped(probs, problem.dropout_p), v[:, start:end])
+                acc = acc * rescale[..., None] + kept_matmul(st.dropped(probs, problem.dropout_p), v[:, start:end],
+                                                             st.kept)
                 row_max = new_max
             empty = row_sum == 0
             safe_max = torch.where(empty, torch.zeros_like(row_max), row_max)
@@ -120,14 +121,18 @@ class ReferenceBackend(Backend):
                 end = min(start + tile, seq.seqlen_k)
                 st = ScoreTile(p, params, seq, q, k, start, end)
                 probs = torch.exp(st.scores - row_lse)           # lse = +inf on empty rows -> 0
+                if st.kept is not None:     # exactly 0 where a row does not attend, even if its lse is NaN
+                    probs = torch.where(st.kept, probs, torch.zeros((), dtype=cdt, device=probs.device))
                 dv_tile = torch.matmul(st.dropped(probs, p.dropout_p).transpose(1, 2), do)
                 dprobs = st.dropped(torch.matmul(do, v[:, start:end].transpose(1, 2)), p.dropout_p)
                 dscores = probs * (dprobs - row_d)
                 if p.softcap:
                     dscores = dscores * (1.0 - st.tanh * st.tanh)
                 dscores = dscores * p.softmax_scale
+                if st.kept is not None:     # a key a row does not attend adds nothing, not even a NaN of its V
+                    dscores = torch.where(st.kept, dscores, torch.zeros((), dtype=cdt, device=dscores.device))
                 dk_tile = torch.matmul(dscores.transpose(1, 2), q)
-                dq_part = torch.matmul(dscores, k[:, start:end]).transpose(0, 1)
+                dq_part = kept_matmul(dscores, k[:, start:end], st.kept).transpose(0, 1)
                 dq_splits[split if p.deterministic else 0] += dq_part
                 # MHA writes dk/dv directly; GQA writes per query head into the expanded buffers.
                 dk_rows[start:end] = dk_tile.transpose(0, 1)

@@ -14,6 +14,7 @@ import importlib
 import weakref
 from typing import Iterator, Union
 
+from ..core.errors import ArgumentError
 from .base import Backend
 
 # Module paths, in the order they are tried when several fit with equal priority.
@@ -22,18 +23,28 @@ _BACKEND_MODULES = {
     "ck": "flash_attn_ck.backends.ck",
     "reference": "flash_attn_ck.backends.reference",
 }
+BACKEND_NAMES = tuple(_BACKEND_MODULES)
+
+
+def _unloadable(name: str, reason: str) -> type[Backend]:
+    """A backend class standing in for one whose module failed to load: it refuses every call with
+    `reason` and can be instantiated (so reports such as backward_workspace list the reason)."""
+    def refuse(self, *args, **kwargs):
+        raise RuntimeError(f"backend {name!r}: {reason}")
+    return type(f"Unloadable_{name}", (Backend,), {
+        "name": name, "unavailable_reason": classmethod(lambda cls: reason),
+        "forward": refuse, "backward_plan": refuse, "backward": refuse})
 
 
 def backend_class(name: str) -> type[Backend]:
     """The backend's class; a backend whose module fails to load becomes one that explains why."""
     if name not in _BACKEND_MODULES:
-        raise ValueError(f"backend={name!r}: expected one of {sorted(_BACKEND_MODULES)}")
+        raise ArgumentError(f"backend={name!r}: expected one of {sorted(_BACKEND_MODULES)}")
     try:
         return importlib.import_module(_BACKEND_MODULES[name]).BACKEND
     except (ImportError, AttributeError) as error:
         reason = f"its module {_BACKEND_MODULES[name]} failed to load ({type(error).__name__}: {error})"
-        why = classmethod(lambda cls: reason)
-        return type(f"Unloadable_{name}", (Backend,), {"name": name, "unavailable_reason": why})
+        return _unloadable(name, reason)
 
 
 def all_backend_classes() -> list[type[Backend]]:
@@ -90,7 +101,7 @@ def backend_key(backend: Union[str, Backend, None]) -> str:
     if backend is None or isinstance(backend, str):
         return backend or ""
     if not isinstance(backend, Backend):
-        raise TypeError(f"backend: expected a name or a Backend instance, got {type(backend).__name__}")
+        raise ArgumentError(f"backend: expected a name or a Backend instance, got {type(backend).__name__}")
     key = f"{backend.name}@{id(backend):x}"
     _passed[key] = backend
     return key

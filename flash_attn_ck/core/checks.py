@@ -7,6 +7,7 @@ contract) plus those of the flash-attn Python API.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional, Sequence
 
 import torch
@@ -67,30 +68,222 @@ def check_head_counts(heads_q: int, heads_k: int) -> None:
                             f"the number of query heads ({heads_q})")
 
 
-def check_positive_batch(batch: int) -> None:
+def check_positive_batch(batch: int, name: str = "q") -> None:
     if batch <= 0:
-        raise ArgumentError(f"q: batch size must be positive, got {batch}")
+        raise ArgumentError(f"{name}: batch size must be positive, got {batch}")
 
 
-def check_dropout_p(dropout_p: float) -> None:
+def check_positive_heads(heads: int) -> None:
+    if heads <= 0:
+        raise ArgumentError(f"q: the number of heads must be positive, got {heads}")
+
+
+def _as_int(value) -> int | None:
+    """An integer-like value (numpy integer, 0-d integer tensor: anything with __index__) as an int, else None."""
+    try:
+        return int(value.__index__())
+    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return None
+
+
+def check_number(name: str, value) -> float:
+    """A real number (not a bool, string, tensor or None) that is finite; returned as a float."""
+    if isinstance(value, torch.SymFloat):      # traced by torch.compile: checked when it is concrete
+        return value
+    if isinstance(value, (bool, str, bytes, torch.Tensor)) or value is None:
+        raise ArgumentError(f"{name}: expected a finite real number, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ArgumentError(f"{name}: expected a finite real number, got {type(value).__name__} {value!r}") from None
+    if not number - number == 0.0:     # inf and nan (math.isfinite would break torch.compile's graph)
+        raise ArgumentError(f"{name}: expected a finite real number, got {value!r}")
+    return number
+
+
+def check_flag(name: str, value) -> bool:
+    """A bool (or an integer 0/1, numpy's bool): `causal`, `deterministic`, `return_attn_probs`."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):
+        return bool(value)
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ArgumentError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
+
+
+def check_dropout_p(dropout_p) -> float:
+    dropout_p = check_number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ArgumentError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
+    return dropout_p
 
 
-def check_softcap(softcap: float) -> None:
+def check_softcap(softcap) -> float:
+    softcap = check_number("softcap", softcap)
     if softcap < 0.0:
-        raise ArgumentError(f"softcap: expected 0 (off) or a positive cap, got {softcap}")
+        raise ArgumentError(f"softcap: expected 0 (off) or a finite positive cap, got {softcap}")
+    return softcap
 
 
-def check_softmax_scale(scale: float) -> None:
+def check_softmax_scale(scale) -> float:
+    scale = check_number("softmax_scale", scale)
     if not scale > 0.0:
-        raise ArgumentError(f"softmax_scale: expected a positive number, got {scale}")
+        raise ArgumentError(f"softmax_scale: expected a finite positive number, got {scale}")
+    return scale
 
 
-def check_window(window_size) -> None:
-    if len(window_size) != 2 or any(int(w) != w or w < -1 for w in window_size):
-        raise ArgumentError(f"window_size: expected (left, right) with each side -1 (unbounded) or >= 0, "
-                            f"got {tuple(window_size)}")
+# A window side is an int32 in the kernels; any side this large already covers every key (sequences
+# are shorter than 2**31), so larger values are refused rather than silently clamped.
+MAX_WINDOW_SIDE = 2 ** 31 - 1
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """(left, right), each -1 (unbounded) or an integer in [0, 2**31 - 1]; returned as ints."""
+    expected = "expected (left, right) with each side an integer, -1 (unbounded) or in [0, 2**31 - 1]"
+    try:
+        sides = tuple(window_size)
+    except TypeError:
+        raise ArgumentError(f"window_size: {expected}, got {window_size!r}") from None
+    if len(sides) != 2:
+        raise ArgumentError(f"window_size: {expected}, got {window_size!r}")
+    result = []
+    for w in sides:
+        if isinstance(w, (bool, float, str, bytes)) or w is None:
+            raise ArgumentError(f"window_size: {expected}, got {window_size!r}")
+        side = w if isinstance(w, int) else _as_int(w)     # numpy integers, 0-d integer tensors; not 1.7 or nan
+        if side is None:
+            raise ArgumentError(f"window_size: {expected}, got {window_size!r}")
+        if not -1 <= side <= MAX_WINDOW_SIDE:
+            raise ArgumentError(f"window_size: {expected}, got {window_size!r}")
+        result.append(side)
+    return result[0], result[1]
+
+
+def check_max_seqlen(name: str, value) -> int:
+    """A varlen bound: a non-negative integer."""
+    if isinstance(value, torch.SymInt):        # traced by torch.compile
+        return value
+    if isinstance(value, (bool, float, str, bytes)) or value is None:
+        raise ArgumentError(f"{name}: expected a non-negative integer, got {type(value).__name__} {value!r}")
+    number = value if isinstance(value, int) else _as_int(value)    # ints as they are: SymInts under compile
+    if number is None:
+        raise ArgumentError(f"{name}: expected a non-negative integer, got {type(value).__name__} {value!r}")
+    if number < 0:
+        raise ArgumentError(f"{name}: expected a non-negative integer, got {number}")
+    return number
+
+
+def check_workspace_bytes(name: str, value) -> int:
+    """A workspace cap: bytes >= 0, or -1 for none (other negative values are refused, not "no cap")."""
+    if isinstance(value, (bool, float, str, bytes)) or value is None:
+        raise ArgumentError(f"{name}: expected an integer number of bytes (-1: no cap), got {value!r}")
+    number = value if isinstance(value, int) else _as_int(value)
+    if number is None:
+        raise ArgumentError(f"{name}: expected an integer number of bytes (-1: no cap), got {value!r}")
+    if number < -1:
+        raise ArgumentError(f"{name}: expected an integer number of bytes >= 0, or -1 for no cap, got {number}")
+    return number
+
+
+def check_packed_slots(name: str, t: torch.Tensor, dim: int, slots: int) -> None:
+    """Packed qkv (3 slots) / kv (2 slots) along `dim`."""
+    if t.shape[dim] != slots:
+        raise ArgumentError(f"{name}: expected {slots} slots in dim {dim} ({'q, k, v' if slots == 3 else 'k, v'}), "
+                            f"got shape {tuple(t.shape)}")
+
+
+def check_real_devices(tensors: Iterable[tuple[str, torch.Tensor | None]]) -> None:
+    """Every tensor of a call on one real device: `meta` tensors have no data (a call given one would
+    run the op's fake implementation and return uninitialised results), and mixed devices are refused.
+    The first tensor sets the device; None entries are skipped."""
+    device = first = None
+    for name, t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.device.type == "meta":
+            raise ArgumentError(f"{name}: a meta tensor has no data; every tensor of the call must be on one "
+                                f"real device (backward_workspace plans from meta tensors)")
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            raise ArgumentError(f"{name}: expected a tensor on {device} (the device of {first}), got {t.device}")
+
+
+def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
+    """An output whose elements share memory (stride 0, expanded) cannot be written element-wise."""
+    if t.numel() > 1 and torch._debug_has_internal_overlap(t) != 0 and not _nested(t):
+        raise ArgumentError(f"{name}: an output must not have overlapping elements (stride 0 or an expanded view), "
+                            f"got strides {t.stride()}")
+
+
+def _nested(t: torch.Tensor) -> bool:
+    """Whether `t`'s dims (size > 1), sorted by stride, each step over the span of the smaller ones: then no
+    two elements share memory (torch's own check answers "too hard" for any non-contiguous view)."""
+    span = 0
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1]):
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
+def _element_range(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last] element offset of `t` in its storage."""
+    lo = hi = t.storage_offset()
+    for size, stride in zip(t.shape, t.stride()):
+        if stride >= 0:
+            hi += (size - 1) * stride
+        else:
+            lo += (size - 1) * stride
+    return lo, hi
+
+
+def _lattice_hits(delta: int, dims: list[tuple[int, int]]) -> bool:
+    """Whether delta = sum(i_k * stride_k) with |i_k| < size_k, for dims (size, stride) sorted by stride
+    descending and nested (each stride larger than the span of the smaller ones)."""
+    if not dims:
+        return delta == 0
+    (size, stride), rest = dims[0], dims[1:]
+    if stride == 0:
+        return _lattice_hits(delta, rest)
+    q = delta // stride
+    return any(abs(i) < size and _lattice_hits(delta - i * stride, rest) for i in (q, q + 1))
+
+
+def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share an element of memory. Exact for disjoint storage or element ranges and for
+    equally strided views (dk, dv = dkv[:, :, 0], dkv[:, :, 1]); otherwise conservative (True)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    if a.element_size() != b.element_size() or a.dtype != b.dtype:
+        return torch._C._overlaps(a, b)
+    (a_lo, a_hi), (b_lo, b_hi) = _element_range(a), _element_range(b)
+    if a_hi < b_lo or b_hi < a_lo:
+        return False
+    if a.shape != b.shape or a.stride() != b.stride() or any(s < 0 for s in a.stride()):
+        return True
+    dims = sorted(((n, s) for n, s in zip(a.shape, a.stride()) if n > 1), key=lambda d: -d[1])
+    span = 0
+    for n, s in reversed(dims):
+        if s <= span:
+            return True          # not nested: cannot decide cheaply
+        span += (n - 1) * s
+    return _lattice_hits(b.storage_offset() - a.storage_offset(), dims)
+
+
+def check_outputs_disjoint(outputs: Sequence[tuple[str, torch.Tensor | None]],
+                           inputs: Sequence[tuple[str, torch.Tensor | None]]) -> None:
+    """Preallocated outputs: none with overlapping elements, none sharing memory with an input or with
+    another output. Runs before anything is written."""
+    given = [(name, t) for name, t in outputs if isinstance(t, torch.Tensor)]
+    for name, t in given:
+        check_no_internal_overlap(name, t)
+    for index, (name, t) in enumerate(given):
+        for other_name, other in list(inputs) + given[index + 1:]:
+            if isinstance(other, torch.Tensor) and tensors_overlap(t, other):
+                raise ArgumentError(f"{name}: shares memory with {other_name}; outputs must not alias "
+                                    f"an input or another output")
 
 
 def check_alibi_slopes(slopes: torch.Tensor, batch: int, heads_q: int, device: torch.device) -> None:

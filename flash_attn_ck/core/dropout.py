@@ -1,13 +1,15 @@
 """The dropout keep pattern, defined once for every backend that draws it itself.
 
 `rng_state` is an int64 tensor `[seed, offset]` on the device. Element `(b, h, i, j)` of the
-attention matrix (b the sequence, i/j rows/columns inside it) uses the Philox-4x32-10 counter
+attention matrix (b the sequence, h the query head, i/j rows/columns inside the sequence) draws
+Philox-4x32-10 with the 64-bit seed as key and the 128-bit counter
 
-    counter = offset + ((b * heads + h) * max_seqlen_q + i) * max_seqlen_k + j
+    (c0, c1, c2, c3) = (j, i, low32(offset + b * heads + h), high32(offset + b * heads + h))
 
-with the 64-bit seed as key: exactly `triton.language.randint(seed, counter)`, so the Triton
-kernels and this PyTorch version draw the same bits. It is kept iff
-`(bits >> 8) * 2**-24 >= p` in fp32 (24-bit uniforms are exact in both).
+(`triton.language.philox(seed, c0, c1, c2, c3)`, first output word), so the Triton kernels and this
+PyTorch version draw the same bits. It is kept iff `(bits >> 8) * 2**-24 >= p` in fp32 (24-bit
+uniforms are exact in both). The pattern depends on the element's coordinates only, never on
+launch bounds: varlen calls with different `max_seqlen` draw the same pattern (issue 16 item 5).
 
 The CK kernels draw their own pattern from the same `[seed, offset]` (CK's Philox layout).
 """
@@ -29,11 +31,8 @@ def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi & _MASK32, (a * b) & _MASK32
 
 
-def philox_randint(seed: int, counter: torch.Tensor) -> torch.Tensor:
-    """First output word of Philox-4x32-10 for int64 counters, as int64 values in [0, 2**32)."""
-    c0, c1 = counter & _MASK32, (counter >> 32) & _MASK32
-    c2 = torch.zeros_like(counter)
-    c3 = torch.zeros_like(counter)
+def philox(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor) -> torch.Tensor:
+    """First output word of Philox-4x32-10 for int64 tensors of 32-bit counter words, as int64 in [0, 2**32)."""
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     for _ in range(PHILOX_ROUNDS):
         hi_b, lo_b = _mulhilo32(_ROUND_B, c2)
@@ -43,14 +42,19 @@ def philox_randint(seed: int, counter: torch.Tensor) -> torch.Tensor:
     return c0
 
 
-def keep_mask(rng_state: tuple[int, int], p: float, batch_index: int, heads: int, max_seqlen_q: int,
-              max_seqlen_k: int, head_ids: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """Boolean `(len(head_ids), len(rows), len(cols))`: True where the probability is kept."""
+def keep_mask(rng_state: tuple[int, int], p: float, batch_index: int, heads: int, head_ids: torch.Tensor,
+              rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """Boolean `(len(head_ids), len(rows), len(cols))`: True where the probability is kept.
+
+    `heads`: the call's query heads; `batch_index`, `head_ids`, `rows`, `cols`: global coordinates."""
     seed, offset = rng_state
-    plane = (batch_index * heads + head_ids.to(torch.int64)) * max_seqlen_q
-    counter = offset + ((plane[:, None] + rows.to(torch.int64)[None, :]) * max_seqlen_k)[:, :, None] \
-        + cols.to(torch.int64)[None, None, :]
-    uniform = (philox_randint(seed, counter) >> 8).to(torch.float32) * (2.0 ** -24)
+    plane = offset + batch_index * heads + head_ids.to(torch.int64)          # (H,)
+    shape = (len(head_ids), len(rows), len(cols))
+    c0 = (cols.to(torch.int64) & _MASK32)[None, None, :].expand(shape)
+    c1 = (rows.to(torch.int64) & _MASK32)[None, :, None].expand(shape)
+    c2 = (plane & _MASK32)[:, None, None].expand(shape)
+    c3 = ((plane >> 32) & _MASK32)[:, None, None].expand(shape)
+    uniform = (philox(seed, c0, c1, c2, c3) >> 8).to(torch.float32) * (2.0 ** -24)
     return uniform >= torch.tensor(p, dtype=torch.float32)
 
 

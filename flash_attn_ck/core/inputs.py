@@ -38,17 +38,21 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     head_dim, heads_q = q.shape[-1], q.shape[-2]
     heads_k = k.shape[-2]
     checks.check_head_dim(head_dim)
+    checks.check_positive_heads(heads_q)
     checks.check_head_counts(heads_q, heads_k)
     if varlen:
         if o.cu_seqlens_q is None or o.cu_seqlens_k is None or o.max_seqlen_q is None or o.max_seqlen_k is None:
             raise ArgumentError("cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k: "
                                 "varlen calls need all four")
+        checks.check_tensor("cu_seqlens_q", o.cu_seqlens_q, 1)
         batch = o.cu_seqlens_q.numel() - 1
         total_q, total_k = q.shape[0], k.shape[0]
-        checks.check_positive_batch(batch)
+        checks.check_positive_batch(batch, "cu_seqlens_q")
         checks.check_cu_seqlens("cu_seqlens_q", o.cu_seqlens_q, batch, total_q, o.max_seqlen_q, q.device)
         checks.check_cu_seqlens("cu_seqlens_k", o.cu_seqlens_k, batch, total_k, o.max_seqlen_k, q.device)
-        seqlen_q, seqlen_k = int(o.max_seqlen_q), int(o.max_seqlen_k)
+        # max_seqlen is a launch bound, not data: no sequence is longer than its packed tensor, so the
+        # problem's lengths are the tighter of the two (workspace and scratch are sized from them).
+        seqlen_q, seqlen_k = min(int(o.max_seqlen_q), total_q), min(int(o.max_seqlen_k), total_k)
         checks.check_shape("k", k, (total_k, heads_k, head_dim))
     else:
         batch, seqlen_q = q.shape[0], q.shape[1]

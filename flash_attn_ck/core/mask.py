@@ -56,10 +56,12 @@ class MaskInfo:
 
     @classmethod
     def from_flash_args(cls, causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> "MaskInfo":
-        """flash-attn's arguments -> CK mask, with flash-attention's normalisation (docs/semantics.md §Masks).
+        """flash-attn's arguments -> CK mask: flash-attn's documented interval, exactly (docs/semantics.md §Masks).
 
-        `seqlen_k` is the key length used for clamping (`max_seqlen_k` for varlen)."""
-        left, right = canonical_window(causal, window_size, seqlen_k)
+        `seqlen_q`/`seqlen_k`: the lengths (varlen: upper bounds of every sequence's lengths, e.g. the
+        max_seqlen), which decide only where a side is redundant; kernels apply the kept bounds per
+        sequence."""
+        left, right = canonical_window(causal, window_size, seqlen_q, seqlen_k)
         if not causal and left == -1 and right == -1:
             return cls.no_mask(seqlen_q, seqlen_k)
         return cls.bottom_right(left, right, seqlen_q, seqlen_k)
@@ -114,14 +116,21 @@ class MaskInfo:
         return f"{self.type.name.lower()}(left={self.left}, right={self.right}, y={self.y}, x={self.x})"
 
 
-def canonical_window(causal: bool, window_size: tuple[int, int], seqlen_k: int) -> tuple[int, int]:
-    """flash-attn normalisation: causal sets right = 0; a side reaching past `seqlen_k` is unbounded."""
+def canonical_window(causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """causal sets right = 0; a side becomes -1 (unbounded) only where that changes nothing.
+
+    Query i (0 <= i < s_q) attends keys j in [i + s_k - s_q - left, i + s_k - s_q + right] (flash-attn's
+    documented interval). The right bound cuts nothing iff s_k - s_q + right >= s_k - 1 at i = 0, i.e.
+    right >= s_q - 1; the left bound cuts nothing iff s_k - 1 - left <= 0 at i = s_q - 1, i.e. left >= s_k - 1.
+    For varlen, `seqlen_q`/`seqlen_k` are bounds of every sequence's lengths, so a side dropped here is
+    redundant in every sequence (flash-attention's CK frontend instead drops any side >= max_seqlen_k,
+    which changes the mask when s_q > s_k: docs/semantics.md §Masks)."""
     left, right = (int(window_size[0]), int(window_size[1]))
     if causal:
         right = 0
-    if left >= seqlen_k:
+    if left >= max(seqlen_k - 1, 0):
         left = -1
-    if right >= seqlen_k:
+    if right >= max(seqlen_q - 1, 0) and not causal:     # causal keeps right = 0: it names the mask
         right = -1
     return left, right
 

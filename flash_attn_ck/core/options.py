@@ -40,13 +40,27 @@ class AttentionOptions:
 
     def __post_init__(self):
         # eq=False: tensors inside, so options compare by identity; everything cached is keyed on the problem.
-        window = tuple(self.window_size)
-        checks.check_window(window)
-        checks.check_softcap(self.softcap)
-        checks.check_dropout_p(self.dropout_p)
+        # Every option is checked and normalised here, once: types, ranges, finiteness (bad values name the option).
+        normalised = dict(
+            window_size=checks.check_window(self.window_size),
+            softcap=checks.check_softcap(self.softcap),
+            dropout_p=checks.check_dropout_p(self.dropout_p),
+            causal=checks.check_flag("causal", self.causal),
+            deterministic=checks.check_flag("deterministic", self.deterministic),
+            return_attn_probs=checks.check_flag("return_attn_probs", self.return_attn_probs))
         if self.softmax_scale is not None:
-            checks.check_softmax_scale(self.softmax_scale)
-        object.__setattr__(self, "window_size", (int(window[0]), int(window[1])))
+            normalised["softmax_scale"] = checks.check_softmax_scale(self.softmax_scale)
+        for name in ("max_seqlen_q", "max_seqlen_k"):
+            if getattr(self, name) is not None:
+                normalised[name] = checks.check_max_seqlen(name, getattr(self, name))
+        for name in ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"):
+            if getattr(self, name) is not None:
+                checks.check_tensor(name, getattr(self, name))
+        if self.max_workspace_bytes is not None:
+            normalised["max_workspace_bytes"] = checks.check_workspace_bytes("max_workspace_bytes",
+                                                                            self.max_workspace_bytes)
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
 
     @property
     def varlen(self) -> bool:

@@ -68,8 +68,10 @@ class ScoreTile:
             distance = (rows[:, None] + seq.seqlen_k - seq.seqlen_q - cols[None, :]).abs()
             raw = raw - slopes[:, None, None] * distance
         mask = p.mask.for_lengths(seq.seqlen_q, seq.seqlen_k)
-        if mask.is_masked:
-            raw = raw.masked_fill(~mask.keep(rows, cols), float("-inf"))
+        # (s_q, tile) boolean: the keys each row attends (None: all of the tile's keys).
+        self.kept: torch.Tensor | None = mask.keep(rows, cols) if mask.is_masked else None
+        if self.kept is not None:
+            raw = raw.masked_fill(~self.kept, float("-inf"))
         self.scores = raw
         self.keep: Optional[torch.Tensor] = None
         if p.dropout_p > 0:
@@ -77,11 +79,28 @@ class ScoreTile:
             where = p.placement
             heads = torch.arange(p.heads_q, device=q.device) + where.head_offset
             seed_offset = tuple(params.rng_state.tolist())
-            self.keep = keep_mask(seed_offset, p.dropout_p, seq.index + where.batch_offset, where.heads,
-                                  where.seqlen_q, p.seqlen_k, heads, rows + where.row_offset, cols)
+            self.keep = keep_mask(seed_offset, p.dropout_p, seq.index + where.batch_offset, where.heads, heads,
+                                  rows + where.row_offset, cols)
 
     def dropped(self, probs: torch.Tensor, dropout_p: float) -> torch.Tensor:
         return probs if self.keep is None else probs * self.keep / (1.0 - dropout_p)
+
+
+def kept_matmul(a: torch.Tensor, b: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """`a @ b` over one key tile, `a` (h, rows, keys) zero where a row does not attend a key, `b` (h, keys, d),
+    where a key a row does not attend contributes nothing to that row, even a NaN/Inf in `b` (a plain
+    matmul would spread it as 0 * NaN). `kept`: (rows, keys) booleans, or None (every key attended).
+    docs/semantics.md §Non-finite values: exact per element here; the GPU kernels guarantee it per tile."""
+    if kept is None:
+        return torch.matmul(a, b)
+    finite = torch.isfinite(b).all(-1)                                   # (h, keys)
+    if bool(finite.all()):
+        return torch.matmul(a, b)
+    result = torch.matmul(a, torch.where(finite[..., None], b, torch.zeros((), dtype=b.dtype, device=b.device)))
+    for j in (~finite).any(0).nonzero().flatten().tolist():              # the few keys with non-finite values
+        contribution = a[:, :, j, None] * b[:, None, j, :]               # (h, rows, d)
+        result += torch.where(kept[None, :, j, None], contribution, torch.zeros((), dtype=b.dtype, device=b.device))
+    return result
 
 
 def heads_first(t: torch.Tensor, dtype: torch.dtype, group: int = 1) -> torch.Tensor:

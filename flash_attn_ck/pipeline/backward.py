@@ -20,6 +20,7 @@ from ..core.plan import WorkspacePlan
 from ..core.problem import AttentionParams, AttentionProblem
 from .chunking import backward_plan, chunk_problem, chunk_rows, chunk_views, kv_view, plan_chunks, whole_call, \
     workspace_cap
+from .rows import fill_outside_sequences
 from .select import select_backend
 
 
@@ -34,7 +35,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     # ---- validate: everything before any allocation, so a failing call mutates nothing ----------
     if problem is None:
         problem = describe_call(q, k, v, options)
-        check_backward_operands(problem, q, k, dout, out, softmax_lse, dq, dk, dv, rng_state)
+        check_backward_operands(problem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state, options)
     chosen = select_backend(problem, options.backend)
     cap = workspace_cap(options.max_workspace_bytes)
 
@@ -42,6 +43,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv)
     params = AttentionParams(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k, options.alibi_slopes, rng_state)
     softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv, cap)
+    if problem.varlen:      # rows in no sequence (after cu_seqlens[-1]): zero gradients and D, on every backend
+        fill_outside_sequences(dq, options.cu_seqlens_q, 0, 0.0)
+        fill_outside_sequences(softmax_d, options.cu_seqlens_q, 1, 0.0)
+        fill_outside_sequences(dk, options.cu_seqlens_k, 0, 0.0)
+        fill_outside_sequences(dv, options.cu_seqlens_k, 0, 0.0)
     return dq, dk, dv, softmax_d
 
 
@@ -54,7 +60,8 @@ def gradient_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: Opti
     return tuple(torch.empty_like(like) if t is None else t for t, like in ((dq, q), (dk, k), (dv, v)))
 
 
-def check_backward_operands(problem: AttentionProblem, q, k, dout, out, softmax_lse, dq, dk, dv, rng_state) -> None:
+def check_backward_operands(problem: AttentionProblem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state,
+                            options: AttentionOptions) -> None:
     for name, t in (("out", out), ("dout", dout)):
         checks.check_like(name, t, q.dtype, q.device, q.shape)
     checks.check_tensor("softmax_lse", softmax_lse)
@@ -64,6 +71,13 @@ def check_backward_operands(problem: AttentionProblem, q, k, dout, out, softmax_
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
         if t is not None:
             checks.check_like(name, t, q.dtype, q.device, like.shape)
+    # Preallocated outputs: no stride 0, no memory shared with an input or another output (the kernels
+    # read inputs while they write outputs, so an alias would corrupt the result).
+    checks.check_outputs_disjoint(
+        (("dq", dq), ("dk", dk), ("dv", dv)),
+        (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse),
+         ("cu_seqlens_q", options.cu_seqlens_q), ("cu_seqlens_k", options.cu_seqlens_k),
+         ("alibi_slopes", options.alibi_slopes), ("rng_state", rng_state)))
     if problem.dropout_p > 0:
         if rng_state is None:
             raise checks.ArgumentError("rng_state: required when dropout_p > 0 "

@@ -17,14 +17,18 @@ much it needs.
 
 from __future__ import annotations
 
+import collections.abc
 import functools
+import itertools
+import math
 import os
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
 
-from ..core.errors import WorkspaceError
+from ..core import checks
+from ..core.errors import ArgumentError, WorkspaceError
 from ..core.mask import MaskInfo, MaskType
 from ..core.plan import BufferSpec, WorkspacePlan, format_bytes
 from ..core.problem import AttentionParams, AttentionProblem, Placement
@@ -36,17 +40,22 @@ DEFAULT_MAX_WORKSPACE_BYTES = 4 << 30
 
 
 def workspace_cap(max_workspace_bytes: Optional[int]) -> Optional[int]:
-    """The argument, else `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES`, else the default; None = no cap."""
+    """The argument, else `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES` (unset or empty: not given), else the
+    default; None = no cap (-1). Other negative values are refused, naming the argument or the variable."""
     if max_workspace_bytes is None:
-        text = os.environ.get(WORKSPACE_ENV)
-        if text is not None:
+        text = os.environ.get(WORKSPACE_ENV, "").strip()
+        if text:
             try:
-                max_workspace_bytes = int(text)
+                value = int(text)
             except ValueError:
-                raise WorkspaceError(f"{WORKSPACE_ENV}={text!r}: expected an integer number of bytes (-1: no cap)") from None
+                raise ArgumentError(f"{WORKSPACE_ENV}={text!r}: expected an integer number of bytes "
+                                    f"(-1: no cap)") from None
+            max_workspace_bytes = checks.check_workspace_bytes(f"{WORKSPACE_ENV}={text!r}", value)
         else:
             max_workspace_bytes = DEFAULT_MAX_WORKSPACE_BYTES
-    return None if max_workspace_bytes < 0 else int(max_workspace_bytes)
+    else:
+        max_workspace_bytes = checks.check_workspace_bytes("max_workspace_bytes", max_workspace_bytes)
+    return None if max_workspace_bytes == -1 else int(max_workspace_bytes)
 
 
 @dataclass(frozen=True)
@@ -61,13 +70,57 @@ class Chunk:
         return self.group_heads != (0, problem.group_size) or self.rows != (0, problem.seqlen_q)
 
 
+Ranges = tuple[tuple[int, int], ...]
+
+
+class ChunkGrid(collections.abc.Sequence):
+    """A chunking: every combination of a batch range, a kv-head range, a group-head range and a row range,
+    in that nesting order, made on demand (a row-sliced plan of a long call has millions of chunks, and
+    planning must not build them). Compares equal to any sequence of the same chunks."""
+
+    def __init__(self, batch: Ranges, kv_heads: Ranges, group_heads: Ranges, rows: Ranges):
+        self.axes = (tuple(batch), tuple(kv_heads), tuple(group_heads), tuple(rows))
+
+    def __len__(self) -> int:
+        return math.prod(len(axis) for axis in self.axes)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        picked = []
+        for axis in reversed(self.axes):
+            index, position = divmod(index, len(axis))
+            picked.append(axis[position])
+        return Chunk(*reversed(picked))
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return (Chunk(*c) for c in itertools.product(*self.axes))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, ChunkGrid):
+            return self.axes == other.axes
+        if isinstance(other, collections.abc.Sequence):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"ChunkGrid({len(self)} chunks: batch {self.axes[0][:2]}..., kv heads {self.axes[1][:2]}..., " \
+               f"group heads {self.axes[2][:2]}..., rows {self.axes[3][:2]}...)"
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
     backend: str
     cap: Optional[int]
     shared: tuple[BufferSpec, ...]      # allocated once for the whole call
     per_chunk: WorkspacePlan            # the largest chunk's workspace (reallocated per chunk)
-    chunks: tuple[Chunk, ...]
+    chunks: ChunkGrid
     unchunked_bytes: int                # what the call would need in one piece
     cu_seqlens_q: Optional[tuple[int, ...]] = None   # varlen offsets on the host, once chunked
     cu_seqlens_k: Optional[tuple[int, ...]] = None
@@ -119,8 +172,8 @@ def chunk_problem(problem: AttentionProblem, chunk: Chunk, rows_q: int, rows_k: 
                    placement=placement)
 
 
-def _ranges(total: int, size: int) -> list[tuple[int, int]]:
-    return [(start, min(start + size, total)) for start in range(0, total, size)]
+def _ranges(total: int, size: int) -> tuple[tuple[int, int], ...]:
+    return tuple((start, min(start + size, total)) for start in range(0, total, size))
 
 
 def _partial_sums(problem: AttentionProblem, batch_rows_k: int, heads_k: int) -> tuple[BufferSpec, ...]:
@@ -166,8 +219,10 @@ def _plan_chunks_dense(problem: AttentionProblem, backend, cap: Optional[int]) -
 
 
 class _Planner:
-    """Costs chunkings of one call: the shared buffers, each chunk's own plan (memoised by shape:
-    plans depend on sizes only) and the peak, which the largest chunk decides."""
+    """Costs chunkings of one call without building their chunks: the shared buffers, the largest chunk's
+    plan (memoised by shape: plans depend on sizes only) and so the peak. Dense chunks are largest first in
+    every axis; varlen batch ranges differ in rows, so each distinct (rows_q, rows_k) that no other
+    dominates is costed (a few per chunking)."""
 
     def __init__(self, problem: AttentionProblem, backend, cap: Optional[int]):
         self.problem, self.backend, self.cap = problem, backend, cap
@@ -176,49 +231,113 @@ class _Planner:
         self.cu_seqlens_q: Optional[list[int]] = None     # varlen offsets on the host, once read
         self.cu_seqlens_k: Optional[list[int]] = None
         self._plans: dict[tuple, WorkspacePlan] = {}
+        self._windows: dict[int, tuple[tuple[int, int], ...]] = {}
 
     def rows(self, chunk: Chunk) -> tuple[int, int]:
         return chunk_rows(self.problem, chunk, self.cu_seqlens_q, self.cu_seqlens_k)
 
-    def chunk_plan(self, c: Chunk) -> WorkspacePlan:
+    def chunk_plan(self, c: Chunk, rows: tuple[int, int]) -> WorkspacePlan:
         """A chunk's own buffers (softmax_d is shared by all chunks)."""
         key = (c.batch[1] - c.batch[0], c.kv_heads[1] - c.kv_heads[0], c.group_heads[1] - c.group_heads[0],
-               c.rows[1] - c.rows[0], *self.rows(c))
+               c.rows[1] - c.rows[0], *rows)
         if key not in self._plans:
-            plan = self.full if c == self.whole else \
-                backward_plan(self.backend, chunk_problem(self.problem, c, *self.rows(c)))
+            plan = self.full if c == self.whole else backward_plan(self.backend, chunk_problem(self.problem, c, *rows))
             self._plans[key] = replace(plan, buffers=tuple(b for b in plan.buffers if b.name != "softmax_d"))
         return self._plans[key]
 
-    def cost(self, chunks: list[Chunk]) -> ChunkPlan:
+    def windows(self, grid: ChunkGrid) -> tuple[tuple[tuple[int, int], tuple[int, int]], ...]:
+        """(batch range, (rows_q, rows_k)) of the batch ranges whose packed rows no other range's dominate."""
+        p, batch = self.problem, grid.axes[0]
+        if not p.varlen or batch == ((0, p.batch),):
+            probe = Chunk(batch[0], grid.axes[1][0], grid.axes[2][0], grid.axes[3][0])
+            return ((batch[0], self.rows(probe)),)
+        cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
+        rows = {r: (cu_q[r[1]] - cu_q[r[0]], cu_k[r[1]] - cu_k[r[0]])
+                for r in batch}
+        best = {}
+        for r, (rq, rk) in rows.items():
+            if not any(oq >= rq and ok >= rk and (oq, ok) != (rq, rk) for oq, ok in rows.values()):
+                best.setdefault((rq, rk), r)
+        return tuple((r, rr) for rr, r in best.items())
+
+    def cost(self, grid: ChunkGrid) -> ChunkPlan:
         p = self.problem
+        batch, kv_heads, group_heads, rows = grid.axes
         shared = [next(b for b in self.full.buffers if b.name == "softmax_d")]
-        if any(c.partial(p) for c in chunks):
-            widest = max(self.rows(c)[1] for c in chunks)
-            shared += _partial_sums(p, widest, max(c.kv_heads[1] - c.kv_heads[0] for c in chunks))
-        largest = max((self.chunk_plan(c) for c in chunks), key=lambda plan: plan.total_bytes)
-        return ChunkPlan(self.backend.name, self.cap, tuple(shared), largest, tuple(chunks), self.full.total_bytes,
+        windows = self.windows(grid)
+        if group_heads != ((0, p.group_size),) or rows != ((0, p.seqlen_q),):      # dK/dV partial sums
+            if p.varlen and batch != ((0, p.batch),):
+                widest = max(self.cu_seqlens_k[b1] - self.cu_seqlens_k[b0] for b0, b1 in batch)
+            else:
+                widest = max(rr[1] for _, rr in windows)
+            shared += _partial_sums(p, widest, max(g1 - g0 for g0, g1 in kv_heads))
+        plans = [self.chunk_plan(Chunk(b, kv_heads[0], group_heads[0], rows[0]), rr) for b, rr in windows]
+        largest = max(plans, key=lambda plan: plan.total_bytes)
+        return ChunkPlan(self.backend.name, self.cap, tuple(shared), largest, grid, self.full.total_bytes,
                          self.cu_seqlens_q and tuple(self.cu_seqlens_q), self.cu_seqlens_k and tuple(self.cu_seqlens_k))
 
 
 def _plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
                  params: Optional[AttentionParams]) -> ChunkPlan:
+    """The whole call if it fits; else the largest chunks that fit (stage 1: whole groups and batch entries,
+    most (sequences x kv heads) first; stage 2: head and row slices of one group of one sequence). Costs
+    O(h_k log b + G log s_q) chunk plans, never a list of chunks: fast for any shape, and a cap that not even
+    the smallest chunk fits fails at once."""
+    p = problem
     planner = _Planner(problem, backend, cap)
-    plan = planner.cost([planner.whole])
+    plan = planner.cost(_grid(p, p.batch, p.heads_k, p.group_size, p.seqlen_q))
     if cap is None or plan.peak_bytes <= cap:
         return plan
     _check_chunkable(problem, backend, cap, plan.peak_bytes)
     if problem.varlen:
         planner.cu_seqlens_q, planner.cu_seqlens_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
-    smallest = plan.peak_bytes
-    for chunks in _chunkings(problem, backend):
-        plan = planner.cost(chunks)
-        if plan.peak_bytes <= cap:
-            return plan
-        smallest = min(smallest, plan.peak_bytes)
-    raise WorkspaceError(f"backend {backend.name!r}: the backward needs at least {format_bytes(smallest)} of workspace "
-                         f"even in its smallest chunk, over the cap of {format_bytes(cap)} "
-                         f"(raise max_workspace_bytes or {WORKSPACE_ENV})")
+    row_sizes = _row_sizes(problem, backend)
+    smallest = planner.cost(_grid(p, 1, 1, 1, row_sizes[-1]))
+    if smallest.peak_bytes > cap:
+        raise WorkspaceError(f"backend {backend.name!r}: the backward needs at least "
+                             f"{format_bytes(smallest.peak_bytes)} of workspace even in its smallest chunk, over the "
+                             f"cap of {format_bytes(cap)} (raise max_workspace_bytes or {WORKSPACE_ENV})")
+
+    def fits(nb, ng, heads=p.group_size, rows=p.seqlen_q):
+        return planner.cost(_grid(p, nb, ng, heads, rows)).peak_bytes <= cap
+
+    # Stage 1: for each number of kv heads, the most sequences that fit (binary search: the peak grows with
+    # both); the chunking with the most (sequences x kv heads), then the most kv heads, wins.
+    best = None
+    for ng in range(p.heads_k, 0, -1):
+        lo, hi = 0, p.batch          # fits(lo) (0: none), not fits(hi + 1)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid, ng) else (lo, mid - 1)
+        if lo and (best is None or (lo * ng, ng) > (best[0] * best[1], best[1])):
+            best = (lo, ng)
+    if best is not None:
+        return planner.cost(_grid(p, *best, p.group_size, p.seqlen_q))
+    # Stage 2: one group of one sequence, split into query-head slices, then query-row slices.
+    for rows in row_sizes:
+        for heads in range(p.group_size, 0, -1):
+            if (rows, heads) != (p.seqlen_q, p.group_size) and fits(1, 1, heads, rows):
+                return planner.cost(_grid(p, 1, 1, heads, rows))
+    return smallest
+
+
+def _grid(p: AttentionProblem, nb: int, ng: int, heads: int, rows: int) -> ChunkGrid:
+    """Chunks of `nb` sequences x `ng` kv heads x `heads` query heads of a group x `rows` query rows."""
+    return ChunkGrid(_ranges(p.batch, nb), _ranges(p.heads_k, ng), _ranges(p.group_size, heads),
+                     _ranges(p.seqlen_q, rows) if p.seqlen_q else ((0, 0),))
+
+
+def _row_sizes(problem: AttentionProblem, backend) -> list[int]:
+    """Query rows per chunk to try, largest first: all, then halving (batch mode, no ALiBi, where the backend
+    can run row slices)."""
+    p = problem
+    sizes = [p.seqlen_q]
+    if not p.varlen and not p.has_alibi and backend.supports_row_chunks:
+        size = p.seqlen_q
+        while size > 1:
+            size = -(-size // 2)
+            sizes.append(size)
+    return sizes
 
 
 def _check_chunkable(problem: AttentionProblem, backend, cap: int, peak: int) -> None:
@@ -229,32 +348,8 @@ def _check_chunkable(problem: AttentionProblem, backend, cap: int, peak: int) ->
         why_not = "with dropout, chunks would change this backend's keep pattern"
     if why_not:
         raise WorkspaceError(f"backend {backend.name!r}: the backward needs {format_bytes(peak)} of workspace, "
-                             f"over the cap of {format_bytes(cap)}, and {why_not} (raise max_workspace_bytes or {WORKSPACE_ENV})")
-
-
-def _chunkings(problem: AttentionProblem, backend) -> Iterator[list[Chunk]]:
-    """The chunkings to try, in order (the first that fits wins)."""
-    p = problem
-    # Stage 1: whole groups and batch entries, largest chunk first.
-    sizes = sorted(((nb, ng) for nb in range(1, p.batch + 1) for ng in range(1, p.heads_k + 1)),
-                   key=lambda s: (s[0] * s[1], s[1]), reverse=True)
-    for nb, ng in sizes:
-        yield [Chunk(b, g, (0, p.group_size), (0, p.seqlen_q))
-               for b in _ranges(p.batch, nb) for g in _ranges(p.heads_k, ng)]
-    # Stage 2: split one group of one sequence: query-head slices, then query-row slices.
-    row_sizes = [p.seqlen_q]
-    if not p.varlen and not p.has_alibi and backend.supports_row_chunks:
-        size = p.seqlen_q
-        while size > 1:
-            size = -(-size // 2)
-            row_sizes.append(size)
-    for rows_per_chunk in row_sizes:
-        for heads_per_chunk in range(p.group_size, 0, -1):
-            if (rows_per_chunk, heads_per_chunk) == (p.seqlen_q, p.group_size):
-                continue
-            yield [Chunk((b, b + 1), (g, g + 1), a, r)
-                   for b in range(p.batch) for g in range(p.heads_k)
-                   for a in _ranges(p.group_size, heads_per_chunk) for r in _ranges(p.seqlen_q, rows_per_chunk)]
+                             f"over the cap of {format_bytes(cap)}, and {why_not} "
+                             f"(raise max_workspace_bytes or {WORKSPACE_ENV})")
 
 
 # ---- views of one chunk -------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 Returns `(out, softmax_lse, rng_state, probs, problem)`; lse is fp32 `(b, h, s_q)` (varlen `(h, total_q)`);
 `problem` is the validated description of the call, which the backward of the same call may reuse.
 Empty calls run no kernel: without query rows there is nothing to write; without key rows out is zero
-and lse is +inf (flash-attn's convention for empty rows).
+and lse is +inf (flash-attn's convention for empty rows). Varlen rows in no sequence (after
+`cu_seqlens_q[-1]`) get the same: out 0, lse +inf.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..core.errors import ArgumentError
 from ..core.inputs import describe_call, kernel_params
 from ..core.options import AttentionOptions
 from ..core.scores import attention_probs
+from .rows import fill_outside_sequences
 from .select import select_backend
 
 
@@ -38,6 +40,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
         lse.fill_(float("inf"))
     elif problem.rows_q > 0:
         chosen.forward(problem, params, out, lse)
+    if problem.varlen:      # rows after cu_seqlens_q[-1] belong to no sequence: out 0, lse +inf (every backend)
+        fill_outside_sequences(out, options.cu_seqlens_q, 0, 0.0)
+        fill_outside_sequences(lse, options.cu_seqlens_q, 1, float("inf"))
 
     out = out[..., :problem.head_dim] if problem.head_dim_padded != problem.head_dim else out
     probs = attention_probs(problem, params, lse) if options.return_attn_probs else None

@@ -7,8 +7,8 @@ import os
 from typing import Union
 
 from ..backends.base import Backend
-from ..backends.registry import all_backend_classes, backend_class, backend_instance
-from ..core.errors import NoBackendError
+from ..backends.registry import BACKEND_NAMES, all_backend_classes, backend_class, backend_instance
+from ..core.errors import ArgumentError, NoBackendError
 from ..core.problem import AttentionProblem
 
 BACKEND_ENV = "FLASH_ATTN_CK_BACKEND"
@@ -25,7 +25,18 @@ def select_backend(problem: AttentionProblem, requested: Union[str, Backend, Non
     if isinstance(requested, Backend):
         _choose(problem, type(requested))      # raises with its reasons when it cannot run
         return requested
-    return backend_instance(_choose(problem, requested or os.environ.get(BACKEND_ENV) or None))
+    return backend_instance(_choose(problem, requested or backend_from_env()))
+
+
+def backend_from_env() -> str | None:
+    """`$FLASH_ATTN_CK_BACKEND`: a backend name, exactly; unset or empty means automatic."""
+    name = os.environ.get(BACKEND_ENV, "")
+    if not name:
+        return None
+    if name not in BACKEND_NAMES:
+        raise ArgumentError(f"{BACKEND_ENV}={name!r}: expected one of {', '.join(BACKEND_NAMES)} "
+                            f"(exactly, lower case), or unset/empty for automatic selection")
+    return name
 
 
 @functools.lru_cache(maxsize=256)

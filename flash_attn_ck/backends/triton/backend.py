@@ -78,12 +78,17 @@ class TritonBackend(Backend):
     def __init__(self, gqa_epilogue: Optional[str] = None, dq_mode: Optional[str] = None,
                  use_tma: Optional[bool] = None, configs: Optional[config.Configs] = None,
                  ws: Optional[bool] = None, ws_tile: Optional[config.WsTile] = None):
-        self.gqa_epilogue = gqa_epilogue or os.environ.get(GQA_ENV, "loop")
-        self.dq_mode = dq_mode or os.environ.get(DQ_ENV, "auto")
-        if self.gqa_epilogue not in ("loop", "accumulate"):
-            raise ValueError(f"gqa_epilogue={self.gqa_epilogue!r}: expected 'loop' or 'accumulate'")
-        if self.dq_mode not in ("auto", "pass", "atomic"):
-            raise ValueError(f"dq_mode={self.dq_mode!r}: expected 'auto', 'pass' or 'atomic'")
+        # An option given here wins; else its environment variable (empty: unset); errors name the source.
+        for option, value, env, default, allowed in (
+                ("gqa_epilogue", gqa_epilogue, GQA_ENV, "loop", ("loop", "accumulate")),
+                ("dq_mode", dq_mode, DQ_ENV, "auto", ("auto", "pass", "atomic"))):
+            source = f"{option}={value!r}"
+            if not value:
+                value = os.environ.get(env, "") or default
+                source = f"{env}={value!r}"
+            if value not in allowed:
+                raise ValueError(f"{source}: expected one of {', '.join(map(repr, allowed))}")
+            setattr(self, option, value)
         self.use_tma = use_tma
         self.configs = configs
         self.ws = ws

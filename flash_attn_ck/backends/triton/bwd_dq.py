@@ -55,8 +55,7 @@ def query_tile_dq(
         if not F.DP_FIRST:
             dp = tl.dot(do, tl.trans(v))
         if F.HAS_DROPOUT:
-            kept = dropout_keep(seed, offset, b * D.heads + h, offs_m[:, None], cols[None, :], D.max_seqlen_q,
-                                D.max_seqlen_k, S.dropout_p)
+            kept = dropout_keep(seed, offset, b * D.heads + h, offs_m[:, None], cols[None, :], S.dropout_p)
             dp = tl.where(kept, dp * (1.0 / (1.0 - S.dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if F.HAS_SOFTCAP:

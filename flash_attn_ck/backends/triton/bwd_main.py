@@ -153,8 +153,7 @@ def key_tile_dkdv(
                 dpT = tl.dot(v, tl.trans(do))
             # ---- dV and dS^T (dropout scales the kept entries by 1 / (1 - p)) ----
             if F.HAS_DROPOUT:
-                kept = dropout_keep(seed, offset, b * D.heads + h, offs_m[None, :], offs_n[:, None],
-                                    D.max_seqlen_q, D.max_seqlen_k, S.dropout_p)
+                kept = dropout_keep(seed, offset, b * D.heads + h, offs_m[None, :], offs_n[:, None], S.dropout_p)
                 inv_keep = 1.0 / (1.0 - S.dropout_p)
                 dv += tl.dot(tl.where(kept, pT * inv_keep, 0.0).to(do.dtype), do)
                 dpT = tl.where(kept, dpT * inv_keep, 0.0)

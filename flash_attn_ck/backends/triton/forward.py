@@ -51,8 +51,7 @@ def attn_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if F.HAS_DROPOUT:
-            kept = dropout_keep(seed, offset, b * D.heads + h, offs_m[:, None], cols[None, :], D.max_seqlen_q,
-                                D.max_seqlen_k, S.dropout_p)
+            kept = dropout_keep(seed, offset, b * D.heads + h, offs_m[:, None], cols[None, :], S.dropout_p)
             p = tl.where(kept, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new

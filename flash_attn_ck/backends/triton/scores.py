@@ -165,10 +165,16 @@ def key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m
 # ---- dropout ----
 
 @triton.jit
-def dropout_keep(seed, offset, plane, rows, cols, max_seqlen_q, max_seqlen_k, dropout_p):
-    """core/dropout.py: Philox(seed, offset + (plane * max_s_q + i) * max_s_k + j), kept iff
-    (bits >> 8) * 2**-24 >= p in fp32. `plane` = b * heads + h."""
-    counter = offset + ((plane.to(tl.int64) * max_seqlen_q + rows) * max_seqlen_k + cols)
-    bits = tl.randint(seed, counter)
+def dropout_keep(seed, offset, plane, rows, cols, dropout_p):
+    """core/dropout.py: Philox(seed, counter (j, i, low32(offset + plane), high32(offset + plane))), kept
+    iff (bits >> 8) * 2**-24 >= p in fp32. `plane` = b * heads + h. Only the element's own coordinates
+    enter the counter, so the pattern does not depend on launch bounds (max_seqlen)."""
+    zero = rows * 0 + cols * 0
+    word = offset.to(tl.int64) + plane.to(tl.int64)
+    c0 = (cols + zero).to(tl.uint32)
+    c1 = (rows + zero).to(tl.uint32)
+    c2 = (zero + (word & 0xFFFFFFFF)).to(tl.uint32)
+    c3 = (zero + ((word >> 32) & 0xFFFFFFFF)).to(tl.uint32)
+    bits, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
     uniform = (bits >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
     return uniform >= dropout_p
