@@ -53,7 +53,7 @@ assert set(_SCHEMA) == {f.name for f in fields(AttentionOptions)}, "every option
 # Which options each op takes, in schema order (rng_state, an operand, sits between them in the backward).
 _COMMON = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes", "dropout_p",
            "softmax_scale", "causal", "window_size", "softcap", "deterministic")
-_FWD = _COMMON + ("return_attn_probs", "backend")
+_FWD = (*_COMMON, "return_attn_probs", "backend")
 _BWD_TAIL = ("backend", "max_workspace_bytes")
 
 

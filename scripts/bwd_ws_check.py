@@ -19,9 +19,9 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flash_attn_ck as fa  # noqa: E402
-from flash_attn_ck.backends.triton import bwd_ws  # noqa: E402
-from flash_attn_ck.backends.triton.config import WsTile  # noqa: E402
+import flash_attn_ck as fa
+from flash_attn_ck.backends.triton import bwd_ws
+from flash_attn_ck.backends.triton.config import WsTile
 
 
 def mask_of(causal, window, s_q, s_k):
@@ -141,7 +141,7 @@ def time_case(b, h, h_k, s, d, causal, tiles):
             ms = triton.testing.do_bench(lambda: torch.autograd.grad(o, (qt, kt, vt), g, retain_graph=True),
                                          return_mode="median")
             row[name] = f / ms / 1e9
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             row[name] = float("nan")
             print(f"  {name}: {type(e).__name__}: {str(e)[:100]}")
     print(f"TIME d{d} h{h}/{h_k} s{s} causal={causal}: " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()),
@@ -170,14 +170,15 @@ def main():
             ("gqa 8/1 (mqa)", 1, 8, 1, 256, 256, 128, False, (-1, -1), None),
             ("gqa 8/4", 1, 8, 4, 256, 256, 128, True, (-1, -1), None),
             ("d64 causal", 2, 4, 4, 384, 384, 64, True, (-1, -1), None),
-            ("varlen causal gqa", 0, 4, 2, 0, 0, 128, True, (-1, -1), [(100, 100), (0, 50), (257, 300), (64, 0), (130, 70)]),
+            ("varlen causal gqa", 0, 4, 2, 0, 0, 128, True, (-1, -1),
+             [(100, 100), (0, 50), (257, 300), (64, 0), (130, 70)]),
             ("varlen d64", 0, 4, 4, 0, 0, 64, False, (-1, -1), [(200, 130), (1, 1), (129, 255)]),
         ]
         for name, b, h, h_k, s_q, s_k, d, causal, window, lens in cases:
             t = t128 if d == 128 else t64
             try:
                 ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, t, lens)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 ok = False
                 print(f"FAIL {name}: {type(e).__name__}: {str(e)[:600]}", flush=True)
         t0 = time.time()

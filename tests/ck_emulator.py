@@ -250,9 +250,7 @@ class EmulatedCkLibrary:
             raise NotImplementedError("dropout is not emulated (CK's Philox keep pattern is CK-specific)")
         seed = int(self.memory.read("drop_seed", a.drop_seed, torch.int64, torch.tensor([0])))
         offset = int(self.memory.read("drop_offset", a.drop_offset, torch.int64, torch.tensor([0])))
-        max_q = a.max_seqlen_q if a.group_mode else a.seqlen_q
-        max_k = a.max_seqlen_k if a.group_mode else a.seqlen_k
-        return keep_mask((seed, offset), a.p_drop, b, a.nhead_q, max_q, max_k, torch.tensor([head]), rows, cols)[0]
+        return keep_mask((seed, offset), a.p_drop, b, a.nhead_q, torch.tensor([head]), rows, cols)[0]
 
     # ---- fmha_fwd --------------------------------------------------------------------------------
     def _fwd(self, a: ck.FackAttention) -> None:

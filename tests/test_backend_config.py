@@ -59,9 +59,8 @@ def test_use_backend_installs_an_instance_for_a_block():
 
 
 def test_use_backend_rejects_non_backends():
-    with pytest.raises(TypeError, match="Backend instances"):
-        with fa.use_backend("reference"):
-            pass
+    with pytest.raises(TypeError, match="Backend instances"), fa.use_backend("reference"):
+        pass
 
 
 def test_backend_instance_that_cannot_run_says_why():

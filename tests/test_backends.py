@@ -7,9 +7,9 @@ import torch
 
 import flash_attn_ck as fa
 from flash_attn_ck.backends.registry import all_backend_classes, backend_class
-from flash_attn_ck.pipeline.select import BACKEND_ENV, select_backend
 from flash_attn_ck.core.mask import MaskInfo
 from flash_attn_ck.core.problem import AttentionProblem
+from flash_attn_ck.pipeline.select import BACKEND_ENV, select_backend
 
 
 def problem(device="cpu", dtype=torch.bfloat16, **kw):

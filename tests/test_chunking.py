@@ -10,10 +10,10 @@ from hypothesis import strategies as st
 import flash_attn_ck as fa
 from cases import check_case, make_inputs, varlen_meta
 from flash_attn_ck.backends.reference import ReferenceBackend
-from flash_attn_ck.pipeline.chunking import WORKSPACE_ENV, Chunk, plan_chunks, workspace_cap
 from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.options import AttentionOptions
 from flash_attn_ck.core.problem import AttentionParams
+from flash_attn_ck.pipeline.chunking import WORKSPACE_ENV, Chunk, plan_chunks, workspace_cap
 from oracle import Config
 
 CASES = {

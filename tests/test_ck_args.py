@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from flash_attn_ck.backends.ck import backend as ck
-from flash_attn_ck.core.inputs import describe_call, kernel_params
-from flash_attn_ck.core.options import AttentionOptions
-from flash_attn_ck.core.mask import MaskType
 from flash_attn_ck.backends.ck.plan import ck_backward_plan
+from flash_attn_ck.core.inputs import describe_call, kernel_params
+from flash_attn_ck.core.mask import MaskType
+from flash_attn_ck.core.options import AttentionOptions
 
 
 def make_call(*, b=2, s_q=5, s_k=7, h=4, h_k=4, d=16, dtype=torch.float16, causal=False, window=(-1, -1),

@@ -73,10 +73,10 @@ def test_no_import_cycles():
         state[node] = "open"
         for target in sorted(edges[node]):
             if state.get(target) == "open":
-                cycles.append(" -> ".join(stack[stack.index(target):] + [node, target]) if target in stack
+                cycles.append(" -> ".join([*stack[stack.index(target):], node, target]) if target in stack
                               else f"{node} -> {target}")
             elif target not in state:
-                visit(target, stack + [node])
+                visit(target, [*stack, node])
         state[node] = "done"
 
     for name in sorted(edges):

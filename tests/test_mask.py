@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from flash_attn_ck.core.mask import MaskInfo, MaskType, canonical_window
 
-
 # (spec, s_q, s_k) -> (type, left, right, y, x), worked out by hand from CK's mask.hpp rules. The
 # strings are those flash-attention's CK frontend writes as mask_identify: "0" and "b:L,R".
 DECODE_TABLE = [

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import flash_attn_ck as fa
-from flash_attn_ck.backends.reference import ReferenceBackend
-from flash_attn_ck.pipeline.chunking import backward_plan
-from flash_attn_ck.core.mask import MaskInfo
 from flash_attn_ck.backends.ck.plan import CkBwdTile, ck_backward_plan, dq_accum_splits
+from flash_attn_ck.backends.reference import ReferenceBackend
+from flash_attn_ck.core.mask import MaskInfo
 from flash_attn_ck.core.problem import AttentionProblem
+from flash_attn_ck.pipeline.chunking import backward_plan
 
 
 def problem(s_q=8192, s_k=8192, h=32, h_k=32, d=128, deterministic=False, batch=1, **kw):

@@ -105,8 +105,8 @@ def test_varlen_empty_sequences(causal, backend_options):
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-@pytest.mark.parametrize("options", [dict(), dict(gqa_epilogue="accumulate"), dict(gqa_epilogue="accumulate", use_tma=True),
-                                     dict(ws=True)],
+@pytest.mark.parametrize("options", [dict(), dict(gqa_epilogue="accumulate"),
+                                     dict(gqa_epilogue="accumulate", use_tma=True), dict(ws=True)],
                          ids=["loop", "accumulate", "accumulate-tma", "ws"])
 def test_deterministic_bit_identical(options, varlen):
     with use_backend(TritonBackend(**options)):

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from flash_attn_ck.backends.triton import config, launch  # noqa: E402
-from flash_attn_ck.backends.triton.launch import Features, ScoreArgs, Sizes  # noqa: E402
+from flash_attn_ck.backends.triton import config, launch
+from flash_attn_ck.backends.triton.launch import Features, ScoreArgs, Sizes
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -41,7 +41,8 @@ def test_specs_match_their_kernels(varlen):
         assert list(sig) == spec.kernel.arg_names
         assert set(constexprs) == {p.name for p in spec.kernel.params if p.is_constexpr}
     fwd_sig = specs[0].signature()[0]
-    assert fwd_sig["stride_q"] == ("i32", "i32", "i32") and fwd_sig["S"] == ScoreArgs("fp32", "fp32", "fp32", "i32", "i32")
+    assert fwd_sig["stride_q"] == ("i32", "i32", "i32")
+    assert fwd_sig["S"] == ScoreArgs("fp32", "fp32", "fp32", "i32", "i32")
     assert specs[2].signature()[0]["dQ"] == "*fp32"   # the atomic mode's fp32 dQ buffer
     assert specs[2].signature()[1]["F"] is features
 

@@ -9,7 +9,7 @@ lists every backend's reasons.
 from __future__ import annotations
 
 import abc
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
@@ -21,7 +21,7 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     priority: ClassVar[int] = 0                     # higher wins when several backends fit
     # Devices on which automatic selection may pick this backend (None: wherever it is supported).
-    auto_select_devices: ClassVar[Optional[frozenset[str]]] = None
+    auto_select_devices: ClassVar[frozenset[str] | None] = None
     device_types: ClassVar[frozenset[str]] = frozenset()
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
     max_head_dim: ClassVar[int] = 256
@@ -41,7 +41,7 @@ class Backend(abc.ABC):
 
     # ---- capability checks ---------------------------------------------------------------------
     @classmethod
-    def unavailable_reason(cls) -> Optional[str]:
+    def unavailable_reason(cls) -> str | None:
         """Why this backend cannot run on this machine at all (missing library, toolkit), or None."""
         return None
 

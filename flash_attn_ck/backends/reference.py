@@ -69,7 +69,7 @@ class ReferenceBackend(Backend):
         """The CK contract's buffers, plus this backend's own fp32 temporaries (a CK kernel keeps
         them in registers) so that a workspace cap also bounds what the reference allocates."""
         plan = ck_backward_plan(problem, self.name)
-        return replace(plan, buffers=plan.buffers + (self._scratch(problem),))
+        return replace(plan, buffers=(*plan.buffers, self._scratch(problem)))
 
     @staticmethod
     def _scratch(problem: AttentionProblem) -> BufferSpec:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import weakref
-from typing import Iterator, Union
+from collections.abc import Iterator
 
 from ..core.errors import ArgumentError
 from .base import Backend
@@ -93,10 +93,10 @@ def use_backend(*backends: Backend) -> Iterator[None]:
 
 # Instances passed as `backend=` that are on their way through an op: a weak table, so it holds
 # nothing alive (the autograd ctx holds the call's options, and with them the instance, until backward).
-_passed: "weakref.WeakValueDictionary[str, Backend]" = weakref.WeakValueDictionary()
+_passed: weakref.WeakValueDictionary[str, Backend] = weakref.WeakValueDictionary()
 
 
-def backend_key(backend: Union[str, Backend, None]) -> str:
+def backend_key(backend: str | Backend | None) -> str:
     """A `backend=` argument as a string for an op schema: "" (automatic), a name, or a key of an instance."""
     if backend is None or isinstance(backend, str):
         return backend or ""
@@ -107,7 +107,7 @@ def backend_key(backend: Union[str, Backend, None]) -> str:
     return key
 
 
-def backend_from_key(key: str) -> Union[str, Backend, None]:
+def backend_from_key(key: str) -> str | Backend | None:
     """The inverse of `backend_key`."""
     if "@" not in key:
         return key or None

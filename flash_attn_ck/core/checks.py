@@ -7,8 +7,8 @@ contract) plus those of the flash-attn Python API.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Optional, Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_tensor(name: str, t, ndim: Optional[int] = None) -> None:
+def check_tensor(name: str, t, ndim: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
@@ -308,7 +308,7 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, batch: int, total: int, max_se
         raise ArgumentError(f"{name}: must be contiguous, got stride {cu.stride()}")
     if cu.device.type == "cpu":
         values = cu.tolist()
-        lengths = [b - a for a, b in zip(values, values[1:])]
+        lengths = [b - a for a, b in itertools.pairwise(values)]
         if values[0] != 0 or any(n < 0 for n in lengths) or values[-1] > total:
             raise ArgumentError(f"{name}: expected non-decreasing offsets from 0 to at most {total}, got {values}")
         if lengths and max(lengths) > max_seqlen:

@@ -8,8 +8,6 @@ pads the head dim to a multiple of 8 for the kernels (zeros, so scores and outpu
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -79,7 +77,7 @@ def pad_to(t: torch.Tensor, head_dim_padded: int) -> torch.Tensor:
 
 
 def kernel_params(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  options: AttentionOptions, rng_state: Optional[torch.Tensor]) -> AttentionParams:
+                  options: AttentionOptions, rng_state: torch.Tensor | None) -> AttentionParams:
     d = problem.head_dim_padded
     return AttentionParams(q=pad_to(q, d), k=pad_to(k, d), v=pad_to(v, d), cu_seqlens_q=options.cu_seqlens_q,
                            cu_seqlens_k=options.cu_seqlens_k, alibi_slopes=options.alibi_slopes, rng_state=rng_state)

@@ -45,17 +45,17 @@ class MaskInfo:
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
-    def no_mask(cls, seqlen_q: int, seqlen_k: int) -> "MaskInfo":
+    def no_mask(cls, seqlen_q: int, seqlen_k: int) -> MaskInfo:
         return cls(MaskType.NO_MASK, -1, -1, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
 
     @classmethod
-    def bottom_right(cls, left: int, right: int, seqlen_q: int, seqlen_k: int) -> "MaskInfo":
+    def bottom_right(cls, left: int, right: int, seqlen_q: int, seqlen_k: int) -> MaskInfo:
         """A window aligned to the bottom-right corner (flash-attn's alignment); a negative side is unbounded."""
         y, x = generic_coordinates(left, right, seqlen_q, seqlen_k, top_left=False)
         return cls(MaskType.BOTTOM_RIGHT, left, right, y, x, seqlen_q, seqlen_k)
 
     @classmethod
-    def from_flash_args(cls, causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> "MaskInfo":
+    def from_flash_args(cls, causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> MaskInfo:
         """flash-attn's arguments -> CK mask: flash-attn's documented interval, exactly (docs/semantics.md §Masks).
 
         `seqlen_q`/`seqlen_k`: the lengths (varlen: upper bounds of every sequence's lengths, e.g. the
@@ -67,7 +67,7 @@ class MaskInfo:
         return cls.bottom_right(left, right, seqlen_q, seqlen_k)
 
     @classmethod
-    def decode(cls, spec: str, seqlen_q: int, seqlen_k: int) -> "MaskInfo":
+    def decode(cls, spec: str, seqlen_q: int, seqlen_k: int) -> MaskInfo:
         """CK's `mask_identify` strings as flash-attention's CK frontend writes them: `0` (no mask) and
         `b:L,R` (bottom-right window). Only CK's string interface and its tests use this form."""
         if spec == "0":
@@ -89,7 +89,7 @@ class MaskInfo:
     def is_causal(self) -> bool:
         return self.type in (MaskType.TOP_LEFT, MaskType.BOTTOM_RIGHT) and self.left < 0 and self.right == 0
 
-    def for_lengths(self, seqlen_q: int, seqlen_k: int) -> "MaskInfo":
+    def for_lengths(self, seqlen_q: int, seqlen_k: int) -> MaskInfo:
         """The same left/right window rebuilt for other lengths, as a CK kernel does per sequence."""
         if self.type == MaskType.NO_MASK:
             return MaskInfo(MaskType.NO_MASK, -1, -1, seqlen_q, seqlen_k, seqlen_q, seqlen_k)

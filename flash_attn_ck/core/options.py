@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -23,20 +23,20 @@ class AttentionOptions:
 
     `backend`: a backend name ("triton", "ck", "reference"), a backend instance, or None (automatic).
     `max_workspace_bytes`: the backward's workspace cap (None: the environment's or the default)."""
-    cu_seqlens_q: Optional[torch.Tensor] = None     # int32 (b + 1,): varlen calls only
-    cu_seqlens_k: Optional[torch.Tensor] = None
-    max_seqlen_q: Optional[int] = None
-    max_seqlen_k: Optional[int] = None
-    alibi_slopes: Optional[torch.Tensor] = None     # fp32 (h,) or (b, h)
+    cu_seqlens_q: torch.Tensor | None = None     # int32 (b + 1,): varlen calls only
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+    alibi_slopes: torch.Tensor | None = None     # fp32 (h,) or (b, h)
     dropout_p: float = 0.0
-    softmax_scale: Optional[float] = None           # None: 1 / sqrt(head_dim)
+    softmax_scale: float | None = None           # None: 1 / sqrt(head_dim)
     causal: bool = False
     window_size: tuple[int, int] = (-1, -1)         # (left, right); -1: unbounded
     softcap: float = 0.0
     deterministic: bool = False
     return_attn_probs: bool = False
     backend: Any = None
-    max_workspace_bytes: Optional[int] = None
+    max_workspace_bytes: int | None = None
 
     def __post_init__(self):
         # eq=False: tensors inside, so options compare by identity; everything cached is keyed on the problem.

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass(frozen=True)
 class BufferSpec:
     name: str

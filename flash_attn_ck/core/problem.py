@@ -8,7 +8,6 @@ kernel needs besides q/k/v, in the kernel layout (head dim already padded).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
@@ -116,7 +115,7 @@ class AttentionParams:
     q: torch.Tensor                         # (b, s_q, h, d) or varlen (total_q, h, d)
     k: torch.Tensor                         # (b, s_k, h_k, d) or varlen (total_k, h_k, d)
     v: torch.Tensor
-    cu_seqlens_q: Optional[torch.Tensor] = None   # int32 (b + 1,), varlen only
-    cu_seqlens_k: Optional[torch.Tensor] = None
-    alibi_slopes: Optional[torch.Tensor] = None   # fp32 (h,) or (b, h)
-    rng_state: Optional[torch.Tensor] = None      # int64 [seed, offset], dropout only
+    cu_seqlens_q: torch.Tensor | None = None   # int32 (b + 1,), varlen only
+    cu_seqlens_k: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None   # fp32 (h,) or (b, h)
+    rng_state: torch.Tensor | None = None      # int64 [seed, offset], dropout only

@@ -7,8 +7,8 @@ the dropout keep mask at the call's global coordinates. The reference backend co
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 
@@ -73,7 +73,7 @@ class ScoreTile:
         if self.kept is not None:
             raw = raw.masked_fill(~self.kept, float("-inf"))
         self.scores = raw
-        self.keep: Optional[torch.Tensor] = None
+        self.keep: torch.Tensor | None = None
         if p.dropout_p > 0:
             # Global coordinates: a chunk of a call draws the same pattern as the whole call.
             where = p.placement

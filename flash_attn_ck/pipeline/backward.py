@@ -8,7 +8,6 @@ dq/dk/dv, and without query rows runs no kernel (dK, dV and D are zero).
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 import torch
 
@@ -18,16 +17,24 @@ from ..core.inputs import describe_call
 from ..core.options import AttentionOptions
 from ..core.plan import WorkspacePlan
 from ..core.problem import AttentionParams, AttentionProblem
-from .chunking import backward_plan, chunk_problem, chunk_rows, chunk_views, kv_view, plan_chunks, whole_call, \
-    workspace_cap
+from .chunking import (
+    backward_plan,
+    chunk_problem,
+    chunk_rows,
+    chunk_views,
+    kv_view,
+    plan_chunks,
+    whole_call,
+    workspace_cap,
+)
 from .rows import fill_outside_sequences
 from .select import select_backend
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, softmax_lse: torch.Tensor, dq: Optional[torch.Tensor],
-                       dk: Optional[torch.Tensor], dv: Optional[torch.Tensor], options: AttentionOptions,
-                       rng_state: Optional[torch.Tensor], problem: Optional[AttentionProblem] = None):
+                       out: torch.Tensor, softmax_lse: torch.Tensor, dq: torch.Tensor | None,
+                       dk: torch.Tensor | None, dv: torch.Tensor | None, options: AttentionOptions,
+                       rng_state: torch.Tensor | None, problem: AttentionProblem | None = None):
     """`problem`: the forward's description of this very call (attention_forward returns it), from a
     caller that guarantees the operands are the forward's own (the autograd Function: saved tensors,
     and a dout that autograd has matched to out). Validation is then skipped; everyone else leaves
@@ -51,8 +58,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     return dq, dk, dv, softmax_d
 
 
-def gradient_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: Optional[torch.Tensor],
-                     dk: Optional[torch.Tensor], dv: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def gradient_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor | None,
+                     dk: torch.Tensor | None, dv: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     """The caller's dq/dk/dv where given (check_backward_operands checks them), new tensors elsewhere."""
     for name, t, like in (("q", dq, q), ("k", dk, k), ("v", dv, v)):
         if t is None:
@@ -68,6 +75,7 @@ def check_backward_operands(problem: AttentionProblem, q, k, v, dout, out, softm
     checks.check_dtype("softmax_lse", softmax_lse, problem.accum_dtype)
     checks.check_device("softmax_lse", softmax_lse, q.device)
     checks.check_shape("softmax_lse", softmax_lse, problem.lse_shape)
+    checks.check_last_dim_contiguous("softmax_lse", softmax_lse)   # the kernels index rows with unit stride
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
         if t is not None:
             checks.check_like(name, t, q.dtype, q.device, like.shape)
@@ -87,7 +95,7 @@ def check_backward_operands(problem: AttentionProblem, q, k, v, dout, out, softm
 
 def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                 cap: Optional[int]) -> torch.Tensor:
+                 cap: int | None) -> torch.Tensor:
     """Run one validated backward into dq/dk/dv, in chunks when the workspace would exceed `cap`;
     returns softmax_d."""
     p = problem
@@ -150,7 +158,7 @@ def _leading(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def run_chunk(backend: Backend, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
               lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-              softmax_d: torch.Tensor, plan: Optional[WorkspacePlan] = None) -> None:
+              softmax_d: torch.Tensor, plan: WorkspacePlan | None = None) -> None:
     """One backward over views: plan -> pad -> kernel -> GQA group sum -> unpad. `plan`: this
     problem's backward_plan when the caller has it already."""
     p = problem

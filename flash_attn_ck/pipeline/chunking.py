@@ -22,8 +22,8 @@ import functools
 import itertools
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
 
 import torch
 
@@ -39,7 +39,7 @@ WORKSPACE_ENV = "FLASH_ATTN_CK_MAX_WORKSPACE_BYTES"
 DEFAULT_MAX_WORKSPACE_BYTES = 4 << 30
 
 
-def workspace_cap(max_workspace_bytes: Optional[int]) -> Optional[int]:
+def workspace_cap(max_workspace_bytes: int | None) -> int | None:
     """The argument, else `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES` (unset or empty: not given), else the
     default; None = no cap (-1). Other negative values are refused, naming the argument or the variable."""
     if max_workspace_bytes is None:
@@ -117,13 +117,13 @@ class ChunkGrid(collections.abc.Sequence):
 @dataclass(frozen=True)
 class ChunkPlan:
     backend: str
-    cap: Optional[int]
+    cap: int | None
     shared: tuple[BufferSpec, ...]      # allocated once for the whole call
     per_chunk: WorkspacePlan            # the largest chunk's workspace (reallocated per chunk)
     chunks: ChunkGrid
     unchunked_bytes: int                # what the call would need in one piece
-    cu_seqlens_q: Optional[tuple[int, ...]] = None   # varlen offsets on the host, once chunked
-    cu_seqlens_k: Optional[tuple[int, ...]] = None
+    cu_seqlens_q: tuple[int, ...] | None = None   # varlen offsets on the host, once chunked
+    cu_seqlens_k: tuple[int, ...] | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -194,15 +194,16 @@ def backward_plan(backend, problem: AttentionProblem) -> WorkspacePlan:
         return plan
     p, d = problem, problem.head_dim_padded
     rows_q, rows_k = p.q_rows_shape, p.k_rows_shape
+    operands = (("q", rows_q, p.heads_q), ("k", rows_k, p.heads_k), ("v", rows_k, p.heads_k),
+                ("out", rows_q, p.heads_q), ("dout", rows_q, p.heads_q),
+                ("dq", rows_q, p.heads_q), ("dk", rows_k, p.heads_k), ("dv", rows_k, p.heads_k))
     padding = [BufferSpec(f"{name}_padded", (*rows, heads, d), p.dtype, True, f"{name} zero-padded to d={d}")
-               for name, rows, heads in (("q", rows_q, p.heads_q), ("k", rows_k, p.heads_k), ("v", rows_k, p.heads_k),
-                                         ("out", rows_q, p.heads_q), ("dout", rows_q, p.heads_q),
-                                         ("dq", rows_q, p.heads_q), ("dk", rows_k, p.heads_k), ("dv", rows_k, p.heads_k))]
+               for name, rows, heads in operands]
     return replace(plan, buffers=plan.buffers + tuple(padding))
 
 
-def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
-                params: Optional[AttentionParams] = None) -> ChunkPlan:
+def plan_chunks(problem: AttentionProblem, backend, cap: int | None,
+                params: AttentionParams | None = None) -> ChunkPlan:
     """Pick the largest chunks whose workspace fits under `cap` (see the module docstring).
 
     Varlen offsets are read to the host (a device sync) only when the call must be chunked. Dense
@@ -214,7 +215,7 @@ def plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
 
 
 @functools.lru_cache(maxsize=256)
-def _plan_chunks_dense(problem: AttentionProblem, backend, cap: Optional[int]) -> ChunkPlan:
+def _plan_chunks_dense(problem: AttentionProblem, backend, cap: int | None) -> ChunkPlan:
     return _plan_chunks(problem, backend, cap, None)
 
 
@@ -224,12 +225,12 @@ class _Planner:
     every axis; varlen batch ranges differ in rows, so each distinct (rows_q, rows_k) that no other
     dominates is costed (a few per chunking)."""
 
-    def __init__(self, problem: AttentionProblem, backend, cap: Optional[int]):
+    def __init__(self, problem: AttentionProblem, backend, cap: int | None):
         self.problem, self.backend, self.cap = problem, backend, cap
         self.full = backward_plan(backend, problem)
         self.whole = whole_call(problem)
-        self.cu_seqlens_q: Optional[list[int]] = None     # varlen offsets on the host, once read
-        self.cu_seqlens_k: Optional[list[int]] = None
+        self.cu_seqlens_q: list[int] | None = None     # varlen offsets on the host, once read
+        self.cu_seqlens_k: list[int] | None = None
         self._plans: dict[tuple, WorkspacePlan] = {}
         self._windows: dict[int, tuple[tuple[int, int], ...]] = {}
 
@@ -277,8 +278,8 @@ class _Planner:
                          self.cu_seqlens_q and tuple(self.cu_seqlens_q), self.cu_seqlens_k and tuple(self.cu_seqlens_k))
 
 
-def _plan_chunks(problem: AttentionProblem, backend, cap: Optional[int],
-                 params: Optional[AttentionParams]) -> ChunkPlan:
+def _plan_chunks(problem: AttentionProblem, backend, cap: int | None,
+                 params: AttentionParams | None) -> ChunkPlan:
     """The whole call if it fits; else the largest chunks that fit (stage 1: whole groups and batch entries,
     most (sequences x kv heads) first; stage 2: head and row slices of one group of one sequence). Costs
     O(h_k log b + G log s_q) chunk plans, never a list of chunks: fast for any shape, and a cap that not even

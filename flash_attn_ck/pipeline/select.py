@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Union
 
 from ..backends.base import Backend
 from ..backends.registry import BACKEND_NAMES, all_backend_classes, backend_class, backend_instance
@@ -14,7 +13,7 @@ from ..core.problem import AttentionProblem
 BACKEND_ENV = "FLASH_ATTN_CK_BACKEND"
 
 
-def select_backend(problem: AttentionProblem, requested: Union[str, Backend, None] = None) -> Backend:
+def select_backend(problem: AttentionProblem, requested: str | Backend | None = None) -> Backend:
     """`requested` (a name or an instance), else `$FLASH_ATTN_CK_BACKEND`, else the highest-priority
     backend that fits. A name resolves to the instance `use_backend` installed, else the default one.
 
@@ -40,7 +39,7 @@ def backend_from_env() -> str | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _choose(problem: AttentionProblem, requested: Union[str, type[Backend], None]) -> str:
+def _choose(problem: AttentionProblem, requested: str | type[Backend] | None) -> str:
     """The chosen backend's name; `requested`: a name, a backend class or None (automatic).
     Memoised (a choice depends only on the problem, the request and what this process has
     installed): it runs on every call, and small calls are host-bound. Refusals raise and are not cached."""

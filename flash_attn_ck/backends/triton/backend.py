@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
 
 import torch
 
@@ -50,14 +49,14 @@ DQ_ENV = "FLASH_ATTN_CK_TRITON_DQ"
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     """Compute capability of a CUDA device (a tensor's device: its index is set); read up to three
     times per call, so cached."""
     return torch.cuda.get_device_capability(device)
 
 
-def _scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
@@ -75,9 +74,9 @@ class TritonBackend(Backend):
     priority = 100
     device_types = frozenset({"cuda"})
 
-    def __init__(self, gqa_epilogue: Optional[str] = None, dq_mode: Optional[str] = None,
-                 use_tma: Optional[bool] = None, configs: Optional[config.Configs] = None,
-                 ws: Optional[bool] = None, ws_tile: Optional[config.WsTile] = None):
+    def __init__(self, gqa_epilogue: str | None = None, dq_mode: str | None = None,
+                 use_tma: bool | None = None, configs: config.Configs | None = None,
+                 ws: bool | None = None, ws_tile: config.WsTile | None = None):
         # An option given here wins; else its environment variable (empty: unset); errors name the source.
         for option, value, env, default, allowed in (
                 ("gqa_epilogue", gqa_epilogue, GQA_ENV, "loop", ("loop", "accumulate")),
@@ -96,7 +95,7 @@ class TritonBackend(Backend):
 
     # ---- capabilities --------------------------------------------------------------------------
     @classmethod
-    def unavailable_reason(cls) -> Optional[str]:
+    def unavailable_reason(cls) -> str | None:
         try:
             import triton  # noqa: F401
         except ImportError:
@@ -246,7 +245,8 @@ class TritonBackend(Backend):
         if not ws_reasons:
             heads = self._ws_kv_heads_per_launch(p) * p.group_size
             buffers.append(BufferSpec("dq_accum", (*p.q_rows_shape, heads, d), torch.float32, False,
-                                      f"fp32 dQ of {heads} query heads per launch (TMA reduce-adds; zeroed per launch)"))
+                                      f"fp32 dQ of {heads} query heads per launch "
+                                      "(TMA reduce-adds, zeroed per launch)"))
             if p.deterministic:
                 tiles = bwd_ws_semaphore_tiles(p.seqlen_q, self._ws_tile(p))
                 buffers.append(BufferSpec("dq_semaphore", (p.batch, heads, tiles), torch.int32, False,
@@ -262,7 +262,8 @@ class TritonBackend(Backend):
             acc_shape = (p.heads_k, p.total_k, d) if p.varlen else (p.batch, p.heads_k, p.seqlen_k, d)
             for name in ("dk_accum", "dv_accum"):
                 buffers.append(BufferSpec(name, acc_shape, torch.float32, False,
-                                          f"fp32 {name[:2]} summed over groups of {p.group_size} (zeroed by bwd_preprocess)"))
+                                          f"fp32 {name[:2]} summed over groups of {p.group_size} "
+                                          "(zeroed by bwd_preprocess)"))
             if p.deterministic:
                 tiles = triton_cdiv(p.seqlen_k, self._configs(p).bwd_kv.block_n)
                 buffers.append(BufferSpec("dkv_semaphore", (max(tiles, 1), p.batch, p.heads_k), torch.int32, False,
@@ -300,7 +301,8 @@ class TritonBackend(Backend):
                                   *(t for t in (dk_acc, dv_acc) if t is not None))
         use_tma = tma_mode != "none"
         prog_heads = p.heads_k if loop_group else p.heads_q
-        query_programs = 0 if dq_acc is not None else (p.heads_q // prog_heads) * triton_cdiv(p.seqlen_q, dq_tile.block_m)
+        query_tiles = triton_cdiv(p.seqlen_q, dq_tile.block_m)
+        query_programs = 0 if dq_acc is not None else (p.heads_q // prog_heads) * query_tiles
         programs = triton_cdiv(p.seqlen_k, kv.block_n) + query_programs
         if programs > 0:
             scores, features = launch.split_named(
@@ -323,7 +325,7 @@ class TritonBackend(Backend):
 
     @staticmethod
     def _postprocess(p: AttentionProblem, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                     dq_acc: Optional[torch.Tensor], dk_acc: Optional[torch.Tensor], dv_acc: Optional[torch.Tensor],
+                     dq_acc: torch.Tensor | None, dk_acc: torch.Tensor | None, dv_acc: torch.Tensor | None,
                      d: int) -> None:
         """The fp32 accumulators that this plan has -> dq (atomic dQ), dk/dv (GQA "accumulate")."""
         batch = 1 if p.varlen else p.batch

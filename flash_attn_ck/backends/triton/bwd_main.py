@@ -38,8 +38,7 @@ import triton.language as tl
 
 from .bwd_dq import query_tile_dq
 from .bwd_epilogue import accumulate_kv
-from .scores import (LOG2E, block_needs_mask, dropout_keep, keep_positions, query_range, scores_log2,
-                     sequence_bounds)
+from .scores import LOG2E, block_needs_mask, dropout_keep, keep_positions, query_range, scores_log2, sequence_bounds
 from .tiles import add_rows, head_rows, load_rows, row_tiles, store_rows
 
 

@@ -40,8 +40,13 @@ from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .bwd_ws_schedule import semaphore_tiles
 
@@ -201,7 +206,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, HEAD_D, 16])
-    dq_warps_m: gl.constexpr = BLOCK_M // 16 if BLOCK_M // 16 < num_warps else num_warps
+    dq_warps_m: gl.constexpr = BLOCK_M // 16 if num_warps > BLOCK_M // 16 else num_warps
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[dq_warps_m, num_warps // dq_warps_m],
         instr_shape=[16, HEAD_D // (num_warps // dq_warps_m), 16])

@@ -59,7 +59,7 @@ class WsTile:
     writer_regs: int = 24
 
     @classmethod
-    def parse(cls, text: str) -> "WsTile":
+    def parse(cls, text: str) -> WsTile:
         """'BMxBN[xSTAGES[xDQ_STAGES[xPIPELINE]]]', as the benchmark scripts take it."""
         names = ("block_m", "block_n", "num_stages", "dq_stages", "pipeline")
         return cls(**dict(zip(names, map(int, text.split("x")))))

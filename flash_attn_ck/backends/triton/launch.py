@@ -22,7 +22,7 @@ keep compiling), its value where backend.py names the call's flags (`_feature_ar
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -173,7 +173,7 @@ def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArg
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, F=features), tile.num_warps, tile.num_stages)
 
 
-def bwd_preprocess(out, dout, delta, cu_seqlens_q, zero: tuple[Optional[torch.Tensor], ...], batch: int,
+def bwd_preprocess(out, dout, delta, cu_seqlens_q, zero: tuple[torch.Tensor | None, ...], batch: int,
                    sizes: Sizes, varlen: bool, block_d: int, block_m: int = 64) -> LaunchSpec:
     """D = rowsum(dO * O) into delta; zero the buffers of `zero` (dq, dk, dv accumulators, semaphores;
     None where the plan has none)."""
