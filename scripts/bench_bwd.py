@@ -103,10 +103,11 @@ VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq":
             "triton-tma": dict(use_tma=True), "triton-one-launch": dict(ws=False)}
 
 
-def measure(name, b, h, h_k, s, d, causal, configs=None, warm_only=False):
-    """Forward and backward timings and backward peak memory of one runner on one shape."""
+def measure(name, b, h, h_k, s, d, causal, configs=None, warm_only=False, backend=None):
+    """Forward and backward timings and backward peak memory of one runner on one shape. `backend`: the
+    TritonBackend instance the "triton" runners use (default: one with `configs` and the variant's options)."""
     from flash_attn_ck.backends.triton import TritonBackend
-    with fa.use_backend(TritonBackend(configs=configs, **VARIANTS.get(name, {}))):
+    with fa.use_backend(backend or TritonBackend(configs=configs, **VARIANTS.get(name, {}))):
         return _measure(name, b, h, h_k, s, d, causal, warm_only)
 
 

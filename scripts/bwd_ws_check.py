@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import flash_attn_ck as fa
@@ -111,41 +110,18 @@ def check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, varlen_lens=None, 
     return ok
 
 
-def flops(b, h, s_q, s_k, d, causal):
-    return 2.5 * 4.0 * b * h * s_q * s_k * d / (2 if causal else 1)
-
-
 def time_case(b, h, h_k, s, d, causal, tiles):
-    dev, dtype = "cuda", torch.bfloat16
-    q = torch.randn(b, s, h, d, device=dev, dtype=dtype)
-    k = torch.randn(b, s, h_k, d, device=dev, dtype=dtype)
-    v = torch.randn(b, s, h_k, d, device=dev, dtype=dtype)
-    dout = torch.randn_like(q)
-    out, lse, _ = fa.flash_attn_fwd(q, k, v, causal=causal, backend="triton")
-    f = flops(b, h, s, s, d, causal)
-    row = {}
-    for tile in tiles:
-        ms = triton.testing.do_bench(lambda: ws_backward(q, k, v, out, dout, lse, causal, (-1, -1), tile),
-                                     return_mode="median")
-        row[f"ws{tile}"] = f / ms / 1e9
-    ms = triton.testing.do_bench(lambda: fa.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, backend="triton"),
-                                 return_mode="median")
-    row["triton"] = f / ms / 1e9
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    for name, kind in (("fa2", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-        try:
-            qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-            with sdpa_kernel(kind):
-                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=h != h_k)
-            g = dout.transpose(1, 2)
-            ms = triton.testing.do_bench(lambda: torch.autograd.grad(o, (qt, kt, vt), g, retain_graph=True),
-                                         return_mode="median")
-            row[name] = f / ms / 1e9
-        except Exception as e:
-            row[name] = float("nan")
-            print(f"  {name}: {type(e).__name__}: {str(e)[:100]}")
-    print(f"TIME d{d} h{h}/{h_k} s{s} causal={causal}: " + "  ".join(f"{k} {v:.0f}" for k, v in row.items()),
-          flush=True)
+    """Backward TFLOP/s of each tile of the warp-specialised kernel, the one-launch kernel and SDPA's FA2 and
+    cuDNN, timed by bench_bwd.py's runner (the whole backward through the public API, in this process)."""
+    from bench_bwd import measure
+
+    from flash_attn_ck.backends.triton import TritonBackend
+    row = {f"ws{tile}": measure("triton", b, h, h_k, s, d, causal, backend=TritonBackend(ws=True, ws_tile=tile))
+           for tile in tiles}
+    for name in ("triton-one-launch", "sdpa_flash", "sdpa_cudnn"):
+        row[name] = measure(name, b, h, h_k, s, d, causal)
+    print(f"TIME d{d} h{h}/{h_k} s{s} causal={causal}: "
+          + "  ".join(f"{k} {v['bwd_tflops']:.0f}" for k, v in row.items()), flush=True)
 
 
 def main():

@@ -19,18 +19,22 @@ from flash_attn_ck.backends.triton import TritonBackend
 torch.manual_seed(0)
 
 
-def ws_case():
-    lens_q, lens_k = [137, 0, 70, 5, 200], [150, 9, 70, 0, 129]
+def varlen_backward(lens_q, lens_k, head_dim, deterministic):
+    """A causal GQA 8/2 varlen forward + backward through the public API."""
     cu_q = torch.tensor([0, *lens_q]).cumsum(0).int().cuda()
     cu_k = torch.tensor([0, *lens_k]).cumsum(0).int().cuda()
+    q = torch.randn(sum(lens_q), 8, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(sum(lens_k), 2, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
+                                    deterministic=deterministic, backend="triton")
+    out.backward(torch.randn_like(out))
+
+
+def ws_case():
     with fa.use_backend(TritonBackend(ws=True)):
         for deterministic in (True, False):
-            q = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            k = torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            v = torch.randn_like(k, requires_grad=True)
-            out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
-                                            deterministic=deterministic, backend="triton")
-            out.backward(torch.randn_like(out))
+            varlen_backward([137, 0, 70, 5, 200], [150, 9, 70, 0, 129], 128, deterministic)
         qd, kd, vd = (torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                       for h in (4, 2, 2))
         fa.flash_attn_func(qd, kd, vd, window_size=(100, 20), backend="triton").sum().backward()
@@ -42,17 +46,9 @@ if sys.argv[1:] == ["ws"]:
     print("case done")
     sys.exit(0)
 
-lens_q, lens_k = [37, 0, 70, 5], [50, 9, 70, 0]
-cu_q = torch.tensor([0, *lens_q]).cumsum(0).int().cuda()
-cu_k = torch.tensor([0, *lens_k]).cumsum(0).int().cuda()
 for opts in (dict(), dict(gqa_epilogue="accumulate"), dict(gqa_epilogue="accumulate", use_tma=True)):
     with fa.use_backend(TritonBackend(**opts)):
-        q = torch.randn(sum(lens_q), 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn_like(k, requires_grad=True)
-        out = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=True,
-                                        deterministic=True, backend="triton")
-        out.backward(torch.randn_like(out))
+        varlen_backward([37, 0, 70, 5], [50, 9, 70, 0], 64, deterministic=True)
         qd = torch.randn(2, 70, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         kd = torch.randn(2, 90, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         vd = torch.randn_like(kd, requires_grad=True)

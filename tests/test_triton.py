@@ -104,6 +104,16 @@ def test_varlen_empty_sequences(causal, backend_options):
     assert dk[80:130].abs().max() == 0 and dv[80:130].abs().max() == 0
 
 
+def _assert_bit_identical(cfg: Config, seed: int, runs: int = 20):
+    """dq, dk, dv of `runs` backward calls on the same inputs equal the first call's bit for bit."""
+    q, k, v, dout, slopes = make_inputs(cfg, "cuda", seed=seed)
+    first = run_ours(cfg, q, k, v, dout, slopes, backend="triton")[3]
+    for _ in range(runs):
+        again = run_ours(cfg, q, k, v, dout, slopes, backend="triton")[3]
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 @pytest.mark.parametrize("options", [dict(), dict(gqa_epilogue="accumulate"),
                                      dict(gqa_epilogue="accumulate", use_tma=True), dict(ws=True)],
@@ -113,12 +123,7 @@ def test_deterministic_bit_identical(options, varlen):
         seqlens = [(700, 900), (0, 64), (1024, 1024)] if varlen else None
         cfg = Config(batch=2, seqlen_q=1024, seqlen_k=1024, heads_q=16, heads_k=2, head_dim=128, causal=False,
                      deterministic=True, seqlens=seqlens)
-        q, k, v, dout, slopes = make_inputs(cfg, "cuda", seed=3)
-        first = run_ours(cfg, q, k, v, dout, slopes, backend="triton")[3]
-        for _ in range(20):
-            again = run_ours(cfg, q, k, v, dout, slopes, backend="triton")[3]
-            for a, b in zip(first, again):
-                assert torch.equal(a, b)
+        _assert_bit_identical(cfg, seed=3)
 
 
 def test_plan_names_every_buffer():
@@ -143,9 +148,4 @@ def test_ws_deterministic_matches_and_repeats(window, causal):
                  deterministic=True)
     with use_backend(TritonBackend(ws=True)):
         check_case(cfg, backend="triton", device="cuda", seed=5)
-        q, k, v, dout, slopes = make_inputs(cfg, "cuda", seed=5)
-        first = run_ours(cfg, q, k, v, dout, slopes, backend="triton")[3]
-        for _ in range(20):
-            again = run_ours(cfg, q, k, v, dout, slopes, backend="triton")[3]
-            for a, b in zip(first, again):
-                assert torch.equal(a, b)
+        _assert_bit_identical(cfg, seed=5)
