@@ -273,10 +273,14 @@ class TritonBackend(Backend):
     def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
-        p = problem
         _prepare_launch()
-        if not self.ws_reasons(p):
-            return self._backward_ws(p, params, out, lse, dout, dq, dk, dv, workspace)
+        run = self._backward_ws if not self.ws_reasons(problem) else self._backward_one_launch
+        run(problem, params, out, lse, dout, dq, dk, dv, workspace)
+
+    def _backward_one_launch(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor,
+                             lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                             dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
+        """bwd_preprocess, the one-launch bwd_main (key-tile and dQ-pass roles), bwd_postprocess."""
         cfg = self._configs(p)
         delta = workspace["softmax_d"]
         dq_acc = workspace.get("dq_accum")
