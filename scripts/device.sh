@@ -12,7 +12,7 @@
 #                                                 run in the next call (two bench_bwd.py --warm-only shards).
 #   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
 #                                                 (ws: the warp-specialised kernel's case, synccheck too)
-#                                                 (240 s each) -> sanitizer-memcheck.log, sanitizer-racecheck.log
+#                                                 (240 s each) -> sanitizer[-ws]-<tool>.log
 #   bash scripts/device.sh memory                the workspace cap measured (scripts/memory_cap.py, 100 s each):
 #                                                 triton s16384, reference s4096 causal -> memory-*.json
 #   bash scripts/device.sh bench [ARGS]          scripts/bench_bwd.py --out $OUT ARGS (no default limit), e.g.
