@@ -26,8 +26,10 @@ a tile may read rows of the next sequence: those query rows get lse = +inf (P = 
 rows are masked to P = 0 on the last key tile, and dK/dV are stored by masked pointers. A dQ
 tile that spills into the next sequence adds exact zeros there.
 
-Invariants (checked by `bwd_ws_supported` on the host):
-  - head_dim in {64, 128}; heads adjacent in memory (stride_h = head_dim), rows uniform;
+Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, `uniform_rows`
+copies tensors whose rows a descriptor cannot view):
+  - head_dim a power of two with tiles in config.BWD_WS_SM90 (64, 128); heads adjacent in memory
+    (stride_h = head_dim), rows uniform, 16-byte aligned;
   - no dropout, ALiBi or softcap.
 Deterministic mode: the writer adds a query tile's dQ only when the semaphore of that (batch, head,
 query tile) counts the key tiles before its own, so the fp32 sums happen in one order on every run.
