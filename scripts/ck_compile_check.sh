@@ -2,9 +2,10 @@
 # Compile check of the CK path for gfx942 on a Debian 12 machine without ROCm or an AMD GPU (CI).
 #
 # Builds csrc_ck/CMakeLists.txt with CK_MINIMAL_INSTANCES: the C ABI glue plus a minimal generated
-# instance set (forward: a plain and a featureful instance + their API dispatcher; backward: the same
-# two as dot_do_o, convert_dq, dq_dk_dv + the dispatcher), compiled to real gfx942 code objects by Debian's clang-19 against
-# HIP 5.2, and linked into build/ck_compile_check/libflash_attn_ck.so with -Wl,--no-undefined.
+# instance set (forward: a plain and a featureful instance + their API dispatcher; backward: a plain
+# and a featureful dq_dk_dv with their dot_do_o and convert_dq + the dispatcher), compiled to real
+# gfx942 code objects by Debian's clang-19 against HIP 5.2, and linked into
+# build/ck_compile_check/libflash_attn_ck.so with -Wl,--no-undefined.
 # Then checks that every kernel object holds gfx942 kernels and lists the exported C functions.
 #
 # This proves the code compiles and links for gfx942; it never runs (there is no GPU), and the
