@@ -2,9 +2,10 @@
 # Compile check of the CK path for gfx942 on a Debian 12 machine without ROCm or an AMD GPU (CI).
 #
 # Builds csrc_ck/CMakeLists.txt with CK_MINIMAL_INSTANCES: the C ABI glue plus a minimal generated
-# instance set (forward: one instance + its API dispatcher; backward: dot_do_o, convert_dq, one
-# dq_dk_dv + the dispatcher), compiled to real gfx942 code objects by Debian's clang-19 against
-# HIP 5.2, and linked into build/ck_compile_check/libflash_attn_ck.so with -Wl,--no-undefined.
+# instance set (forward: a plain and a featureful instance + their API dispatcher; backward: a plain
+# and a featureful dq_dk_dv with their dot_do_o and convert_dq + the dispatcher), compiled to real
+# gfx942 code objects by Debian's clang-19 against HIP 5.2, and linked into
+# build/ck_compile_check/libflash_attn_ck.so with -Wl,--no-undefined.
 # Then checks that every kernel object holds gfx942 kernels and lists the exported C functions.
 #
 # This proves the code compiles and links for gfx942; it never runs (there is no GPU), and the
@@ -55,7 +56,7 @@ rm -rf "$OUT"
 OVERLAY=$PWD/$OUT/overlay
 python3 scripts/ck_debian_overlay.py "$OVERLAY" >/dev/null
 
-step "configure (CI instance set: fwd fp16 d128 batch; bwd the same + bf16 d96/pd8 group mask ALiBi dropout deterministic)"
+step "configure (CI instance set: fwd and bwd fp16 d128 batch; fwd bf16 d256/psskddv qr group mask ALiBi dropout; bwd bf16 d96/pd8 group mask ALiBi dropout deterministic)"
 cmake -S csrc_ck -B "$OUT" -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release \
     -DCMAKE_CXX_COMPILER=clang++-19 -DCMAKE_CXX_COMPILER_LAUNCHER="$PWD/scripts/ck_compile_check.sh;--time" \
     -DCK_ROOT="$CK" -DGPU_ARCHS="$ARCH" -DCK_MINIMAL_INSTANCES=ON -DCK_EARLY_INLINE=OFF \

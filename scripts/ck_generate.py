@@ -14,7 +14,8 @@ deterministic variants), then narrows it with a predicate on the kernel names, b
 The predicate is installed where CK's codegen calls `fnmatch.fnmatch(kernel_name, filter)`, so
 both the instance files and the API dispatchers (fmha_*_api.cpp) contain exactly the selection.
 `--minimal` keeps two forward and two backward instances (fp16 d128 batch mode without mask/bias/
-dropout, and bf16 d96/pd8 group mode with mask, ALiBi, dropout, deterministic): the CI compile check.
+dropout; and bf16 group mode with mask, ALiBi, dropout: forward d256/psskddv on the `qr` pipeline,
+backward d96/pd8 deterministic): the CI compile check.
 
 Besides CK's files it writes `fack_bwd_tile_api.cpp`: CK's own backward dispatcher, generated from the
 same instance list by CK's code generator, with each branch returning the instance's key tile (`bn0`,
@@ -54,14 +55,20 @@ RULES = {
         "dq_dk_dv": lambda n: not has(n, "pd1dv1"),
         "bwd_aux": lambda n: True,
     },
-    # The CI compile check: one forward (fp16, d128, batch mode, no mask/bias/dropout) and two backward
-    # instances: the plain one (same features, not deterministic) and a featureful one: bf16, group
-    # mode, a mask (causal or window), ALiBi, dropout, deterministic, in the d96 bucket with the
-    # 8-padded head dim that d = 72 reaches. A featureful forward (bf16 group ALiBi mask dropout, d96 or
-    # d128) fails in Debian clang-19's assembler ("invalid operand for instruction" on the async
-    # pipeline's `buffer_load_dword ... lds`), so none is compiled here. Sequence-padded variants only.
+    # The CI compile check: two forward and two backward instances. Forward: the plain one (fp16, d128,
+    # batch mode, no mask/bias/dropout) and a featureful one: bf16, group mode, a mask (causal or
+    # window), ALiBi, dropout, lse, in the d256 bucket with the padded head dim (`psskddv`) that any d in
+    # (192, 256) reaches, without min-seqlen skipping (the glue sets skip_min_seqlen_q = false). CK
+    # builds that bucket with the `qr` pipeline; every smaller bucket uses `qr_async`, whose group-mode
+    # instances do not assemble with Debian's clang-19 ("invalid operand for instruction": the buffer
+    # resource of the async pipeline's inline `buffer_load_dword ... lds` lands in VGPRs), see
+    # docs/ck.md. Backward: the plain one (same features, not deterministic) and a featureful one: bf16,
+    # group mode, a mask, ALiBi, dropout, deterministic, in the d96 bucket with the 8-padded head dim
+    # that d = 72 reaches. Sequence-padded variants only.
     "minimal": {
-        "fwd": lambda n: has(n, "d128", "fp16", "batch", "psskddv", "nlogits", "nbias", "nmask", "lse", "ndropout"),
+        "fwd": lambda n: (has(n, "d128", "fp16", "batch", "psskddv", "nlogits", "nbias", "nmask", "lse", "ndropout")
+                          or has(n, "d256", "bf16", "group", "qr", "psskddv", "nlogits", "alibi", "mask", "lse",
+                                 "dropout", "nskip")),
         "dq_dk_dv": lambda n: (has(n, "d128", "fp16", "batch", "npad", "nbias", "nmask", "ndropout", "ndeterministic")
                                or has(n, "d96", "bf16", "group", "pd8dv8", "alibi", "mask", "dropout",
                                       "deterministic")),
