@@ -154,3 +154,17 @@ def test_kernel_compiles_to_the_designed_instructions(varlen, masks, determinist
     assert "mbarrier.try_wait" in ptx
     # deterministic: a full bulk-group wait (not only its shared-memory reads) before the release
     assert ("cp.async.bulk.wait_group 0" in ptx) == deterministic
+
+
+@pytest.mark.parametrize("cap_mib", [64, 40])
+def test_a_workspace_cap_bounds_the_dq_accumulator(sm90, cap_mib):
+    """Under `max_workspace_bytes`, the warp-specialised plan is chunked by kv-head groups like any other:
+    every chunk's dq_accum fits, the chunks cover every kv head once, and each chunk still runs bwd_ws."""
+    from flash_attn_ck.pipeline.chunking import plan_chunks
+    p = problem(heads=(32, 8), causal=True)
+    cap = cap_mib * 2 ** 20
+    plan = plan_chunks(p, TritonBackend(), cap)
+    assert plan.peak_bytes <= cap < plan.unchunked_bytes
+    assert plan.per_chunk.kernel.startswith("bwd_ws")
+    acc = next(b for b in plan.per_chunk.buffers if b.name == "dq_accum")
+    assert acc.shape[-2] % p.group_size == 0 and acc.nbytes <= cap

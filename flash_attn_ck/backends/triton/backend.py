@@ -73,6 +73,11 @@ class TritonBackend(Backend):
     name = "triton"
     priority = 100
     device_types = frozenset({"cuda"})
+    # Chunks of whole batch entries, KV groups or query-head slices are views the kernels read by their
+    # strides, so a workspace cap below the warp-specialised kernel's fp32 dq_accum chunks the call
+    # instead of failing. Not query rows, and not with dropout: the kernels draw the keep pattern at
+    # launch-local (batch, head) coordinates.
+    supports_chunks = True
 
     def __init__(self, gqa_epilogue: str | None = None, dq_mode: str | None = None,
                  use_tma: bool | None = None, configs: config.Configs | None = None,
