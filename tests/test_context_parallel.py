@@ -84,3 +84,40 @@ def test_refusals_without_a_process_group():
         context_parallel_attn(q, q, q, cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ArgumentError, match="allgather"):
         context_parallel_attn(q, q, q, window_size=(4, 0))
+
+
+def _torch_template_worker(rank, world, port):
+    """torch's own ring template (`_templated_ring_attention`, head-tail load balancing) on the SDPA op that the
+    provider overrides: it runs our kernels per step and merges their lse. The full `context_parallel()` path
+    cannot run on CPU (docs/integrations.md): CPU SDPA calls `_scaled_dot_product_flash_attention_for_cpu`,
+    which has no DTensor sharding strategy in torch 2.13."""
+    from functools import partial
+    from unittest import mock
+
+    import torch.nn.attention as attention
+    import torch.nn.functional as F
+    from torch.distributed.tensor.experimental._context_parallel._attention import _templated_ring_attention
+
+    import flash_attn_ck.integrations.sdpa as provider
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    attention.register_flash_attention_impl("CP_CPU_TEST", register_fn=partial(provider.register, device_type="cpu"))
+    attention.activate_flash_attention_impl("CP_CPU_TEST")
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 4, 8 * world, 16, generator=g) for _ in range(3))
+        local = [shard(t, seq_dim=2, layout="zigzag") for t in (q, k, v)]
+        with mock.patch.object(provider, "flash_attn_fwd", wraps=provider.flash_attn_fwd) as spy:
+            out = _templated_ring_attention(dist.group.WORLD, 2, torch.ops.aten._scaled_dot_product_flash_attention,
+                                            *local, is_causal=True)[0]
+        assert spy.call_count == world
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+        torch.testing.assert_close(out.double(), shard(ref, seq_dim=2, layout="zigzag"), atol=2e-6, rtol=1e-5)
+    finally:
+        attention.restore_flash_attention_impl()
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_torch_ring_template_runs_the_provider():
+    mp.spawn(_torch_template_worker, args=(2, _free_port()), nprocs=2, join=True)
