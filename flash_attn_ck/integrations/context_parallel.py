@@ -1,0 +1,339 @@
+"""Context parallelism for the (b, s, h, d) API on torch.distributed collectives (NCCL, RCCL or gloo).
+
+Every rank of `group` (world W) holds one shard of the sequence of q, k and v: `shard` cuts a full tensor
+into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gathers them back.
+
+- layout "zigzag" (head-tail load balancing, the default): chunks r and 2W - 1 - r, so every rank has the
+  same causal work; "contiguous": chunks 2r and 2r + 1 (for non-causal calls either is balanced).
+- kv_exchange "ring": K/V (packed in one buffer) travel around the ring with isend/irecv, the next step's
+  transfer in flight while the current step computes. Per step and local query chunk, one forward call
+  over the key chunks the chunk sees (a prefix of the held block, bottom-right causal when it ends with
+  the chunk itself); the partial outputs are merged by their lse in fp32 (fp64 for fp64 inputs):
+  `lse = logaddexp(lse, lse_i)`, `out = out * exp(lse_old - lse) + out_i * exp(lse_i - lse)`.
+  Backward: the same steps with `flash_attn_bwd` given the merged out/lse (so D = rowsum(dO * O) is the
+  global one), writing into preallocated per-step buffers; dQ accumulates locally in fp32 and dK/dV
+  accumulate in fp32 buffers that travel with K/V and arrive back at their owner after W hops.
+  Causal or not; sliding windows are refused here (a window's block masks need a negative side).
+- kv_exchange "allgather": K/V are all-gathered once (every rank then holds the full K/V); each local query
+  chunk at global rows [q0, q0 + c) runs one call on the keys [start, end) it can see, where choosing
+  `end` (q0 + c, or further for a right window) makes flash-attn's bottom-right alignment coincide with
+  the global positions, so causal and any window (left, right) are exact. Backward: dK/dV partials over
+  the full sequence, reduce-scattered back to the owners.
+
+GQA (h_k < h) works in both. Refused, with an error that says why: dropout (each rank's keep pattern is
+drawn for its own blocks and cannot follow the ring), varlen (cu_seqlens), ALiBi and softcap (not built).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..api import flash_attn_bwd, flash_attn_fwd
+from ..core.errors import ArgumentError
+
+LAYOUTS = ("zigzag", "contiguous")
+KV_EXCHANGES = ("ring", "allgather")
+
+
+def chunk_ids(rank: int, world: int, layout: str) -> tuple[int, int]:
+    """The two global chunk indices (of 2 * world) that `rank` holds, in local order (increasing)."""
+    if layout not in LAYOUTS:
+        raise ArgumentError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (2 * rank, 2 * rank + 1)
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def shard(x: torch.Tensor, group=None, *, seq_dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+    """This rank's shard of the full tensor `x` (every rank passes the same x): its two chunks, concatenated."""
+    world, rank = _group_size_rank(group)
+    if x.shape[seq_dim] % (2 * world):
+        raise ArgumentError(f"sequence length {x.shape[seq_dim]} must be a multiple of 2 * world size = {2 * world}")
+    chunks = x.chunk(2 * world, dim=seq_dim)
+    return torch.cat([chunks[i] for i in chunk_ids(rank, world, layout)], dim=seq_dim)
+
+
+def unshard(x: torch.Tensor, group=None, *, seq_dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
+    """The full tensor from every rank's shard (all-gather, then the chunks back in sequence order)."""
+    world, _ = _group_size_rank(group)
+    gathered = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(gathered, x.contiguous(), group=group)
+    return _in_sequence_order(gathered, world, layout, seq_dim)
+
+
+def _in_sequence_order(shards: list[torch.Tensor], world: int, layout: str, seq_dim: int) -> torch.Tensor:
+    ordered = [None] * (2 * world)
+    for rank, local in enumerate(shards):
+        for index, chunk in zip(chunk_ids(rank, world, layout), local.chunk(2, dim=seq_dim), strict=True):
+            ordered[index] = chunk
+    return torch.cat(ordered, dim=seq_dim)
+
+
+@dataclass(frozen=True)
+class _Call:
+    group: object
+    world: int
+    rank: int
+    layout: str
+    kv_exchange: str
+    causal: bool
+    window: tuple[int, int]
+    softmax_scale: float | None
+    deterministic: bool
+    backend: object
+
+    def attend(self, q_chunk: int, kv_chunks: tuple[int, int]) -> tuple[int, bool]:
+        """Ring step: how many leading chunks of the held K/V block query chunk `q_chunk` sees, and whether
+        the last of them is its own (bottom-right causal). Local chunks are in increasing order, so the
+        chunks a causal query sees are a prefix of the block."""
+        if not self.causal:
+            return len(kv_chunks), False
+        seen = sum(index <= q_chunk for index in kv_chunks)
+        return seen, seen > 0 and kv_chunks[seen - 1] == q_chunk
+
+    def window_call(self, q_start: int, c: int, total: int) -> tuple[int, int, tuple[int, int]]:
+        """All-gather: the keys [start, end) query rows [q_start, q_start + c) can see, and the flash-attn
+        window on them that equals the global interval [i - left, i + right] (docs/integrations.md)."""
+        left, right = self.window
+        if self.causal:
+            right = 0
+        end = total if right < 0 else min(total, q_start + c + right)
+        shift = end - c - q_start           # flash-attn's bottom-right offset beyond the global diagonal
+        start = 0 if left < 0 else max(0, q_start - left)
+        return start, end, (-1 if left < 0 else left + shift, -1 if right < 0 else right - shift)
+
+
+def _kernel_options(call: _Call) -> dict:
+    return dict(softmax_scale=call.softmax_scale, backend=call.backend)
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Merge one block's (out, lse) into the running (out, lse) in the accumulation dtype (fp32; fp64 for
+    fp64 inputs); `out` (b, c, h, d), lse (b, h, c). The first block (out None) starts them."""
+    accum = _accum(block_out)
+    block_out, block_lse = block_out.to(accum), block_lse.to(accum)
+    if out is None:
+        return block_out, block_lse
+    new_lse = torch.logaddexp(lse, block_lse)
+
+    def weight(x):      # (b, h, c) -> (b, c, h, 1)
+        return torch.exp(x - new_lse).transpose(1, 2).unsqueeze(-1)
+
+    return out * weight(lse) + block_out * weight(block_lse), new_lse
+
+
+def _accum(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _ring_send_recv(buffers: list[torch.Tensor], call: _Call) -> tuple[list[torch.Tensor], list]:
+    """Send `buffers` to the next rank and receive the previous rank's into new buffers (asynchronously)."""
+    received = [torch.empty_like(b) for b in buffers]
+    after = dist.get_global_rank(call.group, (call.rank + 1) % call.world)
+    before = dist.get_global_rank(call.group, (call.rank - 1) % call.world)
+    ops = [dist.P2POp(dist.isend, b, after, call.group) for b in buffers]
+    ops += [dist.P2POp(dist.irecv, b, before, call.group) for b in received]
+    return received, dist.batch_isend_irecv(ops)
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def _pack(*tensors: torch.Tensor) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unpack(buffer: torch.Tensor, *likes: torch.Tensor) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for like in likes:
+        out.append(buffer[offset:offset + like.numel()].view(like.shape))
+        offset += like.numel()
+    return out
+
+
+# ---- ring ------------------------------------------------------------------------------------------
+
+def _ring_forward(q, k, v, call: _Call):
+    c = q.shape[1] // 2
+    q_chunks = chunk_ids(call.rank, call.world, call.layout)
+    merged = [(None, None), (None, None)]
+    kv, received, works = _pack(k, v), [], []
+    for step in range(call.world):
+        if step:
+            _wait(works)
+            (kv,) = received
+        if step < call.world - 1:
+            received, works = _ring_send_recv([kv], call)
+        k_blk, v_blk = _unpack(kv, k, v)
+        kv_chunks = chunk_ids((call.rank - step) % call.world, call.world, call.layout)
+        for i, q_chunk in enumerate(q_chunks):
+            seen, causal = call.attend(q_chunk, kv_chunks)
+            if seen:
+                out_i, lse_i, _ = flash_attn_fwd(q[:, i * c:(i + 1) * c], k_blk[:, :seen * c], v_blk[:, :seen * c],
+                                                 causal=causal, **_kernel_options(call))
+                merged[i] = _merge(*merged[i], out_i, lse_i)
+    out = torch.cat([o for o, _ in merged], dim=1).to(q.dtype)
+    lse = torch.cat([lse for _, lse in merged], dim=-1)
+    return out, lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, call: _Call):
+    c = q.shape[1] // 2
+    q_chunks = chunk_ids(call.rank, call.world, call.layout)
+    accum = _accum(q)
+    dq = torch.zeros(q.shape, dtype=accum, device=q.device)
+    dkv = torch.zeros(k.numel() + v.numel(), dtype=accum, device=k.device)   # travels with K/V
+    buffers = (torch.empty_like(q[:, :c]), torch.empty_like(k), torch.empty_like(v))   # per-step gradients
+    kv, received, works = _pack(k, v), [], []
+    for step in range(call.world):
+        if step:
+            _wait(works)
+            kv, dkv = received
+        k_blk, v_blk = _unpack(kv, k, v)
+        dk_blk, dv_blk = _unpack(dkv, k, v)
+        kv_chunks = chunk_ids((call.rank - step) % call.world, call.world, call.layout)
+        for i, q_chunk in enumerate(q_chunks):
+            seen, causal = call.attend(q_chunk, kv_chunks)
+            if not seen:
+                continue
+            rows, keys = slice(i * c, (i + 1) * c), slice(0, seen * c)
+            dq_i, dk_i, dv_i = buffers[0], buffers[1][:, keys], buffers[2][:, keys]
+            flash_attn_bwd(dout[:, rows], q[:, rows], k_blk[:, keys], v_blk[:, keys], out[:, rows],
+                           lse[..., rows], dq_i, dk_i, dv_i, causal=causal, deterministic=call.deterministic,
+                           **_kernel_options(call))
+            dq[:, rows] += dq_i
+            dk_blk[:, keys] += dk_i
+            dv_blk[:, keys] += dv_i
+        # K/V go on for the next step (none after the last); dK/dV always move, arriving home after W hops.
+        received, works = _ring_send_recv([kv, dkv] if step < call.world - 1 else [dkv], call)
+    _wait(works)
+    dk, dv = _unpack(received[0], k, v)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---- all-gather ------------------------------------------------------------------------------------
+
+def _gather_kv(k, v, call: _Call):
+    shards = [torch.empty_like(_pack(k, v)) for _ in range(call.world)]
+    dist.all_gather(shards, _pack(k, v), group=call.group)
+    per_rank = [_unpack(s, k, v) for s in shards]
+    return [_in_sequence_order([p[j] for p in per_rank], call.world, call.layout, 1) for j in (0, 1)]
+
+
+def _local_calls(q, call: _Call):
+    """(rows of the local q, keys [start, end), window) per local query chunk."""
+    c = q.shape[1] // 2
+    total = 2 * c * call.world
+    for i, q_chunk in enumerate(chunk_ids(call.rank, call.world, call.layout)):
+        start, end, window = call.window_call(q_chunk * c, c, total)
+        yield slice(i * c, (i + 1) * c), slice(start, end), window
+
+
+def _allgather_forward(q, k, v, call: _Call):
+    k_full, v_full = _gather_kv(k, v, call)
+    outs, lses = [], []
+    for rows, keys, window in _local_calls(q, call):
+        out_i, lse_i, _ = flash_attn_fwd(q[:, rows], k_full[:, keys], v_full[:, keys], window_size=window,
+                                         **_kernel_options(call))
+        outs.append(out_i)
+        lses.append(lse_i)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=-1)
+
+
+def _allgather_backward(dout, q, k, v, out, lse, call: _Call):
+    k_full, v_full = _gather_kv(k, v, call)
+    accum = _accum(q)
+    dq = torch.empty_like(q)
+    dk_full = torch.zeros(k_full.shape, dtype=accum, device=k.device)
+    dv_full = torch.zeros(v_full.shape, dtype=accum, device=v.device)
+    dk_i, dv_i = torch.empty_like(k_full), torch.empty_like(v_full)
+    for rows, keys, window in _local_calls(q, call):
+        flash_attn_bwd(dout[:, rows], q[:, rows], k_full[:, keys], v_full[:, keys], out[:, rows], lse[..., rows],
+                       dq[:, rows], dk_i[:, keys], dv_i[:, keys], window_size=window,
+                       deterministic=call.deterministic, **_kernel_options(call))
+        dk_full[:, keys] += dk_i[:, keys]
+        dv_full[:, keys] += dv_i[:, keys]
+    # Each rank's chunks, in rank order, then one reduce-scatter hands every rank the sum of its own.
+    local = [_shards(t, call) for t in (dk_full, dv_full)]
+    stacked = torch.cat([_pack(*[t[r] for t in local]) for r in range(call.world)])
+    mine = torch.empty(stacked.numel() // call.world, dtype=accum, device=k.device)
+    dist.reduce_scatter_tensor(mine, stacked, group=call.group)
+    dk, dv = _unpack(mine, k, v)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _shards(full: torch.Tensor, call: _Call) -> list[torch.Tensor]:
+    """Every rank's shard of a full (b, s, ...) tensor, in rank order."""
+    chunks = full.chunk(2 * call.world, dim=1)
+    return [torch.cat([chunks[i] for i in chunk_ids(r, call.world, call.layout)], dim=1) for r in range(call.world)]
+
+
+# ---- autograd and the public function ------------------------------------------------------------
+
+_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward}
+_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward}
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, call: _Call):
+        out, lse = _FORWARD[call.kv_exchange](q, k, v, call)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _BACKWARD[ctx.call.kv_exchange](dout.contiguous(), q, k, v, out, lse, ctx.call)
+        return dq, dk, dv, None
+
+
+def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                          dropout_p=0.0, deterministic=False, layout="zigzag", kv_exchange="ring", backend=None,
+                          return_lse=False, **unsupported):
+    """Attention over a sequence sharded across `group` (see the module docstring), differentiable.
+
+    Args:
+        q, k, v: this rank's shards (b, s / W, h, d) and (b, s / W, h_k, d), as `shard(x, group, layout=layout)`
+            cuts them (every rank the same b, h, d; s a multiple of 2W).
+        causal, window_size, softmax_scale, deterministic, backend: as for `flash_attn_func`, over the full
+            sequence (windows: kv_exchange="allgather" only).
+        layout: "zigzag" (head-tail load balancing) or "contiguous". kv_exchange: "ring" or "allgather".
+        return_lse: also return this shard's softmax lse (b, h, s / W) (fp32; fp64 for fp64 inputs).
+
+    Returns:
+        this rank's shard of the output (b, s / W, h, d), as `shard` would cut the full output.
+
+    Raises:
+        ArgumentError: dropout, varlen, ALiBi, softcap, a window with the ring, or a bad shape/option.
+    """
+    if dropout_p:
+        raise ArgumentError("dropout_p: not supported under context parallelism (each rank draws its keep "
+                            "pattern for its own blocks; the pattern cannot follow K/V around the ring)")
+    if unsupported:
+        raise ArgumentError(f"{', '.join(sorted(unsupported))}: not supported by context_parallel_attn "
+                            "(varlen, ALiBi and softcap are not built for context parallelism)")
+    if kv_exchange not in KV_EXCHANGES:
+        raise ArgumentError(f"kv_exchange: expected one of {KV_EXCHANGES}, got {kv_exchange!r}")
+    window = (int(window_size[0]), int(window_size[1]))
+    if kv_exchange == "ring" and window != (-1, -1):
+        raise ArgumentError("window_size: sliding windows need kv_exchange='allgather' (the ring's per-block "
+                            "masks would need negative window sides)")
+    world, rank = _group_size_rank(group)
+    chunk_ids(rank, world, layout)
+    if q.shape[1] % 2 or q.shape[1] != k.shape[1]:
+        raise ArgumentError(f"q and k shards must have the same even length (two chunks per rank), got "
+                            f"{q.shape[1]} and {k.shape[1]}")
+    group = dist.group.WORLD if group is None else group
+    call = _Call(group, world, rank, layout, kv_exchange, bool(causal), window, softmax_scale, deterministic, backend)
+    out, lse = _ContextParallelAttention.apply(q, k.contiguous(), v.contiguous(), call)
+    return (out, lse) if return_lse else out

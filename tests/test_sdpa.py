@@ -1,0 +1,288 @@
+"""flash_attn_ck as SDPA's flash-attention provider (flash_attn_ck/integrations/sdpa.py), on CPU.
+
+The provider's kernels are registered on the CPU dispatch key with the reference backend
+(`register(device_type="cpu")`, a test-only option): F.scaled_dot_product_attention on CPU then runs them
+through `_scaled_dot_product_flash_attention_for_cpu`, and the ops the CUDA registration overrides
+(`_scaled_dot_product_flash_attention`, `_flash_attention_forward`, their backwards) are called directly,
+through the dispatcher and torch's own autograd formulas. A spy on the adapters' `flash_attn_fwd` proves
+which path ran. Results are held to the 2x rule against SDPA's math backend (tests/oracle.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from functools import partial
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.attention as attention
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_attn_ck.integrations.sdpa as provider
+from flash_attn_ck import flash_attn_varlen_func
+from tests.oracle import assert_close_2x, naive_attention
+
+pytestmark = pytest.mark.filterwarnings("ignore:Warning only once for all operators:UserWarning",
+                                        "ignore:.*kernel not used because:UserWarning")
+
+CPU_PROVIDER = "FLASH_ATTN_CK_CPU_TEST"
+attention.register_flash_attention_impl(CPU_PROVIDER, register_fn=partial(provider.register, device_type="cpu"))
+
+
+@pytest.fixture
+def active():
+    attention.activate_flash_attention_impl(CPU_PROVIDER)
+    try:
+        yield
+    finally:
+        attention.restore_flash_attention_impl()
+
+
+@pytest.fixture
+def spy():
+    with mock.patch.object(provider, "flash_attn_fwd", wraps=provider.flash_attn_fwd) as fwd:
+        yield fwd
+
+
+def inputs(b, h, h_k, s_q, s_k, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, s_q, d, generator=g).to(dtype)
+    k, v = (torch.randn(b, h_k, s_k, d, generator=g).to(dtype) for _ in range(2))
+    dout = torch.randn(b, h, s_q, d, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def sdpa_with_grads(q, k, v, dout, **kwargs):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def math_sdpa(q, k, v, dout, dtype, **kwargs):
+    with sdpa_kernel(SDPBackend.MATH):
+        return sdpa_with_grads(*(t.to(dtype) for t in (q, k, v, dout)), **kwargs)
+
+
+def assert_2x(ours, ref, pt):
+    for name, o, r, p in zip(("out", "dq", "dk", "dv"), ours, ref, pt, strict=True):
+        assert o.shape == r.shape and o.dtype == p.dtype, name
+        assert_close_2x(name, o, r, p)
+
+
+def test_registered_on_import_of_the_integration_module_only():
+    assert provider.PROVIDER in attention.list_flash_attention_impls()
+    code = ("import torch.nn.attention as a, flash_attn_ck; print('FLASH_ATTN_CK' in a.list_flash_attention_impls())")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s_q,s_k", [(33, 33), (17, 40), (40, 17)])
+@pytest.mark.parametrize("h,h_k", [(4, 4), (4, 2)])
+def test_sdpa_matches_math(active, spy, causal, s_q, s_k, h, h_k):
+    """F.sdpa (flash backend, our kernels) vs SDPA's math backend; causal with s_q != s_k is top-left."""
+    q, k, v, dout = inputs(2, h, h_k, s_q, s_k, 24, torch.bfloat16)
+    kwargs = dict(is_causal=causal, enable_gqa=h != h_k)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ours = sdpa_with_grads(q, k, v, dout, **kwargs)
+    assert spy.call_count == 1
+    assert_2x(ours, math_sdpa(q, k, v, dout, torch.float64, **kwargs), math_sdpa(q, k, v, dout, torch.bfloat16,
+                                                                                 **kwargs))
+
+
+@pytest.mark.parametrize("causal,s_q,s_k,h_k", [(False, 20, 31, 2), (True, 31, 20, 4), (True, 20, 31, 1)])
+def test_aten_sdpa_flash_op(active, spy, causal, s_q, s_k, h_k):
+    """The op the CUDA registration overrides, called on CPU: forward, and backward by torch's autograd formula."""
+    q, k, v, dout = inputs(2, 4, h_k, s_q, s_k, 16, torch.bfloat16, seed=1)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out = torch.ops.aten._scaled_dot_product_flash_attention(qg, kg, vg, is_causal=causal, scale=0.3)[0]
+    ours = (out, *torch.autograd.grad(out, (qg, kg, vg), dout))
+    assert spy.call_count == 1
+    kwargs = dict(is_causal=causal, scale=0.3, enable_gqa=h_k != 4)
+    assert_2x(ours, math_sdpa(q, k, v, dout, torch.float64, **kwargs), math_sdpa(q, k, v, dout, torch.bfloat16,
+                                                                                 **kwargs))
+
+
+def meta_and_real(op, *args, **kwargs):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    real = op(*args, **kwargs)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args), **kwargs)
+    return real, fake
+
+
+def assert_like_meta(real, fake):
+    for r, f in zip(real, fake, strict=True):
+        if isinstance(f, torch.Tensor):
+            assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+        else:
+            assert r == f
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_outputs_have_the_meta_layout(active, dropout_p):
+    q, k, v, dout = inputs(2, 4, 2, 9, 12, 16, torch.bfloat16)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)     # (b, s, h, d) storage, as projections make it
+    real, fake = meta_and_real(torch.ops.aten._scaled_dot_product_flash_attention, q, k, v, dropout_p, True)
+    assert_like_meta(real, fake)
+    grads, fake_grads = meta_and_real(torch.ops.aten._scaled_dot_product_flash_attention_backward, dout, q, k, v,
+                                      real[0], real[1], None, None, 9, 12, dropout_p, True, real[6], real[7])
+    assert_like_meta(grads, fake_grads)
+    assert_like_meta(*meta_and_real(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu, q, k, v))
+    bshd = [t.transpose(1, 2) for t in (q, k, v)]
+    assert_like_meta(*meta_and_real(torch.ops.aten._flash_attention_forward, *bshd, None, None, 9, 12, dropout_p,
+                                    False, False))
+
+
+def test_dropout_keep_rate(active):
+    """q = 0 gives uniform probabilities and v = identity exposes them: out[i, j] = keep(i, j) / (1 - p) / s_k."""
+    p, s_k = 0.3, 64
+    q = torch.zeros(2, 4, 128, s_k)
+    k = torch.randn(2, 4, s_k, s_k)
+    v = torch.eye(s_k).expand(2, 4, s_k, s_k).contiguous()
+    out, *_, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p)
+    kept = out != 0
+    assert torch.allclose(out[kept], torch.full_like(out[kept], 1 / (1 - p) / s_k))
+    n = kept.numel()
+    rate, sigma = kept.float().mean().item(), ((1 - p) * p / n) ** 0.5
+    assert abs(rate - (1 - p)) < 5 * sigma
+    assert seed.dtype == torch.uint64 and seed.shape == (2,) and offset.shape == ()
+    again = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, p)[0]
+    assert not torch.equal(again != 0, kept), "each call draws a new pattern"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_forward_and_backward_use_one_pattern(active, causal):
+    """Forward and autograd backward against the oracle with the keep pattern of the returned seed (fp32)."""
+    b, h, h_k, s_q, s_k, d, p = 2, 4, 2, 24, 30, 16, 0.25
+    q, k, v, dout = inputs(b, h, h_k, s_q, s_k, d, torch.float32, seed=3)
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out, _, _, _, _, _, seed, _, _ = torch.ops.aten._scaled_dot_product_flash_attention(qg, kg, vg, p, causal)
+    ours = (out, *torch.autograd.grad(out, (qg, kg, vg), dout))
+    rng_state = seed.view(torch.int64)
+
+    def oracle(dtype):
+        qo, ko, vo = (t.to(dtype).transpose(1, 2).requires_grad_() for t in (q, k, v))
+        keys, causal_br, window = provider.sdpa_causal(causal, s_q, s_k)
+        outs = [naive_attention(qo[i], ko[i, :keys], vo[i, :keys], causal=causal_br, window=window, dropout_p=p,
+                                rng_state=rng_state, batch_index=i, compute_dtype=dtype)[0] for i in range(b)]
+        o = torch.stack(outs).transpose(1, 2)
+        return (o, *torch.autograd.grad(o, (qo, ko, vo), dout.to(dtype)))
+
+    ref, pt = oracle(torch.float64), oracle(torch.float32)
+    pt = [t.transpose(1, 2) if i else t for i, t in enumerate(pt)]
+    ref = [t.transpose(1, 2) if i else t for i, t in enumerate(ref)]
+    assert_2x(ours, ref, pt)
+
+
+def test_fa2_varlen_op(active):
+    """aten::_flash_attention_forward with cum_seq_q/k (bottom-right causal and a window, FA2's semantics)
+    equals flash_attn_varlen_func, forward and backward (torch's autograd formula calls the backward op)."""
+    g = torch.Generator().manual_seed(5)
+    cu_q, cu_k = torch.tensor([0, 7, 20, 32], dtype=torch.int32), torch.tensor([0, 11, 20, 41], dtype=torch.int32)
+    q = torch.randn(32, 4, 16, generator=g)
+    k, v = (torch.randn(41, 2, 16, generator=g) for _ in range(2))
+    dout = torch.randn(32, 4, 16, generator=g)
+    for window in ((-1, -1), (5, 2)):
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(qg, kg, vg, cu_q, cu_k, 13, 21, 0.0, True, False,
+                                                               window_size_left=window[0],
+                                                               window_size_right=window[1])
+        grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+        qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+        ref, ref_lse, _ = flash_attn_varlen_func(qr, kr, vr, cu_q, cu_k, 13, 21, causal=True, window_size=window,
+                                                 return_attn_probs=True, backend="reference")
+        ref_grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
+        assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+        for ours, expected in zip(grads, ref_grads, strict=True):
+            assert torch.equal(ours, expected)
+
+
+def test_refusals_are_clear_errors(active):
+    q, k, v, _ = inputs(1, 2, 2, 8, 8, 16, torch.bfloat16)
+    with pytest.raises(provider.UnsupportedCall, match="return_debug_mask"):
+        torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, True)
+    with pytest.raises(provider.UnsupportedCall, match="float64"):
+        torch.ops.aten._scaled_dot_product_flash_attention(q.double(), k.double(), v.double())
+    bshd = [t.transpose(1, 2) for t in (q, k, v)]
+    with pytest.raises(provider.UnsupportedCall, match="alibi_slopes"):
+        torch.ops.aten._flash_attention_forward(*bshd, None, None, 8, 8, 0.0, False, False,
+                                                alibi_slopes=torch.ones(2))
+    with pytest.raises(provider.UnsupportedCall, match="seqused_k"):
+        torch.ops.aten._flash_attention_forward(*bshd, None, None, 8, 8, 0.0, False, False,
+                                                seqused_k=torch.ones(1, dtype=torch.int32))
+    with pytest.raises(provider.UnsupportedCall, match="attn_mask"), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="device_type"):
+        provider.register("xpu")
+
+
+def test_sdpa_causal_is_top_left():
+    """The translation itself: keys read and the bottom-right mask on them give exactly tril(diagonal=0)."""
+    for s_q, s_k in ((5, 5), (3, 8), (8, 3), (1, 4), (4, 1)):
+        keys, causal, (left, right) = provider.sdpa_causal(True, s_q, s_k)
+        i, j = torch.arange(s_q)[:, None], torch.arange(s_k)[None, :]
+        diag = i + keys - s_q
+        kept = (j < keys) & (j <= diag + (0 if causal else right)) & ((left < 0) | (j >= diag - left))
+        assert torch.equal(kept, torch.ones(s_q, s_k, dtype=torch.bool).tril()), (s_q, s_k)
+
+
+class TinyAttention(nn.Module):
+    """Projections + SDPA (causal, GQA 4/2) + output projection."""
+
+    def __init__(self, dim=32, heads=4, kv_heads=2, head_dim=8):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.wq = nn.Linear(dim, heads * head_dim)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * head_dim)
+        self.wo = nn.Linear(heads * head_dim, dim)
+
+    def forward(self, x):
+        q = self.wq(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
+        k, v = (t.transpose(1, 2) for t in self.wkv(x).unflatten(-1, (2, self.kv_heads, self.head_dim)).unbind(2))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(attn.transpose(1, 2).flatten(-2))
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_compile_fullgraph(active, spy, compiler):
+    torch._dynamo.reset()
+    model = TinyAttention()
+    x = torch.randn(2, 19, 32, generator=torch.Generator().manual_seed(2))
+    compiled = torch.compile(model, fullgraph=True, backend=compiler)
+    results = []
+    for fn in (model, compiled):
+        model.zero_grad()
+        out = fn(x)
+        out.square().sum().backward()
+        results.append([out.detach()] + [p.grad.clone() for p in model.parameters()])
+    assert spy.call_count == 2, "eager and compiled forward both ran the provider"
+    for eager, comp in zip(*results, strict=True):
+        torch.testing.assert_close(comp, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_restore_really_restores(spy):
+    q, k, v, dout = inputs(2, 4, 2, 16, 16, 16, torch.float32)
+    kwargs = dict(is_causal=True, enable_gqa=True)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        native = sdpa_with_grads(q, k, v, dout, **kwargs)
+        attention.activate_flash_attention_impl(CPU_PROVIDER)
+        assert attention.current_flash_attention_impl() == CPU_PROVIDER
+        sdpa_with_grads(q, k, v, dout, **kwargs)
+        assert spy.call_count == 1
+        attention.restore_flash_attention_impl()
+        assert attention.current_flash_attention_impl() is None
+        restored = sdpa_with_grads(q, k, v, dout, **kwargs)
+    assert spy.call_count == 1, "after restore the provider is not called"
+    for a, b in zip(native, restored, strict=True):
+        assert torch.equal(a, b), "after restore SDPA's own kernel gives its own bits again"
+    with sdpa_kernel(SDPBackend.MATH):
+        math_again = sdpa_with_grads(q, k, v, dout, **kwargs)
+    assert spy.call_count == 1
+    for a, b in zip(math_again, restored, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
