@@ -12,7 +12,9 @@ into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gath
   `lse = logaddexp(lse, lse_i)`, `out = out * exp(lse_old - lse) + out_i * exp(lse_i - lse)`.
   Backward: the same steps with `flash_attn_bwd` given the merged out/lse (so D = rowsum(dO * O) is the
   global one), writing into preallocated per-step buffers; dQ accumulates locally in fp32 and dK/dV
-  accumulate in fp32 buffers that travel with K/V and arrive back at their owner after W hops.
+  accumulate in fp32 buffers that travel around the ring and arrive back at their owner after W hops.
+  Both transfers overlap compute: the next K/V block is posted before the step computes, and a block's
+  dK/dV sums (sent on after the previous rank's step) arrive while this rank computes its parts.
   Causal or not; sliding windows are refused here (a window's block masks need a negative side).
 - kv_exchange "allgather": K/V are all-gathered once (every rank then holds the full K/V); each local query
   chunk at global rows [q0, q0 + c) runs one call on the keys [start, end) it can see, where choosing
@@ -185,36 +187,49 @@ def _ring_forward(q, k, v, call: _Call):
 
 
 def _ring_backward(dout, q, k, v, out, lse, call: _Call):
+    """Per step: post the next K/V block's transfer, compute this block's gradients into per-chunk buffers,
+    then wait for the block's travelling dK/dV sums (sent by the previous rank after its own step, in flight
+    during this step's compute), add this step's parts in the order the query chunks ran, and send them on."""
     c = q.shape[1] // 2
     q_chunks = chunk_ids(call.rank, call.world, call.layout)
     accum = _accum(q)
     dq = torch.zeros(q.shape, dtype=accum, device=q.device)
-    dkv = torch.zeros(k.numel() + v.numel(), dtype=accum, device=k.device)   # travels with K/V
-    buffers = (torch.empty_like(q[:, :c]), torch.empty_like(k), torch.empty_like(v))   # per-step gradients
-    kv, received, works = _pack(k, v), [], []
+    dq_i = torch.empty_like(q[:, :c])
+    block_grads = [(torch.empty_like(k), torch.empty_like(v)) for _ in q_chunks]   # per local query chunk
+    kv, kv_next, kv_works, dkv_next, dkv_works = _pack(k, v), None, [], None, []
     for step in range(call.world):
         if step:
-            _wait(works)
-            kv, dkv = received
+            _wait(kv_works)
+            (kv,) = kv_next
+        if step < call.world - 1:
+            kv_next, kv_works = _ring_send_recv([kv], call)
         k_blk, v_blk = _unpack(kv, k, v)
-        dk_blk, dv_blk = _unpack(dkv, k, v)
         kv_chunks = chunk_ids((call.rank - step) % call.world, call.world, call.layout)
+        parts = []
         for i, q_chunk in enumerate(q_chunks):
             seen, causal = call.attend(q_chunk, kv_chunks)
             if not seen:
                 continue
             rows, keys = slice(i * c, (i + 1) * c), slice(0, seen * c)
-            dq_i, dk_i, dv_i = buffers[0], buffers[1][:, keys], buffers[2][:, keys]
+            dk_i, dv_i = block_grads[i][0][:, keys], block_grads[i][1][:, keys]
             flash_attn_bwd(dout[:, rows], q[:, rows], k_blk[:, keys], v_blk[:, keys], out[:, rows],
                            lse[..., rows], dq_i, dk_i, dv_i, causal=causal, deterministic=call.deterministic,
                            **_kernel_options(call))
             dq[:, rows] += dq_i
+            parts.append((keys, dk_i, dv_i))
+        if step:
+            _wait(dkv_works)
+            (dkv,) = dkv_next
+        else:
+            dkv = torch.zeros(k.numel() + v.numel(), dtype=accum, device=k.device)   # this rank's own block
+        dk_blk, dv_blk = _unpack(dkv, k, v)
+        for keys, dk_i, dv_i in parts:
             dk_blk[:, keys] += dk_i
             dv_blk[:, keys] += dv_i
-        # K/V go on for the next step (none after the last); dK/dV always move, arriving home after W hops.
-        received, works = _ring_send_recv([kv, dkv] if step < call.world - 1 else [dkv], call)
-    _wait(works)
-    dk, dv = _unpack(received[0], k, v)
+        # dK/dV move on every step, arriving home after W hops; their transfer overlaps the next step.
+        dkv_next, dkv_works = _ring_send_recv([dkv], call)
+    _wait(dkv_works)
+    dk, dv = _unpack(dkv_next[0], k, v)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
