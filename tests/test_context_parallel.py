@@ -1,6 +1,7 @@
 """Context parallelism (flash_attn_ck/integrations/context_parallel.py) on CPU: gloo, 2 and 4 processes on
 localhost (torch.multiprocessing.spawn), reference backend, float64. Every rank checks its shard of the
-output and of dq/dk/dv against single-process `flash_attn_func` on the full sequence, for each case.
+output and of dq/dk/dv against single-process `flash_attn_func` on the full sequence, for each case, and the
+varlen cases (ring, one cu_seqlens, an empty sequence among them) against `flash_attn_varlen_func`.
 One spawn per world size runs all cases (a spawn costs seconds of imports)."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from flash_attn_ck import ArgumentError, flash_attn_func
+from flash_attn_ck import ArgumentError, flash_attn_func, flash_attn_varlen_func
 from flash_attn_ck.integrations.context_parallel import context_parallel_attn, shard, unshard
 
 # (kv_exchange, layout, causal, window, h, h_k)
@@ -27,6 +28,9 @@ CASES = [
     ("allgather", "contiguous", False, (-1, 4), 2, 2),
     ("allgather", "zigzag", False, (0, 0), 2, 1),
 ]
+# varlen (ring): (layout, causal, h, h_k); sequence lengths in units of 2W, one of them empty
+VARLEN_CASES = list(itertools.product(("zigzag", "contiguous"), (False, True), ((4, 4), (4, 2))))
+VARLEN_UNITS = (3, 1, 0, 2)
 
 
 def _free_port() -> int:
@@ -60,6 +64,28 @@ def _check_case(case, world):
     torch.testing.assert_close(unshard(out.detach(), layout=layout), ref.detach(), atol=1e-12, rtol=1e-10)
 
 
+def _check_varlen_case(case, world):
+    layout, causal, (h, h_k) = case
+    cu = torch.tensor([0, *itertools.accumulate(2 * world * n for n in VARLEN_UNITS)], dtype=torch.int32)
+    total, max_len = int(cu[-1]), 2 * world * max(VARLEN_UNITS)
+    g = torch.Generator().manual_seed(world * 13 + h_k + 2 * causal)
+    q, dout = (torch.randn(total, h, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    k, v = (torch.randn(total, h_k, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = flash_attn_varlen_func(*leaves, cu, cu, max_len, max_len, causal=causal, softmax_scale=0.4,
+                                 backend="reference")
+    ref_grads = torch.autograd.grad(ref, leaves, dout)
+    cut = dict(seq_dim=0, layout=layout, cu_seqlens=cu)
+    local = [shard(t, **cut).requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attn(*local, cu_seqlens=cu, causal=causal, softmax_scale=0.4, layout=layout,
+                                backend="reference")
+    grads = torch.autograd.grad(out, local, shard(dout, **cut))
+    for name, ours, expected in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
+        torch.testing.assert_close(ours, shard(expected.detach(), **cut), atol=1e-12, rtol=1e-10,
+                                   msg=lambda m, name=name: f"varlen {case} {name}: {m}")
+    torch.testing.assert_close(unshard(out.detach(), **cut), ref.detach(), atol=1e-12, rtol=1e-10)
+
+
 def _worker(rank, world, port):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -67,6 +93,8 @@ def _worker(rank, world, port):
     try:
         for case in CASES:
             _check_case(case, world)
+        for case in VARLEN_CASES:
+            _check_varlen_case(case, world)
     finally:
         dist.destroy_process_group()
 
@@ -84,6 +112,9 @@ def test_refusals_without_a_process_group():
         context_parallel_attn(q, q, q, cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ArgumentError, match="allgather"):
         context_parallel_attn(q, q, q, window_size=(4, 0))
+    with pytest.raises(ArgumentError, match="kv_exchange='ring'"):
+        context_parallel_attn(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 8], dtype=torch.int32),
+                              kv_exchange="allgather")
 
 
 def _torch_template_worker(rank, world, port):
