@@ -144,11 +144,15 @@ def bad_calls(draw):
         for name, t in positional.items():
             cases += [(name, {name: bad}) for bad in _tensor_variants(t, name == "q") if bad is not None]
         cases += [("dq", {"dq": q}), ("dk", {"dk": k}), ("dv", {"dv": v}), ("dq", {"dq": dout}), ("dq", {"dq": out}),
-                  ("dk", {"dk": dv}), ("dq", {"dq": torch.zeros(1, 1, 1, d, dtype=q.dtype).expand(q.shape)}),
-                  ("dk", {"dk": torch.zeros(d, dtype=q.dtype).expand(k.shape)}),
+                  ("dk", {"dk": dv}),
                   ("dq", {"dq": dq.float()}), ("dq", {"dq": dq.to("meta")}), ("dv", {"dv": dv[..., :1]}),
                   ("rng_state", {"dropout_p": 0.1}), ("rng_state", {"dropout_p": 0.1, "rng_state": torch.zeros(2)}),
                   ("rng_state", {"dropout_p": 0.1, "rng_state": torch.zeros(2, dtype=torch.int64, device="meta")})]
+        # stride-0 (expanded) outputs: only bad when they expand over more than one row
+        if b * s_q * h > 1:
+            cases.append(("dq", {"dq": torch.zeros(1, 1, 1, d, dtype=q.dtype).expand(q.shape)}))
+        if b * s_k * h_k > 1:
+            cases.append(("dk", {"dk": torch.zeros(d, dtype=q.dtype).expand(k.shape)}))
         if b * s_q > 1 or h > 1:      # dq overlapping dout partially: a view one row into it
             flat = torch.empty(dout.numel() + d, dtype=q.dtype)
             cases.append(("dq", {"dq": flat[d:].view(q.shape), "dout": flat[:-d].view(q.shape)}))
