@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.nn.attention as attention
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ck.integrations.sdpa as provider
 from flash_attn_ck import flash_attn_varlen_func
 from tests.oracle import assert_close_2x, naive_attention
+from tests.sdpa_model import TinyAttention
 
 pytestmark = pytest.mark.filterwarnings("ignore:Warning only once for all operators:UserWarning",
                                         "ignore:.*kernel not used because:UserWarning")
@@ -229,24 +229,6 @@ def test_sdpa_causal_is_top_left():
         diag = i + keys - s_q
         kept = (j < keys) & (j <= diag + (0 if causal else right)) & ((left < 0) | (j >= diag - left))
         assert torch.equal(kept, torch.ones(s_q, s_k, dtype=torch.bool).tril()), (s_q, s_k)
-
-
-class TinyAttention(nn.Module):
-    """Projections + SDPA (causal, GQA 4/2) + output projection."""
-
-    def __init__(self, dim=32, heads=4, kv_heads=2, head_dim=8):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.wq = nn.Linear(dim, heads * head_dim)
-        self.wkv = nn.Linear(dim, 2 * kv_heads * head_dim)
-        self.wo = nn.Linear(heads * head_dim, dim)
-
-    def forward(self, x):
-        q = self.wq(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
-        k, v = (t.transpose(1, 2) for t in self.wkv(x).unflatten(-1, (2, self.kv_heads, self.head_dim)).unbind(2))
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.wo(attn.transpose(1, 2).flatten(-2))
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.attention as attention
 import torch.nn.functional as F
-from torch import nn
+from sdpa_model import TinyAttention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ck.integrations.sdpa as provider
@@ -113,29 +113,11 @@ def test_varlen_through_flash_attention_forward(active, spy, causal):
         assert_close_2x(name, o.cpu(), r, p)
 
 
-class TinyAttention(nn.Module):
-    """Projections + SDPA (causal, GQA 4/2) + output projection."""
-
-    def __init__(self, dim=64, heads=4, kv_heads=2, head_dim=64):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.wq = nn.Linear(dim, heads * head_dim)
-        self.wkv = nn.Linear(dim, 2 * kv_heads * head_dim)
-        self.wo = nn.Linear(heads * head_dim, dim)
-
-    def forward(self, x):
-        q = self.wq(x).unflatten(-1, (self.heads, self.head_dim)).transpose(1, 2)
-        k, v = (t.transpose(1, 2) for t in self.wkv(x).unflatten(-1, (2, self.kv_heads, self.head_dim)).unbind(2))
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.wo(attn.transpose(1, 2).flatten(-2))
-
-
 def test_compile_fullgraph(active, spy):
     """torch.compile(fullgraph=True, inductor) of a bf16 model using SDPA: the compiled graph calls the provider
     and matches eager, forward and parameter gradients."""
     torch._dynamo.reset()
-    model = TinyAttention().to(DEVICE, torch.bfloat16)
+    model = TinyAttention(dim=64, head_dim=64).to(DEVICE, torch.bfloat16)
     x = torch.randn(2, 96, 64, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
     compiled = torch.compile(model, fullgraph=True)
     results = []

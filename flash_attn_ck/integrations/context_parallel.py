@@ -234,10 +234,9 @@ def _unpack(buffer: torch.Tensor, *likes: torch.Tensor) -> list[torch.Tensor]:
 
 # ---- ring ------------------------------------------------------------------------------------------
 
-def _ring_forward(q, k, v, call: _Call):
-    sel = call.chunks
-    q_chunks = chunk_ids(call.rank, call.world, call.layout)
-    merged = [(None, None), (None, None)]
+def _ring_blocks(k, v, call: _Call):
+    """Per ring step: (step, the K/V block held now, its chunk ids). The next block's transfer is posted
+    before the current one is handed out, so it travels while the caller computes."""
     kv, received, works = _pack(k, v), [], []
     for step in range(call.world):
         if step:
@@ -246,7 +245,14 @@ def _ring_forward(q, k, v, call: _Call):
         if step < call.world - 1:
             received, works = _ring_send_recv([kv], call)
         k_blk, v_blk = _unpack(kv, k, v)
-        kv_chunks = chunk_ids((call.rank - step) % call.world, call.world, call.layout)
+        yield step, k_blk, v_blk, chunk_ids((call.rank - step) % call.world, call.world, call.layout)
+
+
+def _ring_forward(q, k, v, call: _Call):
+    sel = call.chunks
+    q_chunks = chunk_ids(call.rank, call.world, call.layout)
+    merged = [(None, None), (None, None)]
+    for _, k_blk, v_blk, kv_chunks in _ring_blocks(k, v, call):
         for i, q_chunk in enumerate(q_chunks):
             seen, causal = call.attend(q_chunk, kv_chunks)
             if seen:
@@ -272,15 +278,8 @@ def _ring_backward(dout, q, k, v, out, lse, call: _Call):
     dq = torch.zeros(q.shape, dtype=accum, device=q.device)
     dq_i = torch.empty_like(q[sel.q(0)])
     block_grads = [(torch.empty_like(k), torch.empty_like(v)) for _ in q_chunks]   # per local query chunk
-    kv, kv_next, kv_works, dkv_next, dkv_works = _pack(k, v), None, [], None, []
-    for step in range(call.world):
-        if step:
-            _wait(kv_works)
-            (kv,) = kv_next
-        if step < call.world - 1:
-            kv_next, kv_works = _ring_send_recv([kv], call)
-        k_blk, v_blk = _unpack(kv, k, v)
-        kv_chunks = chunk_ids((call.rank - step) % call.world, call.world, call.layout)
+    dkv_next, dkv_works = None, []
+    for step, k_blk, v_blk, kv_chunks in _ring_blocks(k, v, call):
         parts = []
         for i, q_chunk in enumerate(q_chunks):
             seen, causal = call.attend(q_chunk, kv_chunks)
