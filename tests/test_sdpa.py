@@ -13,7 +13,6 @@ from __future__ import annotations
 import subprocess
 import sys
 from functools import partial
-from unittest import mock
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import flash_attn_ck.integrations.sdpa as provider
 from flash_attn_ck import flash_attn_varlen_func
 from tests.oracle import assert_close_2x, naive_attention
-from tests.sdpa_model import TinyAttention
+from tests.sdpa_support import TinyAttention, activated, forward_spy
 
 pytestmark = pytest.mark.filterwarnings("ignore:Warning only once for all operators:UserWarning",
                                         "ignore:.*kernel not used because:UserWarning")
@@ -35,16 +34,13 @@ attention.register_flash_attention_impl(CPU_PROVIDER, register_fn=partial(provid
 
 @pytest.fixture
 def active():
-    attention.activate_flash_attention_impl(CPU_PROVIDER)
-    try:
+    with activated(CPU_PROVIDER):
         yield
-    finally:
-        attention.restore_flash_attention_impl()
 
 
 @pytest.fixture
 def spy():
-    with mock.patch.object(provider, "flash_attn_fwd", wraps=provider.flash_attn_fwd) as fwd:
+    with forward_spy() as fwd:
         yield fwd
 
 

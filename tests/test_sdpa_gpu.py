@@ -8,13 +8,11 @@ so SDPA's top-left causal on non-square shapes is tested through the aten op the
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 import torch
 import torch.nn.attention as attention
 import torch.nn.functional as F
-from sdpa_model import TinyAttention
+from sdpa_support import TinyAttention, activated, forward_spy
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ck.integrations.sdpa as provider
@@ -31,16 +29,13 @@ DEVICE = "cuda"
 
 @pytest.fixture
 def active():
-    attention.activate_flash_attention_impl(provider.PROVIDER)
-    try:
+    with activated(provider.PROVIDER):
         yield
-    finally:
-        attention.restore_flash_attention_impl()
 
 
 @pytest.fixture
 def spy():
-    with mock.patch.object(provider, "flash_attn_fwd", wraps=provider.flash_attn_fwd) as fwd:
+    with forward_spy() as fwd:
         yield fwd
 
 

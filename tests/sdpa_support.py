@@ -1,10 +1,34 @@
-"""A small attention layer that calls SDPA (flash backend, causal, GQA), shared by the SDPA provider tests."""
+"""Shared by the SDPA provider tests (CPU and GPU): activating a registered provider for a block, a spy on
+the provider's forward, and a small attention layer that calls SDPA (flash backend, causal, GQA)."""
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
+import torch.nn.attention as attention
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flash_attn_ck.integrations.sdpa as provider
+
+
+@contextlib.contextmanager
+def activated(name: str):
+    """SDPA's flash backend is the registered provider `name` within the block."""
+    attention.activate_flash_attention_impl(name)
+    try:
+        yield
+    finally:
+        attention.restore_flash_attention_impl()
+
+
+@contextlib.contextmanager
+def forward_spy():
+    """A mock wrapping the provider's calls into our forward (it still runs): `.call_count` says it ran."""
+    with mock.patch.object(provider, "flash_attn_fwd", wraps=provider.flash_attn_fwd) as fwd:
+        yield fwd
 
 
 class TinyAttention(nn.Module):
