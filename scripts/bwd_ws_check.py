@@ -110,15 +110,16 @@ def check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, varlen_lens=None, 
     return ok
 
 
-def time_case(b, h, h_k, s, d, causal, tiles):
-    """Backward TFLOP/s of each tile of the warp-specialised kernel, the one-launch kernel and SDPA's FA2 and
-    cuDNN, timed by bench_bwd.py's runner (the whole backward through the public API, in this process)."""
+def time_case(b, h, h_k, s, d, causal, tiles, peers):
+    """Backward TFLOP/s of each tile of the warp-specialised kernel and of `peers` (bench_bwd.py names:
+    triton-one-launch, sdpa_flash, sdpa_cudnn, ...), timed by bench_bwd.py's runner (the whole backward
+    through the public API, in this process)."""
     from bench_bwd import measure
 
     from flash_attn_ck.backends.triton import TritonBackend
     row = {f"ws{tile}": measure("triton", b, h, h_k, s, d, causal, backend=TritonBackend(ws=True, ws_tile=tile))
            for tile in tiles}
-    for name in ("triton-one-launch", "sdpa_flash", "sdpa_cudnn"):
+    for name in peers:
         row[name] = measure(name, b, h, h_k, s, d, causal)
     print(f"TIME d{d} h{h}/{h_k} s{s} causal={causal}: "
           + "  ".join(f"{k} {v['bwd_tflops']:.0f}" for k, v in row.items()), flush=True)
@@ -130,6 +131,9 @@ def main():
     ap.add_argument("--time-only", action="store_true")
     ap.add_argument("--tiles128", default="64x128")
     ap.add_argument("--tiles64", default="64x128")
+    ap.add_argument("--peers", default="triton-one-launch,sdpa_flash,sdpa_cudnn", help="timed beside the tiles")
+    ap.add_argument("--shapes", default="128:16:16:8192,128:32:8:8192,64:32:32:8192,128:16:16:2048",
+                    help="timed shapes d:h:h_k:s, each causal and not (b = 16384 / s)")
     args = ap.parse_args()
     tiles = {d: [WsTile.parse(t) for t in getattr(args, f"tiles{d}").split(",")] for d in (64, 128)}
     ok = True
@@ -162,9 +166,11 @@ def main():
             ok &= check("fp16 causal", 2, 4, 4, 256, 256, 128, True, (-1, -1), t128, None, fp16)
         print(f"(fp16 {time.time() - t0:.1f}s)")
     if not args.check_only:
-        for d, h, h_k, s in ((128, 16, 16, 8192), (128, 32, 8, 8192), (64, 32, 32, 8192), (128, 16, 16, 2048)):
+        peers = [p for p in args.peers.split(",") if p]
+        for shape in args.shapes.split(","):
+            d, h, h_k, s = map(int, shape.split(":"))
             for causal in (False, True):
-                time_case(16384 // s, h, h_k, s, d, causal, tiles[d])
+                time_case(16384 // s, h, h_k, s, d, causal, tiles[d], peers)
     sys.exit(0 if ok else 1)
 
 
