@@ -118,10 +118,10 @@ def _compile(tile, head_dim, varlen, masks, deterministic=False):
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from flash_attn_ck.backends.triton import bwd_ws
+    from flash_attn_ck.backends.triton import bwd_ws, gluon_common
 
     def desc(rows, dtype):
-        return mangle_type(bwd_ws.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows))
+        return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows))
 
     kernel = bwd_ws.attn_bwd_ws_kernel
     cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=head_dim, NUM_STAGES=tile.num_stages,

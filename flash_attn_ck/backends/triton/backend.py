@@ -350,15 +350,15 @@ class TritonBackend(Backend):
                      dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                      workspace: dict[str, torch.Tensor]) -> None:
         """The warp-specialised backward: D, then per group of kv heads: zero dq_accum, bwd_ws, dQ cast."""
-        from . import bwd_ws
+        from . import bwd_ws, gluon_common
         d = params.q.shape[-1]
         tile = self._ws_tile(p)
         delta, dq_acc, sems = workspace["softmax_d"], workspace["dq_accum"], workspace.get("dq_semaphore")
         cu_q = params.cu_seqlens_q if p.varlen else delta
         sizes = launch.Sizes(p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d)
         self._preprocess(p, out, dout, delta, cu_q, (None, None, None, None), sizes)
-        q, k, v = (bwd_ws.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
-        dout = bwd_ws.uniform_rows(dout, p.varlen)
+        q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
+        dout = gluon_common.uniform_rows(dout, p.varlen)
         mask = self._mask_args(p)
         kv_per_launch, group = self._ws_kv_heads_per_launch(p), p.group_size
         batch = 1 if p.varlen else p.batch
