@@ -26,7 +26,7 @@ a tile may read rows of the next sequence: those query rows get lse = +inf (P = 
 rows are masked to P = 0 on the last key tile, and dK/dV are stored by masked pointers. A dQ
 tile that spills into the next sequence adds exact zeros there.
 
-Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, `uniform_rows`
+Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, gluon_common.uniform_rows
 copies tensors whose rows a descriptor cannot view):
   - head_dim a power of two with tiles in config.BWD_WS_SM90 (64, 128); heads adjacent in memory
     (stride_h = head_dim), rows uniform, 16-byte aligned;
@@ -52,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .bwd_ws_schedule import semaphore_tiles
 from .gluon_common import LOG2E, descriptor, keep_mask, query_range, sequence, tile_needs_mask
+
 
 @builtin
 def tma_reduce_add(desc, coord, src, _semantic=None):
