@@ -136,7 +136,8 @@ def _softmax_step(s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shift, window_left
     """One key tile's online-softmax update of raw scores s: (P, alpha that rescales O, new max, new sum).
     The max is kept on raw scores; exp2 takes s * scale * log2e - m * scale * log2e (one FFMA)."""
     if tile_needs_mask(m0, n0, len_k, shift, window_left, window_right, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT):
-        keep = keep_mask(gl.expand_dims(offs_m, 1), gl.expand_dims(n0 + offs_n, 0), len_k, shift,
+        # (relative to the tile: columns 0..BLOCK_N - 1 against per-row bounds, no per-column key index)
+        keep = keep_mask(gl.expand_dims(offs_m - n0, 1), gl.expand_dims(offs_n, 0), len_k - n0, shift,
                          window_left, window_right, HAS_LEFT, HAS_RIGHT)
         s = gl.where(keep, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
