@@ -250,7 +250,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
                        NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr,
                        CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Grid: (query tiles, batch, query heads); num_warps = 4 (consumer 0). See the module docstring."""
+    """Grid: (query tiles, batch, query heads); num_warps = CONSUMER_WARPS (consumer 0). See the module docstring."""
     if VARLEN:
         m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
         b = gl.program_id(1)
@@ -310,6 +310,6 @@ def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch
         seqlen_q, seqlen_k, group, scale, window_left, window_right,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=d, NUM_STAGES=tile.num_stages, VARLEN=varlen,
         TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right, OVERLAP=tile.overlap,
-        CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, num_warps=4)
+        CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, num_warps=CONSUMER_WARPS.value)
     if target is not out:
         out.copy_(target)
