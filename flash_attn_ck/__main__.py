@@ -128,6 +128,8 @@ def main(argv=None) -> int:
                                             max_workspace_bytes=args.max_workspace_bytes, **options),
                      device, args.repeats)
     print(f"  forward  {fwd_time * 1e3:9.2f} ms  {problem.forward_flops() / fwd_time / 1e12:8.3f} TFLOP/s")
+    if backend.forward_kernel(problem):
+        print(f"  forward kernel: {backend.forward_kernel(problem)}")
     print(f"  backward {bwd_time * 1e3:9.2f} ms  {problem.backward_flops() / bwd_time / 1e12:8.3f} TFLOP/s"
           f"  (FLOPs = 2.5 x 4 b h s_q s_k d{', halved: causal' if problem.mask.is_causal else ''})")
 

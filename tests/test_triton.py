@@ -36,11 +36,14 @@ def _check(cfg: Config, seed: int = 0):
     check_case(cfg, backend="triton", device="cuda", seed=seed)
 
 
-# Both backward kernels: ws=False the one-launch kernel, ws=True the warp-specialised one wherever it can
-# run (head dims 64/128, no dropout/ALiBi/softcap, not deterministic; other cases fall back).
-@pytest.fixture(params=[False, True], ids=["one-launch", "ws"])
+# Both backward kernels and both forward kernels: ws=False the one-launch backward, ws=True the
+# warp-specialised one wherever it can run (head dims 64/128, no dropout/ALiBi/softcap, not deterministic;
+# other cases fall back); fwd_ws=True the warp-specialised forward wherever it can run (head dims 64/128,
+# no dropout/ALiBi/softcap), fwd_ws=False the current forward.
+@pytest.fixture(params=[dict(ws=False, fwd_ws=False), dict(ws=True, fwd_ws=False), dict(ws=False, fwd_ws=True)],
+                ids=["one-launch", "ws", "fwd_ws"])
 def kernel(request):
-    with use_backend(TritonBackend(ws=request.param)):
+    with use_backend(TritonBackend(**request.param)):
         yield request.param
 
 
@@ -87,6 +90,36 @@ def test_ws_kernel_varlen_empty_sequences():
     with use_backend(TritonBackend(ws=True)):
         out, (dq, dk, dv) = check_case(cfg, backend="triton", device="cuda")
     assert dk[80:130].abs().max() == 0 and dv[80:130].abs().max() == 0
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("mask", [dict(causal=False), dict(causal=True), dict(window=(64, 32)), dict(window=(17, -1))],
+                         ids=["dense", "causal", "window", "window_left_only"])
+@pytest.mark.parametrize("seqlens", [(300, 300), (100, 333), (333, 100), (256, 256)],
+                         ids=["square", "sq<sk", "sq>sk", "full-tiles"])
+def test_fwd_ws_kernel_runs_and_matches(head_dim, group, mask, seqlens):
+    """The warp-specialised forward itself (forward_kernel names it) on GQA ratios 1-8, s_q != s_k, causal and
+    windows: out and lse under the 2x rule (the backward reads that lse)."""
+    backend = TritonBackend(fwd_ws=True)
+    cfg = Config(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=8, heads_k=8 // group, head_dim=head_dim,
+                 **mask)
+    q, k, v, _, _ = make_inputs(cfg, "cuda", seed=group)
+    options = AttentionOptions(causal=cfg.causal, window_size=cfg.window)
+    assert backend.forward_kernel(describe_call(q, k, v, options)).startswith("fwd_ws")
+    with use_backend(backend):
+        _check(cfg, seed=group)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fwd_ws_kernel_varlen_empty_sequences(causal, dtype):
+    seqlens = [(37, 80), (0, 50), (130, 9), (64, 0), (1, 1), (0, 0), (200, 211), (257, 129)]
+    cfg = Config(seqlens=seqlens, heads_q=8, heads_k=2, head_dim=128, causal=causal, dtype=dtype)
+    with use_backend(TritonBackend(fwd_ws=True)):
+        out, _ = check_case(cfg, backend="triton", device="cuda")
+    # the query rows of the sequence without keys (rows 167..231) see no key: out = 0
+    assert out[167:231].abs().max() == 0
 
 
 @pytest.mark.parametrize("name", ["mqa_causal", "window", "alibi_softcap_window", "dropout_causal_gqa"])

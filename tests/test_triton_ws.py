@@ -4,7 +4,6 @@ with the instructions the design rests on. Its numerics run on the GPU (tests/te
 
 from __future__ import annotations
 
-import inspect
 import re
 
 import pytest
@@ -13,6 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
+
+from gluon_compile import compile_sm90, descriptor_type  # noqa: E402
 
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
 from flash_attn_ck.backends.triton import config  # noqa: E402
@@ -114,29 +115,20 @@ def test_launches_cover_every_kv_head_once(sm90, group):
 
 # ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ----------------------
 def _compile(tile, head_dim, varlen, masks, deterministic=False):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import mangle_type
-
     from flash_attn_ck.backends.triton import bwd_ws
 
-    def desc(rows, dtype):
-        return mangle_type(bwd_ws.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows))
-
-    kernel = bwd_ws.attn_bwd_ws_kernel
     cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=head_dim, NUM_STAGES=tile.num_stages,
               DQ_STAGES=tile.dq_stages, VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2],
               LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, PIPELINE=tile.pipeline,
               DETERMINISTIC=deterministic, num_warps=tile.num_warps)
-    descs = dict(q_desc=desc(tile.block_m, torch.bfloat16), k_desc=desc(tile.block_n, torch.bfloat16),
-                 v_desc=desc(tile.block_n, torch.bfloat16), do_desc=desc(tile.block_m, torch.bfloat16),
-                 dq_desc=desc(tile.block_m, torch.float32))
-    types = {"Lse": "*fp32", "Delta": "*fp32", "dK": "*bf16", "dV": "*bf16", "Sem": "*i32", "cu_seqlens_q": "*i32",
-             "cu_seqlens_k": "*i32", "scale": "fp32"}
-    sig = {n: "constexpr" if n in cx else descs.get(n) or types.get(n, "i32")
-           for n in inspect.signature(kernel.fn).parameters}
-    return triton.compile(GluonASTSource(kernel, sig, cx), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=tile.num_warps))
+    types = dict(q_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
+                 k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
+                 v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
+                 do_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
+                 dq_desc=descriptor_type(tile.block_m, head_dim, torch.float32),
+                 Lse="*fp32", Delta="*fp32", dK="*bf16", dV="*bf16", Sem="*i32", cu_seqlens_q="*i32",
+                 cu_seqlens_k="*i32", scale="fp32")
+    return compile_sm90(bwd_ws.attn_bwd_ws_kernel, types, cx, tile.num_warps)
 
 
 @pytest.mark.parametrize("varlen,masks,deterministic", [

@@ -78,6 +78,11 @@ class Backend(abc.ABC):
         """Write `out` (layout of q) and fp32 `lse` ((b, h, s_q) or varlen (h, total_q)). The pipeline
         calls it only when the call has query rows and key rows (empty calls need no kernel)."""
 
+    def forward_kernel(self, problem: AttentionProblem) -> str:
+        """Which kernel runs the forward of this call and, when a faster one was passed over, why
+        (empty: the backend has one forward)."""
+        return ""
+
     @abc.abstractmethod
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
         """Every buffer `backward` needs, by name (core/plan.py); the pipeline allocates them."""

@@ -1,6 +1,7 @@
 """TritonBackend: the CUDA (Hopper-first) kernels behind the common pipeline.
 
-Forward: forward.py. Backward, in launch order:
+Forward: forward.py, or the warp-specialised fwd_ws.py (Gluon, sm_90) where `fwd_ws_reasons` names no
+reason (`forward_kernel` says which, and why). Backward, in launch order:
   1. bwd_preprocess: D = rowsum(dO * O) into workspace['softmax_d']; zero the fp32 accumulators
      and semaphores of this plan.
   2. bwd_main: one launch with two program roles: one program per key tile (dK/dV on chip;
@@ -81,7 +82,8 @@ class TritonBackend(Backend):
 
     def __init__(self, gqa_epilogue: str | None = None, dq_mode: str | None = None,
                  use_tma: bool | None = None, configs: config.Configs | None = None,
-                 ws: bool | None = None, ws_tile: config.WsTile | None = None):
+                 ws: bool | None = None, ws_tile: config.WsTile | None = None,
+                 fwd_ws: bool | None = None, fwd_ws_tile: config.FwdWsTile | None = None):
         # An option given here wins; else its environment variable (empty: unset); errors name the source.
         for option, value, env, default, allowed in (
                 ("gqa_epilogue", gqa_epilogue, GQA_ENV, "loop", ("loop", "accumulate")),
@@ -97,6 +99,8 @@ class TritonBackend(Backend):
         self.configs = configs
         self.ws = ws
         self.ws_tile = ws_tile
+        self.fwd_ws = fwd_ws
+        self.fwd_ws_tile = fwd_ws_tile
 
     # ---- capabilities --------------------------------------------------------------------------
     @classmethod
@@ -163,6 +167,38 @@ class TritonBackend(Backend):
             reasons.append("softcap")
         return reasons
 
+    def fwd_ws_reasons(self, p: AttentionProblem) -> list[str]:
+        """Why the warp-specialised forward (fwd_ws.py) does not run this call; empty when it does.
+        fwd_ws=None: only for head dims in config.FWD_WS_DEFAULT_HEAD_DIMS (none until measured on the GPU);
+        True: wherever it can run; False: never."""
+        if self.fwd_ws is False:
+            return ["turned off (TritonBackend(fwd_ws=False))"]
+        reasons = []
+        if _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] != 9:
+            reasons.append("needs an sm_90 GPU (Gluon wgmma/TMA kernel)")
+        if p.dtype not in (torch.bfloat16, torch.float16):
+            reasons.append(f"{p.dtype} inputs (bf16/fp16 only)")
+        d = p.head_dim_padded
+        if d not in config.FWD_WS_SM90:
+            reasons.append(f"head dim {d}: the kernel has tiles for head dims {sorted(config.FWD_WS_SM90)}")
+        elif self.fwd_ws is None and d not in config.FWD_WS_DEFAULT_HEAD_DIMS:
+            reasons.append(f"head dim {d}: not measured on the GPU yet (TritonBackend(fwd_ws=True) runs it)")
+        if p.dropout_p > 0:
+            reasons.append("dropout")
+        if p.has_alibi:
+            reasons.append("ALiBi")
+        if p.softcap != 0.0:
+            reasons.append("softcap")
+        if p.softmax_scale <= 0:
+            reasons.append(f"softmax scale {p.softmax_scale} (the kernel takes the running max on raw scores)")
+        return reasons
+
+    def forward_kernel(self, problem: AttentionProblem) -> str:
+        reasons = self.fwd_ws_reasons(problem)
+        if not reasons:
+            return "fwd_ws (warp-specialised Gluon, sm_90)"
+        return "forward (one program per query tile); fwd_ws not used: " + ", ".join(reasons)
+
     def _ws_tile(self, p: AttentionProblem) -> config.WsTile:
         return self.ws_tile or config.BWD_WS_SM90[p.head_dim_padded]
 
@@ -207,6 +243,13 @@ class TritonBackend(Backend):
                     HAS_RIGHT=masked and m.right >= 0)
 
     @staticmethod
+    def _gluon_mask_args(p: AttentionProblem) -> dict:
+        """The mask as the warp-specialised kernels' launch functions (fwd_ws.launch, bwd_ws.launch) take it."""
+        m = TritonBackend._mask_args(p)
+        return dict(top_left=m["TOP_LEFT"], window_left=m["window_left"], window_right=m["window_right"],
+                    has_left=m["HAS_LEFT"], has_right=m["HAS_RIGHT"])
+
+    @staticmethod
     def _feature_args(p: AttentionProblem, params: AttentionParams, dummy: torch.Tensor) -> tuple[list, dict]:
         slopes = params.alibi_slopes
         if slopes is not None:
@@ -232,6 +275,9 @@ class TritonBackend(Backend):
                 out: torch.Tensor, lse: torch.Tensor) -> None:
         p = problem
         _prepare_launch()
+        if not self.fwd_ws_reasons(p):
+            self._forward_ws(p, params, out, lse)
+            return
         cfg = self._configs(p)
         tile = cfg.forward
         seq, sizes, named = self._launch_args(p, params, lse)
@@ -241,6 +287,14 @@ class TritonBackend(Backend):
         launch.forward(params.q, params.k, params.v, out, lse, seq, sizes, scores, features, tile,
                        config.head_block(sizes.head_dim), (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)
                        ).launch()
+
+    def _forward_ws(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor,
+                    lse: torch.Tensor) -> None:
+        """The warp-specialised forward: one launch of fwd_ws."""
+        from . import fwd_ws
+        fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
+                      varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
+                      tile=self.fwd_ws_tile or config.FWD_WS_SM90[p.head_dim_padded], **self._gluon_mask_args(p))
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
@@ -350,16 +404,16 @@ class TritonBackend(Backend):
                      dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                      workspace: dict[str, torch.Tensor]) -> None:
         """The warp-specialised backward: D, then per group of kv heads: zero dq_accum, bwd_ws, dQ cast."""
-        from . import bwd_ws
+        from . import bwd_ws, gluon_common
         d = params.q.shape[-1]
         tile = self._ws_tile(p)
         delta, dq_acc, sems = workspace["softmax_d"], workspace["dq_accum"], workspace.get("dq_semaphore")
         cu_q = params.cu_seqlens_q if p.varlen else delta
         sizes = launch.Sizes(p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d)
         self._preprocess(p, out, dout, delta, cu_q, (None, None, None, None), sizes)
-        q, k, v = (bwd_ws.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
-        dout = bwd_ws.uniform_rows(dout, p.varlen)
-        mask = self._mask_args(p)
+        q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
+        dout = gluon_common.uniform_rows(dout, p.varlen)
+        mask = self._gluon_mask_args(p)
         kv_per_launch, group = self._ws_kv_heads_per_launch(p), p.group_size
         batch = 1 if p.varlen else p.batch
         for h0 in range(0, p.heads_k, kv_per_launch):
@@ -372,10 +426,8 @@ class TritonBackend(Backend):
             dk_h, dv_h = dk[..., kv, :], dv[..., kv, :]
             bwd_ws.launch(q[..., hq, :], k[..., kv, :], v[..., kv, :], dout[..., hq, :], lse_h, delta_h, acc, dk_h,
                           dv_h, params.cu_seqlens_q, params.cu_seqlens_k, varlen=p.varlen, batch=p.batch,
-                          seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
-                          top_left=mask["TOP_LEFT"], window_left=mask["window_left"],
-                          window_right=mask["window_right"], has_left=mask["HAS_LEFT"], has_right=mask["HAS_RIGHT"],
-                          tile=tile, semaphores=sem)
+                          seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale, tile=tile, semaphores=sem,
+                          **mask)
             dq_h = dq[..., hq, :]
             _cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                   p.rows_q // batch, d)

@@ -26,7 +26,7 @@ a tile may read rows of the next sequence: those query rows get lse = +inf (P = 
 rows are masked to P = 0 on the last key tile, and dK/dV are stored by masked pointers. A dQ
 tile that spills into the next sequence adds exact zeros there.
 
-Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, `uniform_rows`
+Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, gluon_common.uniform_rows
 copies tensors whose rows a descriptor cannot view):
   - head_dim a power of two with tiles in config.BWD_WS_SM90 (64, 128); heads adjacent in memory
     (stride_h = head_dim), rows uniform, 16-byte aligned;
@@ -51,8 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .bwd_ws_schedule import semaphore_tiles
-
-LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+from .gluon_common import LOG2E, descriptor, keep_mask, query_range, sequence, tile_needs_mask
 
 
 @builtin
@@ -65,42 +64,16 @@ def tma_reduce_add(desc, coord, src, _semantic=None):
 
 # ---- schedule: which (query head, query tile) pairs a key tile visits --------------------------
 @gluon.jit
-def _sequence(cu_seqlens, b, max_len, VARLEN: gl.constexpr):
-    """(first row in the 2-D view, length) of sequence b."""
-    if VARLEN:
-        start = gl.load(cu_seqlens + b)
-        length = gl.load(cu_seqlens + b + 1) - start
-    else:
-        start = b * max_len
-        length = max_len
-    return start, length
-
-
-@gluon.jit
-def _query_range(n0, len_q, shift, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Query rows [lo, hi) that see keys [n0, n0 + BLOCK_N); lo is a multiple of BLOCK_M."""
-    lo = 0
-    hi = len_q
-    if HAS_RIGHT:
-        lo = gl.maximum(n0 - shift - right, 0)
-        lo = (lo // BLOCK_M) * BLOCK_M
-    if HAS_LEFT:
-        hi = gl.minimum(n0 + BLOCK_N + left - shift, len_q)
-    return lo, hi
-
-
-@gluon.jit
 def _tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """Everything every partition derives from the program id, computed the same way in each."""
     n0 = gl.program_id(0) * BLOCK_N
     b = gl.program_id(1)
-    q_row0, len_q = _sequence(cu_seqlens_q, b, seqlen_q, VARLEN)
-    k_row0, len_k = _sequence(cu_seqlens_k, b, seqlen_k, VARLEN)
+    q_row0, len_q = sequence(cu_seqlens_q, b, seqlen_q, VARLEN)
+    k_row0, len_k = sequence(cu_seqlens_k, b, seqlen_k, VARLEN)
     shift = 0 if TOP_LEFT else len_k - len_q
-    m_lo, m_hi = _query_range(n0, len_q, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    m_lo, m_hi = query_range(n0, len_q, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     m_tiles = gl.maximum(gl.cdiv(m_hi - m_lo, BLOCK_M), 0)
     return n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles
 
@@ -219,7 +192,6 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
     offs_m_tile = gl.arange(0, BLOCK_M, layout=col_layout)
     scale_log2 = scale * LOG2E
-    last_key_tile = n0 + BLOCK_N > len_k
 
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
@@ -258,19 +230,9 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
         # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked ----
         sT = warpgroup_mma_wait(1, deps=(sT,))
         pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-        needs_mask = last_key_tile
-        if HAS_LEFT:
-            needs_mask = needs_mask | (n0 < m0 + BLOCK_M - 1 + shift - window_left)
-        if HAS_RIGHT:
-            needs_mask = needs_mask | (n0 + BLOCK_N - 1 > m0 + shift + window_right)
-        if needs_mask:
-            cols = gl.expand_dims(offs_n, 1)
-            rows = gl.expand_dims(offs_m, 0)
-            keep = cols < len_k
-            if HAS_LEFT:
-                keep = keep & (cols >= rows + shift - window_left)
-            if HAS_RIGHT:
-                keep = keep & (cols <= rows + shift + window_right)
+        if tile_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT):
+            keep = keep_mask(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_k, shift,
+                             window_left, window_right, HAS_LEFT, HAS_RIGHT)
             pT = gl.where(keep, pT, 0.0)
 
         # ---- dS^T = P^T (dP^T - D); dV += P^T dO ----
@@ -392,38 +354,6 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
 
 
 # ---- host side -------------------------------------------------------------------------------
-def rows_view(t, varlen: bool):
-    """(rows, heads * head_dim, row stride) of a q/k/v-like tensor seen as one 2-D matrix, or None
-    when its rows are not uniform (heads not adjacent, or a batch stride other than s * row stride)."""
-    d = t.shape[-1]
-    if t.stride(-1) != 1 or t.stride(-2) != d:
-        return None
-    if varlen:
-        return t.shape[0], t.shape[1] * d, t.stride(0)
-    b, s = t.shape[0], t.shape[1]
-    if b > 1 and t.stride(0) != s * t.stride(1):
-        return None
-    return b * s, t.shape[2] * d, t.stride(1)
-
-
-def uniform_rows(t, varlen: bool):
-    """`t` itself when a TMA descriptor can view it as one 2-D matrix (uniform rows, 16-byte aligned),
-    else a contiguous copy."""
-    view = rows_view(t, varlen)
-    if view is not None and t.data_ptr() % 16 == 0 and (view[2] * t.element_size()) % 16 == 0:
-        return t
-    return t.contiguous()
-
-
-def descriptor(t, varlen: bool, block_rows: int):
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    rows, cols, row_stride = rows_view(t, varlen)
-    d = t.shape[-1]
-    gl_dtype = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16, "torch.float32": gl.float32}[str(t.dtype)]
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], gl_dtype)
-    return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, d], layout)
-
-
 def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int,
            seqlen_q: int, seqlen_k: int, scale: float, top_left: bool, window_left: int, window_right: int,
            has_left: bool, has_right: bool, tile, semaphores=None):

@@ -133,6 +133,43 @@ BWD_WS_MIN_SEQLEN = SHORT_SEQLEN + 1
 # (the GQA backward's peak memory target, 32/8 d128 s8192: 210 MiB).
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
+# ---- warp-specialised forward (fwd_ws.py) on sm_90: NOT measured yet --------------------------------
+@dataclass(frozen=True)
+class FwdWsTile:
+    """Launch shape of the warp-specialised forward (fwd_ws.py): query rows per CTA (two consumer
+    warpgroups of block_m / 2 rows each), key rows per step, K/V ring stages, whether the next key tile's
+    S = Q K^T is issued before the current P V (intra-warpgroup overlap), and the register budgets of the
+    consumer worker and of the 1-warp loader."""
+    block_m: int
+    block_n: int
+    num_stages: int = 2
+    overlap: bool = True
+    consumer_regs: int = 240
+    loader_regs: int = 24
+
+    @classmethod
+    def parse(cls, text: str) -> FwdWsTile:
+        """'BMxBN[xSTAGES[xOVERLAP]]' (OVERLAP 0 or 1), as scripts/fwd_ws_check.py takes it."""
+        names = ("block_m", "block_n", "num_stages", "overlap")
+        values = list(map(int, text.split("x")))
+        if len(values) > 3:
+            values[3] = bool(values[3])
+        return cls(**dict(zip(names, values)))
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.num_stages}x{int(self.overlap)}"
+
+
+# Starting point, FA3's H100 tiles; to be measured (scripts/fwd_ws_check.py). FA3 runs 128 query rows per CTA
+# in two consumer warpgroups at d128 with 2 K/V stages and the intra-warpgroup overlap (its key block, 176
+# non-causal / 128 causal, is not a power of two: 128 here); at d64 FA3 takes 192 x 192 with three warpgroups,
+# a shape this two-consumer kernel does not have: 128 x 128 here. 240 registers per consumer warpgroup and 24
+# for the loader are FA3's budgets for two consumer warpgroups.
+FWD_WS_SM90 = {64: FwdWsTile(128, 128, num_stages=2, overlap=True),
+               128: FwdWsTile(128, 128, num_stages=2, overlap=True)}
+# Head dims where TritonBackend() runs it without being asked: none until the H200 measures it faster.
+FWD_WS_DEFAULT_HEAD_DIMS: frozenset[int] = frozenset()
+
 GENERIC = {
     32: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
     64: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),

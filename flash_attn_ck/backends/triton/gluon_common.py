@@ -1,0 +1,114 @@
+"""What the warp-specialised Gluon kernels (fwd_ws.py, bwd_ws.py) share: sequence bounds, the visible
+query/key ranges, the mask, and the host-side TMA descriptors over 2-D (rows, heads * head_dim) views.
+
+The mask follows scores.py's conventions: bottom-right aligned per sequence (`shift = len_k - len_q`;
+0 for top-left); row i keeps key j iff `j >= i + shift - left` (with a left bound), `j <= i + shift + right`
+(with a right bound) and `j < len_k`. The helpers are elementwise in rows/cols, so a caller may use either
+orientation (the forward's S, the backward's S^T).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
+
+
+# ---- sequences and visible ranges -------------------------------------------------------------
+@gluon.jit
+def sequence(cu_seqlens, b, max_len, VARLEN: gl.constexpr):
+    """(first row in the 2-D view, length) of sequence b."""
+    if VARLEN:
+        start = gl.load(cu_seqlens + b)
+        length = gl.load(cu_seqlens + b + 1) - start
+    else:
+        start = b * max_len
+        length = max_len
+    return start, length
+
+
+@gluon.jit
+def query_range(n0, len_q, shift, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Query rows [lo, hi) that see keys [n0, n0 + BLOCK_N); lo is a multiple of BLOCK_M."""
+    lo = 0
+    hi = len_q
+    if HAS_RIGHT:
+        lo = gl.maximum(n0 - shift - right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = gl.minimum(n0 + BLOCK_N + left - shift, len_q)
+    return lo, hi
+
+
+@gluon.jit
+def key_range(m0, len_q, len_k, shift, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Keys [lo, hi) that query rows [m0, min(m0 + BLOCK_M, len_q)) see; lo is a multiple of BLOCK_N."""
+    lo = 0
+    hi = len_k
+    if HAS_LEFT:
+        lo = gl.maximum(m0 + shift - left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = gl.minimum(gl.minimum(m0 + BLOCK_M, len_q) + shift + right, len_k)
+    return lo, hi
+
+
+# ---- the mask ---------------------------------------------------------------------------------
+@gluon.jit
+def tile_needs_mask(m0, n0, len_k, shift, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """False when every (row, key) of rows [m0, m0 + BLOCK_M) x keys [n0, n0 + BLOCK_N) is kept."""
+    partial = n0 + BLOCK_N > len_k
+    if HAS_LEFT:
+        partial = partial | (n0 < m0 + BLOCK_M - 1 + shift - left)
+    if HAS_RIGHT:
+        partial = partial | (n0 + BLOCK_N - 1 > m0 + shift + right)
+    return partial
+
+
+@gluon.jit
+def keep_mask(rows, cols, len_k, shift, left, right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Whether query `rows` see key `cols` (broadcast elementwise)."""
+    keep = cols < len_k
+    if HAS_LEFT:
+        keep = keep & (cols >= rows + shift - left)
+    if HAS_RIGHT:
+        keep = keep & (cols <= rows + shift + right)
+    return keep
+
+
+# ---- host side: TMA descriptors over 2-D row views ---------------------------------------------
+def rows_view(t, varlen: bool):
+    """(rows, heads * head_dim, row stride) of a q/k/v-like tensor seen as one 2-D matrix, or None
+    when its rows are not uniform (heads not adjacent, or a batch stride other than s * row stride)."""
+    d = t.shape[-1]
+    if t.stride(-1) != 1 or t.stride(-2) != d:
+        return None
+    if varlen:
+        return t.shape[0], t.shape[1] * d, t.stride(0)
+    b, s = t.shape[0], t.shape[1]
+    if b > 1 and t.stride(0) != s * t.stride(1):
+        return None
+    return b * s, t.shape[2] * d, t.stride(1)
+
+
+def uniform_rows(t, varlen: bool):
+    """`t` itself when a TMA descriptor can view it as one 2-D matrix (uniform rows, 16-byte aligned),
+    else a contiguous copy."""
+    view = rows_view(t, varlen)
+    if view is not None and t.data_ptr() % 16 == 0 and (view[2] * t.element_size()) % 16 == 0:
+        return t
+    return t.contiguous()
+
+
+def descriptor(t, varlen: bool, block_rows: int):
+    """A host TMA descriptor over `t`'s 2-D row view with (block_rows, head_dim) boxes."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    rows, cols, row_stride = rows_view(t, varlen)
+    d = t.shape[-1]
+    gl_dtype = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16, "torch.float32": gl.float32}[str(t.dtype)]
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], gl_dtype)
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, d], layout)

@@ -1,0 +1,201 @@
+"""Check and time the warp-specialised Gluon forward kernel (backends/triton/fwd_ws.py): out and lse against
+an fp32 PyTorch reference (the 2x rule: error <= 2x that of the same math in the input dtype; lse = +inf
+exactly on the rows with no key), then forward TFLOP/s of each tile variant beside the current Triton
+forward and torch SDPA (flash, cuDNN) in the same process.
+
+    PYTHONPATH=$PWD:$PWD/tests python3 scripts/fwd_ws_check.py [--check-only] [--time-only]
+        [--tiles128 128x128x2x1,128x128x2x0] [--tiles64 128x128x2x1,128x128x2x0]
+
+A tile is 'BMxBNxSTAGESxOVERLAP' (config.FwdWsTile.parse). Prints PASS/FAIL per case and a TIME line per
+shape; a variant that fails to compile or run prints its error and the script goes on. Exits non-zero if a
+check fails. Needs an sm_90 GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import flash_attn_ck as fa
+from flash_attn_ck.backends.triton import TritonBackend, fwd_ws
+from flash_attn_ck.backends.triton.config import FwdWsTile
+
+
+def mask_args(causal, window):
+    left, right = window
+    if causal:
+        right = 0
+    return dict(top_left=False, window_left=max(left, 0), window_right=max(right, 0),
+                has_left=left >= 0, has_right=right >= 0)
+
+
+def ws_forward(q, k, v, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max_k=0):
+    """out, lse of fwd_ws.launch with an explicit tile ((b, h, s_q) or varlen (h, total_q) lse)."""
+    varlen = cu_q is not None
+    out = torch.empty_like(q)
+    lse = torch.empty((q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[2], q.shape[1]),
+                      dtype=torch.float32, device=q.device)
+    batch = cu_q.numel() - 1 if varlen else q.shape[0]
+    s_q, s_k = (max_q, max_k) if varlen else (q.shape[1], k.shape[1])
+    fwd_ws.launch(q, k, v, out, lse, cu_q, cu_k, varlen=varlen, batch=batch, seqlen_q=s_q, seqlen_k=s_k,
+                  scale=q.shape[-1] ** -0.5, tile=tile, **mask_args(causal, window))
+    return out, lse
+
+
+def reference(q, k, v, causal, window, dtype, cu_q=None, cu_k=None):
+    """out and lse ((b, h, s_q) or varlen (h, total_q)) of attention computed in `dtype`, per sequence."""
+    def one(q, k, v):
+        s_q, s_k, h, h_k = q.shape[0], k.shape[0], q.shape[1], k.shape[1]
+        qq, kk, vv = (t.to(dtype) for t in (q, k, v))
+        ke, ve = kk.repeat_interleave(h // h_k, 1), vv.repeat_interleave(h // h_k, 1)
+        s = torch.einsum("qhd,khd->hqk", qq, ke) * q.shape[-1] ** -0.5
+        i = torch.arange(s_q, device=q.device)[:, None] + s_k - s_q
+        j = torch.arange(s_k, device=q.device)[None, :]
+        left, right = window
+        if causal:
+            right = 0
+        keep = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
+        if right >= 0:
+            keep &= j <= i + right
+        if left >= 0:
+            keep &= j >= i - left
+        s = s.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(s.float(), -1).to(dtype)                       # -inf on rows with no key
+        p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(dtype)
+        out = torch.einsum("hqk,khd->qhd", p, ve)
+        return out, lse.masked_fill(lse == float("-inf"), float("inf"))
+    if cu_q is None:
+        parts = [one(q[b], k[b], v[b]) for b in range(q.shape[0])]
+        return torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts])
+    parts = [one(q[a:b], k[c:e], v[c:e])
+             for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())]
+    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts], dim=1)
+
+
+def within_2x(label, got, ref32, ref_same):
+    """(ok, text) of the 2x rule on the finite entries; +inf must match exactly (lse of rows with no key)."""
+    inf = torch.isinf(ref32)
+    if not torch.equal(torch.isinf(got), inf) or not torch.all(got[inf] == ref32[inf]):
+        return False, f"{label} +inf rows differ FAIL"
+    err = (got.float() - ref32)[~inf].abs().max().item() if (~inf).any() else 0.0
+    base = (ref_same.float() - ref32)[~inf].abs().max().item() if (~inf).any() else 0.0
+    ok = math.isfinite(err) and err <= 2 * base + 1e-5
+    return ok, f"{label} {err:.2e}/{base:.2e}{'' if ok else ' FAIL'}"
+
+
+def check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, varlen_lens=None, dtype=torch.bfloat16):
+    dev = "cuda"
+    if varlen_lens:
+        lq, lk = zip(*varlen_lens)
+        cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+        q = torch.randn(sum(lq), h, d, device=dev, dtype=dtype)
+        k = torch.randn(sum(lk), h_k, d, device=dev, dtype=dtype)
+        v = torch.randn(sum(lk), h_k, d, device=dev, dtype=dtype)
+        got = ws_forward(q, k, v, causal, window, tile, cu_q, cu_k, max(lq), max(lk))
+    else:
+        cu_q = cu_k = None
+        q = torch.randn(b, s_q, h, d, device=dev, dtype=dtype)
+        k = torch.randn(b, s_k, h_k, d, device=dev, dtype=dtype)
+        v = torch.randn(b, s_k, h_k, d, device=dev, dtype=dtype)
+        got = ws_forward(q, k, v, causal, window, tile)
+    ref32 = reference(q, k, v, causal, window, torch.float32, cu_q, cu_k)
+    ref_same = reference(q, k, v, causal, window, dtype, cu_q, cu_k)
+    results = [within_2x(label, g, r32, r16) for label, g, r32, r16 in zip(("out", "lse"), got, ref32, ref_same)]
+    ok = all(r[0] for r in results)
+    print(f"{'PASS' if ok else 'FAIL'} {name} [{tile}]: " + ", ".join(r[1] for r in results), flush=True)
+    return ok
+
+
+CASES = [   # name, b, h, h_k, s_q, s_k, d, causal, window, varlen lengths, dtype
+    ("dense d128 s256", 2, 4, 4, 256, 256, 128, False, (-1, -1), None, torch.bfloat16),
+    ("dense d128 s200 (partial tiles)", 2, 4, 4, 200, 200, 128, False, (-1, -1), None, torch.bfloat16),
+    ("causal d128 s384", 2, 4, 4, 384, 384, 128, True, (-1, -1), None, torch.bfloat16),
+    ("causal s_q 100 < s_k 300", 2, 4, 4, 100, 300, 128, True, (-1, -1), None, torch.bfloat16),
+    ("causal s_q 300 > s_k 100 (rows with no key)", 2, 4, 4, 300, 100, 128, True, (-1, -1), None, torch.bfloat16),
+    ("window (64, 32) d128", 2, 4, 4, 384, 384, 128, False, (64, 32), None, torch.bfloat16),
+    ("window (17, -1) s_q 300 > s_k 200", 2, 4, 4, 300, 200, 128, False, (17, -1), None, torch.bfloat16),
+    ("gqa 8/2 causal", 2, 8, 2, 256, 256, 128, True, (-1, -1), None, torch.bfloat16),
+    ("gqa 8/1 (mqa)", 1, 8, 1, 256, 256, 128, False, (-1, -1), None, torch.bfloat16),
+    ("d64 dense s300", 2, 4, 4, 300, 300, 64, False, (-1, -1), None, torch.bfloat16),
+    ("d64 causal", 2, 4, 4, 384, 384, 64, True, (-1, -1), None, torch.bfloat16),
+    ("varlen causal gqa, empty sequences", 0, 4, 2, 0, 0, 128, True, (-1, -1),
+     [(100, 100), (0, 50), (257, 300), (64, 0), (130, 70), (1, 1)], torch.bfloat16),
+    ("varlen d64", 0, 4, 4, 0, 0, 64, False, (-1, -1), [(200, 130), (1, 1), (129, 255)], torch.bfloat16),
+    ("fp16 causal d128", 2, 4, 4, 256, 256, 128, True, (-1, -1), None, torch.float16),
+    ("fp16 varlen d64", 0, 4, 2, 0, 0, 64, False, (-1, -1), [(37, 80), (0, 50), (130, 9)], torch.float16),
+]
+
+
+def run_checks(tiles) -> bool:
+    ok = True
+    for name, b, h, h_k, s_q, s_k, d, causal, window, lens, dtype in CASES:
+        for tile in tiles[d]:
+            try:
+                ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, lens, dtype)
+            except Exception as e:  # a failing variant is reported and the others still run
+                ok = False
+                print(f"FAIL {name} [{tile}]: {type(e).__name__}: {str(e)[:600]}", flush=True)
+    return ok
+
+
+def flops(b, h, s, d, causal):
+    return 4 * b * h * s * s * d / (2 if causal else 1)
+
+
+def time_case(b, h, h_k, s, d, causal, tiles):
+    """Forward TFLOP/s through the public API: fwd_ws per tile, the current Triton forward, SDPA flash/cuDNN."""
+    from bench_bwd import make_runner
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, s, hh, d, device="cuda", dtype=torch.bfloat16) for hh in (h, h_k, h_k))
+    def through_api(backend):
+        def run():
+            with fa.use_backend(backend):
+                return fa.flash_attn_fwd(q, k, v, causal=causal, backend="triton")
+        return run
+
+    runners = {f"fwd_ws {tile}": through_api(TritonBackend(fwd_ws=True, fwd_ws_tile=tile)) for tile in tiles}
+    runners["triton forward"] = through_api(TritonBackend(fwd_ws=False))
+    row = []
+    for name in ("sdpa_flash", "sdpa_cudnn"):
+        runners[name] = make_runner(name, q, k, v, causal)
+    for name, run in runners.items():
+        try:
+            with torch.no_grad():
+                run()
+                ms = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
+            row.append(f"{name} {flops(b, h, s, d, causal) / ms / 1e9:.0f}")
+        except Exception as e:  # one variant's failure must not hide the others' timings
+            row.append(f"{name} ERROR")
+            print(f"ERROR {name} d{d} s{s} causal={causal}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            traceback.print_exc(limit=2)
+    print(f"TIME d{d} h{h}/{h_k} s{s} causal={causal} (TFLOP/s): " + "  ".join(row), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--time-only", action="store_true")
+    ap.add_argument("--tiles128", default="128x128x2x1,128x128x2x0")
+    ap.add_argument("--tiles64", default="128x128x2x1,128x128x2x0")
+    args = ap.parse_args()
+    tiles = {d: [FwdWsTile.parse(t) for t in getattr(args, f"tiles{d}").split(",")] for d in (64, 128)}
+    ok = True if args.time_only else run_checks(tiles)
+    if not args.check_only:
+        for d, h, h_k in ((128, 16, 16), (64, 32, 32), (128, 32, 8)):   # h = 2048 / d; and GQA 32/8 at d128
+            for s in (4096, 8192):
+                for causal in (False, True):
+                    time_case(16384 // s, h, h_k, s, d, causal, tiles[d])
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

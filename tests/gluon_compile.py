@@ -1,0 +1,44 @@
+"""Compile a Gluon kernel for sm_90a on a machine without a GPU (ptxas from the triton wheel) and read
+what ptxas reports: the CPU tests of the warp-specialised kernels (test_triton_ws.py, test_triton_fwd_ws.py)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+
+
+def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype) -> str:
+    """The mangled signature type of a host TMA descriptor with (rows, head_dim) boxes."""
+    from triton.runtime.jit import mangle_type
+
+    from flash_attn_ck.backends.triton import gluon_common
+    return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows))
+
+
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int):
+    """triton.compile of a Gluon kernel for sm_90a; parameters missing from `types` and `constexprs` are i32."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in inspect.signature(kernel.fn).parameters}
+    return triton.compile(GluonASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps))
+
+
+def ptxas_report(ptx: str) -> dict[str, int]:
+    """ptxas -v of the PTX for sm_90a: registers at launch (warp-specialised partitions then move them with
+    setmaxnreg) and the bytes of spill stores and loads."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "k.ptx")
+        src.write_text(ptx)
+        text = subprocess.run([str(tool), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp, "k.cubin"))],
+                              capture_output=True, text=True, check=True).stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    regs = re.search(r"Used (\d+) registers", text)
+    return dict(registers=int(regs.group(1)), spill_stores=int(spills.group(1)), spill_loads=int(spills.group(2)))

@@ -1,0 +1,186 @@
+"""CPU tests of the warp-specialised Gluon forward (backends/triton/fwd_ws.py): its dispatch rule
+(`TritonBackend.fwd_ws_reasons`: off by default until measured, every unsupported feature named), the
+dispatch itself, and that every kernel variant compiles to sm_90a with the instructions the design rests
+on and without register spills where ptxas reports none. Its numerics run on the GPU (tests/test_triton.py,
+scripts/fwd_ws_check.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+triton = pytest.importorskip("triton")
+
+from gluon_compile import compile_sm90, descriptor_type, ptxas_report  # noqa: E402
+
+from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
+from flash_attn_ck.backends.triton import config  # noqa: E402
+from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
+from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
+from flash_attn_ck.core.problem import AttentionParams, AttentionProblem  # noqa: E402
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    """Pretend the problem's CUDA device is an sm_90 part (the rule reads only its capability)."""
+    monkeypatch.setattr(triton_backend, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(triton_backend, "_INTERPRETING", False)
+
+
+def problem(seqlen=4096, head_dim=128, heads=(16, 16), batch=2, dtype=torch.bfloat16, causal=False,
+            window=(-1, -1), scale=None, **features):
+    mask = MaskInfo.from_flash_args(causal, window, seqlen, seqlen)
+    return AttentionProblem(batch, seqlen, seqlen, *heads, head_dim, dtype, torch.device("cuda"), mask,
+                            head_dim ** -0.5 if scale is None else scale, **features)
+
+
+# ---- where it runs ------------------------------------------------------------------------------
+def test_default_off_until_measured(sm90):
+    """fwd_ws=None runs the kernel only for head dims in FWD_WS_DEFAULT_HEAD_DIMS, which stays empty until
+    the GPU measures it faster; fwd_ws=True runs it wherever it can, fwd_ws=False never."""
+    assert not config.FWD_WS_DEFAULT_HEAD_DIMS
+    for d in (64, 128):
+        reasons = TritonBackend().fwd_ws_reasons(problem(head_dim=d))
+        assert reasons == [f"head dim {d}: not measured on the GPU yet (TritonBackend(fwd_ws=True) runs it)"]
+        assert TritonBackend(fwd_ws=True).fwd_ws_reasons(problem(head_dim=d)) == []
+    for p in (problem(causal=True), problem(heads=(32, 8)), problem(heads=(8, 1), seqlen=100),
+              problem(window=(64, 32)), problem(dtype=torch.float16), problem(deterministic=True)):
+        assert TritonBackend(fwd_ws=True).fwd_ws_reasons(p) == []
+    assert TritonBackend(fwd_ws=False).fwd_ws_reasons(problem()) == ["turned off (TritonBackend(fwd_ws=False))"]
+
+
+def test_a_measured_head_dim_turns_it_on(sm90, monkeypatch):
+    monkeypatch.setattr(config, "FWD_WS_DEFAULT_HEAD_DIMS", frozenset({128}))
+    assert TritonBackend().fwd_ws_reasons(problem()) == []
+    assert TritonBackend().fwd_ws_reasons(problem(head_dim=64)) != []
+
+
+@settings(max_examples=40, deadline=None)
+@given(head_dim=st.sampled_from([32, 64, 96, 128, 256]), causal=st.booleans(), gqa=st.booleans(),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_the_default_never_runs_an_unmeasured_kernel(head_dim, causal, gqa, dtype):
+    """Property: with the default options the forward keeps the current kernel for every supported call
+    whose head dim is not in FWD_WS_DEFAULT_HEAD_DIMS."""
+    original = triton_backend._capability
+    triton_backend._capability = lambda device: (9, 0)
+    try:
+        p = problem(head_dim=head_dim, causal=causal, heads=(16, 4 if gqa else 16), dtype=dtype)
+        runs = not TritonBackend().fwd_ws_reasons(p)
+    finally:
+        triton_backend._capability = original
+    assert not runs or p.head_dim_padded in config.FWD_WS_DEFAULT_HEAD_DIMS
+
+
+FEATURES = {"dropout": dict(dropout_p=0.1), "ALiBi": dict(has_alibi=True), "softcap": dict(softcap=5.0),
+            "float32": dict(dtype=torch.float32), "head dim 256": dict(head_dim=256),
+            "head dim 96": dict(head_dim=96), "softmax scale": dict(scale=-0.1)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(names=st.sets(st.sampled_from(sorted(FEATURES)), min_size=1), forced=st.booleans(),
+       capability=st.sampled_from([(9, 0), (8, 0), (10, 0)]))
+def test_every_unsupported_feature_is_named(names, forced, capability):
+    """Each feature the kernel does not implement keeps the call on the current forward, with its name;
+    so does a GPU other than sm_90."""
+    kwargs = {}
+    for name in names:
+        kwargs.update(FEATURES[name])
+    if "head dim 256" in names and "head dim 96" in names:
+        names = names - {"head dim 96"}
+        kwargs["head_dim"] = 256
+    original = triton_backend._capability
+    triton_backend._capability = lambda device: capability
+    try:
+        reasons = TritonBackend(fwd_ws=forced or None).fwd_ws_reasons(problem(**kwargs))
+    finally:
+        triton_backend._capability = original
+    for name in names:
+        assert any(name in r for r in reasons), (name, reasons)
+    assert any("sm_90" in r for r in reasons) == (capability != (9, 0)), reasons
+
+
+def test_forward_kernel_names_the_kernel_and_why(sm90):
+    assert TritonBackend(fwd_ws=True).forward_kernel(problem()).startswith("fwd_ws")
+    default = TritonBackend().forward_kernel(problem())
+    assert default.startswith("forward (") and "fwd_ws not used: head dim 128: not measured" in default
+    assert "dropout" in TritonBackend(fwd_ws=True).forward_kernel(problem(dropout_p=0.1))
+
+
+@pytest.mark.parametrize("forced", [True, None])
+def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced):
+    """forward() launches fwd_ws exactly when fwd_ws_reasons is empty, else the current kernel."""
+    from flash_attn_ck.backends.triton import fwd_ws, launch
+    calls = []
+    monkeypatch.setattr(triton_backend, "_prepare_launch", lambda: None)
+    monkeypatch.setattr(fwd_ws, "launch", lambda *a, **kw: calls.append(("fwd_ws", kw)))
+
+    class Spec:
+        def launch(self):
+            calls.append(("forward", {}))
+    monkeypatch.setattr(launch, "forward", lambda *a, **kw: Spec())
+    monkeypatch.setattr(TritonBackend, "_tma_plan", lambda self, p, role, *t: "none")
+    p = problem(seqlen=256, heads=(8, 2), causal=True)
+    q = torch.zeros(2, 256, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, 256, 2, 128, dtype=torch.bfloat16)
+    backend = TritonBackend(fwd_ws=forced)
+    backend.forward(p, AttentionParams(q, k, k), torch.empty_like(q), torch.empty(2, 8, 256))
+    assert [c[0] for c in calls] == (["fwd_ws"] if forced else ["forward"])
+    if forced:
+        kw = calls[0][1]
+        assert kw["tile"] == config.FWD_WS_SM90[128] and kw["has_right"] and not kw["has_left"]
+
+
+# ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ------------------------
+def _compile(tile, head_dim, varlen, masks, overlap):
+    from flash_attn_ck.backends.triton import fwd_ws
+    half = tile.block_m // 2
+    types = dict(q_desc=descriptor_type(half, head_dim, torch.bfloat16),
+                 k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
+                 v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
+                 o_desc=descriptor_type(half, head_dim, torch.bfloat16),
+                 Out="*bf16", Lse="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", scale="fp32")
+    cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=head_dim, NUM_STAGES=tile.num_stages,
+              VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2], OVERLAP=overlap,
+              CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+    return compile_sm90(fwd_ws.attn_fwd_ws_kernel, types, cx, 4)
+
+
+MASKS = {"dense": (False, (False, False, False)), "causal": (False, (False, False, True)),
+         "window": (False, (False, True, True)), "varlen": (True, (False, False, False)),
+         "varlen-causal": (True, (False, False, True)), "top-left-window": (True, (True, True, True))}
+# Spill bytes (stores) that ptxas reports for the default tiles, by (head dim, overlap, mask): the d128
+# overlap variants hold S of the next key tile beside P and O in 240 registers and spill a word (4 bytes;
+# 12 for dense varlen; at 232 registers 52-92). Every other variant: none. GQA is the runtime `group`: no variant.
+SPILLS = {(128, True, "dense"): 4, (128, True, "causal"): 4, (128, True, "window"): 4, (128, True, "varlen"): 12,
+          (128, True, "varlen-causal"): 4, (128, True, "top-left-window"): 4}
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_compiles_to_the_designed_instructions(head_dim, overlap, mask):
+    tile = config.FWD_WS_SM90[head_dim]
+    varlen, masks = MASKS[mask]
+    ptx = _compile(tile, head_dim, varlen, masks, overlap).asm["ptx"]
+    # S = Q K^T from shared memory and P V with P from registers, per consumer warpgroup: 2 x (d/16 + block_n/16)
+    # wgmma per key tile (the overlapped loop has a prologue S and an epilogue P V besides).
+    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, (\{|%rd)", ptx)
+    register_a = sum(1 for operand in wgmmas if operand == "{")
+    per_tile = head_dim // 16 + tile.block_n // 16
+    assert len(wgmmas) == 2 * per_tile * (2 if overlap else 1)
+    assert register_a == 2 * (tile.block_n // 16) * (2 if overlap else 1)
+    # TMA loads behind mbarriers, the output's TMA store, the K/V ring's waits and releases, and the
+    # register budgets: two consumer warpgroups at 240 (+ the default's rest), the loader at 24.
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+    assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
+    assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.shared::cta.b64" in ptx
+    assert "mbarrier.arrive.expect_tx" in ptx
+    assert re.search(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+240;", ptx)
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+    report = ptxas_report(ptx)
+    expected = SPILLS.get((head_dim, overlap, mask), 0)
+    assert report["spill_stores"] == expected, report
