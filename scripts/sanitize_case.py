@@ -5,9 +5,9 @@ with its semaphores run under the tools); with the defaults also a dense d256 ca
 before the exp2, config.Configs.bwd_dp_first) and a dense unwindowed call whose s_k is a multiple of every
 key tile (the EVEN_K kernels, TMA tiles).
 
-`python3 scripts/sanitize_case.py ws` runs the warp-specialised kernel (bwd_ws.py) instead: a causal GQA 8/2
-d128 varlen call with empty sequences, deterministic (its semaphore-ordered dQ adds) and not, and a dense
-windowed one."""
+`python3 scripts/sanitize_case.py ws` runs the warp-specialised kernels (fwd_ws.py, bwd_ws.py) instead: a
+causal GQA 8/2 d128 varlen call with empty sequences, deterministic (the backward's semaphore-ordered dQ adds)
+and not, and a dense windowed one."""
 
 import sys
 
@@ -32,7 +32,7 @@ def varlen_backward(lens_q, lens_k, head_dim, deterministic):
 
 
 def ws_case():
-    with fa.use_backend(TritonBackend(ws=True)):
+    with fa.use_backend(TritonBackend(ws=True, fwd_ws=True)):
         for deterministic in (True, False):
             varlen_backward([137, 0, 70, 5, 200], [150, 9, 70, 0, 129], 128, deterministic)
         qd, kd, vd = (torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -39,14 +39,15 @@ def problem(seqlen=4096, head_dim=128, heads=(16, 16), batch=2, dtype=torch.bflo
 
 
 # ---- where it runs ------------------------------------------------------------------------------
-def test_default_off_until_measured(sm90):
-    """fwd_ws=None runs the kernel only for head dims in FWD_WS_DEFAULT_HEAD_DIMS, which stays empty until
-    the GPU measures it faster; fwd_ws=True runs it wherever it can, fwd_ws=False never."""
-    assert not config.FWD_WS_DEFAULT_HEAD_DIMS
+def test_runs_where_it_measured_faster(sm90):
+    """fwd_ws=None runs the kernel for the head dims of FWD_WS_DEFAULT_HEAD_DIMS from FWD_WS_MIN_SEQLEN on;
+    fwd_ws=True wherever it can, any length; fwd_ws=False never."""
+    long, short = config.FWD_WS_MIN_SEQLEN, config.FWD_WS_MIN_SEQLEN - 1
     for d in (64, 128):
-        reasons = TritonBackend().fwd_ws_reasons(problem(head_dim=d))
-        assert reasons == [f"head dim {d}: not measured on the GPU yet (TritonBackend(fwd_ws=True) runs it)"]
-        assert TritonBackend(fwd_ws=True).fwd_ws_reasons(problem(head_dim=d)) == []
+        assert TritonBackend().fwd_ws_reasons(problem(head_dim=d, seqlen=long)) == []
+        reasons = TritonBackend().fwd_ws_reasons(problem(head_dim=d, seqlen=short))
+        assert len(reasons) == 1 and f"shorter than {long}" in reasons[0], reasons
+        assert TritonBackend(fwd_ws=True).fwd_ws_reasons(problem(head_dim=d, seqlen=short)) == []
     for p in (problem(causal=True), problem(heads=(32, 8)), problem(heads=(8, 1), seqlen=100),
               problem(window=(64, 32)), problem(dtype=torch.float16), problem(deterministic=True)):
         assert TritonBackend(fwd_ws=True).fwd_ws_reasons(p) == []
@@ -56,23 +57,25 @@ def test_default_off_until_measured(sm90):
 def test_a_measured_head_dim_turns_it_on(sm90, monkeypatch):
     monkeypatch.setattr(config, "FWD_WS_DEFAULT_HEAD_DIMS", frozenset({128}))
     assert TritonBackend().fwd_ws_reasons(problem()) == []
-    assert TritonBackend().fwd_ws_reasons(problem(head_dim=64)) != []
+    assert TritonBackend().fwd_ws_reasons(problem(head_dim=64)) == [
+        "head dim 64: not measured faster than the previous forward (TritonBackend(fwd_ws=True) runs it)"]
 
 
 @settings(max_examples=40, deadline=None)
 @given(head_dim=st.sampled_from([32, 64, 96, 128, 256]), causal=st.booleans(), gqa=st.booleans(),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
-def test_the_default_never_runs_an_unmeasured_kernel(head_dim, causal, gqa, dtype):
-    """Property: with the default options the forward keeps the current kernel for every supported call
-    whose head dim is not in FWD_WS_DEFAULT_HEAD_DIMS."""
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]), seqlen=st.integers(1, 3 * config.FWD_WS_MIN_SEQLEN))
+def test_the_default_runs_it_exactly_where_measured(head_dim, causal, gqa, dtype, seqlen):
+    """Property: with the default options the forward runs fwd_ws on a supported call exactly when its head
+    dim is in FWD_WS_DEFAULT_HEAD_DIMS and its longest sequence reaches FWD_WS_MIN_SEQLEN."""
     original = triton_backend._capability
     triton_backend._capability = lambda device: (9, 0)
     try:
-        p = problem(head_dim=head_dim, causal=causal, heads=(16, 4 if gqa else 16), dtype=dtype)
+        p = problem(head_dim=head_dim, causal=causal, heads=(16, 4 if gqa else 16), dtype=dtype, seqlen=seqlen)
         runs = not TritonBackend().fwd_ws_reasons(p)
     finally:
         triton_backend._capability = original
-    assert not runs or p.head_dim_padded in config.FWD_WS_DEFAULT_HEAD_DIMS
+    measured = p.head_dim_padded in config.FWD_WS_DEFAULT_HEAD_DIMS and seqlen >= config.FWD_WS_MIN_SEQLEN
+    assert runs == measured
 
 
 FEATURES = {"dropout": dict(dropout_p=0.1), "ALiBi": dict(has_alibi=True), "softcap": dict(softcap=5.0),
@@ -105,8 +108,9 @@ def test_every_unsupported_feature_is_named(names, forced, capability):
 
 def test_forward_kernel_names_the_kernel_and_why(sm90):
     assert TritonBackend(fwd_ws=True).forward_kernel(problem()).startswith("fwd_ws")
-    default = TritonBackend().forward_kernel(problem())
-    assert default.startswith("forward (") and "fwd_ws not used: head dim 128: not measured" in default
+    assert TritonBackend().forward_kernel(problem()).startswith("fwd_ws")
+    short = TritonBackend().forward_kernel(problem(seqlen=config.FWD_WS_MIN_SEQLEN - 1))
+    assert short.startswith("forward (") and "fwd_ws not used: sequences shorter than" in short
     assert "dropout" in TritonBackend(fwd_ws=True).forward_kernel(problem(dropout_p=0.1))
 
 

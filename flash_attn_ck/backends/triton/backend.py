@@ -169,7 +169,7 @@ class TritonBackend(Backend):
 
     def fwd_ws_reasons(self, p: AttentionProblem) -> list[str]:
         """Why the warp-specialised forward (fwd_ws.py) does not run this call; empty when it does.
-        fwd_ws=None: only for head dims in config.FWD_WS_DEFAULT_HEAD_DIMS (none until measured on the GPU);
+        fwd_ws=None: where it measured faster (config.FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_MIN_SEQLEN);
         True: wherever it can run; False: never."""
         if self.fwd_ws is False:
             return ["turned off (TritonBackend(fwd_ws=False))"]
@@ -182,7 +182,11 @@ class TritonBackend(Backend):
         if d not in config.FWD_WS_SM90:
             reasons.append(f"head dim {d}: the kernel has tiles for head dims {sorted(config.FWD_WS_SM90)}")
         elif self.fwd_ws is None and d not in config.FWD_WS_DEFAULT_HEAD_DIMS:
-            reasons.append(f"head dim {d}: not measured on the GPU yet (TritonBackend(fwd_ws=True) runs it)")
+            reasons.append(f"head dim {d}: not measured faster than the previous forward (TritonBackend(fwd_ws=True) "
+                           "runs it)")
+        if self.fwd_ws is None and max(p.seqlen_q, p.seqlen_k) < config.FWD_WS_MIN_SEQLEN:
+            reasons.append(f"sequences shorter than {config.FWD_WS_MIN_SEQLEN}: not measured faster there "
+                           "(TritonBackend(fwd_ws=True) runs it)")
         if p.dropout_p > 0:
             reasons.append("dropout")
         if p.has_alibi:

@@ -133,7 +133,7 @@ BWD_WS_MIN_SEQLEN = SHORT_SEQLEN + 1
 # (the GQA backward's peak memory target, 32/8 d128 s8192: 210 MiB).
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
-# ---- warp-specialised forward (fwd_ws.py) on sm_90: NOT measured yet --------------------------------
+# ---- warp-specialised forward (fwd_ws.py) on sm_90 ------------------------------------------------------
 @dataclass(frozen=True)
 class FwdWsTile:
     """Launch shape of the warp-specialised forward (fwd_ws.py): query rows per CTA (two consumer
@@ -160,15 +160,21 @@ class FwdWsTile:
         return f"{self.block_m}x{self.block_n}x{self.num_stages}x{int(self.overlap)}"
 
 
-# Starting point, FA3's H100 tiles; to be measured (scripts/fwd_ws_check.py). FA3 runs 128 query rows per CTA
-# in two consumer warpgroups at d128 with 2 K/V stages and the intra-warpgroup overlap (its key block, 176
-# non-causal / 128 causal, is not a power of two: 128 here); at d64 FA3 takes 192 x 192 with three warpgroups,
-# a shape this two-consumer kernel does not have: 128 x 128 here. 240 registers per consumer warpgroup and 24
-# for the loader are FA3's budgets for two consumer warpgroups.
+# Tiles: FA3's H100 shape for d128 (128 query rows per CTA in two consumer warpgroups, 2 K/V stages, the
+# intra-warpgroup overlap; FA3's key block, 176 non-causal / 128 causal, is not a power of two: 128 here);
+# at d64 FA3 takes 192 x 192 with three warpgroups, a shape this two-consumer kernel does not have: 128 x 128.
+# 240 registers per consumer warpgroup and 24 for the loader are FA3's budgets for two consumer warpgroups.
+# Measured 2026-12-01 on the H200 (scripts/fwd_ws_check.py, bf16, b = 16384/s, h = 2048/d, forward TFLOP/s
+# non-causal / causal, same process):
+#   d128 s4096  overlap 605 / 517, no overlap 528 / 470, previous forward 471 / 401, cuDNN 588 / 508
+#   d128 s8192  overlap 602 / 519, no overlap 546 / 503, previous forward 484 / 439, cuDNN 594 / 539
+#   GQA 32/8 s8192  overlap 604 / 574, previous 482 / 453, cuDNN 583 / 538
+#   d64 s8192   overlap 445 / 414, no overlap 432 / 408, previous forward 398 / 371, cuDNN 451 / 432
 FWD_WS_SM90 = {64: FwdWsTile(128, 128, num_stages=2, overlap=True),
                128: FwdWsTile(128, 128, num_stages=2, overlap=True)}
-# Head dims where TritonBackend() runs it without being asked: none until the H200 measures it faster.
-FWD_WS_DEFAULT_HEAD_DIMS: frozenset[int] = frozenset()
+# Default for both head dims from the shortest length measured faster than the previous forward.
+FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 128})
+FWD_WS_MIN_SEQLEN = 4096
 
 GENERIC = {
     32: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
