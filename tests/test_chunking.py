@@ -197,3 +197,47 @@ def test_chunk_partial_flag():
     assert not Chunk((0, 1), (0, 1), (0, 2), (0, 10)).partial(problem)
     assert Chunk((0, 1), (0, 1), (0, 1), (0, 10)).partial(problem)
     assert Chunk((0, 1), (0, 1), (0, 2), (0, 5)).partial(problem)
+
+
+class _BallastReference(ReferenceBackend):
+    """The reference backward with a large extra buffer: a backend whose default setup needs more workspace
+    than its leaner one (as the Triton backend's warp-specialised kernel with its fp32 dQ accumulator)."""
+    ballast = 64 << 20
+    ran = 0
+
+    def backward_plan(self, problem):
+        from dataclasses import replace
+
+        from flash_attn_ck.core.plan import BufferSpec
+        plan = super().backward_plan(problem)
+        return replace(plan, buffers=(*plan.buffers, BufferSpec("ballast", (self.ballast,), torch.uint8, False,
+                                                                "stand-in for a faster kernel's workspace")))
+
+    def backward(self, *args, **kwargs):
+        type(self).ran += 1
+        return super().backward(*args, **kwargs)
+
+    def leaner(self):
+        return ReferenceBackend()
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), cap_mib=st.integers(1, 63))
+def test_a_cap_below_the_default_setup_runs_the_leaner_one(seed, cap_mib):
+    """When not even the smallest chunk of a backend's default setup fits the cap, the leaner setup runs (and
+    gives the same gradients) instead of an error; the plan says so."""
+    cfg = Config(batch=2, heads_q=4, heads_k=2, causal=True)
+    problem, run = backward_once(cfg, seed=seed)
+    with fa.use_backend(ReferenceBackend()):
+        expected = run(-1)
+    fat = _BallastReference()
+    plan = plan_chunks(problem, fat, cap_mib << 20)
+    assert plan.runner is not fat and "leaner setup runs" in plan.describe()
+    assert plan.peak_bytes <= cap_mib << 20
+    assert plan_chunks(problem, fat, 65 << 20).runner is fat    # the default setup where it fits
+    _BallastReference.ran = 0
+    with fa.use_backend(fat):
+        got = run(cap_mib << 20)
+    assert _BallastReference.ran == 0
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)

@@ -1,5 +1,5 @@
 """CPU tests of the warp-specialised Gluon forward (backends/triton/fwd_ws.py): its dispatch rule
-(`TritonBackend.fwd_ws_reasons`: off by default until measured, every unsupported feature named), the
+(`TritonBackend.fwd_ws_reasons`: on by default where measured faster, every unsupported feature named), the
 dispatch itself, and that every kernel variant compiles to sm_90a with the instructions the design rests
 on and without register spills where ptxas reports none. Its numerics run on the GPU (tests/test_triton.py,
 scripts/fwd_ws_check.py)."""

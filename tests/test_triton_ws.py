@@ -160,3 +160,44 @@ def test_a_workspace_cap_bounds_the_dq_accumulator(sm90, cap_mib):
     assert plan.per_chunk.kernel.startswith("bwd_ws")
     acc = next(b for b in plan.per_chunk.buffers if b.name == "dq_accum")
     assert acc.shape[-2] % p.group_size == 0 and acc.nbytes <= cap
+
+
+@settings(max_examples=30, deadline=None)
+@given(cap_mib=st.integers(1, 300))
+def test_a_cap_below_its_smallest_chunk_runs_the_one_launch_kernel(cap_mib):
+    """Property over caps (GQA 32/8 d128 s8192 causal): where a chunking of bwd_ws fits, bwd_ws runs; below its
+    smallest chunk the one-launch kernel (no fp32 dQ accumulator) runs instead, with the other options kept;
+    only below the one-launch kernel's own smallest chunk does planning fail. Every plan fits its cap."""
+    from flash_attn_ck.core.errors import WorkspaceError
+    from flash_attn_ck.pipeline.chunking import _grid, _Planner, _row_sizes, plan_chunks
+
+    def smallest(b, p):
+        return _Planner(p, b, None).cost(_grid(p, 1, 1, 1, _row_sizes(p, b)[-1])).peak_bytes
+
+    triton_backend._capability.cache_clear()
+    original = triton_backend._capability
+    triton_backend._capability = lambda device: (9, 0)
+    cap = cap_mib << 20
+    try:
+        p = problem(heads=(32, 8), causal=True)
+        backend = TritonBackend(gqa_epilogue="accumulate", fwd_ws=False)
+        ws_min, lean_min = smallest(backend, p), smallest(backend.leaner(), p)
+        try:
+            plan = plan_chunks(p, backend, cap)
+        except WorkspaceError:
+            assert cap < lean_min
+            return
+    finally:
+        triton_backend._capability = original
+    assert lean_min < ws_min and plan.peak_bytes <= cap
+    if cap >= ws_min:
+        assert plan.runner is backend and plan.per_chunk.kernel.startswith("bwd_ws") and not plan.note
+    else:
+        assert plan.per_chunk.kernel.startswith("bwd_main") and "leaner setup runs" in plan.note
+        assert (plan.runner.ws, plan.runner.gqa_epilogue, plan.runner.fwd_ws) == (False, "accumulate", False)
+
+
+def test_leaner_is_the_one_launch_kernel():
+    assert TritonBackend(ws=False).leaner() is None
+    lean = TritonBackend(dq_mode="pass", use_tma=True, ws=True).leaner()
+    assert (lean.ws, lean.dq_mode, lean.use_tma) == (False, "pass", True)

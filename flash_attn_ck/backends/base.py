@@ -83,6 +83,12 @@ class Backend(abc.ABC):
         (empty: the backend has one forward)."""
         return ""
 
+    def leaner(self) -> Backend | None:
+        """This backend set up to need less backward workspace, at some cost in speed: the chunk planner
+        (pipeline/chunking.py) runs it when not even the smallest chunk of this setup fits the workspace cap.
+        None: there is no such setup."""
+        return None
+
     @abc.abstractmethod
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
         """Every buffer `backward` needs, by name (core/plan.py); the pipeline allocates them."""

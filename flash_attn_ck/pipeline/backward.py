@@ -101,6 +101,7 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
     p = problem
     # ---- workspace plan: the whole call, or chunks under the cap --------------------------------
     chunking = plan_chunks(p, backend, cap, params)
+    backend = chunking.runner       # the leaner setup when the asked-for one does not fit the cap
     shared = {b.name: b.allocate(p.device) for b in chunking.shared}
     softmax_d = shared["softmax_d"]
     if p.rows_q == 0:

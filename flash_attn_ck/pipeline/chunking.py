@@ -11,8 +11,9 @@ chunks, each on views of the inputs and outputs (no copies of q/k/v/out/dout):
    (as CK's expanded buffers are) and added in fp32 in a fixed order, so runs stay deterministic.
 
 Chunks carry a `Placement` (global batch/head/row offsets), so dropout draws the same keep pattern
-and masks keep their alignment. If even the smallest chunk does not fit, `WorkspaceError` says how
-much it needs.
+and masks keep their alignment. If even the smallest chunk does not fit, the backend's leaner setup
+(`Backend.leaner`: the Triton backend's one-launch kernel, which has no fp32 dQ accumulator) is planned
+instead; if that does not fit either, `WorkspaceError` says how much it needs.
 """
 
 from __future__ import annotations
@@ -124,6 +125,8 @@ class ChunkPlan:
     unchunked_bytes: int                # what the call would need in one piece
     cu_seqlens_q: tuple[int, ...] | None = None   # varlen offsets on the host, once chunked
     cu_seqlens_k: tuple[int, ...] | None = None
+    runner: object = None               # the backend instance that runs the chunks (its leaner setup, see note)
+    note: str = ""                      # why the runner is not the backend asked for
 
     @property
     def peak_bytes(self) -> int:
@@ -133,6 +136,8 @@ class ChunkPlan:
         cap = "none" if self.cap is None else format_bytes(self.cap)
         lines = [f"backward workspace ({self.backend}): cap {cap}; unchunked {format_bytes(self.unchunked_bytes)}; "
                  f"{len(self.chunks)} chunk(s); peak {format_bytes(self.peak_bytes)}"]
+        if self.note:
+            lines.append(f"  {self.note}")
         if self.shared:
             lines.append("  shared by all chunks:")
             lines += [f"    {b.name:<13} {format_bytes(b.nbytes):>10}  {b.purpose}" for b in self.shared]
@@ -275,7 +280,8 @@ class _Planner:
         plans = [self.chunk_plan(Chunk(b, kv_heads[0], group_heads[0], rows[0]), rr) for b, rr in windows]
         largest = max(plans, key=lambda plan: plan.total_bytes)
         return ChunkPlan(self.backend.name, self.cap, tuple(shared), largest, grid, self.full.total_bytes,
-                         self.cu_seqlens_q and tuple(self.cu_seqlens_q), self.cu_seqlens_k and tuple(self.cu_seqlens_k))
+                         self.cu_seqlens_q and tuple(self.cu_seqlens_q), self.cu_seqlens_k and tuple(self.cu_seqlens_k),
+                         runner=self.backend)
 
 
 def _plan_chunks(problem: AttentionProblem, backend, cap: int | None,
@@ -295,6 +301,11 @@ def _plan_chunks(problem: AttentionProblem, backend, cap: int | None,
     row_sizes = _row_sizes(problem, backend)
     smallest = planner.cost(_grid(p, 1, 1, 1, row_sizes[-1]))
     if smallest.peak_bytes > cap:
+        leaner = backend.leaner()
+        if leaner is not None:
+            plan = _plan_chunks(problem, leaner, cap, params)
+            return replace(plan, note=f"the default setup needs {format_bytes(smallest.peak_bytes)} even in its "
+                                      "smallest chunk, over the cap: the leaner setup runs (kernel line below)")
         raise WorkspaceError(f"backend {backend.name!r}: the backward needs at least "
                              f"{format_bytes(smallest.peak_bytes)} of workspace even in its smallest chunk, over the "
                              f"cap of {format_bytes(cap)} (raise max_workspace_bytes or {WORKSPACE_ENV})")

@@ -102,6 +102,13 @@ class TritonBackend(Backend):
         self.fwd_ws = fwd_ws
         self.fwd_ws_tile = fwd_ws_tile
 
+    def leaner(self) -> TritonBackend | None:
+        """The one-launch backward, which needs no fp32 dQ accumulator, where the warp-specialised one may run."""
+        if self.ws is False:
+            return None
+        return TritonBackend(self.gqa_epilogue, self.dq_mode, self.use_tma, self.configs, ws=False,
+                             fwd_ws=self.fwd_ws, fwd_ws_tile=self.fwd_ws_tile)
+
     # ---- capabilities --------------------------------------------------------------------------
     @classmethod
     def unavailable_reason(cls) -> str | None:
