@@ -9,7 +9,9 @@ written and reviewed on CPU only; it needs a session with device time on `nvidia
 
 Leave NVLink multicast off (NCCL_NVLS_ENABLE=0, as the device notes say). Rank 0 prints one row per
 (s, kv_exchange): ms per fwd+bwd on W GPUs, the 1-GPU time of the whole sequence where it fits (measured
-on rank 0 alone while the others wait), the speed-up, and peak memory per GPU.
+on rank 0 alone while the others wait), the speed-up, and peak memory per GPU. With --json it also writes
+the scaling table (.md) and plot (.png) beside the JSON; `python3 scripts/cp_bench.py --report X.json`
+redraws them from an earlier run (no GPU).
 """
 
 from __future__ import annotations
@@ -113,6 +115,47 @@ def bench(args, device):
     if rank == 0 and args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+        report(rows, args.json)
+
+
+def scaling_table(rows) -> str:
+    """Markdown: per (s, exchange) the time on W GPUs against one GPU, the speed-up, and memory per GPU."""
+    lines = ["| s | exchange | GPUs | ms fwd+bwd | ms on 1 GPU | speed-up | GiB per GPU | GiB on 1 GPU "
+             "| memory / 1 GPU |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        single = r["single_ms"]
+        mem_ratio = r["peak_gib"] / r["single_peak_gib"] if r["single_peak_gib"] else None
+        lines.append(f"| {r['seqlen']} | {r['kv_exchange']} | {r['world']} | {r['ms']:.2f} | "
+                     + (f"{single:.2f} | {single / r['ms']:.2f}x" if single else "does not fit | -")
+                     + f" | {r['peak_gib']:.2f} | "
+                     + (f"{r['single_peak_gib']:.2f} | {mem_ratio:.2f}" if mem_ratio else "- | -") + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report(rows, json_path: str) -> None:
+    """The scaling table and a plot of the speed-up per sequence length and exchange, beside `json_path`."""
+    stem = os.path.splitext(json_path)[0]
+    with open(stem + ".md", "w") as f:
+        f.write(scaling_table(rows))
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for exchange in sorted({r["kv_exchange"] for r in rows}):
+        points = [(r["seqlen"], r["single_ms"] / r["ms"]) for r in rows
+                  if r["kv_exchange"] == exchange and r["single_ms"]]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=exchange)
+    world = rows[0]["world"] if rows else 1
+    ax.axhline(world, color="gray", linestyle="--", label=f"ideal ({world} GPUs)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (total)")
+    ax.set_ylabel("speed-up over 1 GPU (fwd+bwd)")
+    ax.set_title("context parallelism, causal bf16")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(stem + ".png", dpi=90)
+    plt.close(fig)
 
 
 def main():
@@ -123,7 +166,12 @@ def main():
     parser.add_argument("--heads-k", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--json")
+    parser.add_argument("--report", metavar="JSON", help="write the table and plot of an earlier run's JSON and exit")
     args = parser.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            report(json.load(f), args.report)
+        return
     dist.init_process_group("nccl")
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     torch.cuda.set_device(device)
