@@ -20,6 +20,12 @@
 #   bash scripts/device.sh kernels [SHAPES]      GPU time of each backward kernel, TMA tiles on and off
 #                                                 (scripts/launch_overhead.py --kernels, 60 s each)
 #   bash scripts/device.sh main [ARGS]           the main job, python3 -m flash_attn_ck ARGS (120 s) -> main-job.txt
+#   bash scripts/device.sh profile [KERNEL [SHAPE]]
+#                                                 Nsight Compute on the second launch of KERNEL (default
+#                                                 attn_bwd_ws_kernel; attn_fwd_ws_kernel, attn_bwd_kernel, ...) in
+#                                                 scripts/profile_case.py --shape SHAPE (default 128:16:16:8192:0):
+#                                                 speed of light, tensor-pipe and shared-memory load, warp stalls
+#                                                 (300 s) -> ncu-KERNEL.txt. Written 2026-12-01, not run yet.
 #   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
 #                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
 #                                                 this tree: old, new, old, new, so each version is timed twice
@@ -96,6 +102,16 @@ case $cmd in
   main)
     info
     limit 120 python3 -m flash_attn_ck "$@" 2>&1 | tee "$OUT/main-job.txt"
+    ;;
+  profile)
+    info
+    kernel=${1:-attn_bwd_ws_kernel} shape=${2:-128:16:16:8192:0}
+    limit 300 ncu --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section SchedulerStats --section Occupancy -k "regex:$kernel" --launch-skip 1 \
+      --launch-count 1 python3 scripts/profile_case.py --shape "$shape" > "$OUT/ncu-$kernel.txt" 2>&1
+    echo "ncu rc=$?"
+    grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Shared|Tensor|Stall|Issue Slot|ERR" \
+      "$OUT/ncu-$kernel.txt" | head -40
     ;;
   ab)
     [ $# -eq 2 ] || { echo "usage: bash scripts/device.sh ab OLD_TREE SHAPES" >&2; exit 2; }
