@@ -119,7 +119,7 @@ def _compile(tile, head_dim, varlen, masks, deterministic=False):
 
     cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=head_dim, NUM_STAGES=tile.num_stages,
               DQ_STAGES=tile.dq_stages, VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2],
-              LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, PIPELINE=tile.pipeline,
+              LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs,
               DETERMINISTIC=deterministic, num_warps=tile.num_warps)
     types = dict(q_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
                  k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),

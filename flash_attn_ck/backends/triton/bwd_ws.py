@@ -152,11 +152,10 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem,
 
 
 @gluon.jit
-def _issue_mma(a_smem, b_ring, ready, zero, step, steps, NUM_STAGES: gl.constexpr):
-    """Issue acc = A B^T for `step` (async) once its ring tile has landed: S^T = K Q^T or dP^T = V dO^T.
-    Past the last step nothing waits (the barrier wait is predicated off)."""
+def _issue_mma(a_smem, b_ring, ready, zero, step, NUM_STAGES: gl.constexpr):
+    """Issue acc = A B^T for `step` (async) once its ring tile has landed: S^T = K Q^T or dP^T = V dO^T."""
     stage = step % NUM_STAGES
-    mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1, pred=step < steps)
+    mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1)
     return warpgroup_mma(a_smem, b_ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
@@ -169,7 +168,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
          seqlen_q, seqlen_k, group, scale, window_left, window_right,
          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
          DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-         HAS_RIGHT: gl.constexpr, PIPELINE: gl.constexpr, num_warps: gl.constexpr):
+         HAS_RIGHT: gl.constexpr, num_warps: gl.constexpr):
     n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = _tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
@@ -200,17 +199,9 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
 
     steps = m_tiles * group
     mbarrier.wait(kv_ready, 0)
-    # Software pipeline: S^T and dP^T of step j + 1 are issued before step j hands its dQ over, so the
-    # tensor cores work while dQ goes to shared memory.
-    if PIPELINE >= 1:
-        sT = _issue_mma(k_smem, q_smem, q_ready, s_zero, 0, steps, NUM_STAGES)
-    if PIPELINE == 2:
-        dpT = _issue_mma(v_smem, do_smem, do_ready, s_zero, 0, steps, NUM_STAGES)
     for step in range(steps):
-        if PIPELINE == 0:
-            sT = _issue_mma(k_smem, q_smem, q_ready, s_zero, step, steps, NUM_STAGES)
-        if PIPELINE < 2:
-            dpT = _issue_mma(v_smem, do_smem, do_ready, s_zero, step, steps, NUM_STAGES)
+        sT = _issue_mma(k_smem, q_smem, q_ready, s_zero, step, NUM_STAGES)
+        dpT = _issue_mma(v_smem, do_smem, do_ready, s_zero, step, NUM_STAGES)
         stage = step % NUM_STAGES
         head = kv_head * group + step // m_tiles
         m0 = m_lo + (step % m_tiles) * BLOCK_M
@@ -248,33 +239,17 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
         gl.thread_barrier()
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
         dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q_tile, dk, is_async=True)
-        # wgmma groups retire in order: waiting for all but the last leaves dK running.
-        if PIPELINE == 0:
-            dv, dq, dk = warpgroup_mma_wait(0, deps=(dv, dq, dk))
-        else:
-            dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))
+        dv, dq, dk = warpgroup_mma_wait(0, deps=(dv, dq, dk))
         mbarrier.arrive(do_empty.index(stage), count=1)   # dV, the last reader of dO, is done
-        if PIPELINE >= 1:
-            sT = _issue_mma(k_smem, q_smem, q_ready, s_zero, step + 1, steps, NUM_STAGES)
-        if PIPELINE == 2:
-            dpT = _issue_mma(v_smem, do_smem, do_ready, s_zero, step + 1, steps, NUM_STAGES)
 
-        # ---- hand dQ (scaled) to the writer while dK runs ----
+        # ---- hand dQ (scaled) to the writer ----
         dq_stage = step % DQ_STAGES
         mbarrier.wait(dq_empty.index(dq_stage), ((step // DQ_STAGES) & 1) ^ 1)
         dq_smem.index(dq_stage).store(dq * scale)
         fence_async_shared()
-        if PIPELINE == 1:
-            dk = warpgroup_mma_wait(1, deps=(dk,))
-        elif PIPELINE == 2:
-            dk = warpgroup_mma_wait(2, deps=(dk,))
-        gl.thread_barrier()   # every warp's dQ is in shared memory and its dK matmul has read Q
+        gl.thread_barrier()   # every warp's dQ is in shared memory
         mbarrier.arrive(dq_full.index(dq_stage), count=1)
-        mbarrier.arrive(q_empty.index(stage), count=1)
-    if PIPELINE >= 1:
-        warpgroup_mma_wait(0, deps=(sT,))
-    if PIPELINE == 2:
-        warpgroup_mma_wait(0, deps=(dpT,))
+        mbarrier.arrive(q_empty.index(stage), count=1)   # dK, the last reader of Q, is done
 
     # ---- epilogue: dK (scaled) and dV in the output dtype, rows of this sequence only ----
     offs_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
@@ -300,7 +275,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        NUM_STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr,
                        TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                       LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr, PIPELINE: gl.constexpr,
+                       LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
                        DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
     """Grid: (key tiles, batch, kv heads). See the module docstring."""
     if VARLEN:
@@ -342,7 +317,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                 stride_lse_b, stride_lse_h, stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
                 seqlen_q, seqlen_k, group, scale, window_left, window_right,
                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                PIPELINE, num_warps)),
+                num_warps)),
         (_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
                    q_ready, q_empty, do_ready, do_empty, kv_ready,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
@@ -377,6 +352,6 @@ def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens
         seqlen_q, seqlen_k, group, scale, window_left, window_right, semaphore_tiles(seqlen_q, tile),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=d, NUM_STAGES=tile.num_stages, DQ_STAGES=tile.dq_stages,
         VARLEN=varlen, TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, PIPELINE=tile.pipeline,
+        LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs,
         DETERMINISTIC=semaphores is not None, num_warps=tile.num_warps)
 

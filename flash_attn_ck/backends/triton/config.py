@@ -47,25 +47,24 @@ class Configs:
 @dataclass(frozen=True)
 class WsTile:
     """Launch shape of the warp-specialised backward (bwd_ws.py): query rows per step, key rows per CTA,
-    Q/dO ring stages, dQ hand-off buffers, how far the next step's S^T/dP^T are issued ahead (0: not,
-    1: S^T, 2: both), warps of the MMA partition and register budgets of the 1-warp workers."""
+    Q/dO ring stages, dQ hand-off buffers, warps of the MMA partition and register budgets of the 1-warp
+    workers."""
     block_m: int
     block_n: int
     num_stages: int = 2
     dq_stages: int = 1
-    pipeline: int = 0
     num_warps: int = 8
     loader_regs: int = 24
     writer_regs: int = 24
 
     @classmethod
     def parse(cls, text: str) -> WsTile:
-        """'BMxBN[xSTAGES[xDQ_STAGES[xPIPELINE]]]', as the benchmark scripts take it."""
-        names = ("block_m", "block_n", "num_stages", "dq_stages", "pipeline")
+        """'BMxBN[xSTAGES[xDQ_STAGES]]', as the benchmark scripts take it."""
+        names = ("block_m", "block_n", "num_stages", "dq_stages")
         return cls(**dict(zip(names, map(int, text.split("x")))))
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}x{self.pipeline}"
+        return f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}"
 
 
 def head_block(head_dim: int) -> int:
@@ -120,13 +119,14 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 # ---- warp-specialised backward (bwd_ws.py) on sm_90, measured 2026-11-30 --------------------------
 # scripts/bwd_ws_check.py on the H200 (bf16, b = 16384/s, h = 2048/d; TFLOP/s of the whole backward with
 # its torch pre/post-processing, next to the one-launch kernel in the same process):
-#   d128 s8192      64x128, pipeline 0: 450 / 412 causal (one-launch 411 / 372); GQA 32/8 468 / 394 (429 / 362)
-#   d128 s8192      pipeline 1: 308, pipeline 2: 241; 3 stages 296; 2 dQ buffers 303 (the issued-ahead
-#                   accumulators push the MMA partition past its 240 registers: 224-484 bytes of spills)
+#   d128 s8192      64x128: 450 / 412 causal (one-launch 411 / 372); GQA 32/8 468 / 394 (429 / 362)
+#   d128 s8192      the next step's S^T (and dP^T) issued early: 308 (241); 3 stages 296; 2 dQ buffers 303
+#                   (the issued-ahead accumulators push the MMA partition past its 240 registers: 224-484
+#                   bytes of spills)
 #   d128 s2048      352 / 257 vs one-launch 376 / 311 -> the kernel runs above BWD_WS_MIN_SEQLEN only
 #   d64 s8192       64x128 346 / 304, 128x128 223-319 vs one-launch 384 / 326 -> d64 runs it only when forced
-BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1, pipeline=0),
-               128: WsTile(64, 128, num_stages=2, dq_stages=1, pipeline=0)}
+BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1),
+               128: WsTile(64, 128, num_stages=2, dq_stages=1)}
 BWD_WS_DEFAULT_HEAD_DIMS = frozenset({128})   # where it measured faster than the one-launch kernel
 BWD_WS_MIN_SEQLEN = SHORT_SEQLEN + 1
 # The fp32 dQ accumulator of one launch: kv-head groups run in turn so that it stays under this size
