@@ -10,7 +10,6 @@ Prints one line per case; exits non-zero if a check fails. Needs an sm_90 GPU.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -18,17 +17,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ws_reference import attention, each_sequence, make_inputs, mask_args, within_2x
+
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import bwd_ws
 from flash_attn_ck.backends.triton.config import WsTile
-
-
-def mask_of(causal, window, s_q, s_k):
-    left, right = window
-    if causal:
-        right = 0
-    return dict(top_left=False, window_left=max(left, 0), window_right=max(right, 0),
-                has_left=left >= 0, has_right=right >= 0)
 
 
 def ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max_k=0):
@@ -40,7 +33,7 @@ def ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q=None, cu_k=N
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     batch = q.shape[0] if not varlen else cu_q.numel() - 1
     s_q, s_k = (q.shape[1], k.shape[1]) if not varlen else (max_q, max_k)
-    m = mask_of(causal, window, s_q, s_k)
+    m = mask_args(causal, window)
     bwd_ws.launch(q, k, v, dout, lse, delta, dq_acc, dk, dv, cu_q, cu_k, varlen=varlen, batch=batch, seqlen_q=s_q,
                   seqlen_k=s_k, scale=scale, tile=tile, **m)
     return dq_acc.to(q.dtype), dk, dv
@@ -48,65 +41,25 @@ def ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q=None, cu_k=N
 
 def reference(q, k, v, dout, causal, window, dtype, cu_q=None, cu_k=None):
     """Gradients of attention computed in `dtype` (per sequence for varlen)."""
-    def one(q, k, v, do):
-        s_q, s_k, h, h_k = q.shape[0], k.shape[0], q.shape[1], k.shape[1]
-        qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-        ke, ve = kk.repeat_interleave(h // h_k, 1), vv.repeat_interleave(h // h_k, 1)
-        s = torch.einsum("qhd,khd->hqk", qq, ke) * q.shape[-1] ** -0.5
-        i = torch.arange(s_q, device=q.device)[:, None] + s_k - s_q
-        j = torch.arange(s_k, device=q.device)[None, :]
-        left, right = window
-        if causal:
-            right = 0
-        keep = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
-        if right >= 0:
-            keep &= j <= i + right
-        if left >= 0:
-            keep &= j >= i - left
-        s = s.masked_fill(~keep, float("-inf"))
-        p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(dtype)
-        o = torch.einsum("hqk,khd->qhd", p, ve)
-        return torch.autograd.grad(o, (qq, kk, vv), do.to(dtype))
-    if cu_q is None:
-        grads = [one(q[b], k[b], v[b], dout[b]) for b in range(q.shape[0])]
-        return [torch.stack([g[i] for g in grads]) for i in range(3)]
-    grads = [one(q[a:b], k[c:e], v[c:e], dout[a:b])
-             for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())]
-    return [torch.cat([g[i] for g in grads]) for i in range(3)]
+    grads = []
+    for (qs, dos), (ks, vs) in each_sequence((q, dout), (k, v), cu_q, cu_k):
+        out, _, leaves = attention(qs, ks, vs, causal, window, dtype)
+        grads.append(torch.autograd.grad(out, leaves, dos.to(dtype)))
+    join = torch.stack if cu_q is None else torch.cat
+    return [join([g[i] for g in grads]) for i in range(3)]
 
 
 def check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, varlen_lens=None, dtype=torch.bfloat16):
-    dev = "cuda"
-    if varlen_lens:
-        lq, lk = zip(*varlen_lens)
-        cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        q = torch.randn(sum(lq), h, d, device=dev, dtype=dtype)
-        k = torch.randn(sum(lk), h_k, d, device=dev, dtype=dtype)
-        v = torch.randn(sum(lk), h_k, d, device=dev, dtype=dtype)
-        dout = torch.randn_like(q)
-        out, lse, _ = fa.flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(lq),
-                                        max_seqlen_k=max(lk), causal=causal, window_size=window, backend="triton")
-        got = ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q, cu_k, max(lq), max(lk))
-    else:
-        cu_q = cu_k = None
-        q = torch.randn(b, s_q, h, d, device=dev, dtype=dtype)
-        k = torch.randn(b, s_k, h_k, d, device=dev, dtype=dtype)
-        v = torch.randn(b, s_k, h_k, d, device=dev, dtype=dtype)
-        dout = torch.randn_like(q)
-        out, lse, _ = fa.flash_attn_fwd(q, k, v, causal=causal, window_size=window, backend="triton")
-        got = ws_backward(q, k, v, out, dout, lse, causal, window, tile)
+    q, k, v, (cu_q, cu_k, max_q, max_k) = make_inputs(b, h, h_k, s_q, s_k, d, dtype, varlen_lens)
+    dout = torch.randn_like(q)
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k) if varlen_lens else {}
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, causal=causal, window_size=window, backend="triton", **varlen)
+    got = ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q, cu_k, max_q, max_k)
     ref32 = reference(q, k, v, dout, causal, window, torch.float32, cu_q, cu_k)
     ref16 = reference(q, k, v, dout, causal, window, dtype, cu_q, cu_k)
-    ok = True
-    parts = []
-    for label, g, r32, r16 in zip(("dq", "dk", "dv"), got, ref32, ref16):
-        err = (g.float() - r32).abs().max().item()
-        base = (r16.float() - r32).abs().max().item()
-        good = math.isfinite(err) and err <= 2 * base + 1e-5
-        ok &= good
-        parts.append(f"{label} {err:.2e}/{base:.2e}{'' if good else ' FAIL'}")
-    print(f"{'PASS' if ok else 'FAIL'} {name}: " + ", ".join(parts), flush=True)
+    results = [within_2x(label, g, r32, r16) for label, g, r32, r16 in zip(("dq", "dk", "dv"), got, ref32, ref16)]
+    ok = all(r[0] for r in results)
+    print(f"{'PASS' if ok else 'FAIL'} {name}: " + ", ".join(r[1] for r in results), flush=True)
     return ok
 
 

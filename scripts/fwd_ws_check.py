@@ -14,7 +14,6 @@ check fails. Needs an sm_90 GPU.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import traceback
 from pathlib import Path
@@ -24,17 +23,11 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ws_reference import attention, each_sequence, make_inputs, mask_args, within_2x
+
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import TritonBackend, fwd_ws
 from flash_attn_ck.backends.triton.config import FwdWsTile
-
-
-def mask_args(causal, window):
-    left, right = window
-    if causal:
-        right = 0
-    return dict(top_left=False, window_left=max(left, 0), window_right=max(right, 0),
-                has_left=left >= 0, has_right=right >= 0)
 
 
 def ws_forward(q, k, v, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max_k=0):
@@ -52,61 +45,17 @@ def ws_forward(q, k, v, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max
 
 def reference(q, k, v, causal, window, dtype, cu_q=None, cu_k=None):
     """out and lse ((b, h, s_q) or varlen (h, total_q)) of attention computed in `dtype`, per sequence."""
-    def one(q, k, v):
-        s_q, s_k, h, h_k = q.shape[0], k.shape[0], q.shape[1], k.shape[1]
-        qq, kk, vv = (t.to(dtype) for t in (q, k, v))
-        ke, ve = kk.repeat_interleave(h // h_k, 1), vv.repeat_interleave(h // h_k, 1)
-        s = torch.einsum("qhd,khd->hqk", qq, ke) * q.shape[-1] ** -0.5
-        i = torch.arange(s_q, device=q.device)[:, None] + s_k - s_q
-        j = torch.arange(s_k, device=q.device)[None, :]
-        left, right = window
-        if causal:
-            right = 0
-        keep = torch.ones(s_q, s_k, dtype=torch.bool, device=q.device)
-        if right >= 0:
-            keep &= j <= i + right
-        if left >= 0:
-            keep &= j >= i - left
-        s = s.masked_fill(~keep, float("-inf"))
-        lse = torch.logsumexp(s.float(), -1).to(dtype)                       # -inf on rows with no key
-        p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(dtype)
-        out = torch.einsum("hqk,khd->qhd", p, ve)
-        return out, lse.masked_fill(lse == float("-inf"), float("inf"))
+    parts = [attention(qs, ks, vs, causal, window, dtype)[:2]
+             for (qs,), (ks, vs) in each_sequence((q,), (k, v), cu_q, cu_k)]
+    outs, lses = [o.detach() for o, _ in parts], [lse for _, lse in parts]
     if cu_q is None:
-        parts = [one(q[b], k[b], v[b]) for b in range(q.shape[0])]
-        return torch.stack([o for o, _ in parts]), torch.stack([lse for _, lse in parts])
-    parts = [one(q[a:b], k[c:e], v[c:e])
-             for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())]
-    return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts], dim=1)
-
-
-def within_2x(label, got, ref32, ref_same):
-    """(ok, text) of the 2x rule on the finite entries; +inf must match exactly (lse of rows with no key)."""
-    inf = torch.isinf(ref32)
-    if not torch.equal(torch.isinf(got), inf) or not torch.all(got[inf] == ref32[inf]):
-        return False, f"{label} +inf rows differ FAIL"
-    err = (got.float() - ref32)[~inf].abs().max().item() if (~inf).any() else 0.0
-    base = (ref_same.float() - ref32)[~inf].abs().max().item() if (~inf).any() else 0.0
-    ok = math.isfinite(err) and err <= 2 * base + 1e-5
-    return ok, f"{label} {err:.2e}/{base:.2e}{'' if ok else ' FAIL'}"
+        return torch.stack(outs), torch.stack(lses)
+    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
 def check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, varlen_lens=None, dtype=torch.bfloat16):
-    dev = "cuda"
-    if varlen_lens:
-        lq, lk = zip(*varlen_lens)
-        cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        q = torch.randn(sum(lq), h, d, device=dev, dtype=dtype)
-        k = torch.randn(sum(lk), h_k, d, device=dev, dtype=dtype)
-        v = torch.randn(sum(lk), h_k, d, device=dev, dtype=dtype)
-        got = ws_forward(q, k, v, causal, window, tile, cu_q, cu_k, max(lq), max(lk))
-    else:
-        cu_q = cu_k = None
-        q = torch.randn(b, s_q, h, d, device=dev, dtype=dtype)
-        k = torch.randn(b, s_k, h_k, d, device=dev, dtype=dtype)
-        v = torch.randn(b, s_k, h_k, d, device=dev, dtype=dtype)
-        got = ws_forward(q, k, v, causal, window, tile)
+    q, k, v, (cu_q, cu_k, max_q, max_k) = make_inputs(b, h, h_k, s_q, s_k, d, dtype, varlen_lens)
+    got = ws_forward(q, k, v, causal, window, tile, cu_q, cu_k, max_q, max_k)
     ref32 = reference(q, k, v, causal, window, torch.float32, cu_q, cu_k)
     ref_same = reference(q, k, v, causal, window, dtype, cu_q, cu_k)
     results = [within_2x(label, g, r32, r16) for label, g, r32, r16 in zip(("out", "lse"), got, ref32, ref_same)]

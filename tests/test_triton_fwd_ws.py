@@ -55,7 +55,8 @@ def test_runs_where_it_measured_faster(sm90):
 
 
 def test_a_measured_head_dim_turns_it_on(sm90, monkeypatch):
-    monkeypatch.setattr(config, "FWD_WS_DEFAULT_HEAD_DIMS", frozenset({128}))
+    from dataclasses import replace
+    monkeypatch.setattr(config, "FWD_WS_RULE", replace(config.FWD_WS_RULE, default_head_dims=frozenset({128})))
     assert TritonBackend().fwd_ws_reasons(problem()) == []
     assert TritonBackend().fwd_ws_reasons(problem(head_dim=64)) == [
         "head dim 64: not measured faster than the previous forward (TritonBackend(fwd_ws=True) runs it)"]

@@ -150,57 +150,37 @@ class TritonBackend(Backend):
 
     def ws_reasons(self, p: AttentionProblem) -> list[str]:
         """Why the warp-specialised backward (bwd_ws.py) does not run this call; empty when it does.
-        ws=None: where it measured faster (config.BWD_WS_SM90, BWD_WS_MIN_SEQLEN); True: wherever it can
-        run; False: never."""
-        if self.ws is False:
-            return ["turned off (TritonBackend(ws=False))"]
-        reasons = []
-        if _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] != 9:
-            reasons.append("needs an sm_90 GPU (Gluon wgmma/TMA kernel)")
-        if p.dtype not in (torch.bfloat16, torch.float16):
-            reasons.append(f"{p.dtype} inputs (bf16/fp16 only)")
-        d = p.head_dim_padded
-        if d not in config.BWD_WS_SM90:
-            reasons.append(f"head dim {d}: the kernel has tiles for head dims {sorted(config.BWD_WS_SM90)}")
-        elif self.ws is None and d not in config.BWD_WS_DEFAULT_HEAD_DIMS:
-            reasons.append(f"head dim {d}: the one-launch kernel measured faster")
-        if self.ws is None and max(p.seqlen_q, p.seqlen_k) < config.BWD_WS_MIN_SEQLEN:
-            reasons.append(f"sequences shorter than {config.BWD_WS_MIN_SEQLEN}: the one-launch kernel measured faster")
-        if p.dropout_p > 0:
-            reasons.append("dropout")
-        if p.has_alibi:
-            reasons.append("ALiBi")
-        if p.softcap != 0.0:
-            reasons.append("softcap")
-        return reasons
+        ws=None: where it measured faster (config.BWD_WS_RULE); True: wherever it can run; False: never."""
+        return self._gluon_reasons(p, config.BWD_WS_RULE)
 
     def fwd_ws_reasons(self, p: AttentionProblem) -> list[str]:
         """Why the warp-specialised forward (fwd_ws.py) does not run this call; empty when it does.
-        fwd_ws=None: where it measured faster (config.FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_MIN_SEQLEN);
-        True: wherever it can run; False: never."""
-        if self.fwd_ws is False:
-            return ["turned off (TritonBackend(fwd_ws=False))"]
+        fwd_ws=None: where it measured faster (config.FWD_WS_RULE); True: wherever it can run; False: never."""
+        return self._gluon_reasons(p, config.FWD_WS_RULE)
+
+    def _gluon_reasons(self, p: AttentionProblem, rule: config.GluonRule) -> list[str]:
+        setting = getattr(self, rule.option)
+        if setting is False:
+            return [f"turned off (TritonBackend({rule.option}=False))"]
         reasons = []
         if _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] != 9:
             reasons.append("needs an sm_90 GPU (Gluon wgmma/TMA kernel)")
         if p.dtype not in (torch.bfloat16, torch.float16):
             reasons.append(f"{p.dtype} inputs (bf16/fp16 only)")
         d = p.head_dim_padded
-        if d not in config.FWD_WS_SM90:
-            reasons.append(f"head dim {d}: the kernel has tiles for head dims {sorted(config.FWD_WS_SM90)}")
-        elif self.fwd_ws is None and d not in config.FWD_WS_DEFAULT_HEAD_DIMS:
-            reasons.append(f"head dim {d}: not measured faster than the previous forward (TritonBackend(fwd_ws=True) "
-                           "runs it)")
-        if self.fwd_ws is None and max(p.seqlen_q, p.seqlen_k) < config.FWD_WS_MIN_SEQLEN:
-            reasons.append(f"sequences shorter than {config.FWD_WS_MIN_SEQLEN}: not measured faster there "
-                           "(TritonBackend(fwd_ws=True) runs it)")
+        if d not in rule.tiles:
+            reasons.append(f"head dim {d}: the kernel has tiles for head dims {sorted(rule.tiles)}")
+        elif setting is None and d not in rule.default_head_dims:
+            reasons.append(f"head dim {d}: {rule.slower_head_dim}")
+        if setting is None and max(p.seqlen_q, p.seqlen_k) < rule.min_seqlen:
+            reasons.append(f"sequences shorter than {rule.min_seqlen}: {rule.shorter}")
         if p.dropout_p > 0:
             reasons.append("dropout")
         if p.has_alibi:
             reasons.append("ALiBi")
         if p.softcap != 0.0:
             reasons.append("softcap")
-        if p.softmax_scale <= 0:
+        if rule.positive_scale and p.softmax_scale <= 0:
             reasons.append(f"softmax scale {p.softmax_scale} (the kernel takes the running max on raw scores)")
         return reasons
 

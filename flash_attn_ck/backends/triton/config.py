@@ -67,6 +67,20 @@ class WsTile:
         return f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}"
 
 
+@dataclass(frozen=True)
+class GluonRule:
+    """Where a warp-specialised Gluon kernel runs (`TritonBackend.ws_reasons`, `fwd_ws_reasons`): the
+    TritonBackend option that forces it (True) or turns it off (False), the head dims with tiles, where the
+    default (None) runs it, the reasons given where it does not, and whether it needs a positive softmax scale."""
+    option: str
+    tiles: dict
+    default_head_dims: frozenset
+    min_seqlen: int
+    slower_head_dim: str    # why a head dim with tiles but outside default_head_dims keeps the other kernel
+    shorter: str            # why sequences shorter than min_seqlen do
+    positive_scale: bool = False
+
+
 def head_block(head_dim: int) -> int:
     """The power-of-two register block that holds a (padded) head dim; columns past it are masked.
     At least 32: the smallest block the tile tables hold (d = 8 and 16 run in it, masked)."""
@@ -129,6 +143,9 @@ BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1),
                128: WsTile(64, 128, num_stages=2, dq_stages=1)}
 BWD_WS_DEFAULT_HEAD_DIMS = frozenset({128})   # where it measured faster than the one-launch kernel
 BWD_WS_MIN_SEQLEN = SHORT_SEQLEN + 1
+BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
+                        slower_head_dim="the one-launch kernel measured faster",
+                        shorter="the one-launch kernel measured faster")
 # The fp32 dQ accumulator of one launch: kv-head groups run in turn so that it stays under this size
 # (the GQA backward's peak memory target, 32/8 d128 s8192: 210 MiB).
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
@@ -175,6 +192,12 @@ FWD_WS_SM90 = {64: FwdWsTile(128, 128, num_stages=2, overlap=True),
 # Default for both head dims from the shortest length measured faster than the previous forward.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 128})
 FWD_WS_MIN_SEQLEN = 4096
+# The running max is taken on raw scores, so the softmax scale must be positive.
+FWD_WS_RULE = GluonRule("fwd_ws", FWD_WS_SM90, FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_MIN_SEQLEN,
+                        slower_head_dim="not measured faster than the previous forward (TritonBackend(fwd_ws=True) "
+                                        "runs it)",
+                        shorter="not measured faster there (TritonBackend(fwd_ws=True) runs it)",
+                        positive_scale=True)
 
 GENERIC = {
     32: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),
