@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .bwd_ws_schedule import semaphore_tiles
-from .gluon_common import LOG2E, descriptor, keep_mask, query_range, sequence, tile_needs_mask
+from .gluon_common import LOG2E, descriptor, issue_ring_mma, keep_mask, query_range, sequence, tile_needs_mask
 
 
 @builtin
@@ -151,14 +151,6 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem,
         mbarrier.arrive(dq_empty.index(stage), count=1)
 
 
-@gluon.jit
-def _issue_mma(a_smem, b_ring, ready, zero, step, NUM_STAGES: gl.constexpr):
-    """Issue acc = A B^T for `step` (async) once its ring tile has landed: S^T = K Q^T or dP^T = V dO^T."""
-    stage = step % NUM_STAGES
-    mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1)
-    return warpgroup_mma(a_smem, b_ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-
-
 # ---- MMA partition (default) -----------------------------------------------------------------
 @gluon.jit
 def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
@@ -200,8 +192,8 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
     steps = m_tiles * group
     mbarrier.wait(kv_ready, 0)
     for step in range(steps):
-        sT = _issue_mma(k_smem, q_smem, q_ready, s_zero, step, NUM_STAGES)
-        dpT = _issue_mma(v_smem, do_smem, do_ready, s_zero, step, NUM_STAGES)
+        sT = issue_ring_mma(k_smem, q_smem, q_ready, s_zero, step, NUM_STAGES)
+        dpT = issue_ring_mma(v_smem, do_smem, do_ready, s_zero, step, NUM_STAGES)
         stage = step % NUM_STAGES
         head = kv_head * group + step // m_tiles
         m0 = m_lo + (step % m_tiles) * BLOCK_M

@@ -52,6 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .gluon_common import (
     LOG2E,
     descriptor,
+    issue_ring_mma,
     keep_mask,
     key_range,
     rows_view,
@@ -107,14 +108,6 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_
 
 
 # ---- consumer steps --------------------------------------------------------------------------
-@gluon.jit
-def _issue_scores(q_tile, k_smem, k_ready, j, s_zero, NUM_STAGES: gl.constexpr):
-    """Issue S = Q K^T of key tile j (async) once its K has landed."""
-    stage = j % NUM_STAGES
-    mbarrier.wait(k_ready.index(stage), (j // NUM_STAGES) & 1)
-    return warpgroup_mma(q_tile, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-
-
 @gluon.jit
 def _issue_pv(p, v_smem, v_ready, j, acc, p_layout: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Issue O += P V of key tile j (async) once its V has landed; P from registers."""
@@ -190,12 +183,12 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
     if OVERLAP:
         # S_{j+1} is issued before P V_j; the softmax of tile j + 1 overlaps P V_j.
         if n_tiles > 0:
-            s = warpgroup_mma_wait(0, deps=(_issue_scores(q_tile, k_smem, k_ready, 0, s_zero, NUM_STAGES),))
+            s = warpgroup_mma_wait(0, deps=(issue_ring_mma(q_tile, k_smem, k_ready, s_zero, 0, NUM_STAGES),))
             _release(k_empty, 0, NUM_STAGES)
             p, _, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo, offs_m, offs_n, m0, len_k, shift, window_left,
                                            window_right, scale_log2, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             for j in range(1, n_tiles):
-                s = _issue_scores(q_tile, k_smem, k_ready, j, s_zero, NUM_STAGES)
+                s = issue_ring_mma(q_tile, k_smem, k_ready, s_zero, j, NUM_STAGES)
                 acc = _issue_pv(p, v_smem, v_ready, j - 1, acc, p_layout, NUM_STAGES)
                 s = warpgroup_mma_wait(1, deps=(s,))
                 _release(k_empty, j, NUM_STAGES)
@@ -209,7 +202,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
             _release(v_empty, n_tiles - 1, NUM_STAGES)
     else:
         for j in range(n_tiles):
-            s = warpgroup_mma_wait(0, deps=(_issue_scores(q_tile, k_smem, k_ready, j, s_zero, NUM_STAGES),))
+            s = warpgroup_mma_wait(0, deps=(issue_ring_mma(q_tile, k_smem, k_ready, s_zero, j, NUM_STAGES),))
             _release(k_empty, j, NUM_STAGES)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo + j * BLOCK_N, offs_m, offs_n, m0, len_k, shift,
                                                window_left, window_right, scale_log2, ROWS, BLOCK_N,

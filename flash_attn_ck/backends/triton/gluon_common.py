@@ -1,5 +1,6 @@
 """What the warp-specialised Gluon kernels (fwd_ws.py, bwd_ws.py) share: sequence bounds, the visible
-query/key ranges, the mask, and the host-side TMA descriptors over 2-D (rows, heads * head_dim) views.
+query/key ranges, the mask, the matmul against a tile of a TMA ring, and the host-side TMA descriptors over
+2-D (rows, heads * head_dim) views.
 
 The mask follows scores.py's conventions: bottom-right aligned per sequence (`shift = len_k - len_q`;
 0 for top-left); row i keeps key j iff `j >= i + shift - left` (with a left bound), `j <= i + shift + right`
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -78,6 +80,17 @@ def keep_mask(rows, cols, len_k, shift, left, right, HAS_LEFT: gl.constexpr, HAS
     if HAS_RIGHT:
         keep = keep & (cols <= rows + shift + right)
     return keep
+
+
+# ---- a matmul against a ring tile -----------------------------------------------------------------
+@gluon.jit
+def issue_ring_mma(a_smem, ring, ready, zero, step, NUM_STAGES: gl.constexpr):
+    """Issue acc = A B^T (async wgmma, both operands in shared memory) against B = the ring tile of `step`,
+    once its "ready" barrier says it has landed: the forward's S = Q K^T, the backward's S^T = K Q^T and
+    dP^T = V dO^T."""
+    stage = step % NUM_STAGES
+    mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1)
+    return warpgroup_mma(a_smem, ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 # ---- host side: TMA descriptors over 2-D row views ---------------------------------------------
