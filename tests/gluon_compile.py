@@ -1,16 +1,29 @@
-"""Compile a Gluon kernel for sm_90a on a machine without a GPU (ptxas from the triton wheel) and read
-what ptxas reports: the CPU tests of the warp-specialised kernels (test_triton_ws.py, test_triton_fwd_ws.py)."""
+"""What the CPU tests of the warp-specialised kernels (test_triton_ws.py, test_triton_fwd_ws.py) share: compiling
+a Gluon kernel for sm_90a on a machine without a GPU (ptxas from the triton wheel), reading what ptxas reports,
+and pretending the problem's device is an sm_90 part for the dispatch rules."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import subprocess
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
+
+
+@contextlib.contextmanager
+def pretend_capability(capability=(9, 0)):
+    """Within the block the Triton backend takes every CUDA device for one of `capability` (its rules read only
+    that) and runs no interpreter. A context manager, not a fixture: hypothesis examples run it each."""
+    from flash_attn_ck.backends.triton import backend
+    with mock.patch.object(backend, "_capability", return_value=capability), \
+            mock.patch.object(backend, "_INTERPRETING", False):
+        yield
 
 
 def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype) -> str:

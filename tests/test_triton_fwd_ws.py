@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from gluon_compile import compile_sm90, descriptor_type, ptxas_report  # noqa: E402
+from gluon_compile import compile_sm90, descriptor_type, pretend_capability, ptxas_report  # noqa: E402
 
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
 from flash_attn_ck.backends.triton import config  # noqa: E402
@@ -25,10 +25,10 @@ from flash_attn_ck.core.problem import AttentionParams, AttentionProblem  # noqa
 
 
 @pytest.fixture
-def sm90(monkeypatch):
+def sm90():
     """Pretend the problem's CUDA device is an sm_90 part (the rule reads only its capability)."""
-    monkeypatch.setattr(triton_backend, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(triton_backend, "_INTERPRETING", False)
+    with pretend_capability():
+        yield
 
 
 def problem(seqlen=4096, head_dim=128, heads=(16, 16), batch=2, dtype=torch.bfloat16, causal=False,
@@ -68,13 +68,9 @@ def test_a_measured_head_dim_turns_it_on(sm90, monkeypatch):
 def test_the_default_runs_it_exactly_where_measured(head_dim, causal, gqa, dtype, seqlen):
     """Property: with the default options the forward runs fwd_ws on a supported call exactly when its head
     dim is in FWD_WS_DEFAULT_HEAD_DIMS and its longest sequence reaches FWD_WS_MIN_SEQLEN."""
-    original = triton_backend._capability
-    triton_backend._capability = lambda device: (9, 0)
-    try:
+    with pretend_capability():
         p = problem(head_dim=head_dim, causal=causal, heads=(16, 4 if gqa else 16), dtype=dtype, seqlen=seqlen)
         runs = not TritonBackend().fwd_ws_reasons(p)
-    finally:
-        triton_backend._capability = original
     measured = p.head_dim_padded in config.FWD_WS_DEFAULT_HEAD_DIMS and seqlen >= config.FWD_WS_MIN_SEQLEN
     assert runs == measured
 
@@ -96,12 +92,8 @@ def test_every_unsupported_feature_is_named(names, forced, capability):
     if "head dim 256" in names and "head dim 96" in names:
         names = names - {"head dim 96"}
         kwargs["head_dim"] = 256
-    original = triton_backend._capability
-    triton_backend._capability = lambda device: capability
-    try:
+    with pretend_capability(capability):
         reasons = TritonBackend(fwd_ws=forced or None).fwd_ws_reasons(problem(**kwargs))
-    finally:
-        triton_backend._capability = original
     for name in names:
         assert any(name in r for r in reasons), (name, reasons)
     assert any("sm_90" in r for r in reasons) == (capability != (9, 0)), reasons

@@ -13,9 +13,8 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from gluon_compile import compile_sm90, descriptor_type  # noqa: E402
+from gluon_compile import compile_sm90, descriptor_type, pretend_capability  # noqa: E402
 
-from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
 from flash_attn_ck.backends.triton import config  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
@@ -23,10 +22,10 @@ from flash_attn_ck.core.problem import AttentionProblem  # noqa: E402
 
 
 @pytest.fixture
-def sm90(monkeypatch):
+def sm90():
     """Pretend the problem's CUDA device is an sm_90 part (the rule reads only its capability)."""
-    monkeypatch.setattr(triton_backend, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(triton_backend, "_INTERPRETING", False)
+    with pretend_capability():
+        yield
 
 
 def problem(seqlen=8192, head_dim=128, heads=(16, 16), batch=2, dtype=torch.bfloat16, causal=False, **features):
@@ -53,14 +52,9 @@ FEATURES = {"dropout": dict(dropout_p=0.1),
 @given(names=st.sets(st.sampled_from(sorted(FEATURES)), min_size=1), forced=st.booleans())
 def test_every_unsupported_feature_is_named(names, forced):
     """Each feature the kernel does not implement keeps the call on the one-launch kernel, with its name."""
-    triton_backend._capability.cache_clear()
     features = {k: v for n in names for k, v in FEATURES[n].items()}
-    original = triton_backend._capability
-    triton_backend._capability = lambda device: (9, 0)
-    try:
+    with pretend_capability():
         reasons = TritonBackend(ws=forced or None).ws_reasons(problem(**features))
-    finally:
-        triton_backend._capability = original
     for name in names:
         assert any(name in r for r in reasons), (name, reasons)
 
@@ -70,10 +64,9 @@ def test_every_unsupported_feature_is_named(names, forced):
     (64, (9, 0), torch.bfloat16, "head dim 64: the one-launch kernel measured faster"),
     (128, (8, 0), torch.bfloat16, "sm_90"), (128, (10, 0), torch.bfloat16, "sm_90"),
     (128, (9, 0), torch.float32, "float32")])
-def test_ws_names_what_it_cannot_run(monkeypatch, head_dim, capability, dtype, expect):
-    monkeypatch.setattr(triton_backend, "_capability", lambda device: capability)
-    monkeypatch.setattr(triton_backend, "_INTERPRETING", False)
-    reasons = TritonBackend().ws_reasons(problem(head_dim=head_dim, dtype=dtype))
+def test_ws_names_what_it_cannot_run(head_dim, capability, dtype, expect):
+    with pretend_capability(capability):
+        reasons = TritonBackend().ws_reasons(problem(head_dim=head_dim, dtype=dtype))
     assert any(expect in r for r in reasons), reasons
 
 
@@ -174,11 +167,8 @@ def test_a_cap_below_its_smallest_chunk_runs_the_one_launch_kernel(cap_mib):
     def smallest(b, p):
         return _Planner(p, b, None).cost(_grid(p, 1, 1, 1, _row_sizes(p, b)[-1])).peak_bytes
 
-    triton_backend._capability.cache_clear()
-    original = triton_backend._capability
-    triton_backend._capability = lambda device: (9, 0)
     cap = cap_mib << 20
-    try:
+    with pretend_capability():
         p = problem(heads=(32, 8), causal=True)
         backend = TritonBackend(gqa_epilogue="accumulate", fwd_ws=False)
         ws_min, lean_min = smallest(backend, p), smallest(backend.leaner(), p)
@@ -187,8 +177,6 @@ def test_a_cap_below_its_smallest_chunk_runs_the_one_launch_kernel(cap_mib):
         except WorkspaceError:
             assert cap < lean_min
             return
-    finally:
-        triton_backend._capability = original
     assert lean_min < ws_min and plan.peak_bytes <= cap
     if cap >= ws_min:
         assert plan.runner is backend and plan.per_chunk.kernel.startswith("bwd_ws") and not plan.note
