@@ -135,12 +135,13 @@ def main():
     ap.add_argument("--time-only", action="store_true")
     ap.add_argument("--tiles128", default="128x128x2x1,128x128x2x0")
     ap.add_argument("--tiles64", default="128x128x2x1,128x128x2x0")
+    ap.add_argument("--seqlens", default="4096,8192", help="timed lengths (b = 16384 / s)")
     args = ap.parse_args()
     tiles = {d: [FwdWsTile.parse(t) for t in getattr(args, f"tiles{d}").split(",")] for d in (64, 128)}
     ok = True if args.time_only else run_checks(tiles)
     if not args.check_only:
         for d, h, h_k in ((128, 16, 16), (64, 32, 32), (128, 32, 8)):   # h = 2048 / d; and GQA 32/8 at d128
-            for s in (4096, 8192):
+            for s in map(int, args.seqlens.split(",")):
                 for causal in (False, True):
                     time_case(16384 // s, h, h_k, s, d, causal, tiles[d])
     sys.exit(0 if ok else 1)

@@ -7,11 +7,18 @@ key tile (the EVEN_K kernels, TMA tiles).
 
 `python3 scripts/sanitize_case.py ws` runs the warp-specialised kernels (fwd_ws.py, bwd_ws.py) instead: a
 causal GQA 8/2 d128 varlen call with empty sequences, deterministic (the backward's semaphore-ordered dQ adds)
-and not, and a dense windowed one."""
+and not, and a dense windowed one.
+
+`python3 scripts/sanitize_case.py ws-switch` runs a Gluon kernel whose two partitions touch no shared memory
+of their own (each writes its own global rows): whatever racecheck reports there belongs to the code Triton
+generates for gl.warp_specialize (the partition-state bytes its worker warps read after a CTA barrier), and
+is the baseline the `ws` case's report is read against."""
 
 import sys
 
 import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import TritonBackend
@@ -39,6 +46,29 @@ def ws_case():
                       for h in (4, 2, 2))
         fa.flash_attn_func(qd, kd, vd, window_size=(100, 20), backend="triton").sum().backward()
 
+
+@gluon.jit
+def _fill(out, value, ROW: gl.constexpr, num_warps: gl.constexpr):
+    offs = gl.arange(0, 32 * num_warps, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    gl.store(out + ROW * 256 + offs, gl.full([32 * num_warps], value, gl.float32, offs.type.layout))
+
+
+@gluon.jit
+def _switch_kernel(out):
+    gl.warp_specialize([(_fill, (out, 1.0, 0, 4)), (_fill, (out, 2.0, 1, 1))], [1], [24])
+
+
+def ws_switch_case():
+    out = torch.zeros(2, 256, device="cuda")
+    _switch_kernel[(4,)](out, num_warps=4)
+    assert (out[0, :128] == 1).all() and (out[1, :32] == 2).all()
+
+
+if sys.argv[1:] == ["ws-switch"]:
+    ws_switch_case()
+    torch.cuda.synchronize()
+    print("case done")
+    sys.exit(0)
 
 if sys.argv[1:] == ["ws"]:
     ws_case()

@@ -189,9 +189,13 @@ class FwdWsTile:
 #   d64 s8192   overlap 445 / 414, no overlap 432 / 408, previous forward 398 / 371, cuDNN 451 / 432
 FWD_WS_SM90 = {64: FwdWsTile(128, 128, num_stages=2, overlap=True),
                128: FwdWsTile(128, 128, num_stages=2, overlap=True)}
-# Default for both head dims from the shortest length measured faster than the previous forward.
+# Shorter sequences, measured 2026-12-01 (fwd_ws_check.py --seqlens 1024,2048, same process, fwd_ws vs previous
+# forward vs cuDNN): d128 s2048 566 / 457 vs 445 / 336 (cuDNN 612 / 478), s1024 543 / 344 vs 386 / 291;
+# GQA 32/8 s2048 569 / 471 vs 451 / 349, s1024 535 / 404 vs 410 / 310; d64 s2048 420 / 330 vs 371 / 303,
+# s1024 373 / 257 vs 353 / 264 (the one row where the previous forward is ahead, by 3%).
+# Default for both head dims from s1024, the shortest length measured.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 128})
-FWD_WS_MIN_SEQLEN = 4096
+FWD_WS_MIN_SEQLEN = 1024
 # The running max is taken on raw scores, so the softmax scale must be positive.
 FWD_WS_RULE = GluonRule("fwd_ws", FWD_WS_SM90, FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_MIN_SEQLEN,
                         slower_head_dim="not measured faster than the previous forward (TritonBackend(fwd_ws=True) "
