@@ -107,9 +107,11 @@ def test_forward_kernel_names_the_kernel_and_why(sm90):
     assert "dropout" in TritonBackend(fwd_ws=True).forward_kernel(problem(dropout_p=0.1))
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 @pytest.mark.parametrize("forced", [True, None])
-def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced):
-    """forward() launches fwd_ws exactly when fwd_ws_reasons is empty, else the current kernel."""
+def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
+    """forward() launches fwd_ws exactly when fwd_ws_reasons is empty, else the current kernel; with the
+    tile of the call's head dim and causality."""
     from flash_attn_ck.backends.triton import fwd_ws, launch
     calls = []
     monkeypatch.setattr(triton_backend, "_prepare_launch", lambda: None)
@@ -120,7 +122,7 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced):
             calls.append(("forward", {}))
     monkeypatch.setattr(launch, "forward", lambda *a, **kw: Spec())
     monkeypatch.setattr(TritonBackend, "_tma_plan", lambda self, p, role, *t: "none")
-    p = problem(seqlen=256, heads=(8, 2), causal=True)
+    p = problem(seqlen=256, heads=(8, 2), causal=causal)
     q = torch.zeros(2, 256, 8, 128, dtype=torch.bfloat16)
     k = torch.zeros(2, 256, 2, 128, dtype=torch.bfloat16)
     backend = TritonBackend(fwd_ws=forced)
@@ -128,11 +130,11 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced):
     assert [c[0] for c in calls] == (["fwd_ws"] if forced else ["forward"])
     if forced:
         kw = calls[0][1]
-        assert kw["tile"] == config.FWD_WS_SM90[128] and kw["has_right"] and not kw["has_left"]
+        assert kw["tile"] == config.FWD_WS_SM90[128][causal] and kw["has_right"] == causal and not kw["has_left"]
 
 
 # ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ------------------------
-def _compile(tile, head_dim, varlen, masks, overlap):
+def _compile(tile, head_dim, varlen, masks, overlap, pingpong=False):
     from flash_attn_ck.backends.triton import fwd_ws
     half = tile.block_m // 2
     types = dict(q_desc=descriptor_type(half, head_dim, torch.bfloat16),
@@ -142,7 +144,7 @@ def _compile(tile, head_dim, varlen, masks, overlap):
                  Out="*bf16", Lse="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", scale="fp32")
     cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=head_dim, NUM_STAGES=tile.num_stages,
               VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2], OVERLAP=overlap,
-              CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+              PINGPONG=pingpong, CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
     return compile_sm90(fwd_ws.attn_fwd_ws_kernel, types, cx, 4)
 
 
@@ -157,12 +159,13 @@ SPILLS = {(128, True, "dense"): 4, (128, True, "causal"): 4, (128, True, "window
 
 
 @pytest.mark.parametrize("mask", sorted(MASKS))
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+@pytest.mark.parametrize("overlap,pingpong", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "no-overlap", "overlap-pingpong"])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernel_compiles_to_the_designed_instructions(head_dim, overlap, mask):
-    tile = config.FWD_WS_SM90[head_dim]
+def test_kernel_compiles_to_the_designed_instructions(head_dim, overlap, pingpong, mask):
+    tile = config.FWD_WS_SM90[head_dim][False]
     varlen, masks = MASKS[mask]
-    ptx = _compile(tile, head_dim, varlen, masks, overlap).asm["ptx"]
+    ptx = _compile(tile, head_dim, varlen, masks, overlap, pingpong).asm["ptx"]
     # S = Q K^T from shared memory and P V with P from registers, per consumer warpgroup: 2 x (d/16 + block_n/16)
     # wgmma per key tile (the overlapped loop has a prologue S and an epilogue P V besides).
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, (\{|%rd)", ptx)
@@ -176,6 +179,11 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, overlap, mask):
     assert "cp.async.bulk.tensor.2d.global.shared::cta" in ptx
     assert "mbarrier.try_wait" in ptx and "mbarrier.arrive.shared::cta.b64" in ptx
     assert "mbarrier.arrive.expect_tx" in ptx
+    # Waits: the loader's two ring slots; per consumer Q, the K/V ring at each matmul-issue site and, with
+    # ping-pong, its turn at each of those sites (prologue, loop, epilogue with the overlap; S and P V without).
+    issue_sites = 3 if overlap else 2
+    ring_waits = 4 if overlap else 2
+    assert ptx.count("mbarrier.try_wait") == 2 + 2 * (1 + ring_waits + (issue_sites if pingpong else 0))
     assert re.search(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+240;", ptx)
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
     report = ptxas_report(ptx)

@@ -137,6 +137,9 @@ def test_kernel_compiles_to_the_designed_instructions(varlen, masks, determinist
     assert "cp.reduce.async.bulk.tensor" in ptx and ".add" in ptx
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
     assert "mbarrier.try_wait" in ptx
+    # Two waits leave one group in flight: S^T's (dP^T still running) and dV/dQ's (dK still running while
+    # dQ is handed to the writer); the step's last wait retires dK.
+    assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2
     # deterministic: a full bulk-group wait (not only its shared-memory reads) before the release
     assert ("cp.async.bulk.wait_group 0" in ptx) == deterministic
 

@@ -285,7 +285,8 @@ class TritonBackend(Backend):
         from . import fwd_ws
         fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
-                      tile=self.fwd_ws_tile or config.FWD_WS_SM90[p.head_dim_padded], **self._gluon_mask_args(p))
+                      tile=self.fwd_ws_tile or config.FWD_WS_SM90[p.head_dim_padded][p.mask.is_causal],
+                      **self._gluon_mask_args(p))
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:

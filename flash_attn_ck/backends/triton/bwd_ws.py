@@ -5,15 +5,17 @@ query tiles of every query head of the kv head's group, so GQA needs no fp32 dK/
 reduction. Three partitions share the CTA:
 
   loader   (1 warp)   TMA: K, V once; then per step the Q and dO tiles into a ring of NUM_STAGES
-                      buffers, each behind its own "ready" mbarrier (TMA byte count) and "empty"
-                      mbarrier (released by the MMA partition).
+                      buffers, each behind its own "ready" mbarrier (TMA byte count), and the tile's
+                      lse (times log2 e) and D rows into shared memory beside Q (q_ready's second
+                      arrival); one "tile_empty" mbarrier per slot, released by the MMA partition.
   MMA      (default,  per step, 5 matmuls and no recomputation:
             8 warps)    S^T = K Q^T, dP^T = V dO^T                 (shared-memory operands)
                         P^T = exp2(S^T * scale * log2e - lse * log2e), masked
                         dS^T = P^T * (dP^T - D)
                         dV += P^T dO, dK += dS^T Q                  (P^T, dS^T from registers)
                         dQ = dS K                                   (dS staged in shared memory)
-                      dQ (scaled) goes to a shared-memory buffer for the writer.
+                      dQ (scaled) goes to a shared-memory buffer for the writer while dK is still
+                      on the tensor cores; the slot is released once dK (the last reader of Q) is done.
   dQ writer (1 warp)  a TMA reduce-add (cp.reduce.async.bulk.tensor .add.f32) of each step's dQ
                       tile into the fp32 dq_accum, then frees the buffer.
 
@@ -80,8 +82,8 @@ def _tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, 
 
 # ---- loader partition ------------------------------------------------------------------------
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
-            q_ready, q_empty, do_ready, do_empty, kv_ready,
+def _loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+            q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
             cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
             VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
@@ -92,18 +94,32 @@ def _loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row0 + n0, kv_head * HEAD_D], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row0 + n0, kv_head * HEAD_D], kv_ready, v_smem)
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    offs_m_tile = gl.arange(0, BLOCK_M, layout=row_layout)
+    if VARLEN:
+        Lse += q_row0
+        Delta += q_row0
     steps = m_tiles * group
     for step in range(steps):
         stage = step % NUM_STAGES
         phase = (step // NUM_STAGES) & 1
         head = kv_head * group + step // m_tiles
-        row = q_row0 + m_lo + (step % m_tiles) * BLOCK_M
-        mbarrier.wait(q_empty.index(stage), phase ^ 1)
+        m0 = m_lo + (step % m_tiles) * BLOCK_M
+        mbarrier.wait(tile_empty.index(stage), phase ^ 1)
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row, head * HEAD_D], q_ready.index(stage), q_smem.index(stage))
-        mbarrier.wait(do_empty.index(stage), phase ^ 1)
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0, head * HEAD_D], q_ready.index(stage),
+                                        q_smem.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [row, head * HEAD_D], do_ready.index(stage), do_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [q_row0 + m0, head * HEAD_D], do_ready.index(stage),
+                                        do_smem.index(stage))
+        # lse (times log2 e) and D of the tile's rows beside Q, behind q_ready's second arrival; rows past
+        # the sequence get lse = +inf (P = 0) and D = 0.
+        offs_m = m0 + offs_m_tile
+        row_ok = offs_m < len_q
+        head_offset = b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
+        lse_smem.index(stage).store(gl.load(Lse + head_offset + offs_m, mask=row_ok, other=float("inf")) * LOG2E)
+        delta_smem.index(stage).store(gl.load(Delta + head_offset + offs_m, mask=row_ok, other=0.0))
+        mbarrier.arrive(q_ready.index(stage), count=1)
 
 
 # ---- dQ writer partition ---------------------------------------------------------------------
@@ -153,10 +169,10 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem,
 
 # ---- MMA partition (default) -----------------------------------------------------------------
 @gluon.jit
-def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-         q_ready, q_empty, do_ready, do_empty, kv_ready, dq_full, dq_empty,
-         Lse, Delta, dK, dV, cu_seqlens_q, cu_seqlens_k,
-         stride_lse_b, stride_lse_h, stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
+def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+         q_ready, do_ready, tile_empty, kv_ready, dq_full, dq_empty,
+         dK, dV, cu_seqlens_q, cu_seqlens_k,
+         stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
          seqlen_q, seqlen_k, group, scale, window_left, window_right,
          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
          DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
@@ -195,20 +211,12 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
         sT = issue_ring_mma(k_smem, q_smem, q_ready, s_zero, step, NUM_STAGES)
         dpT = issue_ring_mma(v_smem, do_smem, do_ready, s_zero, step, NUM_STAGES)
         stage = step % NUM_STAGES
-        head = kv_head * group + step // m_tiles
         m0 = m_lo + (step % m_tiles) * BLOCK_M
         q_tile = q_smem.index(stage)
         do_tile = do_smem.index(stage)
-
+        lse2 = lse_smem.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
+        delta = delta_smem.index(stage).load(col_layout)
         offs_m = m0 + offs_m_tile
-        row_ok = offs_m < len_q
-        lse_rows = Lse + b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + offs_m
-        delta_rows = Delta + b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + offs_m
-        if VARLEN:
-            lse_rows += q_row0
-            delta_rows += q_row0
-        lse2 = gl.load(lse_rows, mask=row_ok, other=float("inf")) * LOG2E
-        delta = gl.load(delta_rows, mask=row_ok, other=0.0)
 
         # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked ----
         sT = warpgroup_mma_wait(1, deps=(sT,))
@@ -224,15 +232,15 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
         p_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
 
-        # ---- dK += dS^T Q (registers); dQ = dS K (dS through shared memory) ----
+        # ---- dQ = dS K (dS through shared memory); dK += dS^T Q (registers) ----
         ds_bf = dsT.to(dtype)
         ds_smem.store(ds_bf)
         fence_async_shared()
         gl.thread_barrier()
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(ds_bf, a_layout), q_tile, dk, is_async=True)
-        dv, dq, dk = warpgroup_mma_wait(0, deps=(dv, dq, dk))
-        mbarrier.arrive(do_empty.index(stage), count=1)   # dV, the last reader of dO, is done
+        ds_op = gl.convert_layout(ds_bf, a_layout)
+        dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
+        dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))   # dK stays on the tensor cores during the hand-off
 
         # ---- hand dQ (scaled) to the writer ----
         dq_stage = step % DQ_STAGES
@@ -241,7 +249,8 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
         fence_async_shared()
         gl.thread_barrier()   # every warp's dQ is in shared memory
         mbarrier.arrive(dq_full.index(dq_stage), count=1)
-        mbarrier.arrive(q_empty.index(stage), count=1)   # dK, the last reader of Q, is done
+        dk = warpgroup_mma_wait(0, deps=(dk, ds_op))[0]
+        mbarrier.arrive(tile_empty.index(stage), count=1)   # dK and dV, the last readers of Q and dO, are done
 
     # ---- epilogue: dK (scaled) and dV in the output dtype, rows of this sequence only ----
     offs_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
@@ -283,35 +292,36 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_D], dq_desc.layout)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    tile_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)
+        mbarrier.init(q_ready.index(i), count=2)   # Q's bytes, and lse/D stored by the loader
         mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(do_empty.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=1)
     for i in gl.static_range(DQ_STAGES):
         mbarrier.init(dq_full.index(i), count=1)
         mbarrier.init(dq_empty.index(i), count=1)
     mbarrier.init(kv_ready, count=1)
 
     gl.warp_specialize([
-        (_mma, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem,
-                q_ready, q_empty, do_ready, do_empty, kv_ready, dq_full, dq_empty,
-                Lse, Delta, dK, dV, cu_seqlens_q, cu_seqlens_k,
-                stride_lse_b, stride_lse_h, stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
+        (_mma, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
+                q_ready, do_ready, tile_empty, kv_ready, dq_full, dq_empty,
+                dK, dV, cu_seqlens_q, cu_seqlens_k,
+                stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
                 seqlen_q, seqlen_k, group, scale, window_left, window_right,
                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
                 num_warps)),
-        (_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem,
-                   q_ready, q_empty, do_ready, do_empty, kv_ready,
+        (_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                   q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
                    BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
         (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,

@@ -139,6 +139,11 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 #                   bytes of spills)
 #   d128 s2048      352 / 257 vs one-launch 376 / 311 -> the kernel runs above BWD_WS_MIN_SEQLEN only
 #   d64 s8192       64x128 346 / 304, 128x128 223-319 vs one-launch 384 / 326 -> d64 runs it only when forced
+# 2026-12-01, the loader staging lse/D in shared memory, dK left in flight during the dQ hand-off and one
+# release per slot (spills of the MMA partition 28 -> 12 bytes dense, 172 -> 92 varlen causal; Nsight Compute
+# had shown 31% of stalls on L1TEX scoreboards and 8.5M local-memory requests per launch):
+#   d128 s8192      529 / 469 (before 466 / 433), cuDNN 530 / 487; GQA 32/8 539 / 452, cuDNN 531 / 488;
+#   d128 s4096      508 / 427, cuDNN 511 / 438 (bwd_ws_check.py --time-only, one process)
 BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1),
                128: WsTile(64, 128, num_stages=2, dq_stages=1)}
 BWD_WS_DEFAULT_HEAD_DIMS = frozenset({128})   # where it measured faster than the one-launch kernel
@@ -155,26 +160,26 @@ BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 class FwdWsTile:
     """Launch shape of the warp-specialised forward (fwd_ws.py): query rows per CTA (two consumer
     warpgroups of block_m / 2 rows each), key rows per step, K/V ring stages, whether the next key tile's
-    S = Q K^T is issued before the current P V (intra-warpgroup overlap), and the register budgets of the
-    consumer worker and of the 1-warp loader."""
+    S = Q K^T is issued before the current P V (intra-warpgroup overlap), whether the two consumers take turns
+    issuing their matmuls (ping-pong), and the register budgets of the consumer worker and of the 1-warp loader."""
     block_m: int
     block_n: int
     num_stages: int = 2
     overlap: bool = True
+    pingpong: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
 
     @classmethod
     def parse(cls, text: str) -> FwdWsTile:
-        """'BMxBN[xSTAGES[xOVERLAP]]' (OVERLAP 0 or 1), as scripts/fwd_ws_check.py takes it."""
-        names = ("block_m", "block_n", "num_stages", "overlap")
+        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG]]]' (flags 0 or 1), as scripts/fwd_ws_check.py takes it."""
+        names = ("block_m", "block_n", "num_stages", "overlap", "pingpong")
         values = list(map(int, text.split("x")))
-        if len(values) > 3:
-            values[3] = bool(values[3])
+        values[3:] = map(bool, values[3:])
         return cls(**dict(zip(names, values)))
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.num_stages}x{int(self.overlap)}"
+        return f"{self.block_m}x{self.block_n}x{self.num_stages}x{int(self.overlap)}x{int(self.pingpong)}"
 
 
 # Tiles: FA3's H100 shape for d128 (128 query rows per CTA in two consumer warpgroups, 2 K/V stages, the
@@ -187,8 +192,15 @@ class FwdWsTile:
 #   d128 s8192  overlap 602 / 519, no overlap 546 / 503, previous forward 484 / 439, cuDNN 594 / 539
 #   GQA 32/8 s8192  overlap 604 / 574, previous 482 / 453, cuDNN 583 / 538
 #   d64 s8192   overlap 445 / 414, no overlap 432 / 408, previous forward 398 / 371, cuDNN 451 / 432
-FWD_WS_SM90 = {64: FwdWsTile(128, 128, num_stages=2, overlap=True),
-               128: FwdWsTile(128, 128, num_stages=2, overlap=True)}
+# Ping-pong (the two consumers take turns issuing their matmuls, FA3's warp scheduler barrier), measured
+# 2026-12-01 in one process (fwd_ws_check.py --tiles 128x128x2x1x0,128x128x2x1x1 --seqlens 2048,8192; off / on):
+#   causal      d128 s8192 540 / 575, s2048 462 / 472; GQA 32/8 s8192 588 / 588, s2048 468 / 488;
+#               d64 s8192 410 / 415, s2048 331 / 335                            -> on
+#   non-causal  d128 s8192 615 / 609, s2048 628 / 567; GQA 32/8 s8192 611 / 616, s2048 568 / 551;
+#               d64 s8192 457 / 442, s2048 423 / 414                            -> off
+# Keyed by head dim, then causal.
+FWD_WS_SM90 = {d: {False: FwdWsTile(128, 128, num_stages=2, overlap=True, pingpong=False),
+                   True: FwdWsTile(128, 128, num_stages=2, overlap=True, pingpong=True)} for d in (64, 128)}
 # Shorter sequences, measured 2026-12-01 (fwd_ws_check.py --seqlens 1024,2048, same process, fwd_ws vs previous
 # forward vs cuDNN): d128 s2048 566 / 457 vs 445 / 336 (cuDNN 612 / 478), s1024 543 / 344 vs 386 / 291;
 # GQA 32/8 s2048 569 / 471 vs 451 / 349, s1024 535 / 404 vs 410 / 310; d64 s2048 420 / 330 vs 371 / 303,

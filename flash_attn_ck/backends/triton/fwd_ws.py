@@ -118,6 +118,22 @@ def _issue_pv(p, v_smem, v_ready, j, acc, p_layout: gl.constexpr, NUM_STAGES: gl
 
 
 @gluon.jit
+def _take_turn(turn, rounds, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: wait until the other consumer has issued its matmuls of the previous round (turn[WARPGROUP]
+    completes once per round), so the two warpgroups' matmuls reach the tensor cores one round each."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WARPGROUP), rounds & 1)
+    return rounds + 1
+
+
+@gluon.jit
+def _pass_turn(turn, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """PINGPONG: this consumer's matmuls of the round are issued; the other one's turn."""
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
+
+
+@gluon.jit
 def _release(empty, j, NUM_STAGES: gl.constexpr):
     """This warpgroup is done with ring slot j % NUM_STAGES (its wgmma reading it has completed)."""
     mbarrier.arrive(empty.index(j % NUM_STAGES), count=1)
@@ -148,12 +164,12 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 # ---- consumer partitions (default and worker: one warpgroup each) ------------------------------
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, Out, Lse,
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
               cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
               seqlen_q, seqlen_k, scale, window_left, window_right,
               WARPGROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-              HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr):
+              HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
     m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
@@ -178,18 +194,26 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_ready, 0)   # also before an empty key range: the epilogue reuses the Q buffer
+    rounds = 0   # matmul-issue rounds taken (PINGPONG)
+    if PINGPONG and WARPGROUP == 1:
+        _pass_turn(turn, 1, PINGPONG)   # consumer 0 issues first
 
     # ---- online softmax over the visible key tiles ----
     if OVERLAP:
         # S_{j+1} is issued before P V_j; the softmax of tile j + 1 overlaps P V_j.
         if n_tiles > 0:
-            s = warpgroup_mma_wait(0, deps=(issue_ring_mma(q_tile, k_smem, k_ready, s_zero, 0, NUM_STAGES),))
+            rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
+            s = issue_ring_mma(q_tile, k_smem, k_ready, s_zero, 0, NUM_STAGES)
+            _pass_turn(turn, WARPGROUP, PINGPONG)
+            s = warpgroup_mma_wait(0, deps=(s,))
             _release(k_empty, 0, NUM_STAGES)
             p, _, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo, offs_m, offs_n, m0, len_k, shift, window_left,
                                            window_right, scale_log2, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             for j in range(1, n_tiles):
+                rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
                 s = issue_ring_mma(q_tile, k_smem, k_ready, s_zero, j, NUM_STAGES)
                 acc = _issue_pv(p, v_smem, v_ready, j - 1, acc, p_layout, NUM_STAGES)
+                _pass_turn(turn, WARPGROUP, PINGPONG)
                 s = warpgroup_mma_wait(1, deps=(s,))
                 _release(k_empty, j, NUM_STAGES)
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo + j * BLOCK_N, offs_m, offs_n, m0, len_k, shift,
@@ -198,17 +222,26 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 _release(v_empty, j - 1, NUM_STAGES)
                 acc = _rescale(acc, alpha, o_layout)
-            acc = warpgroup_mma_wait(0, deps=(_issue_pv(p, v_smem, v_ready, n_tiles - 1, acc, p_layout, NUM_STAGES),))
+            rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
+            acc = _issue_pv(p, v_smem, v_ready, n_tiles - 1, acc, p_layout, NUM_STAGES)
+            _pass_turn(turn, WARPGROUP, PINGPONG)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
             _release(v_empty, n_tiles - 1, NUM_STAGES)
     else:
         for j in range(n_tiles):
-            s = warpgroup_mma_wait(0, deps=(issue_ring_mma(q_tile, k_smem, k_ready, s_zero, j, NUM_STAGES),))
+            rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
+            s = issue_ring_mma(q_tile, k_smem, k_ready, s_zero, j, NUM_STAGES)
+            _pass_turn(turn, WARPGROUP, PINGPONG)
+            s = warpgroup_mma_wait(0, deps=(s,))
             _release(k_empty, j, NUM_STAGES)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo + j * BLOCK_N, offs_m, offs_n, m0, len_k, shift,
                                                window_left, window_right, scale_log2, ROWS, BLOCK_N,
                                                HAS_LEFT, HAS_RIGHT)
             acc = _rescale(acc, alpha, o_layout)
-            acc = warpgroup_mma_wait(0, deps=(_issue_pv(p, v_smem, v_ready, j, acc, p_layout, NUM_STAGES),))
+            rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
+            acc = _issue_pv(p, v_smem, v_ready, j, acc, p_layout, NUM_STAGES)
+            _pass_turn(turn, WARPGROUP, PINGPONG)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
             _release(v_empty, j, NUM_STAGES)
 
     # ---- epilogue: O / l and lse; rows that see no key get O = 0, lse = +inf ----
@@ -242,7 +275,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr,
-                       CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+                       PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
     """Grid: (query tiles, batch, query heads); num_warps = CONSUMER_WARPS (consumer 0). See the module docstring."""
     if VARLEN:
         m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
@@ -260,7 +293,10 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)   # PINGPONG: consumer i may issue
     mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)   # one arrival per consumer warpgroup
@@ -269,14 +305,16 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
 
     # (arguments written out per partition: constexprs passed through a tuple variable arrive as tensors)
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, Out, Lse,
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
                      cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
                      seqlen_q, seqlen_k, scale, window_left, window_right,
-                     0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, OVERLAP)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, o_desc, Out, Lse,
+                     0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, OVERLAP,
+                     PINGPONG)),
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
                      cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
                      seqlen_q, seqlen_k, scale, window_left, window_right,
-                     1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, OVERLAP)),
+                     1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, OVERLAP,
+                     PINGPONG)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
                    BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
@@ -302,7 +340,7 @@ def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch
         descriptor(target, varlen, half), target, lse, cu_q, cu_k, rows_view(target, varlen)[2], *lse_strides,
         seqlen_q, seqlen_k, group, scale, window_left, window_right,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=d, NUM_STAGES=tile.num_stages, VARLEN=varlen,
-        TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right, OVERLAP=tile.overlap,
+        TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right, OVERLAP=tile.overlap, PINGPONG=tile.pingpong,
         CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, num_warps=CONSUMER_WARPS.value)
     if target is not out:
         out.copy_(target)
