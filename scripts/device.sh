@@ -11,7 +11,8 @@
 #                                                 WARM_FLEX=1: also fill FlexAttention's compile caches for a grid
 #                                                 run in the next call (two bench_bwd.py --warm-only shards).
 #   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
-#                                                 (ws: the warp-specialised kernel's case, synccheck too)
+#                                                 (ws: the warp-specialised kernels' case, synccheck too, and
+#                                                 racecheck on the `handoff` baseline it is read against)
 #                                                 (240 s each) -> sanitizer[-ws]-<tool>.log
 #   bash scripts/device.sh memory                the workspace cap measured (scripts/memory_cap.py, 100 s each):
 #                                                 triton s16384, reference s4096 causal -> memory-*.json
@@ -78,6 +79,12 @@ case $cmd in
       grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Device not supported|case done" "$OUT/sanitizer${case:+-$case}-$tool.log" \
         | tail -4
     done
+    if [ "$case" = ws ]; then
+      limit 240 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py handoff \
+        > "$OUT/sanitizer-handoff-racecheck.log" 2>&1
+      echo "racecheck (handoff baseline) rc=$?"
+      grep -E "RACECHECK SUMMARY|case done" "$OUT/sanitizer-handoff-racecheck.log" | tail -2
+    fi
     ;;
   memory)
     info

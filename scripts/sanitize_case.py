@@ -12,13 +12,21 @@ and not, and a dense windowed one.
 `python3 scripts/sanitize_case.py ws-switch` runs a Gluon kernel whose two partitions touch no shared memory
 of their own (each writes its own global rows): whatever racecheck reports there belongs to the code Triton
 generates for gl.warp_specialize (the partition-state bytes its worker warps read after a CTA barrier), and
-is the baseline the `ws` case's report is read against."""
+is the baseline the `ws` case's report is read against.
+
+`python3 scripts/sanitize_case.py handoff` runs bwd_ws's lse/D hand-off pattern alone: a 1-warp partition stores
+rows into a 2-slot shared ring with plain stores and publishes each slot through an mbarrier arrive; the 4-warp
+partition waits on that mbarrier, reads the slot and hands it back through a second mbarrier; the output is
+checked exactly. Whatever racecheck reports there says which correct mbarrier hand-offs it cannot model.
+(H200, 2026-12-01: it reports the ring's store/load pairs and the warp_specialize state bytes, both on this
+kernel whose result is exact: the same two classes it reports on the `ws` case.)"""
 
 import sys
 
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import TritonBackend
@@ -58,11 +66,56 @@ def _switch_kernel(out):
     gl.warp_specialize([(_fill, (out, 1.0, 0, 4)), (_fill, (out, 2.0, 1, 1))], [1], [24])
 
 
+@gluon.jit
+def _handoff_producer(ring, ready, empty, STEPS: gl.constexpr):
+    offs = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
+    for step in range(STEPS):
+        slot = step % 2
+        mbarrier.wait(empty.index(slot), ((step // 2) & 1) ^ 1)
+        ring.index(slot).store((offs + step * 64).to(gl.float32))
+        mbarrier.arrive(ready.index(slot), count=1)
+
+
+@gluon.jit
+def _handoff_consumer(ring, ready, empty, out, STEPS: gl.constexpr):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offs = gl.arange(0, 64, layout=layout)
+    for step in range(STEPS):
+        slot = step % 2
+        mbarrier.wait(ready.index(slot), (step // 2) & 1)
+        gl.store(out + step * 64 + offs, ring.index(slot).load(layout))
+        mbarrier.arrive(empty.index(slot), count=1)
+
+
+@gluon.jit
+def _handoff_kernel(out, STEPS: gl.constexpr):
+    ring = gl.allocate_shared_memory(gl.float32, [2, 64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    gl.warp_specialize([(_handoff_consumer, (ring, ready, empty, out, STEPS)),
+                        (_handoff_producer, (ring, ready, empty, STEPS))], [1], [24])
+
+
+def handoff_case():
+    out = torch.zeros(16 * 64, device="cuda")
+    _handoff_kernel[(1,)](out, STEPS=16, num_warps=4)
+    assert torch.equal(out, torch.arange(16 * 64, device="cuda", dtype=torch.float32))
+
+
 def ws_switch_case():
     out = torch.zeros(2, 256, device="cuda")
     _switch_kernel[(4,)](out, num_warps=4)
     assert (out[0, :128] == 1).all() and (out[1, :32] == 2).all()
 
+
+if sys.argv[1:] == ["handoff"]:
+    handoff_case()
+    torch.cuda.synchronize()
+    print("case done")
+    sys.exit(0)
 
 if sys.argv[1:] == ["ws-switch"]:
     ws_switch_case()

@@ -61,13 +61,20 @@ def test_every_unsupported_feature_is_named(names, forced):
 
 @pytest.mark.parametrize("head_dim,capability,dtype,expect", [
     (256, (9, 0), torch.bfloat16, "head dim 256"), (96, (9, 0), torch.bfloat16, "head dim 96"),
-    (64, (9, 0), torch.bfloat16, "head dim 64: the one-launch kernel measured faster"),
     (128, (8, 0), torch.bfloat16, "sm_90"), (128, (10, 0), torch.bfloat16, "sm_90"),
     (128, (9, 0), torch.float32, "float32")])
 def test_ws_names_what_it_cannot_run(head_dim, capability, dtype, expect):
     with pretend_capability(capability):
         reasons = TritonBackend().ws_reasons(problem(head_dim=head_dim, dtype=dtype))
     assert any(expect in r for r in reasons), reasons
+
+
+def test_an_unmeasured_head_dim_keeps_the_one_launch_kernel(sm90, monkeypatch):
+    from dataclasses import replace
+    monkeypatch.setattr(config, "BWD_WS_RULE", replace(config.BWD_WS_RULE, default_head_dims=frozenset({128})))
+    assert TritonBackend().ws_reasons(problem()) == []
+    assert TritonBackend().ws_reasons(problem(head_dim=64)) == ["head dim 64: the one-launch kernel measured faster"]
+    assert TritonBackend(ws=True).ws_reasons(problem(head_dim=64)) == []
 
 
 def test_plan_names_the_kernel_and_bounds_dq_accum(sm90):

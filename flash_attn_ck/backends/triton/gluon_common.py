@@ -10,6 +10,9 @@ orientation (the forward's S, the backward's S^T).
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
@@ -117,11 +120,16 @@ def uniform_rows(t, varlen: bool):
     return t.contiguous()
 
 
+@functools.cache
+def _box_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
+    """The shared-memory layout of a (block_rows, head_dim) box (made once: descriptors are made per call)."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl_dtype)
+
+
 def descriptor(t, varlen: bool, block_rows: int):
     """A host TMA descriptor over `t`'s 2-D row view with (block_rows, head_dim) boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows, cols, row_stride = rows_view(t, varlen)
     d = t.shape[-1]
-    gl_dtype = {"torch.bfloat16": gl.bfloat16, "torch.float16": gl.float16, "torch.float32": gl.float32}[str(t.dtype)]
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], gl_dtype)
-    return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, d], layout)
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, d], _box_layout(block_rows, d, t.dtype))
