@@ -4,9 +4,11 @@ exactly on the rows with no key), then forward TFLOP/s of each tile variant besi
 forward and torch SDPA (flash, cuDNN) in the same process.
 
     PYTHONPATH=$PWD:$PWD/tests python3 scripts/fwd_ws_check.py [--check-only] [--time-only]
-        [--tiles128 128x128x2x1,128x128x2x0] [--tiles64 128x128x2x1,128x128x2x0]
+        [--tiles64 ...] [--tiles128 128x128x2x1x0,128x128x2x1x1] [--tiles256 128x64x2x1x0,...]
+        [--shapes 128:16:16,96:21:21,...] [--seqlens 4096,8192]
 
-A tile is 'BMxBNxSTAGESxOVERLAP' (config.FwdWsTile.parse). Prints PASS/FAIL per case and a TIME line per
+A tile is 'BMxBNxSTAGESxOVERLAPxPINGPONG' (config.FwdWsTile.parse), per shared-memory head dim (64, 128, 256:
+d96 and d80 run in the 128 tiles, d192 in the 256 ones). Prints PASS/FAIL per case and a TIME line per
 shape; a variant that fails to compile or run prints its error and the script goes on. Exits non-zero if a
 check fails. Needs an sm_90 GPU.
 """
@@ -81,13 +83,24 @@ CASES = [   # name, b, h, h_k, s_q, s_k, d, causal, window, varlen lengths, dtyp
     ("varlen d64", 0, 4, 4, 0, 0, 64, False, (-1, -1), [(200, 130), (1, 1), (129, 255)], torch.bfloat16),
     ("fp16 causal d128", 2, 4, 4, 256, 256, 128, True, (-1, -1), None, torch.float16),
     ("fp16 varlen d64", 0, 4, 2, 0, 0, 64, False, (-1, -1), [(37, 80), (0, 50), (130, 9)], torch.float16),
+    # head dims padded in shared memory (96 -> 128, 192 -> 256; 80 -> 128) and d256's 64-key tiles
+    ("d96 dense s300", 2, 4, 4, 300, 300, 96, False, (-1, -1), None, torch.bfloat16),
+    ("d96 varlen causal gqa, empty sequences", 0, 4, 2, 0, 0, 96, True, (-1, -1),
+     [(100, 100), (0, 50), (257, 300), (64, 0), (130, 70)], torch.bfloat16),
+    ("d80 causal s_q 300 > s_k 100", 2, 4, 4, 300, 100, 80, True, (-1, -1), None, torch.bfloat16),
+    ("d192 causal gqa 8/2", 2, 8, 2, 256, 256, 192, True, (-1, -1), None, torch.bfloat16),
+    ("d192 window (64, 32) s200", 2, 4, 4, 200, 200, 192, False, (64, 32), None, torch.bfloat16),
+    ("d256 dense s300", 2, 4, 4, 300, 300, 256, False, (-1, -1), None, torch.bfloat16),
+    ("d256 varlen causal, empty sequences", 0, 4, 2, 0, 0, 256, True, (-1, -1),
+     [(100, 100), (0, 50), (257, 300), (64, 0)], torch.bfloat16),
+    ("fp16 d256 causal", 2, 4, 4, 256, 256, 256, True, (-1, -1), None, torch.float16),
 ]
 
 
 def run_checks(tiles) -> bool:
     ok = True
     for name, b, h, h_k, s_q, s_k, d, causal, window, lens, dtype in CASES:
-        for tile in tiles[d]:
+        for tile in tiles[triton.next_power_of_2(d)]:
             try:
                 ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, lens, dtype)
             except Exception as e:  # a failing variant is reported and the others still run
@@ -135,15 +148,17 @@ def main():
     ap.add_argument("--time-only", action="store_true")
     ap.add_argument("--tiles128", default="128x128x2x1,128x128x2x0")
     ap.add_argument("--tiles64", default="128x128x2x1,128x128x2x0")
+    ap.add_argument("--tiles256", default="128x64x2x1x0,128x64x2x1x1")
     ap.add_argument("--seqlens", default="4096,8192", help="timed lengths (b = 16384 / s)")
+    ap.add_argument("--shapes", default="128:16:16,64:32:32,128:32:8", help="timed d:h:h_k (h = 2048 / d)")
     args = ap.parse_args()
-    tiles = {d: [FwdWsTile.parse(t) for t in getattr(args, f"tiles{d}").split(",")] for d in (64, 128)}
+    tiles = {d: [FwdWsTile.parse(t) for t in getattr(args, f"tiles{d}").split(",")] for d in (64, 128, 256)}
     ok = True if args.time_only else run_checks(tiles)
     if not args.check_only:
-        for d, h, h_k in ((128, 16, 16), (64, 32, 32), (128, 32, 8)):   # h = 2048 / d; and GQA 32/8 at d128
+        for d, h, h_k in (map(int, shape.split(":")) for shape in args.shapes.split(",")):
             for s in map(int, args.seqlens.split(",")):
                 for causal in (False, True):
-                    time_case(16384 // s, h, h_k, s, d, causal, tiles[d])
+                    time_case(16384 // s, h, h_k, s, d, causal, tiles[triton.next_power_of_2(d)])
     sys.exit(0 if ok else 1)
 
 

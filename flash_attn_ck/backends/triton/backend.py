@@ -168,8 +168,9 @@ class TritonBackend(Backend):
         if p.dtype not in (torch.bfloat16, torch.float16):
             reasons.append(f"{p.dtype} inputs (bf16/fp16 only)")
         d = p.head_dim_padded
-        if d not in rule.tiles:
-            reasons.append(f"head dim {d}: the kernel has tiles for head dims {sorted(rule.tiles)}")
+        if rule.tile_key(d) not in rule.tiles:
+            padded = " (padded to a power of two)" if rule.pads_head_dim else ""
+            reasons.append(f"head dim {d}: the kernel has tiles for head dims{padded} {sorted(rule.tiles)}")
         elif setting is None and d not in rule.default_head_dims:
             reasons.append(f"head dim {d}: {rule.slower_head_dim}")
         if setting is None and max(p.seqlen_q, p.seqlen_k) < rule.min_seqlen:
@@ -285,7 +286,7 @@ class TritonBackend(Backend):
         from . import fwd_ws
         fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
-                      tile=self.fwd_ws_tile or config.FWD_WS_SM90[p.head_dim_padded][p.mask.is_causal],
+                      tile=self.fwd_ws_tile or config.FWD_WS_SM90[config.head_block(p.head_dim_padded)][p.mask.is_causal],
                       **self._gluon_mask_args(p))
 
     # ---- backward ------------------------------------------------------------------------------

@@ -79,6 +79,11 @@ class GluonRule:
     slower_head_dim: str    # why a head dim with tiles but outside default_head_dims keeps the other kernel
     shorter: str            # why sequences shorter than min_seqlen do
     positive_scale: bool = False
+    pads_head_dim: bool = False   # tiles are keyed by the power of two the head dim is padded to in shared memory
+
+    def tile_key(self, head_dim: int) -> int:
+        """The key of `tiles` that serves `head_dim` (absent: no tile)."""
+        return head_block(head_dim) if self.pads_head_dim else head_dim
 
 
 def head_block(head_dim: int) -> int:
@@ -200,9 +205,11 @@ class FwdWsTile:
 #               d64 s8192 410 / 415, s2048 331 / 335                            -> on
 #   non-causal  d128 s8192 615 / 609, s2048 628 / 567; GQA 32/8 s8192 611 / 616, s2048 568 / 551;
 #               d64 s8192 457 / 442, s2048 423 / 414                            -> off
-# Keyed by head dim, then causal.
-FWD_WS_SM90 = {d: {False: FwdWsTile(128, 128, num_stages=2, overlap=True, pingpong=False),
-                   True: FwdWsTile(128, 128, num_stages=2, overlap=True, pingpong=True)} for d in (64, 128)}
+# d256 (and d192, padded to 256 in shared memory): 128 x 64 tiles, FA3's key block at d256; 196 KB of shared
+# memory with 2 stages. Not yet timed on the H200.
+# Keyed by the power of two the head dim is padded to in shared memory (d96 runs in the d128 tiles), then causal.
+FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, overlap=True, pingpong=causal)
+                   for causal in (False, True)} for d in (64, 128, 256)}
 # Shorter sequences, measured 2026-12-01 (fwd_ws_check.py --seqlens 1024,2048, same process, fwd_ws vs previous
 # forward vs cuDNN): d128 s2048 566 / 457 vs 445 / 336 (cuDNN 612 / 478), s1024 543 / 344 vs 386 / 291;
 # GQA 32/8 s2048 569 / 471 vs 451 / 349, s1024 535 / 404 vs 410 / 310; d64 s2048 420 / 330 vs 371 / 303,
@@ -215,7 +222,7 @@ FWD_WS_RULE = GluonRule("fwd_ws", FWD_WS_SM90, FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_
                         slower_head_dim="not measured faster than the previous forward (TritonBackend(fwd_ws=True) "
                                         "runs it)",
                         shorter="not measured faster there (TritonBackend(fwd_ws=True) runs it)",
-                        positive_scale=True)
+                        positive_scale=True, pads_head_dim=True)
 
 GENERIC = {
     32: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),

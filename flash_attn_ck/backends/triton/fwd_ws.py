@@ -57,6 +57,7 @@ from .gluon_common import (
     key_range,
     rows_view,
     sequence,
+    slot,
     tile_needs_mask,
     uniform_rows,
 )
@@ -93,18 +94,18 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_
     half: gl.constexpr = BLOCK_M // 2
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
     for wg in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0 + wg * half, head * HEAD_D], q_ready, q_smem.index(wg))
-    kv_col = (head // group) * HEAD_D
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0 + wg * half, head, 0], q_ready, q_smem.index(wg))
+    kv_head = head // group
     for j in range(n_tiles):
         stage = j % NUM_STAGES
         phase = (j // NUM_STAGES) & 1
         row = k_row0 + n_lo + j * BLOCK_N
         mbarrier.wait(k_empty.index(stage), phase ^ 1)
         mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(stage), k_smem.index(stage))
+        tma.async_copy_global_to_shared(k_desc, [row, kv_head, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.wait(v_empty.index(stage), phase ^ 1)
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(stage), v_smem.index(stage))
+        tma.async_copy_global_to_shared(v_desc, [row, kv_head, 0], v_ready.index(stage), v_smem.index(stage))
 
 
 # ---- consumer steps --------------------------------------------------------------------------
@@ -114,7 +115,7 @@ def _issue_pv(p, v_smem, v_ready, j, acc, p_layout: gl.constexpr, NUM_STAGES: gl
     stage = j % NUM_STAGES
     mbarrier.wait(v_ready.index(stage), (j // NUM_STAGES) & 1)
     p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    return warpgroup_mma(p_op, v_smem.index(stage), acc, is_async=True)
+    return warpgroup_mma(p_op, slot(v_smem, stage), acc, is_async=True)
 
 
 @gluon.jit
@@ -166,7 +167,7 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
               cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
-              seqlen_q, seqlen_k, scale, window_left, window_right,
+              seqlen_q, seqlen_k, head_dim, scale, window_left, window_right,
               WARPGROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
               HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
@@ -187,7 +188,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
     offs_m = m0 + gl.arange(0, ROWS, layout=row_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     scale_log2 = scale * LOG2E
-    q_tile = q_smem.index(WARPGROUP)
+    q_tile = slot(q_smem, WARPGROUP)
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
     l_i = gl.zeros([ROWS], gl.float32, row_layout)
@@ -254,24 +255,25 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
         lse_rows += q_row0
     gl.store(lse_rows, lse, mask=offs_m < len_q)
     if m0 + ROWS <= len_q:
-        o_smem = q_smem.index(WARPGROUP)   # this warpgroup's S matmuls, the only readers of its Q, are done
-        o_smem.store(out)
+        # this warpgroup's S matmuls, the only readers of its Q, are done: O goes out through its buffer (the
+        # TMA store writes the head's head_dim columns, not the padding)
+        slot(q_smem, WARPGROUP).store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row0 + m0, head * HEAD_D], o_smem)
+        tma.async_copy_shared_to_global(o_desc, [q_row0 + m0, head, 0], q_smem.index(WARPGROUP))
         tma.store_wait(0)
     elif m0 < len_q:
         offs_r = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
         offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
         rows = (q_row0 + offs_r).to(gl.int64)
-        ptrs = Out + gl.expand_dims(rows * stride_out_row, 1) + head * HEAD_D + gl.expand_dims(offs_d, 0)
-        gl.store(ptrs, out, mask=gl.expand_dims(offs_r < len_q, 1))
+        ptrs = Out + gl.expand_dims(rows * stride_out_row, 1) + head * head_dim + gl.expand_dims(offs_d, 0)
+        gl.store(ptrs, out, mask=gl.expand_dims(offs_r < len_q, 1) & gl.expand_dims(offs_d < head_dim, 0))
 
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, cu_seqlens_k,
                        stride_out_row, stride_lse_b, stride_lse_h,
-                       seqlen_q, seqlen_k, group, scale, window_left, window_right,
+                       seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr,
@@ -283,9 +285,10 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
         if m0 >= gl.load(cu_seqlens_q + b + 1) - gl.load(cu_seqlens_q + b):
             return
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_D], v_desc.layout)
+    # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor with box_cols); `slot` views them 2-D
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, 1, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 1, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 1, HEAD_D], v_desc.layout)
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -307,12 +310,12 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
     gl.warp_specialize([
         (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
                      cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
-                     seqlen_q, seqlen_k, scale, window_left, window_right,
+                     seqlen_q, seqlen_k, head_dim, scale, window_left, window_right,
                      0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, OVERLAP,
                      PINGPONG)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
                      cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
-                     seqlen_q, seqlen_k, scale, window_left, window_right,
+                     seqlen_q, seqlen_k, head_dim, scale, window_left, window_right,
                      1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, OVERLAP,
                      PINGPONG)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
@@ -334,12 +337,13 @@ def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch
     cu_q = cu_seqlens_q if varlen else lse
     cu_k = cu_seqlens_k if varlen else lse
     half = tile.block_m // 2
+    box = triton.next_power_of_2(d)   # shared-memory head dim: columns past d read as zeros, never written
     grid = (triton.cdiv(seqlen_q, tile.block_m), batch, q.shape[-2])
     attn_fwd_ws_kernel[grid](
-        descriptor(q, varlen, half), descriptor(k, varlen, tile.block_n), descriptor(v, varlen, tile.block_n),
-        descriptor(target, varlen, half), target, lse, cu_q, cu_k, rows_view(target, varlen)[2], *lse_strides,
-        seqlen_q, seqlen_k, group, scale, window_left, window_right,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=d, NUM_STAGES=tile.num_stages, VARLEN=varlen,
+        descriptor(q, varlen, half, box), descriptor(k, varlen, tile.block_n, box),
+        descriptor(v, varlen, tile.block_n, box), descriptor(target, varlen, half, box), target, lse, cu_q, cu_k,
+        rows_view(target, varlen)[2], *lse_strides, seqlen_q, seqlen_k, d, group, scale, window_left, window_right,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages, VARLEN=varlen,
         TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right, OVERLAP=tile.overlap, PINGPONG=tile.pingpong,
         CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, num_warps=CONSUMER_WARPS.value)
     if target is not out:

@@ -87,13 +87,21 @@ def keep_mask(rows, cols, len_k, shift, left, right, HAS_LEFT: gl.constexpr, HAS
 
 # ---- a matmul against a ring tile -----------------------------------------------------------------
 @gluon.jit
+def slot(buffers, i):
+    """Buffer i of a ring of (rows, cols) tiles, or of (rows, 1, cols) tiles (a 3-D descriptor's box of one
+    head, descriptor(..., box_cols=...)), as a (rows, cols) tile."""
+    tile = buffers.index(i)
+    return tile.reshape([tile.shape[0], tile.shape[len(tile.shape) - 1]])
+
+
+@gluon.jit
 def issue_ring_mma(a_smem, ring, ready, zero, step, NUM_STAGES: gl.constexpr):
     """Issue acc = A B^T (async wgmma, both operands in shared memory) against B = the ring tile of `step`,
     once its "ready" barrier says it has landed: the forward's S = Q K^T, the backward's S^T = K Q^T and
     dP^T = V dO^T."""
     stage = step % NUM_STAGES
     mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1)
-    return warpgroup_mma(a_smem, ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+    return warpgroup_mma(a_smem, slot(ring, stage).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 # ---- host side: TMA descriptors over 2-D row views ---------------------------------------------
@@ -121,15 +129,22 @@ def uniform_rows(t, varlen: bool):
 
 
 @functools.cache
-def _box_layout(block_rows: int, head_dim: int, dtype: torch.dtype):
-    """The shared-memory layout of a (block_rows, head_dim) box (made once: descriptors are made per call)."""
+def _box_layout(box: tuple[int, ...], dtype: torch.dtype):
+    """The shared-memory layout of a box (made once: descriptors are made per call)."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
-    return gl.NVMMASharedLayout.get_default_for([block_rows, head_dim], gl_dtype)
+    return gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)
 
 
-def descriptor(t, varlen: bool, block_rows: int):
-    """A host TMA descriptor over `t`'s 2-D row view with (block_rows, head_dim) boxes."""
+def descriptor(t, varlen: bool, block_rows: int, box_cols: int | None = None):
+    """A host TMA descriptor over `t`'s rows with (block_rows, head_dim) boxes over its 2-D row view
+    (coordinates [row, head * head_dim]); with `box_cols` (>= head_dim), (block_rows, 1, box_cols) boxes over
+    the 3-D view (rows, heads, head_dim) (coordinates [row, head, 0]), whose columns past head_dim read as
+    zeros and are not written: a head dim padded to a power of two in shared memory only."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows, cols, row_stride = rows_view(t, varlen)
     d = t.shape[-1]
-    return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, d], _box_layout(block_rows, d, t.dtype))
+    if box_cols is None:
+        return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, d],
+                                _box_layout((block_rows, d), t.dtype))
+    box = (block_rows, 1, box_cols)
+    return TensorDescriptor(t, [rows, cols // d, d], [row_stride, d, 1], list(box), _box_layout(box, t.dtype))
