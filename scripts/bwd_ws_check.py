@@ -89,6 +89,7 @@ def main():
                     help="timed shapes d:h:h_k:s, each causal and not (b = 16384 / s)")
     args = ap.parse_args()
     tiles = {d: [WsTile.parse(t) for t in getattr(args, f"tiles{d}").split(",")] for d in (64, 128)}
+    tiles[96] = tiles[128]   # d96 runs in the d128 tiles (padded in shared memory)
     ok = True
     for t128, t64 in ([] if args.time_only else zip(tiles[128], tiles[64])):
         print(f"-- checks with d128 tile {t128}, d64 tile {t64}")
@@ -106,9 +107,13 @@ def main():
             ("varlen causal gqa", 0, 4, 2, 0, 0, 128, True, (-1, -1),
              [(100, 100), (0, 50), (257, 300), (64, 0), (130, 70)]),
             ("varlen d64", 0, 4, 4, 0, 0, 64, False, (-1, -1), [(200, 130), (1, 1), (129, 255)]),
+            # head dims padded to 128 in shared memory
+            ("d96 causal gqa 8/2 s300", 2, 8, 2, 300, 300, 96, True, (-1, -1), None),
+            ("d96 varlen window (64, 32)", 0, 4, 2, 0, 0, 96, False, (64, 32), [(100, 100), (0, 50), (257, 300)]),
+            ("d80 dense s_q 100 != s_k 333", 2, 4, 4, 100, 333, 80, False, (-1, -1), None),
         ]
         for name, b, h, h_k, s_q, s_k, d, causal, window, lens in cases:
-            t = t128 if d == 128 else t64
+            t = t64 if d <= 64 else t128
             try:
                 ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, t, lens)
             except Exception as e:

@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -60,7 +60,7 @@ def test_every_unsupported_feature_is_named(names, forced):
 
 
 @pytest.mark.parametrize("head_dim,capability,dtype,expect", [
-    (256, (9, 0), torch.bfloat16, "head dim 256"), (96, (9, 0), torch.bfloat16, "head dim 96"),
+    (256, (9, 0), torch.bfloat16, "head dim 256"), (192, (9, 0), torch.bfloat16, "head dim 192"),
     (128, (8, 0), torch.bfloat16, "sm_90"), (128, (10, 0), torch.bfloat16, "sm_90"),
     (128, (9, 0), torch.float32, "float32")])
 def test_ws_names_what_it_cannot_run(head_dim, capability, dtype, expect):
@@ -117,31 +117,34 @@ def test_launches_cover_every_kv_head_once(sm90, group):
 def _compile(tile, head_dim, varlen, masks, deterministic=False):
     from flash_attn_ck.backends.triton import bwd_ws
 
-    cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=head_dim, NUM_STAGES=tile.num_stages,
+    box = triton.next_power_of_2(head_dim)
+    cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages,
               DQ_STAGES=tile.dq_stages, VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2],
               LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs,
               DETERMINISTIC=deterministic, num_warps=tile.num_warps)
-    types = dict(q_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
-                 k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
-                 v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
-                 do_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
-                 dq_desc=descriptor_type(tile.block_m, head_dim, torch.float32),
+    types = dict(q_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16, box),
+                 k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16, box),
+                 v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16, box),
+                 do_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16, box),
+                 dq_desc=descriptor_type(tile.block_m, head_dim, torch.float32, box),
                  Lse="*fp32", Delta="*fp32", dK="*bf16", dV="*bf16", Sem="*i32", cu_seqlens_q="*i32",
                  cu_seqlens_k="*i32", scale="fp32")
     return compile_sm90(bwd_ws.attn_bwd_ws_kernel, types, cx, tile.num_warps)
 
 
-@pytest.mark.parametrize("varlen,masks,deterministic", [
-    (False, (False, False, False), False), (True, (False, False, True), False), (False, (True, True, True), False),
-    (True, (False, True, True), True)], ids=["dense", "varlen-causal", "window", "varlen-window-deterministic"])
-def test_kernel_compiles_to_the_designed_instructions(varlen, masks, deterministic):
-    tile = config.BWD_WS_SM90[128]
-    ptx = _compile(tile, 128, varlen, masks, deterministic).asm["ptx"]
+@pytest.mark.parametrize("head_dim,varlen,masks,deterministic", [
+    (128, False, (False, False, False), False), (128, True, (False, False, True), False),
+    (128, False, (True, True, True), False), (128, True, (False, True, True), True),
+    (96, False, (False, False, False), False), (64, True, (False, False, True), True)],
+    ids=["dense", "varlen-causal", "window", "varlen-window-deterministic", "d96-dense", "d64-varlen-causal-det"])
+def test_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, deterministic):
+    tile = config.BWD_WS_SM90[config.head_block(head_dim)]
+    ptx = _compile(tile, head_dim, varlen, masks, deterministic).asm["ptx"]
     # 5 matmuls per step as wgmma (S^T, dP^T, dV, dK: 64-row halves per warpgroup; dQ), TMA loads,
     # the dQ reduce-add through the TMA engine, and register budgets per partition.
     assert ptx.count("wgmma.mma_async") >= 5
-    assert "cp.async.bulk.tensor" in ptx
-    assert "cp.reduce.async.bulk.tensor" in ptx and ".add" in ptx
+    assert "cp.async.bulk.tensor.3d" in ptx   # boxes of one head (a padded head dim reads zeros past d)
+    assert "cp.reduce.async.bulk.tensor.3d" in ptx and ".add" in ptx
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
     assert "mbarrier.try_wait" in ptx
     # Two waits leave one group in flight: S^T's (dP^T still running) and dV/dQ's (dK still running while

@@ -192,7 +192,7 @@ class TritonBackend(Backend):
         return "forward (one program per query tile); fwd_ws not used: " + ", ".join(reasons)
 
     def _ws_tile(self, p: AttentionProblem) -> config.WsTile:
-        return self.ws_tile or config.BWD_WS_SM90[p.head_dim_padded]
+        return self.ws_tile or config.BWD_WS_SM90[config.head_block(p.head_dim_padded)]
 
     def _ws_kv_heads_per_launch(self, p: AttentionProblem) -> int:
         """KV heads per launch of the warp-specialised kernel: its fp32 dQ accumulator (a launch's query
@@ -284,10 +284,10 @@ class TritonBackend(Backend):
                     lse: torch.Tensor) -> None:
         """The warp-specialised forward: one launch of fwd_ws."""
         from . import fwd_ws
+        tile = self.fwd_ws_tile or config.FWD_WS_SM90[config.head_block(p.head_dim_padded)][p.mask.is_causal]
         fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
-                      tile=self.fwd_ws_tile or config.FWD_WS_SM90[config.head_block(p.head_dim_padded)][p.mask.is_causal],
-                      **self._gluon_mask_args(p))
+                      tile=tile, **self._gluon_mask_args(p))
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:

@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .bwd_ws_schedule import semaphore_tiles
-from .gluon_common import LOG2E, descriptor, issue_ring_mma, keep_mask, query_range, sequence, tile_needs_mask
+from .gluon_common import LOG2E, descriptor, issue_ring_mma, keep_mask, query_range, sequence, slot, tile_needs_mask
 
 
 @builtin
@@ -92,8 +92,8 @@ def _loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ls
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
     kv_head = gl.program_id(2)
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row0 + n0, kv_head * HEAD_D], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [k_row0 + n0, kv_head * HEAD_D], kv_ready, v_smem)
+    tma.async_copy_global_to_shared(k_desc, [k_row0 + n0, kv_head, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [k_row0 + n0, kv_head, 0], kv_ready, v_smem)
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     offs_m_tile = gl.arange(0, BLOCK_M, layout=row_layout)
     if VARLEN:
@@ -107,10 +107,10 @@ def _loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, ls
         m0 = m_lo + (step % m_tiles) * BLOCK_M
         mbarrier.wait(tile_empty.index(stage), phase ^ 1)
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0, head * HEAD_D], q_ready.index(stage),
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0, head, 0], q_ready.index(stage),
                                         q_smem.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [q_row0 + m0, head * HEAD_D], do_ready.index(stage),
+        tma.async_copy_global_to_shared(do_desc, [q_row0 + m0, head, 0], do_ready.index(stage),
                                         do_smem.index(stage))
         # lse (times log2 e) and D of the tile's rows beside Q, behind q_ready's second arrival; rows past
         # the sequence get lse = +inf (P = 0) and D = 0.
@@ -158,7 +158,7 @@ def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem,
             sem = Sem + ((b * heads + head) * sem_m_tiles + m0 // BLOCK_M)
             while gl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass
-        tma_reduce_add(dq_desc, [q_row0 + m0, head * HEAD_D], dq_smem.index(stage))
+        tma_reduce_add(dq_desc, [q_row0 + m0, head, 0], dq_smem.index(stage))
         if DETERMINISTIC:
             _bulk_wait_all(step)
             gl.atomic_add(sem, 1, sem="release")
@@ -173,7 +173,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
          q_ready, do_ready, tile_empty, kv_ready, dq_full, dq_empty,
          dK, dV, cu_seqlens_q, cu_seqlens_k,
          stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
-         seqlen_q, seqlen_k, group, scale, window_left, window_right,
+         seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
          DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
          HAS_RIGHT: gl.constexpr, num_warps: gl.constexpr):
@@ -182,6 +182,8 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
     kv_head = gl.program_id(2)
     dtype: gl.constexpr = k_smem.dtype
+    k_tile = k_smem.reshape([BLOCK_N, HEAD_D])
+    v_tile = v_smem.reshape([BLOCK_N, HEAD_D])
 
     # Layouts: every warp owns 16 key rows of the (BLOCK_N, *) tiles; dQ splits its columns.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -208,12 +210,12 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
     steps = m_tiles * group
     mbarrier.wait(kv_ready, 0)
     for step in range(steps):
-        sT = issue_ring_mma(k_smem, q_smem, q_ready, s_zero, step, NUM_STAGES)
-        dpT = issue_ring_mma(v_smem, do_smem, do_ready, s_zero, step, NUM_STAGES)
+        sT = issue_ring_mma(k_tile, q_smem, q_ready, s_zero, step, NUM_STAGES)
+        dpT = issue_ring_mma(v_tile, do_smem, do_ready, s_zero, step, NUM_STAGES)
         stage = step % NUM_STAGES
         m0 = m_lo + (step % m_tiles) * BLOCK_M
-        q_tile = q_smem.index(stage)
-        do_tile = do_smem.index(stage)
+        q_tile = slot(q_smem, stage)
+        do_tile = slot(do_smem, stage)
         lse2 = lse_smem.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
         delta = delta_smem.index(stage).load(col_layout)
         offs_m = m0 + offs_m_tile
@@ -237,7 +239,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
         ds_smem.store(ds_bf)
         fence_async_shared()
         gl.thread_barrier()
-        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem, dq_zero, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
         ds_op = gl.convert_layout(ds_bf, a_layout)
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)
         dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))   # dK stays on the tensor cores during the hand-off
@@ -245,7 +247,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
         # ---- hand dQ (scaled) to the writer ----
         dq_stage = step % DQ_STAGES
         mbarrier.wait(dq_empty.index(dq_stage), ((step // DQ_STAGES) & 1) ^ 1)
-        dq_smem.index(dq_stage).store(dq * scale)
+        slot(dq_smem, dq_stage).store(dq * scale)
         fence_async_shared()
         gl.thread_barrier()   # every warp's dQ is in shared memory
         mbarrier.arrive(dq_full.index(dq_stage), count=1)
@@ -255,7 +257,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
     # ---- epilogue: dK (scaled) and dV in the output dtype, rows of this sequence only ----
     offs_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
-    keep = gl.expand_dims(offs_r < len_k, 1)
+    keep = gl.expand_dims(offs_r < len_k, 1) & gl.expand_dims(offs_d < head_dim, 0)   # not the padding
     rows = offs_r.to(gl.int64)
     if VARLEN:
         rows += k_row0
@@ -272,7 +274,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
 def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem, cu_seqlens_q, cu_seqlens_k,
                        stride_lse_b, stride_lse_h, stride_dkb, stride_dkr, stride_dkh,
                        stride_dvb, stride_dvr, stride_dvh,
-                       seqlen_q, seqlen_k, group, scale, window_left, window_right, sem_m_tiles,
+                       seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right, sem_m_tiles,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        NUM_STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr,
                        TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
@@ -285,13 +287,14 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
         if n0 >= gl.load(cu_seqlens_k + b + 1) - gl.load(cu_seqlens_k + b):
             return
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_D], v_desc.layout)
+    # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor with box_cols), viewed 2-D by `slot`
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 1, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 1, HEAD_D], v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, HEAD_D], dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, 1, HEAD_D], dq_desc.layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
@@ -317,7 +320,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                 q_ready, do_ready, tile_empty, kv_ready, dq_full, dq_empty,
                 dK, dV, cu_seqlens_q, cu_seqlens_k,
                 stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
-                seqlen_q, seqlen_k, group, scale, window_left, window_right,
+                seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
                 num_warps)),
         (_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
@@ -345,14 +348,16 @@ def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens
     dv_strides = (0, dv.stride(0), dv.stride(1)) if varlen else (dv.stride(0), dv.stride(1), dv.stride(2))
     cu_q = cu_seqlens_q if varlen else lse
     cu_k = cu_seqlens_k if varlen else lse
+    box = triton.next_power_of_2(d)   # shared-memory head dim: columns past d read as zeros, never written
     grid = (triton.cdiv(seqlen_k, tile.block_n), batch, heads_k)
     attn_bwd_ws_kernel[grid](
-        descriptor(q, varlen, tile.block_m), descriptor(k, varlen, tile.block_n), descriptor(v, varlen, tile.block_n),
-        descriptor(dout, varlen, tile.block_m), descriptor(dq_accum, varlen, tile.block_m),
+        descriptor(q, varlen, tile.block_m, box), descriptor(k, varlen, tile.block_n, box),
+        descriptor(v, varlen, tile.block_n, box), descriptor(dout, varlen, tile.block_m, box),
+        descriptor(dq_accum, varlen, tile.block_m, box),
         lse, delta, dk, dv, semaphores if semaphores is not None else lse, cu_q, cu_k,
         *lse_strides, *dk_strides, *dv_strides,
-        seqlen_q, seqlen_k, group, scale, window_left, window_right, semaphore_tiles(seqlen_q, tile),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=d, NUM_STAGES=tile.num_stages, DQ_STAGES=tile.dq_stages,
+        seqlen_q, seqlen_k, d, group, scale, window_left, window_right, semaphore_tiles(seqlen_q, tile),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages, DQ_STAGES=tile.dq_stages,
         VARLEN=varlen, TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs,
         DETERMINISTIC=semaphores is not None, num_warps=tile.num_warps)

@@ -157,7 +157,7 @@ BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 128})   # where it measured faster tha
 BWD_WS_MIN_SEQLEN = 2048   # the shortest length measured (d64 only at s8192)
 BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
                         slower_head_dim="the one-launch kernel measured faster",
-                        shorter="the one-launch kernel measured faster")
+                        shorter="the one-launch kernel measured faster", pads_head_dim=True)
 # The fp32 dQ accumulator of one launch: kv-head groups run in turn so that it stays under this size
 # (the GQA backward's peak memory target, 32/8 d128 s8192: 210 MiB).
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
@@ -206,16 +206,22 @@ class FwdWsTile:
 #   non-causal  d128 s8192 615 / 609, s2048 628 / 567; GQA 32/8 s8192 611 / 616, s2048 568 / 551;
 #               d64 s8192 457 / 442, s2048 423 / 414                            -> off
 # d256 (and d192, padded to 256 in shared memory): 128 x 64 tiles, FA3's key block at d256; 196 KB of shared
-# memory with 2 stages. Not yet timed on the H200.
+# memory with 2 stages. Measured 2026-12-01 (fwd_ws_check.py --shapes 96:21:21,192:10:10,256:8:8 --seqlens 8192,
+# ping-pong off / on, previous forward, cuDNN, same process):
+#   d256  674 / 653 and 602 / 598 causal (previous 377 / 335, cuDNN 649 / 591)   -> ping-pong off
+#   d192  528 / 516 and 489 / 486 causal (previous 288 / 247, cuDNN 645 / 570)   -> ping-pong off
+#   d96   478 / 470 and 445 / 449 causal (previous 376 / 343, cuDNN 468 / 423)   (d128 tiles: as d128)
 # Keyed by the power of two the head dim is padded to in shared memory (d96 runs in the d128 tiles), then causal.
-FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, overlap=True, pingpong=causal)
+FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, overlap=True,
+                                     pingpong=causal and d < 256)
                    for causal in (False, True)} for d in (64, 128, 256)}
 # Shorter sequences, measured 2026-12-01 (fwd_ws_check.py --seqlens 1024,2048, same process, fwd_ws vs previous
 # forward vs cuDNN): d128 s2048 566 / 457 vs 445 / 336 (cuDNN 612 / 478), s1024 543 / 344 vs 386 / 291;
 # GQA 32/8 s2048 569 / 471 vs 451 / 349, s1024 535 / 404 vs 410 / 310; d64 s2048 420 / 330 vs 371 / 303,
 # s1024 373 / 257 vs 353 / 264 (the one row where the previous forward is ahead, by 3%).
-# Default for both head dims from s1024, the shortest length measured.
-FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 128})
+# Default for the head dims measured faster than the previous forward (d96/d192/d256 timed at s8192 only, d64/d128
+# from s1024 on), from s1024, the shortest length measured.
+FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = 1024
 # The running max is taken on raw scores, so the softmax scale must be positive.
 FWD_WS_RULE = GluonRule("fwd_ws", FWD_WS_SM90, FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_MIN_SEQLEN,
