@@ -151,9 +151,12 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 #   d128 s4096      508 / 427, cuDNN 511 / 438 (bwd_ws_check.py --time-only, one process)
 #   d128 s2048      478 / 372 vs one-launch 376 / 309, cuDNN 493 / 396; GQA 32/8 496 / 358 vs 378 / 297
 #   d64 s8192       395 / 379 vs one-launch 384 / 333, cuDNN 446 / 408
+# 2026-12-01, boxes of one head (3-D descriptors; d96 padded to 128 in shared memory), same process:
+#   d128 s8192      536 / 485, one-launch 412 / 367, cuDNN 530 / 490
+#   d96 s8192       424 / 386, one-launch 325 / 282, cuDNN 417 / 391 (h = 21)
 BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1),
                128: WsTile(64, 128, num_stages=2, dq_stages=1)}
-BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 128})   # where it measured faster than the one-launch kernel
+BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128})   # where it measured faster than the one-launch kernel
 BWD_WS_MIN_SEQLEN = 2048   # the shortest length measured (d64 only at s8192)
 BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
                         slower_head_dim="the one-launch kernel measured faster",
