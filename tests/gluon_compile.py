@@ -26,12 +26,12 @@ def pretend_capability(capability=(9, 0)):
         yield
 
 
-def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype, box_cols: int | None = None) -> str:
-    """The mangled signature type of a host TMA descriptor with (rows, head_dim) boxes, or (rows, 1, box_cols)."""
+def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype) -> str:
+    """The mangled signature type of a host TMA descriptor with (rows, 1, head dim padded) boxes."""
     from triton.runtime.jit import mangle_type
 
     from flash_attn_ck.backends.triton import gluon_common
-    return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows, box_cols))
+    return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows))
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int):

@@ -138,10 +138,10 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
 def _compile(tile, head_dim, varlen, masks, overlap, pingpong=False):
     from flash_attn_ck.backends.triton import fwd_ws
     half, box = tile.block_m // 2, triton.next_power_of_2(head_dim)
-    types = dict(q_desc=descriptor_type(half, head_dim, torch.bfloat16, box),
-                 k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16, box),
-                 v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16, box),
-                 o_desc=descriptor_type(half, head_dim, torch.bfloat16, box),
+    types = dict(q_desc=descriptor_type(half, head_dim, torch.bfloat16),
+                 k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
+                 v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
+                 o_desc=descriptor_type(half, head_dim, torch.bfloat16),
                  Out="*bf16", Lse="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", scale="fp32")
     cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages,
               VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2], OVERLAP=overlap,

@@ -122,11 +122,11 @@ def _compile(tile, head_dim, varlen, masks, deterministic=False):
               DQ_STAGES=tile.dq_stages, VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2],
               LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs,
               DETERMINISTIC=deterministic, num_warps=tile.num_warps)
-    types = dict(q_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16, box),
-                 k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16, box),
-                 v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16, box),
-                 do_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16, box),
-                 dq_desc=descriptor_type(tile.block_m, head_dim, torch.float32, box),
+    types = dict(q_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
+                 k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
+                 v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
+                 do_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
+                 dq_desc=descriptor_type(tile.block_m, head_dim, torch.float32),
                  Lse="*fp32", Delta="*fp32", dK="*bf16", dV="*bf16", Sem="*i32", cu_seqlens_q="*i32",
                  cu_seqlens_k="*i32", scale="fp32")
     return compile_sm90(bwd_ws.attn_bwd_ws_kernel, types, cx, tile.num_warps)

@@ -53,7 +53,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .bwd_ws_schedule import semaphore_tiles
-from .gluon_common import LOG2E, descriptor, issue_ring_mma, keep_mask, query_range, sequence, slot, tile_needs_mask
+from .gluon_common import (
+    LOG2E,
+    box_cols,
+    descriptor,
+    issue_ring_mma,
+    keep_mask,
+    query_range,
+    sequence,
+    slot,
+    tile_needs_mask,
+)
 
 
 @builtin
@@ -348,12 +358,11 @@ def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens
     dv_strides = (0, dv.stride(0), dv.stride(1)) if varlen else (dv.stride(0), dv.stride(1), dv.stride(2))
     cu_q = cu_seqlens_q if varlen else lse
     cu_k = cu_seqlens_k if varlen else lse
-    box = triton.next_power_of_2(d)   # shared-memory head dim: columns past d read as zeros, never written
+    box = box_cols(d)   # shared-memory head dim: columns past d read as zeros, never written
     grid = (triton.cdiv(seqlen_k, tile.block_n), batch, heads_k)
     attn_bwd_ws_kernel[grid](
-        descriptor(q, varlen, tile.block_m, box), descriptor(k, varlen, tile.block_n, box),
-        descriptor(v, varlen, tile.block_n, box), descriptor(dout, varlen, tile.block_m, box),
-        descriptor(dq_accum, varlen, tile.block_m, box),
+        descriptor(q, varlen, tile.block_m), descriptor(k, varlen, tile.block_n), descriptor(v, varlen, tile.block_n),
+        descriptor(dout, varlen, tile.block_m), descriptor(dq_accum, varlen, tile.block_m),
         lse, delta, dk, dv, semaphores if semaphores is not None else lse, cu_q, cu_k,
         *lse_strides, *dk_strides, *dv_strides,
         seqlen_q, seqlen_k, d, group, scale, window_left, window_right, semaphore_tiles(seqlen_q, tile),

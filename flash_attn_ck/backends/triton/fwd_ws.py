@@ -51,6 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .gluon_common import (
     LOG2E,
+    box_cols,
     descriptor,
     issue_ring_mma,
     keep_mask,
@@ -337,11 +338,11 @@ def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch
     cu_q = cu_seqlens_q if varlen else lse
     cu_k = cu_seqlens_k if varlen else lse
     half = tile.block_m // 2
-    box = triton.next_power_of_2(d)   # shared-memory head dim: columns past d read as zeros, never written
+    box = box_cols(d)   # shared-memory head dim: columns past d read as zeros, never written
     grid = (triton.cdiv(seqlen_q, tile.block_m), batch, q.shape[-2])
     attn_fwd_ws_kernel[grid](
-        descriptor(q, varlen, half, box), descriptor(k, varlen, tile.block_n, box),
-        descriptor(v, varlen, tile.block_n, box), descriptor(target, varlen, half, box), target, lse, cu_q, cu_k,
+        descriptor(q, varlen, half), descriptor(k, varlen, tile.block_n), descriptor(v, varlen, tile.block_n),
+        descriptor(target, varlen, half), target, lse, cu_q, cu_k,
         rows_view(target, varlen)[2], *lse_strides, seqlen_q, seqlen_k, d, group, scale, window_left, window_right,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages, VARLEN=varlen,
         TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right, OVERLAP=tile.overlap, PINGPONG=tile.pingpong,

@@ -1,6 +1,6 @@
 """What the warp-specialised Gluon kernels (fwd_ws.py, bwd_ws.py) share: sequence bounds, the visible
-query/key ranges, the mask, the matmul against a tile of a TMA ring, and the host-side TMA descriptors over
-2-D (rows, heads * head_dim) views.
+query/key ranges, the mask, the matmul against a tile of a TMA ring, and the host-side TMA descriptors (boxes
+of one head over 3-D (rows, heads, head_dim) views).
 
 The mask follows scores.py's conventions: bottom-right aligned per sequence (`shift = len_k - len_q`;
 0 for top-left); row i keeps key j iff `j >= i + shift - left` (with a left bound), `j <= i + shift + right`
@@ -88,8 +88,8 @@ def keep_mask(rows, cols, len_k, shift, left, right, HAS_LEFT: gl.constexpr, HAS
 # ---- a matmul against a ring tile -----------------------------------------------------------------
 @gluon.jit
 def slot(buffers, i):
-    """Buffer i of a ring of (rows, cols) tiles, or of (rows, 1, cols) tiles (a 3-D descriptor's box of one
-    head, descriptor(..., box_cols=...)), as a (rows, cols) tile."""
+    """Buffer i of a ring of (rows, cols) tiles, or of (rows, 1, cols) tiles (a descriptor's box of one head),
+    as a (rows, cols) tile."""
     tile = buffers.index(i)
     return tile.reshape([tile.shape[0], tile.shape[len(tile.shape) - 1]])
 
@@ -120,12 +120,12 @@ def rows_view(t, varlen: bool):
 
 
 def uniform_rows(t, varlen: bool):
-    """`t` itself when a TMA descriptor can view it as one 2-D matrix (uniform rows, 16-byte aligned),
-    else a contiguous copy."""
+    """`t` itself when a TMA descriptor can view its rows (uniform rows, 16-byte aligned), else a fresh contiguous
+    copy (a copy even of a contiguous tensor whose base is not 16-byte aligned: `contiguous()` would return it)."""
     view = rows_view(t, varlen)
     if view is not None and t.data_ptr() % 16 == 0 and (view[2] * t.element_size()) % 16 == 0:
         return t
-    return t.contiguous()
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 @functools.cache
@@ -135,16 +135,17 @@ def _box_layout(box: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)
 
 
-def descriptor(t, varlen: bool, block_rows: int, box_cols: int | None = None):
-    """A host TMA descriptor over `t`'s rows with (block_rows, head_dim) boxes over its 2-D row view
-    (coordinates [row, head * head_dim]); with `box_cols` (>= head_dim), (block_rows, 1, box_cols) boxes over
-    the 3-D view (rows, heads, head_dim) (coordinates [row, head, 0]), whose columns past head_dim read as
-    zeros and are not written: a head dim padded to a power of two in shared memory only."""
+def box_cols(head_dim: int) -> int:
+    """The head dim of a tile in shared memory: the power of two at or above the tensor's."""
+    return 1 << (head_dim - 1).bit_length()
+
+
+def descriptor(t, varlen: bool, block_rows: int):
+    """A host TMA descriptor over `t`'s 3-D view (rows, heads, head_dim) with (block_rows, 1, box_cols(head_dim))
+    boxes of one head (coordinates [row, head, 0]): columns past head_dim read as zeros and are not written, so a
+    head dim that is not a power of two is padded in shared memory only."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     rows, cols, row_stride = rows_view(t, varlen)
     d = t.shape[-1]
-    if box_cols is None:
-        return TensorDescriptor(t, [rows, cols], [row_stride, 1], [block_rows, d],
-                                _box_layout((block_rows, d), t.dtype))
-    box = (block_rows, 1, box_cols)
+    box = (block_rows, 1, box_cols(d))
     return TensorDescriptor(t, [rows, cols // d, d], [row_stride, d, 1], list(box), _box_layout(box, t.dtype))
