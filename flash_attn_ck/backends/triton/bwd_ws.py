@@ -23,15 +23,17 @@ Each warp of the 8-warp MMA partition owns 16 key rows of S^T/dP^T/dK/dV (two wa
 FA3's AtomLayoutNdKV = 2), so the S^T accumulator's registers are the A operand of the dV/dK
 matmuls without a trip through shared memory.
 
-Tensors reach the kernel as host TMA descriptors over 2-D (rows, heads * head_dim) views, so
-a tile may read rows of the next sequence: those query rows get lse = +inf (P = 0), those key
-rows are masked to P = 0 on the last key tile, and dK/dV are stored by masked pointers. A dQ
-tile that spills into the next sequence adds exact zeros there.
+Tensors reach the kernel as host TMA descriptors with boxes of one head over 3-D (rows, heads,
+head_dim) views, so a tile may read rows of the next sequence: those query rows get lse = +inf
+(P = 0), those key rows are masked to P = 0 on the last key tile, and dK/dV are stored by masked
+pointers. A dQ tile that spills into the next sequence adds exact zeros there. HEAD_D is the power
+of two at or above head_dim: loads read zeros past head_dim, the dQ reduce-add and the dK/dV stores
+write head_dim columns only.
 
 Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, gluon_common.uniform_rows
 copies tensors whose rows a descriptor cannot view):
-  - head_dim a power of two with tiles in config.BWD_WS_SM90 (64, 128); heads adjacent in memory
-    (stride_h = head_dim), rows uniform, 16-byte aligned;
+  - head_dim padded to a power of two with tiles in config.BWD_WS_SM90 (64, 128); heads adjacent in
+    memory (stride_h = head_dim), rows uniform, 16-byte aligned;
   - no dropout, ALiBi or softcap.
 Deterministic mode: the writer adds a query tile's dQ only when the semaphore of that (batch, head,
 query tile) counts the key tiles before its own, so the fp32 sums happen in one order on every run.
@@ -297,7 +299,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
         if n0 >= gl.load(cu_seqlens_k + b + 1) - gl.load(cu_seqlens_k + b):
             return
     dtype: gl.constexpr = q_desc.dtype
-    # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor with box_cols), viewed 2-D by `slot`
+    # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor), viewed 2-D by `slot`
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 1, HEAD_D], k_desc.layout)

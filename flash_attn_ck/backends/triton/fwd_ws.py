@@ -23,15 +23,16 @@ the longest causal tiles start first. Three partitions share the CTA:
                          lse = m * scale + ln(l) in fp32; a row that sees no key gets O = 0, lse = +inf.
 
 Both consumers walk every key tile the CTA sees (the loader loads each once); a tile that no row of a
-warpgroup sees gives P = 0 there. Tensors reach the kernel as host TMA descriptors over 2-D
-(rows, heads * head_dim) views (gluon_common.descriptor), so one descriptor serves dense and varlen
-calls: a key tile may read rows of the next sequence (masked to P = 0, as every tile past len_k is),
-a Q tile may too (those rows are never written).
+warpgroup sees gives P = 0 there. Tensors reach the kernel as host TMA descriptors with boxes of one
+head over 3-D (rows, heads, head_dim) views (gluon_common.descriptor), so one descriptor serves dense and
+varlen calls: a key tile may read rows of the next sequence (masked to P = 0, as every tile past len_k
+is), a Q tile may too (those rows are never written). HEAD_D is the power of two at or above head_dim:
+loads read zeros past head_dim, so S and O are exact, and stores write head_dim columns only.
 
 Invariants (on the host: `TritonBackend.fwd_ws_reasons` decides which calls run here,
 gluon_common.uniform_rows copies tensors whose rows a descriptor cannot view):
-  - head_dim a power of two with tiles in config.FWD_WS_SM90 (64, 128); heads adjacent in memory
-    (stride_h = head_dim), rows uniform, 16-byte aligned; out viewed the same way;
+  - head_dim padded to a power of two with tiles in config.FWD_WS_SM90 (64, 128, 256); heads adjacent in
+    memory (stride_h = head_dim), rows uniform, 16-byte aligned; out viewed the same way;
   - the softmax scale is positive (the running max is taken on raw scores);
   - no dropout, ALiBi or softcap.
 """
@@ -286,7 +287,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
         if m0 >= gl.load(cu_seqlens_q + b + 1) - gl.load(cu_seqlens_q + b):
             return
     dtype: gl.constexpr = q_desc.dtype
-    # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor with box_cols); `slot` views them 2-D
+    # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor); `slot` views them 2-D
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, 1, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 1, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 1, HEAD_D], v_desc.layout)
