@@ -26,6 +26,9 @@ def pretend_capability(capability=(9, 0)):
         yield
 
 
+SM90_SHARED_BYTES = 227 * 1024   # the most shared memory one CTA may use on an H100/H200 (sm_90)
+
+
 def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype) -> str:
     """The mangled signature type of a host TMA descriptor with (rows, 1, head dim padded) boxes."""
     from triton.runtime.jit import mangle_type

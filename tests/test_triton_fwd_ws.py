@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from gluon_compile import compile_sm90, descriptor_type, pretend_capability, ptxas_report  # noqa: E402
+from gluon_compile import SM90_SHARED_BYTES, compile_sm90, descriptor_type, pretend_capability, ptxas_report  # noqa: E402
 
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
 from flash_attn_ck.backends.triton import config  # noqa: E402
@@ -164,7 +164,9 @@ VARIANTS = [(d, mask) for d in (64, 128) for mask in sorted(MASKS)] + \
 def test_kernel_compiles_to_the_designed_instructions(head_dim, overlap, pingpong, mask):
     tile = config.FWD_WS_SM90[triton.next_power_of_2(head_dim)][False]
     varlen, masks = MASKS[mask]
-    ptx = _compile(tile, head_dim, varlen, masks, overlap, pingpong).asm["ptx"]
+    kernel = _compile(tile, head_dim, varlen, masks, overlap, pingpong)
+    assert kernel.metadata.shared <= SM90_SHARED_BYTES   # the tile launches: its buffers fit one SM's shared memory
+    ptx = kernel.asm["ptx"]
     # S = Q K^T from shared memory and P V with P from registers, per consumer warpgroup: 2 x (d/16 + block_n/16)
     # wgmma per key tile (the overlapped loop has a prologue S and an epilogue P V besides).
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, (\{|%rd)", ptx)

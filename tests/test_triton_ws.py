@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from gluon_compile import compile_sm90, descriptor_type, pretend_capability  # noqa: E402
+from gluon_compile import SM90_SHARED_BYTES, compile_sm90, descriptor_type, pretend_capability  # noqa: E402
 
 from flash_attn_ck.backends.triton import config  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
@@ -139,7 +139,9 @@ def _compile(tile, head_dim, varlen, masks, deterministic=False):
     ids=["dense", "varlen-causal", "window", "varlen-window-deterministic", "d96-dense", "d64-varlen-causal-det"])
 def test_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, deterministic):
     tile = config.BWD_WS_SM90[config.head_block(head_dim)]
-    ptx = _compile(tile, head_dim, varlen, masks, deterministic).asm["ptx"]
+    kernel = _compile(tile, head_dim, varlen, masks, deterministic)
+    assert kernel.metadata.shared <= SM90_SHARED_BYTES   # the tile launches: its buffers fit one SM's shared memory
+    ptx = kernel.asm["ptx"]
     # 5 matmuls per step as wgmma (S^T, dP^T, dV, dK: 64-row halves per warpgroup; dQ), TMA loads,
     # the dQ reduce-add through the TMA engine, and register budgets per partition.
     assert ptx.count("wgmma.mma_async") >= 5
