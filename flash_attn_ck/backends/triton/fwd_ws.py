@@ -121,6 +121,18 @@ def _issue_pv(p, v_smem, v_ready, j, acc, p_layout: gl.constexpr, NUM_STAGES: gl
 
 
 @gluon.jit
+def _pv_round(p, v_smem, v_ready, v_empty, j, acc, turn, rounds, p_layout: gl.constexpr, NUM_STAGES: gl.constexpr,
+              WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """A matmul round of P V alone (key tile j): issue it in turn, wait for it, release V's slot."""
+    rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
+    acc = _issue_pv(p, v_smem, v_ready, j, acc, p_layout, NUM_STAGES)
+    _pass_turn(turn, WARPGROUP, PINGPONG)
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    _release(v_empty, j, NUM_STAGES)
+    return acc, rounds
+
+
+@gluon.jit
 def _take_turn(turn, rounds, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
     """PINGPONG: wait until the other consumer has issued its matmuls of the previous round (turn[WARPGROUP]
     completes once per round), so the two warpgroups' matmuls reach the tensor cores one round each."""
@@ -225,11 +237,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 _release(v_empty, j - 1, NUM_STAGES)
                 acc = _rescale(acc, alpha, o_layout)
-            rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
-            acc = _issue_pv(p, v_smem, v_ready, n_tiles - 1, acc, p_layout, NUM_STAGES)
-            _pass_turn(turn, WARPGROUP, PINGPONG)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            _release(v_empty, n_tiles - 1, NUM_STAGES)
+            acc, rounds = _pv_round(p, v_smem, v_ready, v_empty, n_tiles - 1, acc, turn, rounds, p_layout, NUM_STAGES,
+                                    WARPGROUP, PINGPONG)
     else:
         for j in range(n_tiles):
             rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
@@ -241,11 +250,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
                                                window_left, window_right, scale_log2, ROWS, BLOCK_N,
                                                HAS_LEFT, HAS_RIGHT)
             acc = _rescale(acc, alpha, o_layout)
-            rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
-            acc = _issue_pv(p, v_smem, v_ready, j, acc, p_layout, NUM_STAGES)
-            _pass_turn(turn, WARPGROUP, PINGPONG)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
-            _release(v_empty, j, NUM_STAGES)
+            acc, rounds = _pv_round(p, v_smem, v_ready, v_empty, j, acc, turn, rounds, p_layout, NUM_STAGES,
+                                    WARPGROUP, PINGPONG)
 
     # ---- epilogue: O / l and lse; rows that see no key get O = 0, lse = +inf ----
     empty = l_i == 0.0
