@@ -121,6 +121,18 @@ def _issue_pv(p, v_smem, v_ready, j, acc, p_layout: gl.constexpr, NUM_STAGES: gl
 
 
 @gluon.jit
+def _s_round(q_tile, k_smem, k_ready, k_empty, s_zero, j, turn, rounds, NUM_STAGES: gl.constexpr,
+             WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+    """A matmul round of S = Q K^T alone (key tile j): issue it in turn, wait for it, release K's slot."""
+    rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
+    s = issue_ring_mma(q_tile, k_smem, k_ready, s_zero, j, NUM_STAGES)
+    _pass_turn(turn, WARPGROUP, PINGPONG)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    _release(k_empty, j, NUM_STAGES)
+    return s, rounds
+
+
+@gluon.jit
 def _pv_round(p, v_smem, v_ready, v_empty, j, acc, turn, rounds, p_layout: gl.constexpr, NUM_STAGES: gl.constexpr,
               WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
     """A matmul round of P V alone (key tile j): issue it in turn, wait for it, release V's slot."""
@@ -217,11 +229,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
     if OVERLAP:
         # S_{j+1} is issued before P V_j; the softmax of tile j + 1 overlaps P V_j.
         if n_tiles > 0:
-            rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
-            s = issue_ring_mma(q_tile, k_smem, k_ready, s_zero, 0, NUM_STAGES)
-            _pass_turn(turn, WARPGROUP, PINGPONG)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            _release(k_empty, 0, NUM_STAGES)
+            s, rounds = _s_round(q_tile, k_smem, k_ready, k_empty, s_zero, 0, turn, rounds, NUM_STAGES,
+                                 WARPGROUP, PINGPONG)
             p, _, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo, offs_m, offs_n, m0, len_k, shift, window_left,
                                            window_right, scale_log2, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             for j in range(1, n_tiles):
@@ -241,11 +250,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
                                     WARPGROUP, PINGPONG)
     else:
         for j in range(n_tiles):
-            rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
-            s = issue_ring_mma(q_tile, k_smem, k_ready, s_zero, j, NUM_STAGES)
-            _pass_turn(turn, WARPGROUP, PINGPONG)
-            s = warpgroup_mma_wait(0, deps=(s,))
-            _release(k_empty, j, NUM_STAGES)
+            s, rounds = _s_round(q_tile, k_smem, k_ready, k_empty, s_zero, j, turn, rounds, NUM_STAGES,
+                                 WARPGROUP, PINGPONG)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo + j * BLOCK_N, offs_m, offs_n, m0, len_k, shift,
                                                window_left, window_right, scale_log2, ROWS, BLOCK_N,
                                                HAS_LEFT, HAS_RIGHT)
