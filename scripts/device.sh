@@ -10,6 +10,10 @@
 #                                                 breakdown of a small backward. PYTEST ARGS go to both (e.g. -k 256).
 #                                                 WARM_FLEX=1: also fill FlexAttention's compile caches for a grid
 #                                                 run in the next call (two bench_bwd.py --warm-only shards).
+#   bash scripts/device.sh gpu-tests             every GPU test (tests/test_triton.py and the -m gpu tests of the ops /
+#                                                 compile / graphs / chunking files), 14 workers, spread over calls: the
+#                                                 node ids that passed in an earlier call on this warm machine
+#                                                 (.devrun/gpu-passed.txt) are left out (540 s) -> gpu-tests.log
 #   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
 #                                                 (ws: the warp-specialised kernels' case, synccheck too, and
 #                                                 racecheck on the `handoff` baseline it is read against)
@@ -67,6 +71,21 @@ case $cmd in
     for pid in "${warm[@]}"; do wait "$pid"; done
     [ ${#warm[@]} -gt 0 ] && echo "flex warm-up done: $(cat "$OUT"/warm*.log | grep -c .) log lines"
     python3 scripts/launch_overhead.py --breakdown --shapes 128:16:16:512:1,64:32:32:512:0 2>&1 | grep -v Warn
+    ;;
+  gpu-tests)
+    info
+    mkdir -p .devrun && touch .devrun/gpu-passed.txt
+    { python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_triton.py
+      python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_ops.py tests/test_compile.py \
+        tests/test_cuda_graphs.py tests/test_chunking_gpu.py; } 2>/dev/null | grep '::' > .devrun/gpu-all.txt
+    grep -vxF -f .devrun/gpu-passed.txt .devrun/gpu-all.txt > .devrun/gpu-todo.txt
+    echo "collected $(wc -l < .devrun/gpu-all.txt), passed earlier $(wc -l < .devrun/gpu-passed.txt), running $(wc -l < .devrun/gpu-todo.txt)"
+    [ -s .devrun/gpu-todo.txt ] || { echo "nothing left to run"; exit 0; }
+    limit 540 python3 -m pytest -v -n 14 -p no:cacheprovider -rf $(cat .devrun/gpu-todo.txt) > "$OUT/gpu-tests.log" 2>&1
+    echo "pytest rc=$?"
+    grep -oE "PASSED tests/[^ ]+" "$OUT/gpu-tests.log" | cut -d' ' -f2 | sort -u >> .devrun/gpu-passed.txt
+    grep -E "^FAILED|^ERROR| passed| failed" "$OUT/gpu-tests.log" | tail -12
+    echo "passed so far $(sort -u .devrun/gpu-passed.txt | wc -l) of $(wc -l < .devrun/gpu-all.txt)"
     ;;
   sanitize)
     info

@@ -8,7 +8,9 @@ alone. `--breakdown`: host time of each layer; `--kernels`: GPU time of each ker
 `--profile`: cProfile, top entries by own time.
 
     python scripts/launch_overhead.py [--shapes d:h:h_k:s:causal,...] [--backend triton] [--kernels] [--profile]
-        [--tma auto|on|off] [--dq-mode auto|pass|atomic]
+        [--tma auto|on|off] [--dq-mode auto|pass|atomic] [--forward]
+
+`--forward`: the same for the forward (a call of flash_attn_func without autograd).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def main():
     ap.add_argument("--tma", choices=["auto", "on", "off"], default="auto",
                     help="triton: TritonBackend(use_tma=None/True/False), e.g. to compare TMA and pointer tiles")
     ap.add_argument("--dq-mode", default="auto", help="triton: TritonBackend(dq_mode=...)")
+    ap.add_argument("--forward", action="store_true", help="time the forward instead of the backward")
     args = ap.parse_args()
     if args.backend == "triton":
         from flash_attn_ck.backends.triton import TritonBackend
@@ -53,6 +56,11 @@ def main():
 
         def bwd():
             return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+        if args.forward:
+            def bwd():   # the forward, timed in the backward's place
+                with torch.no_grad():
+                    return fa.flash_attn_func(q, k, v, causal=bool(causal), backend=args.backend)
         bwd()
         wall = triton.testing.do_bench(bwd, warmup=25, rep=200, return_mode="median")
         spans = []
@@ -74,7 +82,7 @@ def main():
         print(f"d{d} h{h}/{h_k} s{s} causal={causal}: GPU span of one call {span:.3f} ms, wall per call {wall:.3f} ms, "
               f"host issue {host:.3f} ms", flush=True)
         if args.breakdown:
-            breakdown(q, k, v, out, dout, bool(causal), args.backend)
+            (forward_breakdown if args.forward else breakdown)(q, k, v, out, dout, bool(causal), args.backend)
         if args.kernels:
             kernel_times(bwd)
         if args.profile:
@@ -138,6 +146,30 @@ def breakdown(q, k, v, out, dout, causal, backend_name):  # backend_name: a name
     }
     for name, fn in rows.items():
         print(f"    host {name:22s} {host_ms(fn):.3f} ms", flush=True)
+
+
+def forward_breakdown(q, k, v, out, dout, causal, backend_name):
+    """Host ms per call of the forward's layers: the API function, the pipeline function, the backend's
+    launch into ready outputs."""
+    from flash_attn_ck.core.inputs import describe_call, kernel_params
+    from flash_attn_ck.core.options import AttentionOptions
+    from flash_attn_ck.pipeline.forward import attention_forward
+    from flash_attn_ck.pipeline.select import select_backend
+    options = AttentionOptions(causal=causal, backend=backend_name)
+    problem = describe_call(q, k, v, options)
+    backend = select_backend(problem, backend_name)
+    params = kernel_params(problem, q, k, v, options, None)
+    o = torch.empty_like(q)
+    lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=q.device)
+    rows = {
+        "flash_attn_func": lambda: fa.flash_attn_func(q, k, v, causal=causal, backend=backend_name),
+        "attention_forward": lambda: attention_forward(q, k, v, options),
+        "describe_call": lambda: describe_call(q, k, v, options),
+        "backend.forward": lambda: backend.forward(problem, params, o, lse),
+    }
+    with torch.no_grad():
+        for name, fn in rows.items():
+            print(f"    host {name:22s} {host_ms(fn):.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
