@@ -27,7 +27,7 @@ schemas are generated from the same table.
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
+from dataclasses import fields
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -55,6 +55,7 @@ _COMMON = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "alib
            "softmax_scale", "causal", "window_size", "softcap", "deterministic")
 _FWD = (*_COMMON, "return_attn_probs", "backend")
 _BWD_TAIL = ("backend", "max_workspace_bytes")
+_DEFAULT_OPTIONS = AttentionOptions()
 
 
 def _schema(names: tuple[str, ...]) -> str:
@@ -77,8 +78,9 @@ def _flatten(options: AttentionOptions, names: tuple[str, ...]) -> tuple:
     return tuple(args)
 
 
-def _unflatten(args: tuple, names: tuple[str, ...]) -> AttentionOptions:
-    """The inverse of `_flatten` (options not in `names` keep their defaults)."""
+def _unflatten(args: tuple, names: tuple[str, ...], checked: bool = False) -> AttentionOptions:
+    """The inverse of `_flatten` (options not in `names` keep their defaults). `checked`: the arguments are
+    `_flatten`'s of a validated AttentionOptions, not an op's (which anyone may call with raw values)."""
     values, args = {}, list(args)
     for name in names:
         if name == "window_size":
@@ -87,7 +89,7 @@ def _unflatten(args: tuple, names: tuple[str, ...]) -> AttentionOptions:
             values[name] = backend_from_key(args.pop(0))
         else:
             values[name] = args.pop(0)
-    return AttentionOptions(**values)
+    return _DEFAULT_OPTIONS.replace_checked(**values) if checked else AttentionOptions(**values)
 
 
 torch.library.define("flash_attn_ck::fwd", f"(Tensor q, Tensor k, Tensor v, {_schema(_FWD)}) "
@@ -200,7 +202,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, *flat):
-        options = _unflatten(flat, _FWD)
+        options = _unflatten(flat, _FWD, checked=True)   # `attention` flattened validated options
         if _direct(q):   # Function.forward runs under no_grad already
             out, lse, rng_state, probs, ctx.problem = _forward(q, k, v, options)
         else:
@@ -226,7 +228,8 @@ class _Attention(torch.autograd.Function):
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         # The saved tensors, not ctx.options' own: autograd checks that they were not modified in place.
-        options = replace(ctx.options, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, alibi_slopes=alibi_slopes)
+        options = ctx.options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                              alibi_slopes=alibi_slopes)
         if ctx.problem is not None and _direct(q) and not torch.is_grad_enabled():   # create_graph: the op
             rng = rng_state if rng_state.numel() else None
             dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, rng,
@@ -277,7 +280,7 @@ def attention(q, k, v, options: AttentionOptions):
     # cu_seqlens): repeats become views, which change nothing else (gradients flow through them).
     q, k, v, cu_seqlens_q, cu_seqlens_k = _distinct(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k)
     if cu_seqlens_q is not options.cu_seqlens_q or cu_seqlens_k is not options.cu_seqlens_k:
-        options = replace(options, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+        options = options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     return _Attention.apply(q, k, v, *_flatten(options, _FWD))
 
 

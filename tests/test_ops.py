@@ -11,12 +11,16 @@ entries; `bwd`/`bwd_out` are deterministic given the rng_state.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch.library import opcheck
 
 import flash_attn_ck
-from flash_attn_ck.ops import _Attention
+from flash_attn_ck.backends.reference import ReferenceBackend
+from flash_attn_ck.core.errors import ArgumentError
+from flash_attn_ck.core.options import OPTION_NAMES, AttentionOptions
+from flash_attn_ck.ops import _FWD, _Attention, _flatten, _unflatten
 
 ops = torch.ops.flash_attn_ck
 
@@ -221,6 +225,38 @@ def test_dispatch_modes_see_the_ops():
     assert "flash_attn_ck.fwd.default" in recorder.seen and "flash_attn_ck.bwd.default" in recorder.seen
     for a, b in zip(eager, recorded):
         assert torch.equal(a, b)
+
+
+_VARLEN = dict(cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 2, 5],
+                                                                                                  dtype=torch.int32))
+
+
+@pytest.mark.parametrize("given", [
+    dict(),
+    dict(causal=1, window_size=[3, np.int64(2)], softcap=1, dropout_p=0, softmax_scale=np.float32(0.5)),
+    dict(_VARLEN, max_seqlen_q=np.int64(3), max_seqlen_k=3, alibi_slopes=torch.rand(2), deterministic=1,
+         return_attn_probs=True, backend="reference"),
+    dict(_VARLEN, backend=ReferenceBackend()),     # max_seqlen None: flattened as 0
+], ids=["defaults", "normalised", "varlen", "instance"])
+def test_the_function_rebuilds_its_checked_options_as_the_checks_would(given):
+    """The Function rebuilds its options from `attention`'s flattening of checked ones without checking them
+    again: every field is exactly what the checks make of the same arguments (types included)."""
+    flat = _flatten(AttentionOptions(**given), _FWD)
+    unchecked, checked = _unflatten(flat, _FWD, checked=True), _unflatten(flat, _FWD)
+    for name in OPTION_NAMES:
+        a, b = getattr(unchecked, name), getattr(checked, name)
+        assert a is b or (type(a), a) == (type(b), b), (name, a, b)
+
+
+def test_the_ops_check_the_values_they_are_given():
+    """Anyone may call the ops with raw values, so they check them (only the Function skips the checks)."""
+    call = make_call("batch_bhsd", torch.float32, "cpu", 0.0, False, "reference", requires_grad=False)
+    dout, out, lse, _, rng_state = bwd_inputs(call)
+    with pytest.raises(ArgumentError, match="dropout_p"):
+        ops.fwd(*fwd_args(dict(call, dropout_p=1.5)))
+    options = tuple(dict(call, softcap=-1.0)[name] for name in _BWD_OPTIONS)
+    with pytest.raises(ArgumentError, match="softcap"):
+        ops.bwd(dout, call["q"], call["k"], call["v"], out, lse, *options, rng_state, "reference")
 
 
 # ---- GPU: the Triton backend ----------------------------------------------------------------------

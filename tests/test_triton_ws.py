@@ -113,6 +113,18 @@ def test_launches_cover_every_kv_head_once(sm90, group):
     assert covered == list(range(p.heads_k))
 
 
+def test_a_launch_over_every_head_passes_the_tensors_themselves():
+    """_backward_ws hands each launch the heads it covers: the tensor itself when that is all of them (no view
+    to make per tensor and launch), else exactly those heads."""
+    from flash_attn_ck.backends.triton.backend import _heads
+    t = torch.arange(2 * 3 * 4 * 5).view(2, 3, 4, 5)
+    assert _heads(t, -2, slice(0, 4)) is t and _heads(t, 1, slice(0, 3)) is t
+    for dim, heads, expected in ((-2, slice(0, 2), t[..., :2, :]), (-2, slice(1, 4), t[..., 1:, :]),
+                                 (1, slice(2, 3), t[:, 2:])):
+        got = _heads(t, dim, heads)
+        assert got is not t and torch.equal(got, expected) and got.data_ptr() == expected.data_ptr()
+
+
 # ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ----------------------
 def _compile(tile, head_dim, varlen, masks, deterministic=False):
     from flash_attn_ck.backends.triton import bwd_ws

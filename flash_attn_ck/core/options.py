@@ -62,6 +62,15 @@ class AttentionOptions:
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
 
+    def replace_checked(self, **changes) -> AttentionOptions:
+        """`dataclasses.replace(self, **changes)` for changes that an AttentionOptions has already checked and
+        normalised (its own fields, or ops.py's flattening of them), without __post_init__: its checks would only
+        repeat themselves, on every call of a host-bound small call. Never for values from outside, which go
+        through the constructor."""
+        options = object.__new__(type(self))
+        vars(options).update(vars(self), **changes)     # frozen: only attribute assignment is blocked
+        return options
+
     @property
     def varlen(self) -> bool:
         return self.cu_seqlens_q is not None or self.cu_seqlens_k is not None

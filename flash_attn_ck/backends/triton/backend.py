@@ -409,22 +409,31 @@ class TritonBackend(Backend):
         mask = self._gluon_mask_args(p)
         kv_per_launch, group = self._ws_kv_heads_per_launch(p), p.group_size
         batch = 1 if p.varlen else p.batch
+        stats_heads_dim = 0 if p.varlen else 1      # lse/delta: (h, total_q) or (b, h, s_q)
         for h0 in range(0, p.heads_k, kv_per_launch):
             kv = slice(h0, min(h0 + kv_per_launch, p.heads_k))
             hq = slice(kv.start * group, kv.stop * group)
-            acc = dq_acc[..., :hq.stop - hq.start, :]
+            launch_heads = slice(0, hq.stop - hq.start)
+            acc = _heads(dq_acc, -2, launch_heads)
             acc.zero_()
-            sem = None if sems is None else sems[:, :hq.stop - hq.start].zero_()
-            lse_h, delta_h = (t[hq] if p.varlen else t[:, hq] for t in (lse, delta))
-            dk_h, dv_h = dk[..., kv, :], dv[..., kv, :]
-            bwd_ws.launch(q[..., hq, :], k[..., kv, :], v[..., kv, :], dout[..., hq, :], lse_h, delta_h, acc, dk_h,
-                          dv_h, params.cu_seqlens_q, params.cu_seqlens_k, varlen=p.varlen, batch=p.batch,
+            sem = None if sems is None else _heads(sems, 1, launch_heads).zero_()
+            lse_h, delta_h = (_heads(t, stats_heads_dim, hq) for t in (lse, delta))
+            dk_h, dv_h = _heads(dk, -2, kv), _heads(dv, -2, kv)
+            bwd_ws.launch(_heads(q, -2, hq), _heads(k, -2, kv), _heads(v, -2, kv), _heads(dout, -2, hq), lse_h, delta_h,
+                          acc, dk_h, dv_h, params.cu_seqlens_q, params.cu_seqlens_k, varlen=p.varlen, batch=p.batch,
                           seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale, tile=tile, semaphores=sem,
                           **mask)
-            dq_h = dq[..., hq, :]
+            dq_h = _heads(dq, -2, hq)
             _cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                   p.rows_q // batch, d)
 
+
+def _heads(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:
+    """The heads `heads` of `t` (along `dim`): `t` itself when they are all of its heads (one launch covers the
+    call), since even a view that changes nothing costs about a microsecond of host time."""
+    if heads.start == 0 and heads.stop == t.shape[dim]:
+        return t
+    return t.narrow(dim, heads.start, heads.stop - heads.start)
 
 
 def _cast(src: torch.Tensor, dst: torch.Tensor, src_bhr, dst_bhr, heads: int, batch: int, rows: int, d: int) -> None:

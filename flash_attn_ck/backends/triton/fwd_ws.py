@@ -53,15 +53,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .gluon_common import (
     LOG2E,
     box_cols,
-    descriptor,
     issue_ring_mma,
     keep_mask,
     key_range,
-    rows_view,
     sequence,
     slot,
     tile_needs_mask,
-    uniform_rows,
+    uniform_descriptor,
 )
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
@@ -345,18 +343,18 @@ def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch
     """One launch of attn_fwd_ws_kernel: out (layout of q) and lse ((b, h, s_q) or varlen (h, total_q))."""
     d = q.shape[-1]
     group = q.shape[-2] // k.shape[-2]
-    q, k, v = (uniform_rows(t, varlen) for t in (q, k, v))
-    target = uniform_rows(out, varlen)
+    half = tile.block_m // 2
+    q_desc, k_desc, v_desc = (uniform_descriptor(t, varlen, rows)[1]
+                              for t, rows in ((q, half), (k, tile.block_n), (v, tile.block_n)))
+    target, out_desc = uniform_descriptor(out, varlen, half)
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     cu_q = cu_seqlens_q if varlen else lse
     cu_k = cu_seqlens_k if varlen else lse
-    half = tile.block_m // 2
     box = box_cols(d)   # shared-memory head dim: columns past d read as zeros, never written
     grid = (triton.cdiv(seqlen_q, tile.block_m), batch, q.shape[-2])
     attn_fwd_ws_kernel[grid](
-        descriptor(q, varlen, half), descriptor(k, varlen, tile.block_n), descriptor(v, varlen, tile.block_n),
-        descriptor(target, varlen, half), target, lse, cu_q, cu_k,
-        rows_view(target, varlen)[2], *lse_strides, seqlen_q, seqlen_k, d, group, scale, window_left, window_right,
+        q_desc, k_desc, v_desc, out_desc, target, lse, cu_q, cu_k, out_desc.strides[0],   # target's row stride
+        *lse_strides, seqlen_q, seqlen_k, d, group, scale, window_left, window_right,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages, VARLEN=varlen,
         TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right, OVERLAP=tile.overlap, PINGPONG=tile.pingpong,
         CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, num_warps=CONSUMER_WARPS.value)

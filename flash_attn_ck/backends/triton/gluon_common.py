@@ -16,6 +16,7 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
@@ -105,27 +106,35 @@ def issue_ring_mma(a_smem, ring, ready, zero, step, NUM_STAGES: gl.constexpr):
 
 
 # ---- host side: TMA descriptors over 2-D row views ---------------------------------------------
+# Called per tensor per launch, and small calls are host-bound: shapes and strides are read once each.
 def rows_view(t, varlen: bool):
     """(rows, heads * head_dim, row stride) of a q/k/v-like tensor seen as one 2-D matrix, or None
     when its rows are not uniform (heads not adjacent, or a batch stride other than s * row stride)."""
-    d = t.shape[-1]
-    if t.stride(-1) != 1 or t.stride(-2) != d:
+    shape, strides = t.shape, t.stride()
+    d = shape[-1]
+    if strides[-1] != 1 or strides[-2] != d:
         return None
     if varlen:
-        return t.shape[0], t.shape[1] * d, t.stride(0)
-    b, s = t.shape[0], t.shape[1]
-    if b > 1 and t.stride(0) != s * t.stride(1):
+        return shape[0], shape[1] * d, strides[0]
+    b, s = shape[0], shape[1]
+    if b > 1 and strides[0] != s * strides[1]:
         return None
-    return b * s, t.shape[2] * d, t.stride(1)
+    return b * s, shape[2] * d, strides[1]
+
+
+def _uniform(t, varlen: bool):
+    """(uniform_rows(t), its rows_view)."""
+    view = rows_view(t, varlen)
+    if view is not None and t.data_ptr() % 16 == 0 and (view[2] * t.element_size()) % 16 == 0:
+        return t, view
+    t = t.clone(memory_format=torch.contiguous_format)
+    return t, rows_view(t, varlen)
 
 
 def uniform_rows(t, varlen: bool):
     """`t` itself when a TMA descriptor can view its rows (uniform rows, 16-byte aligned), else a fresh contiguous
     copy (a copy even of a contiguous tensor whose base is not 16-byte aligned: `contiguous()` would return it)."""
-    view = rows_view(t, varlen)
-    if view is not None and t.data_ptr() % 16 == 0 and (view[2] * t.element_size()) % 16 == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    return _uniform(t, varlen)[0]
 
 
 @functools.cache
@@ -144,8 +153,17 @@ def descriptor(t, varlen: bool, block_rows: int):
     """A host TMA descriptor over `t`'s 3-D view (rows, heads, head_dim) with (block_rows, 1, box_cols(head_dim))
     boxes of one head (coordinates [row, head, 0]): columns past head_dim read as zeros and are not written, so a
     head dim that is not a power of two is padded in shared memory only."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    rows, cols, row_stride = rows_view(t, varlen)
+    return _descriptor(t, rows_view(t, varlen), block_rows)
+
+
+def uniform_descriptor(t, varlen: bool, block_rows: int):
+    """(uniform_rows(t), the descriptor over it): its rows viewed once."""
+    t, view = _uniform(t, varlen)
+    return t, _descriptor(t, view, block_rows)
+
+
+def _descriptor(t, view, block_rows: int):
+    rows, cols, row_stride = view
     d = t.shape[-1]
     box = (block_rows, 1, box_cols(d))
     return TensorDescriptor(t, [rows, cols // d, d], [row_stride, d, 1], list(box), _box_layout(box, t.dtype))
