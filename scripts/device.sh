@@ -12,8 +12,10 @@
 #                                                 run in the next call (two bench_bwd.py --warm-only shards).
 #   bash scripts/device.sh gpu-tests             every GPU test (tests/test_triton.py and the -m gpu tests of the ops /
 #                                                 compile / graphs / chunking files), 14 workers, spread over calls: the
-#                                                 node ids that passed in an earlier call on this warm machine
-#                                                 (.devrun/gpu-passed.txt) are left out (540 s) -> gpu-tests.log
+#                                                 node ids listed in .devrun/gpu-passed.txt are left out (540 s) ->
+#                                                 gpu-tests.log, gpu-passed.txt (those ids plus this call's passes; to
+#                                                 resume, copy it into .devrun/ here and carry .devrun: ignored outputs
+#                                                 did not survive between two calls on 2026-12-01)
 #   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
 #                                                 (ws: the warp-specialised kernels' case, synccheck too, and
 #                                                 racecheck on the `handoff` baseline it is read against)
@@ -85,7 +87,8 @@ case $cmd in
     echo "pytest rc=$?"
     grep -oE "PASSED tests/[^ ]+" "$OUT/gpu-tests.log" | cut -d' ' -f2 | sort -u >> .devrun/gpu-passed.txt
     grep -E "^FAILED|^ERROR| passed| failed" "$OUT/gpu-tests.log" | tail -12
-    echo "passed so far $(sort -u .devrun/gpu-passed.txt | wc -l) of $(wc -l < .devrun/gpu-all.txt)"
+    sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt && cp .devrun/gpu-passed.txt "$OUT/"
+    echo "passed so far $(wc -l < .devrun/gpu-passed.txt) of $(wc -l < .devrun/gpu-all.txt)"
     ;;
   sanitize)
     info
