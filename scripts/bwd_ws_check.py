@@ -21,7 +21,7 @@ from ws_reference import attention, each_sequence, make_inputs, mask_args, withi
 
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import bwd_ws
-from flash_attn_ck.backends.triton.config import WsTile
+from flash_attn_ck.backends.triton.config import BWD_WS_SM90, WsTile
 
 
 def ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max_k=0):
@@ -90,6 +90,7 @@ def main():
     args = ap.parse_args()
     tiles = {d: [WsTile.parse(t) for t in getattr(args, f"tiles{d}").split(",")] for d in (64, 128)}
     tiles[96] = tiles[128]   # d96 runs in the d128 tiles (padded in shared memory)
+    tiles[256] = tiles[192] = [BWD_WS_SM90[256]]   # bwd_ws_split.py (d192 padded to 256)
     ok = True
     for t128, t64 in ([] if args.time_only else zip(tiles[128], tiles[64])):
         print(f"-- checks with d128 tile {t128}, d64 tile {t64}")
@@ -111,9 +112,15 @@ def main():
             ("d96 causal gqa 8/2 s300", 2, 8, 2, 300, 300, 96, True, (-1, -1), None),
             ("d96 varlen window (64, 32)", 0, 4, 2, 0, 0, 96, False, (64, 32), [(100, 100), (0, 50), (257, 300)]),
             ("d80 dense s_q 100 != s_k 333", 2, 4, 4, 100, 333, 80, False, (-1, -1), None),
+            # head dims above 128: the split kernel (bwd_ws_split.py)
+            ("d256 dense s200 (partial tiles)", 2, 4, 4, 200, 200, 256, False, (-1, -1), None),
+            ("d256 causal gqa 8/2 s384", 2, 8, 2, 384, 384, 256, True, (-1, -1), None),
+            ("d256 window (64, 32) s_q 300 != s_k 200", 2, 4, 4, 300, 200, 256, False, (64, 32), None),
+            ("d192 varlen causal gqa, empty sequences", 0, 4, 2, 0, 0, 192, True, (-1, -1),
+             [(100, 100), (0, 50), (257, 300), (64, 0)]),
         ]
         for name, b, h, h_k, s_q, s_k, d, causal, window, lens in cases:
-            t = t64 if d <= 64 else t128
+            t = t64 if d <= 64 else t128 if d <= 128 else tiles[256][0]
             try:
                 ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, t, lens)
             except Exception as e:

@@ -35,13 +35,12 @@ import re
 import sys
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import triton
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -51,16 +50,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flash_attn_ck.backends.triton.bwd_ws_workers import tma_reduce_add
+
 WARPS: gl.constexpr = gl.constexpr(8)   # num_warps of every probe kernel (the default partition's warps)
 COMPILE_ONLY = False
 DEVICE = "cuda"
-
-
-@builtin
-def tma_reduce_add(desc, coord, src, _semantic=None):
-    """dst[coord] += src through the TMA engine (Gluon 3.6 has the builder op but no wrapper)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 
 # ---- host helpers ----------------------------------------------------------------------------
@@ -281,7 +276,9 @@ def _ws_writer(out_desc, out_smem, out_full, out_empty, n_tiles, BM: gl.constexp
 @gluon.jit
 def _ws_kernel(x_desc, w_desc, out_desc, n_tiles, BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr,
                WORKER_REGS: gl.constexpr):
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, *x_desc.block_type.shape], x_desc.layout)
+    # (no starred arguments in Gluon: the box's two dims spelled out)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, x_desc.block_type.shape[0], x_desc.block_type.shape[1]],
+                                       x_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, w_desc.block_type.shape, w_desc.layout)
     out_smem = gl.allocate_shared_memory(gl.float32, out_desc.block_type.shape, out_desc.layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()

@@ -29,12 +29,12 @@ def pretend_capability(capability=(9, 0)):
 SM90_SHARED_BYTES = 227 * 1024   # the most shared memory one CTA may use on an H100/H200 (sm_90)
 
 
-def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype) -> str:
-    """The mangled signature type of a host TMA descriptor with (rows, 1, head dim padded) boxes."""
+def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype, parts: int = 1) -> str:
+    """The mangled signature type of a host TMA descriptor with (rows, 1, head dim padded / parts) boxes."""
     from triton.runtime.jit import mangle_type
 
     from flash_attn_ck.backends.triton import gluon_common
-    return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows))
+    return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows, parts))
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int):

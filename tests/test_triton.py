@@ -37,9 +37,9 @@ def _check(cfg: Config, seed: int = 0):
 
 
 # Both backward kernels and both forward kernels: ws=False the one-launch backward, ws=True the
-# warp-specialised one wherever it can run (head dims 64/128, no dropout/ALiBi/softcap, not deterministic;
-# other cases fall back); fwd_ws=True the warp-specialised forward wherever it can run (head dims 64/128,
-# no dropout/ALiBi/softcap), fwd_ws=False the current forward.
+# warp-specialised one wherever it can run (bwd_ws up to head dim 128, bwd_ws_split above; no dropout/ALiBi/
+# softcap; other cases fall back); fwd_ws=True the warp-specialised forward wherever it can run (no
+# dropout/ALiBi/softcap), fwd_ws=False the current forward.
 @pytest.fixture(params=[dict(ws=False, fwd_ws=False), dict(ws=True, fwd_ws=False), dict(ws=False, fwd_ws=True)],
                 ids=["one-launch", "ws", "fwd_ws"])
 def kernel(request):
@@ -69,14 +69,16 @@ def test_features(name, head_dim, kernel):
     _check(feature_case(FEATURES[name], head_dim))
 
 
+@pytest.mark.parametrize("head_dim", [128, 256, 192], ids=["d128", "split-d256", "split-d192"])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(300, 300), (100, 333), (333, 100)], ids=["square", "sq<sk", "sq>sk"])
-def test_ws_kernel_runs_and_matches(group, causal, seqlens):
-    """The warp-specialised kernel itself (the plan names it) on GQA ratios 1-8 and s_q != s_k."""
+def test_ws_kernel_runs_and_matches(group, causal, seqlens, head_dim):
+    """The warp-specialised kernel itself (the plan names it; bwd_ws_split above head dim 128) on GQA ratios 1-8
+    and s_q != s_k."""
     backend = TritonBackend(ws=True)
-    cfg = Config(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=8, heads_k=8 // group, head_dim=128,
-                 causal=causal)
+    cfg = Config(batch=2, seqlen_q=seqlens[0], seqlen_k=seqlens[1], heads_q=8, heads_k=8 // group,
+                 head_dim=head_dim, causal=causal)
     q, k, v, _, _ = make_inputs(cfg, "cuda", seed=group)
     plan = backend.backward_plan(describe_call(q, k, v, AttentionOptions(causal=causal)))
     assert plan.kernel.startswith("bwd_ws"), plan.kernel
@@ -173,12 +175,13 @@ def test_plan_names_every_buffer():
     assert acc.buffers[1].shape == (2, 8, 8192, 128)
 
 
+@pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "split-d256"])
 @pytest.mark.parametrize("window,causal", [((200, 50), False), ((-1, -1), True)], ids=["window", "causal"])
-def test_ws_deterministic_matches_and_repeats(window, causal):
+def test_ws_deterministic_matches_and_repeats(window, causal, head_dim):
     """The ordered dQ adds of the warp-specialised kernel: within the 2x rule and bit-identical over 20 runs,
     with a left window bound (key tiles start past 0, so the ordering's first tile moves)."""
     seqlens = [(700, 900), (0, 64), (1024, 1024), (300, 129)]
-    cfg = Config(seqlens=seqlens, heads_q=8, heads_k=2, head_dim=128, causal=causal, window=window,
+    cfg = Config(seqlens=seqlens, heads_q=8, heads_k=2, head_dim=head_dim, causal=causal, window=window,
                  deterministic=True)
     with use_backend(TritonBackend(ws=True)):
         check_case(cfg, backend="triton", device="cuda", seed=5)

@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from gluon_compile import SM90_SHARED_BYTES, compile_sm90, descriptor_type, pretend_capability  # noqa: E402
+from gluon_compile import (  # noqa: E402
+    SM90_SHARED_BYTES,
+    compile_sm90,
+    descriptor_type,
+    pretend_capability,
+    ptxas_report,
+)
 
 from flash_attn_ck.backends.triton import config  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
@@ -127,21 +133,27 @@ def test_a_launch_over_every_head_passes_the_tensors_themselves():
 
 # ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ----------------------
 def _compile(tile, head_dim, varlen, masks, deterministic=False):
-    from flash_attn_ck.backends.triton import bwd_ws
+    """The kernel `bwd_ws.launch` runs for `tile` (bwd_ws_split's for a split_d tile), compiled for sm_90a."""
+    from flash_attn_ck.backends.triton import bwd_ws, bwd_ws_split
 
     box = triton.next_power_of_2(head_dim)
     cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages,
               DQ_STAGES=tile.dq_stages, VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2],
-              LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs,
-              DETERMINISTIC=deterministic, num_warps=tile.num_warps)
+              LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, DETERMINISTIC=deterministic)
+    if tile.split_d:
+        kernel, dq_parts = bwd_ws_split.attn_bwd_ws_split_kernel, 2
+        cx["MMA_REGS"] = tile.mma_regs
+    else:
+        kernel, dq_parts = bwd_ws.attn_bwd_ws_kernel, 1
+        cx["num_warps"] = tile.num_warps
     types = dict(q_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
                  k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
                  v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
                  do_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
-                 dq_desc=descriptor_type(tile.block_m, head_dim, torch.float32),
+                 dq_desc=descriptor_type(tile.block_m, head_dim, torch.float32, dq_parts),
                  Lse="*fp32", Delta="*fp32", dK="*bf16", dV="*bf16", Sem="*i32", cu_seqlens_q="*i32",
                  cu_seqlens_k="*i32", scale="fp32")
-    return compile_sm90(bwd_ws.attn_bwd_ws_kernel, types, cx, tile.num_warps)
+    return compile_sm90(kernel, types, cx, tile.num_warps)
 
 
 @pytest.mark.parametrize("head_dim,varlen,masks,deterministic", [
@@ -166,6 +178,39 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, d
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2
     # deterministic: a full bulk-group wait (not only its shared-memory reads) before the release
     assert ("cp.async.bulk.wait_group 0" in ptx) == deterministic
+
+
+@pytest.mark.parametrize("head_dim,varlen,masks,deterministic", [
+    (256, False, (False, False, False), False), (256, False, (False, False, True), False),
+    (192, True, (False, True, True), False), (256, True, (False, False, True), True)],
+    ids=["d256-dense", "d256-causal", "d192-varlen-window", "d256-varlen-causal-det"])
+def test_split_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, deterministic):
+    """bwd_ws_split (head dims above 128): its buffers fit one SM, the main path does not spill, dQ goes out by
+    TMA reduce-adds."""
+    tile = config.BWD_WS_SM90[config.head_block(head_dim)]
+    assert tile.split_d
+    kernel = _compile(tile, head_dim, varlen, masks, deterministic)
+    assert kernel.metadata.shared <= SM90_SHARED_BYTES
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") >= 5
+    assert "cp.async.bulk.tensor.3d" in ptx
+    assert "cp.reduce.async.bulk.tensor.3d" in ptx
+    # Each warpgroup passes its wgmma groups in whole (one wait for S^T or dP^T, one for its three gradient halves).
+    assert "wgmma.wait_group.sync.aligned 1;" not in ptx
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
+    if not deterministic and head_dim == 256:
+        assert ptxas_report(ptx)["spill_stores"] == 0
+
+
+def test_the_split_kernel_runs_only_where_asked(sm90):
+    """Head dims above 128 have bwd_ws_split's tile; it has not run on a GPU, so only ws=True selects it, and the
+    reason the default gives says so."""
+    for head_dim in (192, 256):
+        assert TritonBackend(ws=True).ws_reasons(problem(head_dim=head_dim)) == []
+        reasons = TritonBackend().ws_reasons(problem(head_dim=head_dim))
+        assert reasons == [f"head dim {head_dim}: its kernel has not run on a GPU yet (TritonBackend(ws=True) "
+                           "selects it)"]
+        assert TritonBackend(ws=True)._ws_tile(problem(head_dim=head_dim)).split_d
 
 
 @pytest.mark.parametrize("cap_mib", [64, 40])

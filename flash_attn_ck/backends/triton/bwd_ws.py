@@ -2,7 +2,8 @@
 
 One CTA per (key tile, batch, kv head). dK and dV stay in registers for the whole walk over the
 query tiles of every query head of the kv head's group, so GQA needs no fp32 dK/dV and no
-reduction. Three partitions share the CTA:
+reduction. Three partitions share the CTA (the loader and the dQ writer are bwd_ws_workers.py's, shared with
+bwd_ws_split.py, the kernel for head dims above 128):
 
   loader   (1 warp)   TMA: K, V once; then per step the Q and dO tiles into a ring of NUM_STAGES
                       buffers, each behind its own "ready" mbarrier (TMA byte count), and the tile's
@@ -32,8 +33,8 @@ write head_dim columns only.
 
 Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, gluon_common.uniform_rows
 copies tensors whose rows a descriptor cannot view):
-  - head_dim padded to a power of two with tiles in config.BWD_WS_SM90 (64, 128); heads adjacent in
-    memory (stride_h = head_dim), rows uniform, 16-byte aligned;
+  - head_dim padded to a power of two with tiles in config.BWD_WS_SM90 (64, 128; 256 is bwd_ws_split.py's);
+    heads adjacent in memory (stride_h = head_dim), rows uniform, 16-byte aligned;
   - no dropout, ALiBi or softcap.
 Deterministic mode: the writer adds a query tile's dQ only when the semaphore of that (batch, head,
 query tile) counts the key tiles before its own, so the fp32 sums happen in one order on every run.
@@ -42,141 +43,35 @@ query tile) counts the key tiles before its own, so the fp32 sums happen in one 
 from __future__ import annotations
 
 import triton
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
-    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
 from .bwd_ws_schedule import semaphore_tiles
+from .bwd_ws_split import attn_bwd_ws_split_kernel
+from .bwd_ws_workers import (
+    dq_writer,
+    loader,
+    loader_buffers,
+    past_sequence,
+    store_dkv,
+    tile_schedule,
+    writer_buffers,
+)
 from .gluon_common import (
     LOG2E,
     box_cols,
     descriptor,
     issue_ring_mma,
     keep_mask,
-    query_range,
-    sequence,
     slot,
     tile_needs_mask,
 )
-
-
-@builtin
-def tma_reduce_add(desc, coord, src, _semantic=None):
-    """dst[coord] += src through the TMA engine. Gluon 3.6 has the op in its builder but no wrapper
-    (tma.async_atomic_add arrives in Triton 3.8)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
-
-
-# ---- schedule: which (query head, query tile) pairs a key tile visits --------------------------
-@gluon.jit
-def _tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Everything every partition derives from the program id, computed the same way in each."""
-    n0 = gl.program_id(0) * BLOCK_N
-    b = gl.program_id(1)
-    q_row0, len_q = sequence(cu_seqlens_q, b, seqlen_q, VARLEN)
-    k_row0, len_k = sequence(cu_seqlens_k, b, seqlen_k, VARLEN)
-    shift = 0 if TOP_LEFT else len_k - len_q
-    m_lo, m_hi = query_range(n0, len_q, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    m_tiles = gl.maximum(gl.cdiv(m_hi - m_lo, BLOCK_M), 0)
-    return n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles
-
-
-# ---- loader partition ------------------------------------------------------------------------
-@gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-            q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
-            cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-            VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = _tile_schedule(
-        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
-    kv_head = gl.program_id(2)
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row0 + n0, kv_head, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [k_row0 + n0, kv_head, 0], kv_ready, v_smem)
-    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    offs_m_tile = gl.arange(0, BLOCK_M, layout=row_layout)
-    if VARLEN:
-        Lse += q_row0
-        Delta += q_row0
-    steps = m_tiles * group
-    for step in range(steps):
-        stage = step % NUM_STAGES
-        phase = (step // NUM_STAGES) & 1
-        head = kv_head * group + step // m_tiles
-        m0 = m_lo + (step % m_tiles) * BLOCK_M
-        mbarrier.wait(tile_empty.index(stage), phase ^ 1)
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0, head, 0], q_ready.index(stage),
-                                        q_smem.index(stage))
-        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [q_row0 + m0, head, 0], do_ready.index(stage),
-                                        do_smem.index(stage))
-        # lse (times log2 e) and D of the tile's rows beside Q, behind q_ready's second arrival; rows past
-        # the sequence get lse = +inf (P = 0) and D = 0.
-        offs_m = m0 + offs_m_tile
-        row_ok = offs_m < len_q
-        head_offset = b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
-        lse_smem.index(stage).store(gl.load(Lse + head_offset + offs_m, mask=row_ok, other=float("inf")) * LOG2E)
-        delta_smem.index(stage).store(gl.load(Delta + head_offset + offs_m, mask=row_ok, other=0.0))
-        mbarrier.arrive(q_ready.index(stage), count=1)
-
-
-# ---- dQ writer partition ---------------------------------------------------------------------
-@gluon.jit
-def _bulk_wait_all(token):
-    """Wait until every bulk async copy of this thread has completed (its writes done, not only its
-    reads of shared memory as tma.store_wait), then order them before later generic-proxy accesses."""
-    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n mov.b32 $0, $1;",
-                                     "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem,
-               cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, DQ_STAGES: gl.constexpr,
-               VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-               DETERMINISTIC: gl.constexpr):
-    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = _tile_schedule(
-        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
-    kv_head = gl.program_id(2)
-    heads = gl.num_programs(2) * group
-    for step in range(m_tiles * group):
-        stage = step % DQ_STAGES
-        phase = (step // DQ_STAGES) & 1
-        head = kv_head * group + step // m_tiles
-        m0 = m_lo + (step % m_tiles) * BLOCK_M
-        mbarrier.wait(dq_full.index(stage), phase)
-        if DETERMINISTIC:
-            # Key tiles add into a query tile in ascending order: tile n waits until the tiles before it
-            # that see this query tile (from the first one, n_first) have added theirs.
-            n_first = 0
-            if HAS_LEFT:
-                n_first = gl.cdiv(gl.maximum(m0 - BLOCK_N - window_left + shift + 1, 0), BLOCK_N)
-            turn = gl.program_id(0) - n_first
-            sem = Sem + ((b * heads + head) * sem_m_tiles + m0 // BLOCK_M)
-            while gl.atomic_add(sem, 0, sem="acquire") != turn:
-                pass
-        tma_reduce_add(dq_desc, [q_row0 + m0, head, 0], dq_smem.index(stage))
-        if DETERMINISTIC:
-            _bulk_wait_all(step)
-            gl.atomic_add(sem, 1, sem="release")
-        else:
-            tma.store_wait(0)   # the engine has read the buffer
-        mbarrier.arrive(dq_empty.index(stage), count=1)
 
 
 # ---- MMA partition (default) -----------------------------------------------------------------
@@ -189,7 +84,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
          DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
          HAS_RIGHT: gl.constexpr, num_warps: gl.constexpr):
-    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = _tile_schedule(
+    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
     kv_head = gl.program_id(2)
@@ -266,19 +161,9 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
         dk = warpgroup_mma_wait(0, deps=(dk, ds_op))[0]
         mbarrier.arrive(tile_empty.index(stage), count=1)   # dK and dV, the last readers of Q and dO, are done
 
-    # ---- epilogue: dK (scaled) and dV in the output dtype, rows of this sequence only ----
-    offs_r = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, kv_layout))
-    keep = gl.expand_dims(offs_r < len_k, 1) & gl.expand_dims(offs_d < head_dim, 0)   # not the padding
-    rows = offs_r.to(gl.int64)
-    if VARLEN:
-        rows += k_row0
-    dk_ptrs = (dK + b.to(gl.int64) * stride_dkb + kv_head * stride_dkh + gl.expand_dims(rows * stride_dkr, 1)
-               + gl.expand_dims(offs_d, 0))
-    dv_ptrs = (dV + b.to(gl.int64) * stride_dvb + kv_head * stride_dvh + gl.expand_dims(rows * stride_dvr, 1)
-               + gl.expand_dims(offs_d, 0))
-    gl.store(dk_ptrs, (dk * scale).to(dtype), mask=keep)
-    gl.store(dv_ptrs, dv.to(dtype), mask=keep)
+    # ---- epilogue: dK (scaled) and dV in the output dtype ----
+    store_dkv(dk, dv, dK, dV, n0, b, kv_head, k_row0, len_k, head_dim, scale,
+              stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh, 0, VARLEN)
 
 
 # ---- the kernel ------------------------------------------------------------------------------
@@ -293,39 +178,15 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                        LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
                        DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
     """Grid: (key tiles, batch, kv heads). See the module docstring."""
-    if VARLEN:
-        n0 = gl.program_id(0) * BLOCK_N
-        b = gl.program_id(1)
-        if n0 >= gl.load(cu_seqlens_k + b + 1) - gl.load(cu_seqlens_k + b):
+    if VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
+        if past_sequence(cu_seqlens_k, BLOCK_N):
             return
     dtype: gl.constexpr = q_desc.dtype
-    # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor), viewed 2-D by `slot`
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 1, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 1, HEAD_D], v_desc.layout)
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready = loader_buffers(
+        q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, 1)
+    dq_smem, dq_full, dq_empty = writer_buffers(dq_desc, BLOCK_M, HEAD_D, DQ_STAGES, 1)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, 1, HEAD_D], dq_desc.layout)
-    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
-
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    tile_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
-    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(q_ready.index(i), count=2)   # Q's bytes, and lse/D stored by the loader
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(tile_empty.index(i), count=1)
-    for i in gl.static_range(DQ_STAGES):
-        mbarrier.init(dq_full.index(i), count=1)
-        mbarrier.init(dq_empty.index(i), count=1)
-    mbarrier.init(kv_ready, count=1)
 
     gl.warp_specialize([
         (_mma, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
@@ -335,13 +196,14 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                 seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
                 num_warps)),
-        (_loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+        (loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                    q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
                    BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
-        (_dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
+        (dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
                       cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
-                      BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, DETERMINISTIC)),
+                      BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, 1, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                      DETERMINISTIC)),
     ], [1, 1], [LOADER_REGS, WRITER_REGS])
 
 
@@ -349,9 +211,10 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
 def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int,
            seqlen_q: int, seqlen_k: int, scale: float, top_left: bool, window_left: int, window_right: int,
            has_left: bool, has_right: bool, tile, semaphores=None):
-    """One launch of attn_bwd_ws_kernel. dq_accum (rows_q, heads_q, d) fp32 must be zero; dq_accum
-    receives dQ already scaled. lse/delta: (b, h, s_q) or varlen (h, total_q). `semaphores`: zeroed
-    int32 (batch, heads_q, semaphore_tiles(seqlen_q, tile)) for the deterministic mode, else None."""
+    """One launch of attn_bwd_ws_kernel (of bwd_ws_split's kernel for a `split_d` tile). dq_accum (rows_q, heads_q,
+    d) fp32 must be zero; dq_accum receives dQ already scaled. lse/delta: (b, h, s_q) or varlen (h, total_q).
+    `semaphores`: zeroed int32 (batch, heads_q, semaphore_tiles(seqlen_q, tile)) for the deterministic mode, else
+    None."""
     d = q.shape[-1]
     heads_k = k.shape[-2]
     group = q.shape[-2] // heads_k
@@ -362,14 +225,18 @@ def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens
     cu_k = cu_seqlens_k if varlen else lse
     box = box_cols(d)   # shared-memory head dim: columns past d read as zeros, never written
     grid = (triton.cdiv(seqlen_k, tile.block_n), batch, heads_k)
-    attn_bwd_ws_kernel[grid](
+    if tile.split_d:   # its two MMA warpgroups hand dQ over in halves of the columns
+        kernel, dq_parts, extra = attn_bwd_ws_split_kernel, 2, dict(MMA_REGS=tile.mma_regs)
+    else:
+        kernel, dq_parts, extra = attn_bwd_ws_kernel, 1, {}
+    kernel[grid](
         descriptor(q, varlen, tile.block_m), descriptor(k, varlen, tile.block_n), descriptor(v, varlen, tile.block_n),
-        descriptor(dout, varlen, tile.block_m), descriptor(dq_accum, varlen, tile.block_m),
+        descriptor(dout, varlen, tile.block_m), descriptor(dq_accum, varlen, tile.block_m, dq_parts),
         lse, delta, dk, dv, semaphores if semaphores is not None else lse, cu_q, cu_k,
         *lse_strides, *dk_strides, *dv_strides,
         seqlen_q, seqlen_k, d, group, scale, window_left, window_right, semaphore_tiles(seqlen_q, tile),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages, DQ_STAGES=tile.dq_stages,
         VARLEN=varlen, TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs,
-        DETERMINISTIC=semaphores is not None, num_warps=tile.num_warps)
+        DETERMINISTIC=semaphores is not None, num_warps=tile.num_warps, **extra)
 

@@ -48,7 +48,8 @@ class Configs:
 class WsTile:
     """Launch shape of the warp-specialised backward (bwd_ws.py): query rows per step, key rows per CTA,
     Q/dO ring stages, dQ hand-off buffers, warps of the MMA partition and register budgets of the 1-warp
-    workers."""
+    workers. `split_d`: the kernel whose two MMA warpgroups split the head dim (bwd_ws_split.py, head dims
+    above 128): num_warps is then its first warpgroup's, and `mma_regs` the second's register budget."""
     block_m: int
     block_n: int
     num_stages: int = 2
@@ -56,6 +57,8 @@ class WsTile:
     num_warps: int = 8
     loader_regs: int = 24
     writer_regs: int = 24
+    split_d: bool = False
+    mma_regs: int = 240
 
     @classmethod
     def parse(cls, text: str) -> WsTile:
@@ -80,6 +83,7 @@ class GluonRule:
     shorter: str            # why sequences shorter than min_seqlen do
     positive_scale: bool = False
     pads_head_dim: bool = False   # tiles are keyed by the power of two the head dim is padded to in shared memory
+    unmeasured: frozenset = frozenset()   # tile keys whose kernel has not run on a GPU: only the option selects them
 
     def tile_key(self, head_dim: int) -> int:
         """The key of `tiles` that serves `head_dim` (absent: no tile)."""
@@ -154,15 +158,22 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 # 2026-12-01, boxes of one head (3-D descriptors; d96 padded to 128 in shared memory), same process:
 #   d128 s8192      536 / 485, one-launch 412 / 367, cuDNN 530 / 490
 #   d96 s8192       424 / 386, one-launch 325 / 282, cuDNN 417 / 391 (h = 21)
+# Head dims above 128 (192 and 256, 256 in shared memory): bwd_ws_split.py with FA3's d256 block, 64 x 64, one
+# Q/dO stage (two do not fit beside K, V, P^T, dS^T and the dQ halves: 214 KB of shared memory with one).
+# Compiled for sm_90a on CPU 2026-12-01 (ptxas: no spills dense or causal at d256; 180 bytes in the deterministic
+# mode, 16 varlen d192); not yet run on a GPU, so only TritonBackend(ws=True) selects it.
 BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1),
-               128: WsTile(64, 128, num_stages=2, dq_stages=1)}
-BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128})   # where it measured faster than the one-launch kernel
+               128: WsTile(64, 128, num_stages=2, dq_stages=1),
+               256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
+# Where it measured faster than the one-launch kernel (d256, bwd_ws_split: not run on a GPU yet).
+BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128})
 BWD_WS_MIN_SEQLEN = 2048   # the shortest length measured (d64 only at s8192)
 BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
                         slower_head_dim="the one-launch kernel measured faster",
-                        shorter="the one-launch kernel measured faster", pads_head_dim=True)
-# The fp32 dQ accumulator of one launch: kv-head groups run in turn so that it stays under this size
-# (the GQA backward's peak memory target, 32/8 d128 s8192: 210 MiB).
+                        shorter="the one-launch kernel measured faster", pads_head_dim=True,
+                        unmeasured=frozenset({256}))
+# The fp32 dQ accumulator of one launch: kv-head groups run in turn so that it stays under this size (one
+# launch for every call of the benchmark grid; docs/triton.md on the GQA memory target this does not meet).
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
 # ---- warp-specialised forward (fwd_ws.py) on sm_90 ------------------------------------------------------

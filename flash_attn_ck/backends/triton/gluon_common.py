@@ -149,11 +149,12 @@ def box_cols(head_dim: int) -> int:
     return 1 << (head_dim - 1).bit_length()
 
 
-def descriptor(t, varlen: bool, block_rows: int):
+def descriptor(t, varlen: bool, block_rows: int, parts: int = 1):
     """A host TMA descriptor over `t`'s 3-D view (rows, heads, head_dim) with (block_rows, 1, box_cols(head_dim))
     boxes of one head (coordinates [row, head, 0]): columns past head_dim read as zeros and are not written, so a
-    head dim that is not a power of two is padded in shared memory only."""
-    return _descriptor(t, rows_view(t, varlen), block_rows)
+    head dim that is not a power of two is padded in shared memory only. `parts` > 1: boxes of that fraction of
+    the padded columns (coordinates [row, head, first column])."""
+    return _descriptor(t, rows_view(t, varlen), block_rows, parts)
 
 
 def uniform_descriptor(t, varlen: bool, block_rows: int):
@@ -162,8 +163,8 @@ def uniform_descriptor(t, varlen: bool, block_rows: int):
     return t, _descriptor(t, view, block_rows)
 
 
-def _descriptor(t, view, block_rows: int):
+def _descriptor(t, view, block_rows: int, parts: int = 1):
     rows, cols, row_stride = view
     d = t.shape[-1]
-    box = (block_rows, 1, box_cols(d))
+    box = (block_rows, 1, box_cols(d) // parts)
     return TensorDescriptor(t, [rows, cols // d, d], [row_stride, d, 1], list(box), _box_layout(box, t.dtype))

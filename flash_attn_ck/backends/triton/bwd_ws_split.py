@@ -1,0 +1,198 @@
+"""Warp-specialised backward main kernel for head dims above 128 (192, 256: 256 in shared memory), sm_90, Gluon.
+
+bwd_ws.py gives each of its 8 MMA warps 16 key rows of dK and dV; at d256 a warp's share of a 128-row key tile
+is 2 x 16 x 256 fp32, more registers than a thread has. Here the two MMA warpgroups split the head dim
+instead: each keeps dK and dV of one half of the columns for a 64-row key tile (128 registers a thread).
+S^T and dP^T need every column, so they are not split but shared out: warpgroup 0 computes S^T and P^T,
+warpgroup 1 dP^T and dS^T, and they exchange P^T and dS^T through shared memory, from where both read them
+as the A operand of their halves of the three gradient matmuls (FA3's d256 layout: P and dS in shared memory).
+
+  loader   (1 warp)       bwd_ws_workers.loader: K, V once; per step Q, dO, lse·log2e and D (one stage: at d256
+                          two stages of Q and dO do not fit beside K, V and the dQ buffers)
+  scores   (default,      S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse * log2e), masked
+            4 warps)      -> P^T to shared memory ("p_ready")
+  dP       (4 warps)      dP^T = V dO^T; dS^T = P^T (dP^T - D) -> shared memory ("ds_ready")
+  both, on their half h of the columns:
+                          dV_h += P^T dO_h, dK_h += dS^T Q_h, dQ_h = dS K_h
+                          then P^T/dS^T ("ps_free") and the Q/dO slot ("tile_empty") are released and dQ_h
+                          (scaled) goes to its dQ buffer
+  dQ writer (1 warp)      bwd_ws_workers.dq_writer with two parts a step: one reduce-add per half
+
+Invariants: HEAD_D = 256 with 64 x 64 tiles (config.BWD_WS_SM90[256]); everything else as bwd_ws.py (boxes of one
+head, rows past a sequence masked by lse = +inf and the key mask, dK/dV stored by masked pointers, the
+deterministic mode's ordered adds).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .bwd_ws_workers import (
+    dq_writer,
+    loader,
+    loader_buffers,
+    past_sequence,
+    store_dkv,
+    tile_schedule,
+    writer_buffers,
+)
+from .gluon_common import LOG2E, issue_ring_mma, keep_mask, slot, tile_needs_mask
+
+MMA_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per half
+
+
+# ---- one MMA warpgroup: its role in S^T / dP^T, then its half of the columns ----------------------
+@gluon.jit
+def _half(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, lse_smem, delta_smem,
+          q_ready, do_ready, tile_empty, kv_ready, p_ready, ds_ready, ps_free, dq_full, dq_empty,
+          dK, dV, cu_seqlens_q, cu_seqlens_k,
+          stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
+          seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
+          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+          DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
+          HAS_RIGHT: gl.constexpr):
+    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
+        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
+    kv_head = gl.program_id(2)
+    dtype: gl.constexpr = k_smem.dtype
+    HALF_D: gl.constexpr = HEAD_D // 2
+    k_tile = k_smem.reshape([BLOCK_N, HEAD_D])
+    v_tile = v_smem.reshape([BLOCK_N, HEAD_D])
+    k_half = k_tile.slice(HALF * HALF_D, HALF_D, dim=1)
+
+    # Layouts: the warpgroup's 4 warps own 16 rows each of S^T/dP^T, of dK_h/dV_h and of dQ_h.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                          instr_shape=[16, HALF_D, 16])
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per key (row of S^T)
+
+    offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
+    offs_m_tile = gl.arange(0, BLOCK_M, layout=col_layout)
+    scale_log2 = scale * LOG2E
+    dk = gl.zeros([BLOCK_N, HALF_D], gl.float32, half_layout)
+    dv = gl.zeros([BLOCK_N, HALF_D], gl.float32, half_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, half_layout)
+
+    mbarrier.wait(kv_ready, 0)
+    for step in range(m_tiles * group):
+        stage = step % NUM_STAGES
+        ring_phase = (step // NUM_STAGES) & 1
+        phase = step & 1
+        m0 = m_lo + (step % m_tiles) * BLOCK_M
+        if HALF == 0:
+            # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked, to shared memory ----
+            sT = issue_ring_mma(k_tile, q_smem, q_ready, s_zero, step, NUM_STAGES)
+            lse2 = lse_smem.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
+            sT = warpgroup_mma_wait(0, deps=(sT,))
+            pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+            if tile_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
+                               HAS_RIGHT):
+                keep = keep_mask(gl.expand_dims(m0 + offs_m_tile, 0), gl.expand_dims(offs_n, 1), len_k, shift,
+                                 window_left, window_right, HAS_LEFT, HAS_RIGHT)
+                pT = gl.where(keep, pT, 0.0)
+            mbarrier.wait(ps_free, phase ^ 1)   # the previous step's matmuls have read P^T and dS^T
+            pt_smem.store(pT.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(p_ready, count=1)
+            mbarrier.wait(do_ready.index(stage), ring_phase)   # dV_h reads dO
+            mbarrier.wait(ds_ready, phase)
+        else:
+            # ---- dS^T = P^T (dP^T - D), to shared memory ----
+            dpT = issue_ring_mma(v_tile, do_smem, do_ready, s_zero, step, NUM_STAGES)
+            mbarrier.wait(q_ready.index(stage), ring_phase)   # D, and Q for dK_h
+            delta = delta_smem.index(stage).load(col_layout)
+            dpT = warpgroup_mma_wait(0, deps=(dpT,))
+            mbarrier.wait(p_ready, phase)   # after scores' wait on ps_free: dS^T's buffer is free too
+            pT = pt_smem.load(s_layout).to(gl.float32)
+            dst_smem.store((pT * (dpT - gl.expand_dims(delta, 0))).to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(ds_ready, count=1)
+
+        # ---- this half: dV_h += P^T dO_h, dK_h += dS^T Q_h, dQ_h = dS K_h (A operands in shared memory) ----
+        dv = warpgroup_mma(pt_smem, slot(do_smem, stage).slice(HALF * HALF_D, HALF_D, dim=1), dv, is_async=True)
+        dk = warpgroup_mma(dst_smem, slot(q_smem, stage).slice(HALF * HALF_D, HALF_D, dim=1), dk, is_async=True)
+        dq = warpgroup_mma(dst_smem.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
+        dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+        mbarrier.arrive(ps_free, count=1)
+        mbarrier.arrive(tile_empty.index(stage), count=1)
+
+        # ---- hand dQ_h (scaled) to the writer ----
+        dq_stage = step % DQ_STAGES
+        mbarrier.wait(dq_empty.index(dq_stage), ((step // DQ_STAGES) & 1) ^ 1)
+        slot(dq_smem, dq_stage * 2 + HALF).store(dq * scale)
+        fence_async_shared()
+        gl.thread_barrier()   # every warp's rows are in shared memory
+        mbarrier.arrive(dq_full.index(dq_stage), count=1)
+
+    # ---- epilogue: dK_h (scaled) and dV_h in the output dtype ----
+    store_dkv(dk, dv, dK, dV, n0, b, kv_head, k_row0, len_k, head_dim, scale,
+              stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh, HALF * HALF_D, VARLEN)
+
+
+# ---- the kernel ------------------------------------------------------------------------------
+@gluon.jit
+def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem,
+                             cu_seqlens_q, cu_seqlens_k, stride_lse_b, stride_lse_h, stride_dkb, stride_dkr,
+                             stride_dkh, stride_dvb, stride_dvr, stride_dvh,
+                             seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right, sem_m_tiles,
+                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                             NUM_STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr,
+                             TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+                             MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
+                             DETERMINISTIC: gl.constexpr):
+    """Grid: (key tiles, batch, kv heads); num_warps = MMA_WARPS (the scores warpgroup). See the module
+    docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
+    if VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
+        if past_sequence(cu_seqlens_k, BLOCK_N):
+            return
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready = loader_buffers(
+        q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, 2)   # released by both warpgroups
+    dq_smem, dq_full, dq_empty = writer_buffers(dq_desc, BLOCK_M, HEAD_D, DQ_STAGES, 2)   # a half from each
+    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], st_layout)
+    dst_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], st_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ps_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(ds_ready, count=1)
+    mbarrier.init(ps_free, count=2)   # both warpgroups' matmuls have read P^T and dS^T
+
+    # (arguments written out per partition: constexprs passed through a tuple variable arrive as tensors)
+    gl.warp_specialize([
+        (_half, (0, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, lse_smem, delta_smem,
+                 q_ready, do_ready, tile_empty, kv_ready, p_ready, ds_ready, ps_free, dq_full, dq_empty,
+                 dK, dV, cu_seqlens_q, cu_seqlens_k,
+                 stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
+                 seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
+                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+        (_half, (1, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, lse_smem, delta_smem,
+                 q_ready, do_ready, tile_empty, kv_ready, p_ready, ds_ready, ps_free, dq_full, dq_empty,
+                 dK, dV, cu_seqlens_q, cu_seqlens_k,
+                 stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
+                 seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
+                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+        (loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+                   q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
+                   cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
+                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+        (dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
+                      cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
+                      BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, 2, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                      DETERMINISTIC)),
+    ], [MMA_WARPS, 1, 1], [MMA_REGS, LOADER_REGS, WRITER_REGS])

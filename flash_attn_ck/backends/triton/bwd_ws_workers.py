@@ -1,0 +1,202 @@
+"""The warp-specialised backward's workers that bwd_ws.py and bwd_ws_split.py share: the schedule every
+partition derives from the program id, the loader partition (TMA loads of K, V and the Q/dO ring; lse·log2e
+and D staged in shared memory) and the dQ writer (TMA reduce-adds into the fp32 dq_accum, ordered in the
+deterministic mode). bwd_ws.py's docstring describes the protocol."""
+
+from __future__ import annotations
+
+from triton._C.libtriton import ir
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from .gluon_common import LOG2E, query_range, sequence
+
+
+@builtin
+def tma_reduce_add(desc, coord, src, _semantic=None):
+    """dst[coord] += src through the TMA engine. Gluon 3.6 has the op in its builder but no wrapper
+    (tma.async_atomic_add arrives in Triton 3.8)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+# ---- schedule: which (query head, query tile) pairs a key tile visits --------------------------
+@gluon.jit
+def tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Everything every partition derives from the program id, computed the same way in each."""
+    n0 = gl.program_id(0) * BLOCK_N
+    b = gl.program_id(1)
+    q_row0, len_q = sequence(cu_seqlens_q, b, seqlen_q, VARLEN)
+    k_row0, len_k = sequence(cu_seqlens_k, b, seqlen_k, VARLEN)
+    shift = 0 if TOP_LEFT else len_k - len_q
+    m_lo, m_hi = query_range(n0, len_q, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    m_tiles = gl.maximum(gl.cdiv(m_hi - m_lo, BLOCK_M), 0)
+    return n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles
+
+
+# ---- what every kernel allocates for its workers ------------------------------------------------
+@gluon.jit
+def past_sequence(cu_seqlens_k, BLOCK_N: gl.constexpr):
+    """Whether this CTA's key tile starts past its (varlen) sequence: then it has nothing to do."""
+    b = gl.program_id(1)
+    return gl.program_id(0) * BLOCK_N >= gl.load(cu_seqlens_k + b + 1) - gl.load(cu_seqlens_k + b)
+
+
+@gluon.jit
+def loader_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, RELEASES: gl.constexpr):
+    """The loader's shared memory and barriers: K, V; the Q/dO ring ((rows, 1, HEAD_D) boxes of one head, viewed
+    2-D by `slot`) with lse·log2e and D beside it; "ready" barriers (q_ready counts Q's bytes and the loader's
+    lse/D stores) and "tile_empty", which RELEASES arrivals (one per MMA partition) complete."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 1, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 1, HEAD_D], v_desc.layout)
+    rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    tile_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=2)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=RELEASES)
+    mbarrier.init(kv_ready, count=1)
+    return q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready
+
+
+@gluon.jit
+def writer_buffers(dq_desc, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, DQ_STAGES: gl.constexpr,
+                   DQ_PARTS: gl.constexpr):
+    """The dQ writer's fp32 buffers (DQ_STAGES x DQ_PARTS of HEAD_D / DQ_PARTS columns) and barriers: "dq_full"
+    completes with one arrival per part, "dq_empty" with the writer's."""
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES * DQ_PARTS, BLOCK_M, 1, HEAD_D // DQ_PARTS],
+                                        dq_desc.layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
+    for i in gl.static_range(DQ_STAGES):
+        mbarrier.init(dq_full.index(i), count=DQ_PARTS)
+        mbarrier.init(dq_empty.index(i), count=1)
+    return dq_smem, dq_full, dq_empty
+
+
+# ---- loader partition ------------------------------------------------------------------------
+@gluon.jit
+def loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+            q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
+            cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
+            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+            VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
+        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
+    kv_head = gl.program_id(2)
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_row0 + n0, kv_head, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [k_row0 + n0, kv_head, 0], kv_ready, v_smem)
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    offs_m_tile = gl.arange(0, BLOCK_M, layout=row_layout)
+    if VARLEN:
+        Lse += q_row0
+        Delta += q_row0
+    steps = m_tiles * group
+    for step in range(steps):
+        stage = step % NUM_STAGES
+        phase = (step // NUM_STAGES) & 1
+        head = kv_head * group + step // m_tiles
+        m0 = m_lo + (step % m_tiles) * BLOCK_M
+        mbarrier.wait(tile_empty.index(stage), phase ^ 1)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0, head, 0], q_ready.index(stage),
+                                        q_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [q_row0 + m0, head, 0], do_ready.index(stage),
+                                        do_smem.index(stage))
+        # lse (times log2 e) and D of the tile's rows beside Q, behind q_ready's second arrival; rows past
+        # the sequence get lse = +inf (P = 0) and D = 0.
+        offs_m = m0 + offs_m_tile
+        row_ok = offs_m < len_q
+        head_offset = b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
+        lse_smem.index(stage).store(gl.load(Lse + head_offset + offs_m, mask=row_ok, other=float("inf")) * LOG2E)
+        delta_smem.index(stage).store(gl.load(Delta + head_offset + offs_m, mask=row_ok, other=0.0))
+        mbarrier.arrive(q_ready.index(stage), count=1)
+
+
+# ---- dQ writer partition ---------------------------------------------------------------------
+@gluon.jit
+def _bulk_wait_all(token):
+    """Wait until every bulk async copy of this thread has completed (its writes done, not only its
+    reads of shared memory as tma.store_wait), then order them before later generic-proxy accesses."""
+    return gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n mov.b32 $0, $1;",
+                                     "=r,r", [token], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem,
+               cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, DQ_STAGES: gl.constexpr,
+               DQ_PARTS: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
+               HAS_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr):
+    """Per step: the query tile's dQ, in DQ_PARTS buffers of HEAD_D / DQ_PARTS columns each (bwd_ws_split.py
+    hands it over in halves), reduce-added into dq_accum."""
+    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
+        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
+    kv_head = gl.program_id(2)
+    heads = gl.num_programs(2) * group
+    for step in range(m_tiles * group):
+        stage = step % DQ_STAGES
+        phase = (step // DQ_STAGES) & 1
+        head = kv_head * group + step // m_tiles
+        m0 = m_lo + (step % m_tiles) * BLOCK_M
+        mbarrier.wait(dq_full.index(stage), phase)
+        if DETERMINISTIC:
+            # Key tiles add into a query tile in ascending order: tile n waits until the tiles before it
+            # that see this query tile (from the first one, n_first) have added theirs.
+            n_first = 0
+            if HAS_LEFT:
+                n_first = gl.cdiv(gl.maximum(m0 - BLOCK_N - window_left + shift + 1, 0), BLOCK_N)
+            turn = gl.program_id(0) - n_first
+            sem = Sem + ((b * heads + head) * sem_m_tiles + m0 // BLOCK_M)
+            while gl.atomic_add(sem, 0, sem="acquire") != turn:
+                pass
+        for part in gl.static_range(DQ_PARTS):
+            tma_reduce_add(dq_desc, [q_row0 + m0, head, part * (HEAD_D // DQ_PARTS)],
+                           dq_smem.index(stage * DQ_PARTS + part))
+        if DETERMINISTIC:
+            _bulk_wait_all(step)
+            gl.atomic_add(sem, 1, sem="release")
+        else:
+            tma.store_wait(0)   # the engine has read the buffer
+        mbarrier.arrive(dq_empty.index(stage), count=1)
+
+
+# ---- epilogue of the MMA partitions -------------------------------------------------------------
+@gluon.jit
+def store_dkv(dk, dv, dK, dV, n0, b, kv_head, k_row0, len_k, head_dim, scale,
+              stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
+              COL0: gl.constexpr, VARLEN: gl.constexpr):
+    """dK (scaled) and dV, (key rows, columns COL0 ...) accumulators in fp32, stored in the output dtype: rows of
+    this sequence only, columns below head_dim only (not the shared-memory padding)."""
+    layout: gl.constexpr = dk.type.layout
+    offs_r = n0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
+    offs_d = COL0 + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
+    keep = gl.expand_dims(offs_r < len_k, 1) & gl.expand_dims(offs_d < head_dim, 0)
+    rows = offs_r.to(gl.int64)
+    if VARLEN:
+        rows += k_row0
+    dk_ptrs = (dK + b.to(gl.int64) * stride_dkb + kv_head * stride_dkh + gl.expand_dims(rows * stride_dkr, 1)
+               + gl.expand_dims(offs_d, 0))
+    dv_ptrs = (dV + b.to(gl.int64) * stride_dvb + kv_head * stride_dvh + gl.expand_dims(rows * stride_dvr, 1)
+               + gl.expand_dims(offs_d, 0))
+    gl.store(dk_ptrs, (dk * scale).to(dK.dtype.element_ty), mask=keep)
+    gl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=keep)
