@@ -52,17 +52,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import bwd_ws_workers as workers
 from .bwd_ws_schedule import semaphore_tiles
 from .bwd_ws_split import attn_bwd_ws_split_kernel
-from .bwd_ws_workers import (
-    dq_writer,
-    loader,
-    loader_buffers,
-    past_sequence,
-    store_dkv,
-    tile_schedule,
-    writer_buffers,
-)
 from .gluon_common import (
     LOG2E,
     box_cols,
@@ -84,7 +76,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
          DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
          HAS_RIGHT: gl.constexpr, num_warps: gl.constexpr):
-    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
+    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
     kv_head = gl.program_id(2)
@@ -162,7 +154,7 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
         mbarrier.arrive(tile_empty.index(stage), count=1)   # dK and dV, the last readers of Q and dO, are done
 
     # ---- epilogue: dK (scaled) and dV in the output dtype ----
-    store_dkv(dk, dv, dK, dV, n0, b, kv_head, k_row0, len_k, head_dim, scale,
+    workers.store_dkv(dk, dv, dK, dV, n0, b, kv_head, k_row0, len_k, head_dim, scale,
               stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh, 0, VARLEN)
 
 
@@ -179,12 +171,12 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                        DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
     """Grid: (key tiles, batch, kv heads). See the module docstring."""
     if VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if past_sequence(cu_seqlens_k, BLOCK_N):
+        if workers.past_sequence(cu_seqlens_k, BLOCK_N):
             return
     dtype: gl.constexpr = q_desc.dtype
-    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready = loader_buffers(
-        q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, 1)
-    dq_smem, dq_full, dq_empty = writer_buffers(dq_desc, BLOCK_M, HEAD_D, DQ_STAGES, 1)
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready = \
+        workers.loader_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, 1)
+    dq_smem, dq_full, dq_empty = workers.writer_buffers(dq_desc, BLOCK_M, HEAD_D, DQ_STAGES, 1)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
 
@@ -196,11 +188,11 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                 seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
                 num_warps)),
-        (loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+        (workers.loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                    q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
                    BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
-        (dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
+        (workers.dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
                       cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
                       BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, 1, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
                       DETERMINISTIC)),

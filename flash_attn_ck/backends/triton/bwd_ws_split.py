@@ -34,15 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .bwd_ws_workers import (
-    dq_writer,
-    loader,
-    loader_buffers,
-    past_sequence,
-    store_dkv,
-    tile_schedule,
-    writer_buffers,
-)
+from . import bwd_ws_workers as workers
 from .gluon_common import LOG2E, issue_ring_mma, keep_mask, slot, tile_needs_mask
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per half
@@ -58,7 +50,7 @@ def _half(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
           DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
           HAS_RIGHT: gl.constexpr):
-    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
+    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
     kv_head = gl.program_id(2)
@@ -138,7 +130,7 @@ def _half(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem
         mbarrier.arrive(dq_full.index(dq_stage), count=1)
 
     # ---- epilogue: dK_h (scaled) and dV_h in the output dtype ----
-    store_dkv(dk, dv, dK, dV, n0, b, kv_head, k_row0, len_k, head_dim, scale,
+    workers.store_dkv(dk, dv, dK, dV, n0, b, kv_head, k_row0, len_k, head_dim, scale,
               stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh, HALF * HALF_D, VARLEN)
 
 
@@ -156,12 +148,13 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
     """Grid: (key tiles, batch, kv heads); num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
     if VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if past_sequence(cu_seqlens_k, BLOCK_N):
+        if workers.past_sequence(cu_seqlens_k, BLOCK_N):
             return
     dtype: gl.constexpr = q_desc.dtype
-    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready = loader_buffers(
-        q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, 2)   # released by both warpgroups
-    dq_smem, dq_full, dq_empty = writer_buffers(dq_desc, BLOCK_M, HEAD_D, DQ_STAGES, 2)   # a half from each
+    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready = \
+        workers.loader_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES,
+                               2)   # a slot is released by both warpgroups
+    dq_smem, dq_full, dq_empty = workers.writer_buffers(dq_desc, BLOCK_M, HEAD_D, DQ_STAGES, 2)   # a half from each
     st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], st_layout)
     dst_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], st_layout)
@@ -187,11 +180,11 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
                  stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
                  seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
                  BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
-        (loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
+        (workers.loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                    q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
                    BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
-        (dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
+        (workers.dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
                       cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
                       BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, 2, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
                       DETERMINISTIC)),
