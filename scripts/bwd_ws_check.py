@@ -2,15 +2,20 @@
 against an fp32 PyTorch reference (the 2x rule: error <= 2x that of the same math in bf16) and, for
 timing, against the current Triton backward and torch SDPA (FA2, cuDNN) in the same process.
 
-    python scripts/bwd_ws_check.py [--check-only] [--time-only] [--tiles 64x128,...]
+    python scripts/bwd_ws_check.py [--check-only] [--time-only] [--tiles 64x128,...] [--only REGEX]
+        [--case-timeout SECONDS]
 
-Prints one line per case; exits non-zero if a check fails. Needs an sm_90 GPU.
+Prints one line per case; exits non-zero if a check fails, with 3 (after a HANG line) if a case has not finished
+within --case-timeout (a deadlocked kernel would otherwise hold the GPU call to its limit). Needs an sm_90 GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -78,6 +83,11 @@ def time_case(b, h, h_k, s, d, causal, tiles, peers):
           + "  ".join(f"{k} {v['bwd_tflops']:.0f}" for k, v in row.items()), flush=True)
 
 
+def _hang(name, seconds):
+    print(f"HANG {name}: no result after {seconds:.0f} s (a deadlocked kernel?)", flush=True)
+    os._exit(3)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check-only", action="store_true")
@@ -85,6 +95,8 @@ def main():
     ap.add_argument("--tiles128", default="64x128")
     ap.add_argument("--tiles64", default="64x128")
     ap.add_argument("--peers", default="triton-one-launch,sdpa_flash,sdpa_cudnn", help="timed beside the tiles")
+    ap.add_argument("--only", default="", help="run the check cases whose name matches this regex")
+    ap.add_argument("--case-timeout", type=float, default=180.0, help="seconds a check case may take, compiling")
     ap.add_argument("--shapes", default="128:16:16:8192,128:32:8:8192,64:32:32:8192,128:16:16:2048",
                     help="timed shapes d:h:h_k:s, each causal and not (b = 16384 / s)")
     args = ap.parse_args()
@@ -120,12 +132,18 @@ def main():
              [(100, 100), (0, 50), (257, 300), (64, 0)]),
         ]
         for name, b, h, h_k, s_q, s_k, d, causal, window, lens in cases:
+            if not re.search(args.only, name):
+                continue
             t = t64 if d <= 64 else t128 if d <= 128 else tiles[256][0]
+            watchdog = threading.Timer(args.case_timeout, _hang, (name, args.case_timeout))
+            watchdog.start()
             try:
                 ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, t, lens)
             except Exception as e:
                 ok = False
                 print(f"FAIL {name}: {type(e).__name__}: {str(e)[:600]}", flush=True)
+            finally:
+                watchdog.cancel()
         t0 = time.time()
         for fp16 in (torch.float16,):
             ok &= check("fp16 causal", 2, 4, 4, 256, 256, 128, True, (-1, -1), t128, None, fp16)
