@@ -15,7 +15,10 @@
 #                                                 node ids listed in .devrun/gpu-passed.txt are left out (540 s) ->
 #                                                 gpu-tests.log, gpu-passed.txt (those ids plus this call's passes; to
 #                                                 resume, copy it into .devrun/ here and carry .devrun: ignored outputs
-#                                                 did not survive between two calls on 2026-12-01)
+#                                                 did not survive between two calls on 2026-12-01). With a carried
+#                                                 pytest-timeout wheel (pip download --no-deps pytest-timeout -d
+#                                                 .devrun/wheels) a test hung past 300 s fails alone (its worker is
+#                                                 replaced) instead of holding the call to its limit
 #   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
 #                                                 (ws: the warp-specialised kernels' case, synccheck too, and
 #                                                 racecheck on the `handoff` baseline it is read against)
@@ -83,7 +86,14 @@ case $cmd in
     grep -vxF -f .devrun/gpu-passed.txt .devrun/gpu-all.txt > .devrun/gpu-todo.txt
     echo "collected $(wc -l < .devrun/gpu-all.txt), passed earlier $(wc -l < .devrun/gpu-passed.txt), running $(wc -l < .devrun/gpu-todo.txt)"
     [ -s .devrun/gpu-todo.txt ] || { echo "nothing left to run"; exit 0; }
-    limit 540 python3 -m pytest -v -n 14 -p no:cacheprovider -rf $(cat .devrun/gpu-todo.txt) > "$OUT/gpu-tests.log" 2>&1
+    per_test=()
+    if ls .devrun/wheels/pytest_timeout-*.whl > /dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps --target /tmp/test-wheels .devrun/wheels/pytest_timeout-*.whl
+      export PYTHONPATH=$PYTHONPATH:/tmp/test-wheels
+      per_test=(--timeout 300 --timeout-method thread)
+    fi
+    limit 540 python3 -m pytest -v -n 14 -p no:cacheprovider -rf "${per_test[@]}" $(cat .devrun/gpu-todo.txt) \
+      > "$OUT/gpu-tests.log" 2>&1
     echo "pytest rc=$?"
     grep -oE "PASSED tests/[^ ]+" "$OUT/gpu-tests.log" | cut -d' ' -f2 | sort -u >> .devrun/gpu-passed.txt
     grep -E "^FAILED|^ERROR| passed| failed" "$OUT/gpu-tests.log" | tail -12
