@@ -60,9 +60,8 @@ from .gluon_common import (
     box_cols,
     descriptor,
     issue_ring_mma,
-    keep_mask,
+    probs_transposed,
     slot,
-    tile_needs_mask,
 )
 
 
@@ -121,11 +120,8 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
 
         # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked ----
         sT = warpgroup_mma_wait(1, deps=(sT,))
-        pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-        if tile_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT):
-            keep = keep_mask(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_k, shift,
-                             window_left, window_right, HAS_LEFT, HAS_RIGHT)
-            pT = gl.where(keep, pT, 0.0)
+        pT = probs_transposed(sT, lse2, scale_log2, offs_m, offs_n, m0, n0, len_k, shift, window_left, window_right,
+                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
         # ---- dS^T = P^T (dP^T - D); dV += P^T dO ----
         dpT = warpgroup_mma_wait(0, deps=(dpT,))

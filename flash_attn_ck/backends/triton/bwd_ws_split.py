@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import bwd_ws_workers as workers
-from .gluon_common import LOG2E, issue_ring_mma, keep_mask, slot, tile_needs_mask
+from .gluon_common import LOG2E, issue_ring_mma, probs_transposed, slot
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per half
 
@@ -87,12 +87,8 @@ def _half(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem
             sT = issue_ring_mma(k_tile, q_smem, q_ready, s_zero, step, NUM_STAGES)
             lse2 = lse_smem.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
             sT = warpgroup_mma_wait(0, deps=(sT,))
-            pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-            if tile_needs_mask(m0, n0, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT,
-                               HAS_RIGHT):
-                keep = keep_mask(gl.expand_dims(m0 + offs_m_tile, 0), gl.expand_dims(offs_n, 1), len_k, shift,
-                                 window_left, window_right, HAS_LEFT, HAS_RIGHT)
-                pT = gl.where(keep, pT, 0.0)
+            pT = probs_transposed(sT, lse2, scale_log2, m0 + offs_m_tile, offs_n, m0, n0, len_k, shift, window_left,
+                                  window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
             mbarrier.wait(ps_free, phase ^ 1)   # the previous step's matmuls have read P^T and dS^T
             pt_smem.store(pT.to(dtype))
             fence_async_shared()

@@ -86,6 +86,20 @@ def keep_mask(rows, cols, len_k, shift, left, right, HAS_LEFT: gl.constexpr, HAS
     return keep
 
 
+@gluon.jit
+def probs_transposed(sT, lse2, scale_log2, offs_m, offs_n, m0, n0, len_k, shift, left, right,
+                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """The backward's P^T = exp2(S^T * scale * log2e - lse * log2e) of keys `offs_n` (rows) x queries `offs_m`
+    (columns) from raw scores S^T and lse·log2e per query, 0 where the mask drops the pair (checked only on tiles
+    that need it)."""
+    pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
+    if tile_needs_mask(m0, n0, len_k, shift, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT):
+        keep = keep_mask(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_k, shift, left, right,
+                         HAS_LEFT, HAS_RIGHT)
+        pT = gl.where(keep, pT, 0.0)
+    return pT
+
+
 # ---- a matmul against a ring tile -----------------------------------------------------------------
 @gluon.jit
 def slot(buffers, i):
