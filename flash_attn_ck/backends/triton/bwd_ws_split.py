@@ -5,7 +5,7 @@ is 2 x 16 x 256 fp32, more registers than a thread has. Here the two MMA warpgro
 instead: each keeps dK and dV of one half of the columns for a 64-row key tile (128 registers a thread).
 S^T and dP^T need every column, so they are not split but shared out: warpgroup 0 computes S^T and P^T,
 warpgroup 1 dP^T and dS^T, and they exchange P^T and dS^T through shared memory, from where both read them
-as the A operand of their halves of the three gradient matmuls (FA3's d256 layout: P and dS in shared memory).
+as the A operand of their halves of the three gradient matmuls.
 
   loader   (1 warp)       bwd_ws_workers.loader: K, V once; per step Q, dO, lse·log2e and D (one stage: at d256
                           two stages of Q and dO do not fit beside K, V and the dQ buffers)

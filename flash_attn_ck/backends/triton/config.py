@@ -158,8 +158,9 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 # 2026-12-01, boxes of one head (3-D descriptors; d96 padded to 128 in shared memory), same process:
 #   d128 s8192      536 / 485, one-launch 412 / 367, cuDNN 530 / 490
 #   d96 s8192       424 / 386, one-launch 325 / 282, cuDNN 417 / 391 (h = 21)
-# Head dims above 128 (192 and 256, 256 in shared memory): bwd_ws_split.py with FA3's d256 block, 64 x 64, one
-# Q/dO stage (two do not fit beside K, V, P^T, dS^T and the dQ halves: 214 KB of shared memory with one).
+# Head dims above 128 (192 and 256, 256 in shared memory): bwd_ws_split.py, 64 x 64 (each warpgroup's 4 warps own
+# 16 key rows each; FA3 takes 64 x 80 at d256), one Q/dO stage (two do not fit beside K, V, P^T, dS^T and the dQ
+# halves: 214 KB of shared memory with one).
 # Compiled for sm_90a on CPU 2026-12-01 (ptxas: no spills dense or causal at d256; 180 bytes in the deterministic
 # mode, 16 varlen d192); not yet run on a GPU, so only TritonBackend(ws=True) selects it.
 BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1),
