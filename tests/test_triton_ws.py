@@ -66,7 +66,7 @@ def test_every_unsupported_feature_is_named(names, forced):
 
 
 @pytest.mark.parametrize("head_dim,capability,dtype,expect", [
-    (256, (9, 0), torch.bfloat16, "head dim 256"), (192, (9, 0), torch.bfloat16, "head dim 192"),
+    (320, (9, 0), torch.bfloat16, "head dim 320"), (72, (9, 0), torch.bfloat16, "head dim 72"),
     (128, (8, 0), torch.bfloat16, "sm_90"), (128, (10, 0), torch.bfloat16, "sm_90"),
     (128, (9, 0), torch.float32, "float32")])
 def test_ws_names_what_it_cannot_run(head_dim, capability, dtype, expect):
@@ -202,15 +202,15 @@ def test_split_kernel_compiles_to_the_designed_instructions(head_dim, varlen, ma
         assert ptxas_report(ptx)["spill_stores"] == 0
 
 
-def test_the_split_kernel_runs_only_where_asked(sm90):
-    """Head dims above 128 have bwd_ws_split's tile; it has not run on a GPU, so only ws=True selects it, and the
-    reason the default gives says so."""
-    for head_dim in (192, 256):
-        assert TritonBackend(ws=True).ws_reasons(problem(head_dim=head_dim)) == []
-        reasons = TritonBackend().ws_reasons(problem(head_dim=head_dim))
-        assert reasons == [f"head dim {head_dim}: its kernel has not run on a GPU yet (TritonBackend(ws=True) "
-                           "selects it)"]
-        assert TritonBackend(ws=True)._ws_tile(problem(head_dim=head_dim)).split_d
+def test_head_dims_above_128_take_the_split_kernel(sm90):
+    """Every head dim between 129 and 256 is padded to 256 and runs bwd_ws_split's tile by default (measured faster
+    than the one-launch kernel at d192 and d256, which pads the same way); below 128 the unsplit tiles serve."""
+    for head_dim in (136, 160, 192, 200, 256):
+        assert TritonBackend().ws_reasons(problem(head_dim=head_dim)) == []
+        assert TritonBackend()._ws_tile(problem(head_dim=head_dim)).split_d
+    for head_dim in (64, 128):
+        assert not TritonBackend()._ws_tile(problem(head_dim=head_dim)).split_d
+    assert TritonBackend().ws_reasons(problem(head_dim=72)) == ["head dim 72: the one-launch kernel measured faster"]
 
 
 @pytest.mark.parametrize("cap_mib", [64, 40])

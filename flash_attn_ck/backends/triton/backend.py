@@ -172,10 +172,7 @@ class TritonBackend(Backend):
             padded = " (padded to a power of two)" if rule.pads_head_dim else ""
             reasons.append(f"head dim {d}: the kernel has tiles for head dims{padded} {sorted(rule.tiles)}")
         elif setting is None and d not in rule.default_head_dims:
-            unmeasured = rule.tile_key(d) in rule.unmeasured
-            reasons.append(f"head dim {d}: " + ("its kernel has not run on a GPU yet (TritonBackend("
-                                                f"{rule.option}=True) selects it)" if unmeasured
-                                                else rule.slower_head_dim))
+            reasons.append(f"head dim {d}: {rule.slower_head_dim}")
         if setting is None and max(p.seqlen_q, p.seqlen_k) < rule.min_seqlen:
             reasons.append(f"sequences shorter than {rule.min_seqlen}: {rule.shorter}")
         if p.dropout_p > 0:

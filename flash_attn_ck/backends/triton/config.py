@@ -83,7 +83,6 @@ class GluonRule:
     shorter: str            # why sequences shorter than min_seqlen do
     positive_scale: bool = False
     pads_head_dim: bool = False   # tiles are keyed by the power of two the head dim is padded to in shared memory
-    unmeasured: frozenset = frozenset()   # tile keys whose kernel has not run on a GPU: only the option selects them
 
     def tile_key(self, head_dim: int) -> int:
         """The key of `tiles` that serves `head_dim` (absent: no tile)."""
@@ -161,18 +160,21 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 # Head dims above 128 (192 and 256, 256 in shared memory): bwd_ws_split.py, 64 x 64 (each warpgroup's 4 warps own
 # 16 key rows each; FA3 takes 64 x 80 at d256), one Q/dO stage (two do not fit beside K, V, P^T, dS^T and the dQ
 # halves: 214 KB of shared memory with one).
-# Compiled for sm_90a on CPU 2026-12-01 (ptxas: no spills dense or causal at d256; 180 bytes in the deterministic
-# mode, 16 varlen d192); not yet run on a GPU, so only TritonBackend(ws=True) selects it.
+# ptxas: no spills dense or causal at d256; 180 bytes in the deterministic mode, 16 varlen d192. Measured on the H200
+# 2026-12-01 (bwd_ws_check.py --time-only, one process; FA4 2026-11-30: d256 376 / 356):
+#   d256 s8192      394 / 391 vs one-launch 272 / 258, cuDNN 353 / 373
+#   d256 s2048      357 / 309 vs one-launch 262 / 232, cuDNN 345 / 298
+#   d192 s8192      314 / 313 vs one-launch 216 / 204, cuDNN 315 / 321 (h = 12; padded to 256 in shared memory)
 BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1),
                128: WsTile(64, 128, num_stages=2, dq_stages=1),
                256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
-# Where it measured faster than the one-launch kernel (d256, bwd_ws_split: not run on a GPU yet).
-BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128})
+# Where it measured faster than the one-launch kernel. Above 128 both kernels pad the head dim to 256, so every
+# head dim there does the work measured at d256 and d192.
+BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, *range(136, 257, 8)})
 BWD_WS_MIN_SEQLEN = 2048   # the shortest length measured (d64 only at s8192)
 BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
                         slower_head_dim="the one-launch kernel measured faster",
-                        shorter="the one-launch kernel measured faster", pads_head_dim=True,
-                        unmeasured=frozenset({256}))
+                        shorter="the one-launch kernel measured faster", pads_head_dim=True)
 # The fp32 dQ accumulator of one launch: kv-head groups run in turn so that it stays under this size (one
 # launch for every call of the benchmark grid; docs/triton.md on the GQA memory target this does not meet).
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
