@@ -14,8 +14,8 @@
 #                                                 compile / graphs / chunking files), 14 workers, spread over calls: the
 #                                                 node ids listed in .devrun/gpu-passed.txt are left out (540 s) ->
 #                                                 gpu-tests.log, gpu-passed.txt (those ids plus this call's passes; to
-#                                                 resume, copy it into .devrun/ here and carry .devrun: ignored outputs
-#                                                 did not survive between two calls on 2026-12-01). With a carried
+#                                                 resume on a fresh machine, copy it into .devrun/ here and carry .devrun;
+#                                                 a warm machine also keeps it in /root). With a carried
 #                                                 pytest-timeout wheel (pip download --no-deps pytest-timeout -d
 #                                                 .devrun/wheels) a test hung past 300 s fails alone (its worker is
 #                                                 replaced) instead of holding the call to its limit
@@ -79,7 +79,10 @@ case $cmd in
     ;;
   gpu-tests)
     info
-    mkdir -p .devrun && touch .devrun/gpu-passed.txt
+    # the passed list of this machine's earlier calls too (/root survives while it stays warm; a carried .devrun
+    # replaces the one there)
+    mkdir -p .devrun && touch .devrun/gpu-passed.txt /root/gpu-passed.txt
+    sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt /root/gpu-passed.txt
     { python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_triton.py
       python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_ops.py tests/test_compile.py \
         tests/test_cuda_graphs.py tests/test_chunking_gpu.py; } 2>/dev/null | grep '::' > .devrun/gpu-all.txt
@@ -97,7 +100,7 @@ case $cmd in
     echo "pytest rc=$?"
     grep -oE "PASSED tests/[^ ]+" "$OUT/gpu-tests.log" | cut -d' ' -f2 | sort -u >> .devrun/gpu-passed.txt
     grep -E "^FAILED|^ERROR| passed| failed" "$OUT/gpu-tests.log" | tail -12
-    sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt && cp .devrun/gpu-passed.txt "$OUT/"
+    sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt && cp .devrun/gpu-passed.txt "$OUT/" /root/
     echo "passed so far $(wc -l < .devrun/gpu-passed.txt) of $(wc -l < .devrun/gpu-all.txt)"
     ;;
   sanitize)

@@ -126,7 +126,9 @@ def check_case(cfg: Config, backend="reference", device="cpu", seed=0):
     unit = max([t.abs().max().item() for t in cpu if t.numel()] or [1.0]) ** 3 / (1 - cfg.dropout_p)
     for name, ours, r, p in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref[0], *ref[2:]), (pt[0], *pt[2:])):
         assert ours.shape == r.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(r.shape)}"
-        assert_close_2x(name, ours.cpu(), r, p, unit=unit)
+        # dK/dV of GQA: each of the group's per-head gradients may be rounded to the input dtype (CK contract)
+        roundings = 1 + (cfg.heads_q // cfg.heads_k if name in ("dk", "dv") and cfg.heads_q != cfg.heads_k else 0)
+        assert_close_2x(name, ours.cpu(), r, p, unit=unit, roundings=roundings)
     finite = torch.isfinite(ref[1])
     assert torch.equal(torch.isfinite(lse.cpu()), finite), "lse: +inf exactly on the rows with no key"
     assert (lse.cpu()[~finite] == float("inf")).all()

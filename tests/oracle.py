@@ -71,8 +71,11 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
 
 
 def assert_close_2x(name: str, ours: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor, factor: float = 2.0,
-                    unit: float = 1.0):
-    """The 2x rule: max|ours - ref| <= factor * max|pt - ref| + atol, atol = 2 * rounding of ref in ours' dtype."""
+                    unit: float = 1.0, roundings: int = 1):
+    """The 2x rule: max|ours - ref| <= max(factor * max|pt - ref|, floor) + atol, atol = 2 * rounding of ref in
+    ours' dtype. `floor`: `roundings` half-units of ours' dtype at max|ref|, the rounding ours cannot avoid where
+    the same-precision reference happens to round luckily (a gradient summed from `roundings - 1` per-head
+    gradients stored in the input dtype, the CK contract's expanded dK/dV, then rounded once more)."""
     ref = ref.double()
     assert not torch.isnan(ours).any(), f"{name}: NaN in result"
     rounded = ref.to(ours.dtype)
@@ -85,5 +88,7 @@ def assert_close_2x(name: str, ours: torch.Tensor, ref: torch.Tensor, pt: torch.
         # input dtype. Allow one rounding unit of the input dtype at the scale `unit` of a gradient
         # entry (|dO| |v| |k| for dq), which is what that rounding propagates into.
         atol = max(atol, torch.finfo(ours.dtype).eps * unit)
-    assert err <= factor * pt_err + atol + 1e-6, \
-        f"{name}: max error {err:.3e} > {factor} x {pt_err:.3e} (same-precision reference) + atol {atol:.3e}"
+    floor = roundings * torch.finfo(ours.dtype).eps / 2 * ref.abs().max().item() if ref.numel() else 0.0
+    assert err <= max(factor * pt_err, floor) + atol + 1e-6, \
+        f"{name}: max error {err:.3e} > max({factor} x {pt_err:.3e} (same-precision reference), floor " \
+        f"{floor:.3e}) + atol {atol:.3e}"
