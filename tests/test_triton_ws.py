@@ -208,8 +208,10 @@ def test_head_dims_above_128_take_the_split_kernel(sm90):
     for head_dim in (136, 160, 192, 200, 256):
         assert TritonBackend().ws_reasons(problem(head_dim=head_dim)) == []
         assert TritonBackend()._ws_tile(problem(head_dim=head_dim)).split_d
+        assert TritonBackend().backward_plan(problem(head_dim=head_dim)).kernel.startswith("bwd_ws_split ")
     for head_dim in (64, 128):
         assert not TritonBackend()._ws_tile(problem(head_dim=head_dim)).split_d
+        assert TritonBackend().backward_plan(problem(head_dim=head_dim)).kernel.startswith("bwd_ws ")
     assert TritonBackend().ws_reasons(problem(head_dim=72)) == ["head dim 72: the one-launch kernel measured faster"]
 
 

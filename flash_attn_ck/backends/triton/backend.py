@@ -303,8 +303,9 @@ class TritonBackend(Backend):
                 tiles = bwd_ws_semaphore_tiles(p.seqlen_q, self._ws_tile(p))
                 buffers.append(BufferSpec("dq_semaphore", (p.batch, heads, tiles), torch.int32, False,
                                           "orders the dQ adds per (batch, head, query tile); zeroed per launch"))
-            return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False,
-                                 kernel="bwd_ws (warp-specialised Gluon, sm_90)")
+            kernel = ("bwd_ws_split (warp-specialised Gluon, sm_90; two warpgroups split the head dim)"
+                      if self._ws_tile(p).split_d else "bwd_ws (warp-specialised Gluon, sm_90)")
+            return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False, kernel=kernel)
         kernel = "bwd_main (one launch: key tiles + dQ pass)" if not self._dq_atomic(p) else "bwd_main (atomic dQ)"
         kernel += "; bwd_ws not used: " + ", ".join(ws_reasons)
         if self._dq_atomic(p):
