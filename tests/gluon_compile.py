@@ -37,13 +37,14 @@ def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype, parts: int = 1
     return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows, parts))
 
 
-def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int):
-    """triton.compile of a Gluon kernel for sm_90a; parameters missing from `types` and `constexprs` are i32."""
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int, **options):
+    """triton.compile of a Gluon kernel for sm_90a; parameters missing from `types` and `constexprs` are i32;
+    `options`: further compile options (maxnreg)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in inspect.signature(kernel.fn).parameters}
     return triton.compile(GluonASTSource(kernel, sig, constexprs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps))
+                          options=dict(num_warps=num_warps, **options))
 
 
 def ptxas_report(ptx: str) -> dict[str, int]:

@@ -153,7 +153,8 @@ def _compile(tile, head_dim, varlen, masks, deterministic=False):
                  dq_desc=descriptor_type(tile.block_m, head_dim, torch.float32, dq_parts),
                  Lse="*fp32", Delta="*fp32", dK="*bf16", dV="*bf16", Sem="*i32", cu_seqlens_q="*i32",
                  cu_seqlens_k="*i32", scale="fp32")
-    return compile_sm90(kernel, types, cx, tile.num_warps)
+    caps = {"maxnreg": tile.max_registers} if tile.max_registers else {}
+    return compile_sm90(kernel, types, cx, tile.num_warps, **caps)
 
 
 @pytest.mark.parametrize("head_dim,varlen,masks,deterministic", [
@@ -178,6 +179,22 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, d
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2
     # deterministic: a full bulk-group wait (not only its shared-memory reads) before the release
     assert ("cp.async.bulk.wait_group 0" in ptx) == deterministic
+
+
+@pytest.mark.parametrize("varlen,masks,deterministic",
+                         [(False, (False, False, False), False), (True, (False, False, True), True)],
+                         ids=["dense", "varlen-det"])
+def test_a_register_cap_fits_two_ctas_on_an_sm(varlen, masks, deterministic):
+    """WsTile.max_registers: the 4-warp d64 tile capped at 128 registers a thread at launch fits two CTAs in one SM's
+    registers and shared memory, the MMA partition still gets its budget (setmaxnreg) and nothing spills."""
+    tile = config.WsTile(64, 64, num_warps=4, max_registers=128)
+    kernel = _compile(tile, 64, varlen, masks, deterministic)
+    report = ptxas_report(kernel.asm["ptx"])
+    assert report["registers"] <= 128 and report["spill_stores"] == 0
+    assert 2 * report["registers"] * kernel.metadata.num_warps * 32 <= 64 * 1024
+    assert 2 * kernel.metadata.shared <= SM90_SHARED_BYTES
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+2\d\d;", kernel.asm["ptx"])   # the MMA warps' 200+
+    assert config.WsTile.parse(str(tile)) == tile
 
 
 @pytest.mark.parametrize("head_dim,varlen,masks,deterministic", [

@@ -217,6 +217,8 @@ def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens
         kernel, dq_parts, extra = attn_bwd_ws_split_kernel, 2, dict(MMA_REGS=tile.mma_regs)
     else:
         kernel, dq_parts, extra = attn_bwd_ws_kernel, 1, {}
+    if tile.max_registers:
+        extra["maxnreg"] = tile.max_registers
     kernel[grid](
         descriptor(q, varlen, tile.block_m), descriptor(k, varlen, tile.block_n), descriptor(v, varlen, tile.block_n),
         descriptor(dout, varlen, tile.block_m), descriptor(dq_accum, varlen, tile.block_m, dq_parts),

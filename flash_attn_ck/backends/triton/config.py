@@ -49,7 +49,9 @@ class WsTile:
     """Launch shape of the warp-specialised backward (bwd_ws.py): query rows per step, key rows per CTA,
     Q/dO ring stages, dQ hand-off buffers, warps of the MMA partition and register budgets of the 1-warp
     workers. `split_d`: the kernel whose two MMA warpgroups split the head dim (bwd_ws_split.py, head dims
-    above 128): num_warps is then its first warpgroup's, and `mma_regs` the second's register budget."""
+    above 128): num_warps is then its first warpgroup's, and `mma_regs` the second's register budget.
+    `max_registers`: registers per thread at launch (ptxas maxnreg), 0 for Triton's choice, which hands one CTA
+    the whole register file; 128 with a 4-warp MMA partition (8 warps in all) lets two CTAs share an SM."""
     block_m: int
     block_n: int
     num_stages: int = 2
@@ -59,15 +61,19 @@ class WsTile:
     writer_regs: int = 24
     split_d: bool = False
     mma_regs: int = 240
+    max_registers: int = 0
 
     @classmethod
     def parse(cls, text: str) -> WsTile:
-        """'BMxBN[xSTAGES[xDQ_STAGES]]', as the benchmark scripts take it."""
-        names = ("block_m", "block_n", "num_stages", "dq_stages")
+        """'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS]]]]', as the benchmark scripts take it."""
+        names = ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "max_registers")
         return cls(**dict(zip(names, map(int, text.split("x")))))
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}"
+        text = f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}"
+        if (self.num_warps, self.max_registers) != (8, 0):
+            text += f"x{self.num_warps}x{self.max_registers}"
+        return text
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,11 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 #   d256 s8192      394 / 391 vs one-launch 272 / 258, cuDNN 353 / 373
 #   d256 s2048      357 / 309 vs one-launch 262 / 232, cuDNN 345 / 298
 #   d192 s8192      314 / 313 vs one-launch 216 / 204, cuDNN 315 / 321 (h = 12; padded to 256 in shared memory)
+# A d64 candidate, compiled here and not yet run (tests/test_triton_ws.py): WsTile(64, 64, num_warps=4,
+# max_registers=128), two CTAs per SM (75 KB of shared memory and 128 registers a thread at launch each, no spills;
+# the MMA partition raises itself to 232). At d64 the exp2 and dS work per step weighs twice what it does at d128
+# against the matmuls, and one 8-warp MMA partition does it in lock-step (thread barriers); two CTAs' partitions
+# are not, so one's softmax work can overlap the other's matmuls. `bwd_ws_check.py --tiles64 64x64x2x1x4x128` times it.
 BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1),
                128: WsTile(64, 128, num_stages=2, dq_stages=1),
                256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
