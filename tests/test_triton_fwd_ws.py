@@ -145,7 +145,8 @@ def _compile(tile, head_dim, varlen, masks, overlap, pingpong=False):
                  Out="*bf16", Lse="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", scale="fp32")
     cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages,
               VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2], OVERLAP=overlap,
-              PINGPONG=pingpong, CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs)
+              PINGPONG=pingpong, CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs,
+              QUERY_MAJOR=tile.longest_first)
     return compile_sm90(fwd_ws.attn_fwd_ws_kernel, types, cx, 4)
 
 
@@ -190,3 +191,39 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, overlap, pingpon
     # The consumers fit their 240 registers: the overlap variants at d >= 96 hold the next S beside P and O and
     # spill a few words (4-12 bytes), no variant more.
     assert ptxas_report(ptx)["spill_stores"] <= 16
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 3), seqlen=st.integers(1, 700), heads=st.integers(1, 4), longest_first=st.booleans())
+def test_the_grid_is_query_major_when_asked(batch, seqlen, heads, longest_first):
+    """fwd_ws.launch (kernel stubbed, CPU tensors): the grid is (query tiles, batch, heads), or (heads, batch, query
+    tiles) with FwdWsTile.longest_first, and the kernel is told which (QUERY_MAJOR)."""
+    from unittest import mock
+
+    from flash_attn_ck.backends.triton import fwd_ws
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(grid=grid, query_major=kwargs["QUERY_MAJOR"])
+
+    tile = config.FwdWsTile(128, 128, longest_first=longest_first)
+    q = torch.zeros(batch, seqlen, heads, 64, dtype=torch.bfloat16)
+    with mock.patch.object(fwd_ws, "attn_fwd_ws_kernel", Recorder()):
+        fwd_ws.launch(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(batch, heads, seqlen), None, None,
+                      varlen=False, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, scale=0.1, top_left=False,
+                      window_left=-1, window_right=0, has_left=False, has_right=True, tile=tile)
+    tiles = -(-seqlen // tile.block_m)
+    assert seen["grid"] == ((heads, batch, tiles) if longest_first else (tiles, batch, heads))
+    assert seen["query_major"] is longest_first
+    assert config.FwdWsTile.parse(str(tile)) == tile
+
+
+def test_a_query_major_grid_counts_query_tiles_in_z():
+    """QUERY_MAJOR swaps the axes the kernel reads: the last-tile-first order counts the query tiles in the grid's z
+    dimension (%nctaid.z) instead of x."""
+    from dataclasses import replace
+    tile = config.FWD_WS_SM90[128][True]
+    for longest_first, axis in ((False, "x"), (True, "z")):
+        ptx = _compile(replace(tile, longest_first=longest_first), 128, True, (False, False, True), True).asm["ptx"]
+        assert f"%nctaid.{axis}" in ptx and f"%nctaid.{'xz'.replace(axis, '')}" not in ptx

@@ -5,6 +5,8 @@ with the instructions the design rests on. Its numerics run on the GPU (tests/te
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+from unittest import mock
 
 import pytest
 import torch
@@ -139,7 +141,8 @@ def _compile(tile, head_dim, varlen, masks, deterministic=False):
     box = triton.next_power_of_2(head_dim)
     cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages,
               DQ_STAGES=tile.dq_stages, VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2],
-              LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, DETERMINISTIC=deterministic)
+              LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, DETERMINISTIC=deterministic,
+              KEY_MAJOR=tile.longest_first)
     if tile.split_d:
         kernel, dq_parts = bwd_ws_split.attn_bwd_ws_split_kernel, 2
         cx["MMA_REGS"] = tile.mma_regs
@@ -179,6 +182,45 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, d
     assert ptx.count("wgmma.wait_group.sync.aligned 1;") == 2
     # deterministic: a full bulk-group wait (not only its shared-memory reads) before the release
     assert ("cp.async.bulk.wait_group 0" in ptx) == deterministic
+
+
+@settings(max_examples=20, deadline=None)
+@given(batch=st.integers(1, 3), seqlen=st.integers(1, 700), heads_k=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
+       split=st.booleans(), longest_first=st.booleans())
+def test_the_grid_is_key_major_when_asked(batch, seqlen, heads_k, group, split, longest_first):
+    """bwd_ws.launch (kernel stubbed, CPU tensors): the grid is (key tiles, batch, kv heads), or (kv heads, batch, key
+    tiles) with WsTile.longest_first, and the kernel is told which (KEY_MAJOR)."""
+    from flash_attn_ck.backends.triton import bwd_ws
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(grid=grid, key_major=kwargs["KEY_MAJOR"])
+
+    d = 256 if split else 64
+    tile = config.WsTile(64, 64 if split else 128, num_warps=4 if split else 8, split_d=split,
+                         longest_first=longest_first)
+    q = torch.zeros(batch, seqlen, heads_k * group, d, dtype=torch.bfloat16)
+    k = torch.zeros(batch, seqlen, heads_k, d, dtype=torch.bfloat16)
+    rows = torch.zeros(batch, heads_k * group, seqlen)
+    with mock.patch.object(bwd_ws, "attn_bwd_ws_split_kernel" if split else "attn_bwd_ws_kernel", Recorder()):
+        bwd_ws.launch(q, k, k.clone(), q.clone(), rows, rows.clone(), q.float(), k.clone(), k.clone(), None, None,
+                      varlen=False, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, scale=0.1, top_left=False,
+                      window_left=-1, window_right=0, has_left=False, has_right=True, tile=tile)
+    key_tiles = -(-seqlen // tile.block_n)
+    assert seen["grid"] == ((heads_k, batch, key_tiles) if longest_first else (key_tiles, batch, heads_k))
+    assert seen["key_major"] is longest_first
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_a_key_major_grid_reads_the_head_count_from_x(head_dim):
+    """KEY_MAJOR swaps the axes the kernel reads: the deterministic writer counts the kv heads in the grid's x
+    dimension (%nctaid.x) instead of z; the default reads z."""
+    tile = config.BWD_WS_SM90[head_dim]
+    for longest_first, axis in ((False, "z"), (True, "x")):
+        kernel = _compile(replace(tile, longest_first=longest_first), head_dim, True, (False, False, True), True)
+        ptx = kernel.asm["ptx"]
+        assert f"%nctaid.{axis}" in ptx and f"%nctaid.{'xz'.replace(axis, '')}" not in ptx
 
 
 @pytest.mark.parametrize("varlen,masks,deterministic",

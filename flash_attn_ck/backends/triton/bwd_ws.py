@@ -74,11 +74,10 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
          seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
          DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-         HAS_RIGHT: gl.constexpr, num_warps: gl.constexpr):
-    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(
+         HAS_RIGHT: gl.constexpr, KEY_MAJOR: gl.constexpr, num_warps: gl.constexpr):
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
-    kv_head = gl.program_id(2)
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)
     dtype: gl.constexpr = k_smem.dtype
     k_tile = k_smem.reshape([BLOCK_N, HEAD_D])
     v_tile = v_smem.reshape([BLOCK_N, HEAD_D])
@@ -164,10 +163,11 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                        NUM_STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr,
                        TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                        LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                       DETERMINISTIC: gl.constexpr, num_warps: gl.constexpr):
-    """Grid: (key tiles, batch, kv heads). See the module docstring."""
+                       DETERMINISTIC: gl.constexpr, KEY_MAJOR: gl.constexpr, num_warps: gl.constexpr):
+    """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR
+    (workers.cta_coords). See the module docstring."""
     if VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if workers.past_sequence(cu_seqlens_k, BLOCK_N):
+        if workers.past_sequence(cu_seqlens_k, BLOCK_N, KEY_MAJOR):
             return
     dtype: gl.constexpr = q_desc.dtype
     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready = \
@@ -183,15 +183,15 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
                 stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
                 seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                num_warps)),
+                KEY_MAJOR, num_warps)),
         (workers.loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                    q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
-                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)),
         (workers.dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
                       cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
                       BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, 1, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                      DETERMINISTIC)),
+                      DETERMINISTIC, KEY_MAJOR)),
     ], [1, 1], [LOADER_REGS, WRITER_REGS])
 
 
@@ -212,7 +212,8 @@ def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens
     cu_q = cu_seqlens_q if varlen else lse
     cu_k = cu_seqlens_k if varlen else lse
     box = box_cols(d)   # shared-memory head dim: columns past d read as zeros, never written
-    grid = (triton.cdiv(seqlen_k, tile.block_n), batch, heads_k)
+    key_tiles = triton.cdiv(seqlen_k, tile.block_n)
+    grid = (heads_k, batch, key_tiles) if tile.longest_first else (key_tiles, batch, heads_k)
     if tile.split_d:   # its two MMA warpgroups hand dQ over in halves of the columns
         kernel, dq_parts, extra = attn_bwd_ws_split_kernel, 2, dict(MMA_REGS=tile.mma_regs)
     else:
@@ -228,5 +229,5 @@ def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages, DQ_STAGES=tile.dq_stages,
         VARLEN=varlen, TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right,
         LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs,
-        DETERMINISTIC=semaphores is not None, num_warps=tile.num_warps, **extra)
+        DETERMINISTIC=semaphores is not None, KEY_MAJOR=tile.longest_first, num_warps=tile.num_warps, **extra)
 

@@ -49,11 +49,10 @@ def _half(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem
           seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
           DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-          HAS_RIGHT: gl.constexpr):
-    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(
+          HAS_RIGHT: gl.constexpr, KEY_MAJOR: gl.constexpr):
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
-    kv_head = gl.program_id(2)
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)
     dtype: gl.constexpr = k_smem.dtype
     HALF_D: gl.constexpr = HEAD_D // 2
     k_tile = k_smem.reshape([BLOCK_N, HEAD_D])
@@ -140,11 +139,11 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
                              NUM_STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr,
                              TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
                              MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                             DETERMINISTIC: gl.constexpr):
-    """Grid: (key tiles, batch, kv heads); num_warps = MMA_WARPS (the scores warpgroup). See the module
+                             DETERMINISTIC: gl.constexpr, KEY_MAJOR: gl.constexpr):
+    """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
     if VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if workers.past_sequence(cu_seqlens_k, BLOCK_N):
+        if workers.past_sequence(cu_seqlens_k, BLOCK_N, KEY_MAJOR):
             return
     dtype: gl.constexpr = q_desc.dtype
     q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready = \
@@ -169,19 +168,21 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
                  dK, dV, cu_seqlens_q, cu_seqlens_k,
                  stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
                  seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
-                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                 KEY_MAJOR)),
         (_half, (1, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, lse_smem, delta_smem,
                  q_ready, do_ready, tile_empty, kv_ready, p_ready, ds_ready, ps_free, dq_full, dq_empty,
                  dK, dV, cu_seqlens_q, cu_seqlens_k,
                  stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
                  seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
-                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                 KEY_MAJOR)),
         (workers.loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
                    q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
-                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)),
         (workers.dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
                       cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
                       BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, 2, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                      DETERMINISTIC)),
+                      DETERMINISTIC, KEY_MAJOR)),
     ], [MMA_WARPS, 1, 1], [MMA_REGS, LOADER_REGS, WRITER_REGS])

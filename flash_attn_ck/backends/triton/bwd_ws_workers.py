@@ -24,26 +24,36 @@ def tma_reduce_add(desc, coord, src, _semantic=None):
 
 # ---- schedule: which (query head, query tile) pairs a key tile visits --------------------------
 @gluon.jit
+def cta_coords(KEY_MAJOR: gl.constexpr):
+    """(key tile, batch, kv head, kv heads) of this CTA. The grid is (key tiles, batch, kv heads), or with
+    KEY_MAJOR (kv heads, batch, key tiles): CTAs start in grid order, x fastest, so key-major starts every head's
+    first key tiles, the longest under a causal mask, before any head's later ones (longest first)."""
+    TILE_AXIS: gl.constexpr = 2 if KEY_MAJOR else 0
+    HEAD_AXIS: gl.constexpr = 0 if KEY_MAJOR else 2
+    return gl.program_id(TILE_AXIS), gl.program_id(1), gl.program_id(HEAD_AXIS), gl.num_programs(HEAD_AXIS)
+
+
+@gluon.jit
 def tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, KEY_MAJOR: gl.constexpr):
     """Everything every partition derives from the program id, computed the same way in each."""
-    n0 = gl.program_id(0) * BLOCK_N
-    b = gl.program_id(1)
+    n_tile, b, kv_head, _ = cta_coords(KEY_MAJOR)
+    n0 = n_tile * BLOCK_N
     q_row0, len_q = sequence(cu_seqlens_q, b, seqlen_q, VARLEN)
     k_row0, len_k = sequence(cu_seqlens_k, b, seqlen_k, VARLEN)
     shift = 0 if TOP_LEFT else len_k - len_q
     m_lo, m_hi = query_range(n0, len_q, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     m_tiles = gl.maximum(gl.cdiv(m_hi - m_lo, BLOCK_M), 0)
-    return n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles
+    return n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles
 
 
 # ---- what every kernel allocates for its workers ------------------------------------------------
 @gluon.jit
-def past_sequence(cu_seqlens_k, BLOCK_N: gl.constexpr):
+def past_sequence(cu_seqlens_k, BLOCK_N: gl.constexpr, KEY_MAJOR: gl.constexpr):
     """Whether this CTA's key tile starts past its (varlen) sequence: then it has nothing to do."""
-    b = gl.program_id(1)
-    return gl.program_id(0) * BLOCK_N >= gl.load(cu_seqlens_k + b + 1) - gl.load(cu_seqlens_k + b)
+    n_tile, b, _, _ = cta_coords(KEY_MAJOR)
+    return n_tile * BLOCK_N >= gl.load(cu_seqlens_k + b + 1) - gl.load(cu_seqlens_k + b)
 
 
 @gluon.jit
@@ -95,11 +105,11 @@ def loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse
             q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
             cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-            VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
+            VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+            KEY_MAJOR: gl.constexpr):
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
-    kv_head = gl.program_id(2)
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [k_row0 + n0, kv_head, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [k_row0 + n0, kv_head, 0], kv_ready, v_smem)
@@ -145,14 +155,14 @@ def dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem,
                cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, DQ_STAGES: gl.constexpr,
                DQ_PARTS: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr):
+               HAS_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr, KEY_MAJOR: gl.constexpr):
     """Per step: the query tile's dQ, in DQ_PARTS buffers of HEAD_D / DQ_PARTS columns each (bwd_ws_split.py
     hands it over in halves), reduce-added into dq_accum."""
-    n0, b, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
-    kv_head = gl.program_id(2)
-    heads = gl.num_programs(2) * group
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)
+    n_tile, _, _, kv_heads = cta_coords(KEY_MAJOR)
+    heads = kv_heads * group
     for step in range(m_tiles * group):
         stage = step % DQ_STAGES
         phase = (step // DQ_STAGES) & 1
@@ -165,7 +175,7 @@ def dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem,
             n_first = 0
             if HAS_LEFT:
                 n_first = gl.cdiv(gl.maximum(m0 - BLOCK_N - window_left + shift + 1, 0), BLOCK_N)
-            turn = gl.program_id(0) - n_first
+            turn = n_tile - n_first
             sem = Sem + ((b * heads + head) * sem_m_tiles + m0 // BLOCK_M)
             while gl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass

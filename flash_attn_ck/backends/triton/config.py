@@ -51,7 +51,9 @@ class WsTile:
     workers. `split_d`: the kernel whose two MMA warpgroups split the head dim (bwd_ws_split.py, head dims
     above 128): num_warps is then its first warpgroup's, and `mma_regs` the second's register budget.
     `max_registers`: registers per thread at launch (ptxas maxnreg), 0 for Triton's choice, which hands one CTA
-    the whole register file; 128 with a 4-warp MMA partition (8 warps in all) lets two CTAs share an SM."""
+    the whole register file; 128 with a 4-warp MMA partition (8 warps in all) lets two CTAs share an SM.
+    `longest_first`: a key-major grid (bwd_ws_workers.cta_coords), which under a causal mask starts the longest
+    key tiles of every head before any shorter one."""
     block_m: int
     block_n: int
     num_stages: int = 2
@@ -62,17 +64,21 @@ class WsTile:
     split_d: bool = False
     mma_regs: int = 240
     max_registers: int = 0
+    longest_first: bool = False
 
     @classmethod
     def parse(cls, text: str) -> WsTile:
-        """'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS]]]]', as the benchmark scripts take it."""
-        names = ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "max_registers")
-        return cls(**dict(zip(names, map(int, text.split("x")))))
+        """'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xLONGEST_FIRST]]]]]' (the flag 0 or 1), as the
+        benchmark scripts take it."""
+        names = ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "max_registers", "longest_first")
+        values = list(map(int, text.split("x")))
+        values[6:] = map(bool, values[6:])
+        return cls(**dict(zip(names, values)))
 
     def __str__(self) -> str:
         text = f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}"
-        if (self.num_warps, self.max_registers) != (8, 0):
-            text += f"x{self.num_warps}x{self.max_registers}"
+        if (self.num_warps, self.max_registers, self.longest_first) != (8, 0, False):
+            text += f"x{self.num_warps}x{self.max_registers}x{int(self.longest_first)}"
         return text
 
 
@@ -176,6 +182,11 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 # the MMA partition raises itself to 232). At d64 the exp2 and dS work per step weighs twice what it does at d128
 # against the matmuls, and one 8-warp MMA partition does it in lock-step (thread barriers); two CTAs' partitions
 # are not, so one's softmax work can overlap the other's matmuls. `bwd_ws_check.py --tiles64 64x64x2x1x4x128` times it.
+# Longest first (WsTile.longest_first, a key-major grid), compiled here and not yet run: scripts/wave_schedule.py
+# models a causal launch's tail (CTAs start in grid order on the SM that frees first): the tile-major grid reaches
+# 0.94 of the ideal at d128 s8192 and 0.89 at GQA 32/8 (4x longer CTAs), key-major 0.998 / 0.997 (x1.06 / x1.12).
+# Its cost is L2 locality: concurrent CTAs belong to different heads. `bwd_ws_check.py --tiles128
+# 64x128,64x128x2x1x8x0x1` times both.
 BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1),
                128: WsTile(64, 128, num_stages=2, dq_stages=1),
                256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
@@ -196,7 +207,9 @@ class FwdWsTile:
     """Launch shape of the warp-specialised forward (fwd_ws.py): query rows per CTA (two consumer
     warpgroups of block_m / 2 rows each), key rows per step, K/V ring stages, whether the next key tile's
     S = Q K^T is issued before the current P V (intra-warpgroup overlap), whether the two consumers take turns
-    issuing their matmuls (ping-pong), and the register budgets of the consumer worker and of the 1-warp loader."""
+    issuing their matmuls (ping-pong), the register budgets of the consumer worker and of the 1-warp loader, and
+    whether the grid is query-tile-major (`longest_first`: under a causal mask the longest query tiles of every head
+    start before any shorter one; fwd_ws._cta_coords)."""
     block_m: int
     block_n: int
     num_stages: int = 2
@@ -204,17 +217,19 @@ class FwdWsTile:
     pingpong: bool = False
     consumer_regs: int = 240
     loader_regs: int = 24
+    longest_first: bool = False
 
     @classmethod
     def parse(cls, text: str) -> FwdWsTile:
-        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG]]]' (flags 0 or 1), as scripts/fwd_ws_check.py takes it."""
-        names = ("block_m", "block_n", "num_stages", "overlap", "pingpong")
+        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG[xLONGEST_FIRST]]]]' (flags 0 or 1), as scripts/fwd_ws_check.py takes it."""
+        names = ("block_m", "block_n", "num_stages", "overlap", "pingpong", "longest_first")
         values = list(map(int, text.split("x")))
         values[3:] = map(bool, values[3:])
         return cls(**dict(zip(names, values)))
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.num_stages}x{int(self.overlap)}x{int(self.pingpong)}"
+        text = f"{self.block_m}x{self.block_n}x{self.num_stages}x{int(self.overlap)}x{int(self.pingpong)}"
+        return text + "x1" if self.longest_first else text
 
 
 # Tiles: FA3's H100 shape for d128 (128 query rows per CTA in two consumer warpgroups, 2 K/V stages, the
@@ -239,6 +254,9 @@ class FwdWsTile:
 #   d256  674 / 653 and 602 / 598 causal (previous 377 / 335, cuDNN 649 / 591)   -> ping-pong off
 #   d192  528 / 516 and 489 / 486 causal (previous 288 / 247, cuDNN 645 / 570)   -> ping-pong off
 #   d96   478 / 470 and 445 / 449 causal (previous 376 / 343, cuDNN 468 / 423)   (d128 tiles: as d128)
+# Longest first (FwdWsTile.longest_first, a query-major grid), compiled here and not yet run: the causal d128 s8192
+# forward reaches 0.94 of the ideal tile-major, 0.998 query-major in scripts/wave_schedule.py's model;
+# `fwd_ws_check.py --tiles128 128x128x2x1x1,128x128x2x1x1x1` times both.
 # Keyed by the power of two the head dim is padded to in shared memory (d96 runs in the d128 tiles), then causal.
 FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, overlap=True,
                                      pingpong=causal and d < 256)

@@ -1,7 +1,8 @@
 """Warp-specialised forward kernel for sm_90, written in Gluon (FA3's design).
 
-One CTA per (query tile of BLOCK_M rows, batch, query head); program 0 takes the last query tile, so
-the longest causal tiles start first. Three partitions share the CTA:
+One CTA per (query tile of BLOCK_M rows, batch, query head); the first program of each (batch, head) takes its
+last query tile, the longest under a causal mask, and with QUERY_MAJOR the grid is (heads, batch, query tiles),
+so the last query tiles of every head start before any shorter one (`_cta_coords`). Three partitions share the CTA:
 
   loader      (1 warp)   TMA: the CTA's two Q halves once, behind one "q_ready" mbarrier; then per
                          visible key tile K and V into a ring of NUM_STAGES buffers, each behind its own
@@ -67,13 +68,21 @@ CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer pa
 
 # ---- schedule: which query rows and key tiles a CTA covers --------------------------------------
 @gluon.jit
+def _cta_coords(BLOCK_M: gl.constexpr, QUERY_MAJOR: gl.constexpr):
+    """(first query row, batch, query head) of this CTA: the grid is (query tiles, batch, heads), or with QUERY_MAJOR
+    (heads, batch, query tiles); the first program along the tile axis takes the last query tile."""
+    TILE_AXIS: gl.constexpr = 2 if QUERY_MAJOR else 0
+    HEAD_AXIS: gl.constexpr = 0 if QUERY_MAJOR else 2
+    m0 = (gl.num_programs(TILE_AXIS) - 1 - gl.program_id(TILE_AXIS)) * BLOCK_M
+    return m0, gl.program_id(1), gl.program_id(HEAD_AXIS)
+
+
+@gluon.jit
 def _tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, QUERY_MAJOR: gl.constexpr):
     """Everything every partition derives from the program id, computed the same way in each."""
-    m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    b = gl.program_id(1)
-    head = gl.program_id(2)
+    m0, b, head = _cta_coords(BLOCK_M, QUERY_MAJOR)
     q_row0, len_q = sequence(cu_seqlens_q, b, seqlen_q, VARLEN)
     k_row0, len_k = sequence(cu_seqlens_k, b, seqlen_k, VARLEN)
     shift = 0 if TOP_LEFT else len_k - len_q
@@ -87,10 +96,11 @@ def _tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, 
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
             cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-            VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+            VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
+            QUERY_MAJOR: gl.constexpr):
     m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, QUERY_MAJOR)
     half: gl.constexpr = BLOCK_M // 2
     mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
     for wg in gl.static_range(2):
@@ -194,10 +204,10 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
               seqlen_q, seqlen_k, head_dim, scale, window_left, window_right,
               WARPGROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-              HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr):
+              HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, QUERY_MAJOR: gl.constexpr):
     m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)
+        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, QUERY_MAJOR)
     ROWS: gl.constexpr = BLOCK_M // 2
     m0 = m0_cta + WARPGROUP * ROWS
     dtype: gl.constexpr = q_smem.dtype
@@ -289,11 +299,12 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                        NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr,
-                       PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """Grid: (query tiles, batch, query heads); num_warps = CONSUMER_WARPS (consumer 0). See the module docstring."""
+                       PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                       QUERY_MAJOR: gl.constexpr):
+    """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR; num_warps =
+    CONSUMER_WARPS (consumer 0). See the module docstring."""
     if VARLEN:
-        m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-        b = gl.program_id(1)
+        m0, b, _ = _cta_coords(BLOCK_M, QUERY_MAJOR)
         if m0 >= gl.load(cu_seqlens_q + b + 1) - gl.load(cu_seqlens_q + b):
             return
     dtype: gl.constexpr = q_desc.dtype
@@ -324,15 +335,15 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
                      cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
                      seqlen_q, seqlen_k, head_dim, scale, window_left, window_right,
                      0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, OVERLAP,
-                     PINGPONG)),
+                     PINGPONG, QUERY_MAJOR)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
                      cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
                      seqlen_q, seqlen_k, head_dim, scale, window_left, window_right,
                      1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, OVERLAP,
-                     PINGPONG)),
+                     PINGPONG, QUERY_MAJOR)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
                    cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
-                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT)),
+                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, QUERY_MAJOR)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -351,12 +362,14 @@ def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch
     cu_q = cu_seqlens_q if varlen else lse
     cu_k = cu_seqlens_k if varlen else lse
     box = box_cols(d)   # shared-memory head dim: columns past d read as zeros, never written
-    grid = (triton.cdiv(seqlen_q, tile.block_m), batch, q.shape[-2])
+    query_tiles = triton.cdiv(seqlen_q, tile.block_m)
+    grid = (q.shape[-2], batch, query_tiles) if tile.longest_first else (query_tiles, batch, q.shape[-2])
     attn_fwd_ws_kernel[grid](
         q_desc, k_desc, v_desc, out_desc, target, lse, cu_q, cu_k, out_desc.strides[0],   # target's row stride
         *lse_strides, seqlen_q, seqlen_k, d, group, scale, window_left, window_right,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages, VARLEN=varlen,
         TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right, OVERLAP=tile.overlap, PINGPONG=tile.pingpong,
-        CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, num_warps=CONSUMER_WARPS.value)
+        CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, QUERY_MAJOR=tile.longest_first,
+        num_warps=CONSUMER_WARPS.value)
     if target is not out:
         out.copy_(target)

@@ -1,0 +1,31 @@
+"""scripts/wave_schedule.py, the model behind the longest-first grids (WsTile/FwdWsTile.longest_first)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+_SCRIPT = Path(__file__).parents[1] / "scripts" / "wave_schedule.py"
+_spec = importlib.util.spec_from_file_location("wave_schedule", _SCRIPT)
+wave_schedule = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(wave_schedule)
+
+
+@settings(max_examples=50, deadline=None)
+@given(count=st.integers(1, 500), length=st.integers(1, 50), sms=st.integers(1, 140))
+def test_equal_ctas_take_whole_waves(count, length, sms):
+    assert wave_schedule.makespan([length] * count, sms) == -(-count // sms) * length
+
+
+@settings(max_examples=50, deadline=None)
+@given(tiles=st.integers(1, 80), heads=st.integers(1, 40), sms=st.integers(1, 140), group=st.integers(1, 8))
+def test_a_causal_grid_runs_longest_first_key_major(tiles, heads, sms, group):
+    """Under a causal mask the key-major order is longest-first (LPT), so it meets Graham's LPT bound: within 4/3 of
+    the best schedule, itself at least the ideal (total / SMs) and the longest CTA."""
+    tile_major, key_major = wave_schedule.orders(tiles, heads, lambda n: group * (tiles - n))
+    assert sorted(tile_major) == sorted(key_major) and key_major == sorted(key_major, reverse=True)
+    best_bound = max(sum(key_major) / sms, group * tiles)
+    assert wave_schedule.makespan(key_major, sms) <= 4 / 3 * best_bound + 1e-9
