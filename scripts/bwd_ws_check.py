@@ -2,8 +2,11 @@
 against an fp32 PyTorch reference (the 2x rule: error <= 2x that of the same math in bf16) and, for
 timing, against the current Triton backward and torch SDPA (FA2, cuDNN) in the same process.
 
-    python scripts/bwd_ws_check.py [--check-only] [--time-only] [--tiles 64x128,...] [--only REGEX]
-        [--case-timeout SECONDS]
+    python scripts/bwd_ws_check.py [--check-only] [--time-only] [--tiles128 64x128,...] [--tiles64 ...]
+        [--only REGEX] [--case-timeout SECONDS]
+
+A tile is config.WsTile.parse's 'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xLONGEST_FIRST]]]]]'; the
+checks run each (d128 tile, d64 tile) pair of the two lists, so give them the same length.
 
 Prints one line per case; exits non-zero if a check fails, with 3 (after a HANG line) if a case has not finished
 within --case-timeout (a deadlocked kernel would otherwise hold the GPU call to its limit). Needs an sm_90 GPU.

@@ -36,6 +36,10 @@
 #                                                 scripts/profile_case.py --shape SHAPE (default 128:16:16:8192:0):
 #                                                 speed of light, tensor-pipe and shared-memory load, warp stalls
 #                                                 (300 s) -> ncu-KERNEL.txt. Written 2026-12-01, not run yet.
+#   bash scripts/device.sh candidates           the tiles compiled but not yet run, checked and timed beside the defaults
+#                                                 (240 s each): bwd_ws_check.py with the longest-first d128 tile and the
+#                                                 two-CTAs-per-SM d64 tile, fwd_ws_check.py with the longest-first d128
+#                                                 tile (causal rows are where they should differ) -> candidates-*.log
 #   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
 #                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
 #                                                 this tree: old, new, old, new, so each version is timed twice
@@ -154,6 +158,16 @@ case $cmd in
     echo "ncu rc=$?"
     grep -E "Duration|Compute \(SM\) Throughput|Memory Throughput|Shared|Tensor|Stall|Issue Slot|ERR" \
       "$OUT/ncu-$kernel.txt" | head -40
+    ;;
+  candidates)
+    info
+    limit 240 python3 scripts/bwd_ws_check.py --case-timeout 120 --tiles128 64x128,64x128x2x1x8x0x1 \
+      --tiles64 64x128,64x64x2x1x4x128 --peers sdpa_cudnn \
+      --shapes 128:16:16:8192,128:32:8:8192,128:32:8:2048,64:32:32:8192 2>&1 | tee "$OUT/candidates-bwd.log" \
+      | grep -E "^(PASS|FAIL|TIME|HANG|ERROR)"
+    limit 240 python3 scripts/fwd_ws_check.py --tiles128 128x128x2x1x1,128x128x2x1x1x1 --tiles64 128x128x2x1x1 \
+      --shapes 128:16:16,128:32:8 --seqlens 2048,8192 2>&1 | tee "$OUT/candidates-fwd.log" \
+      | grep -E "^(PASS|FAIL|TIME|ERROR)"
     ;;
   ab)
     [ $# -eq 2 ] || { echo "usage: bash scripts/device.sh ab OLD_TREE SHAPES" >&2; exit 2; }
