@@ -22,7 +22,7 @@
 #   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
 #                                                 (ws: the warp-specialised kernels' case, synccheck too, and
 #                                                 racecheck on the `handoff` baseline it is read against)
-#                                                 (240 s each) -> sanitizer[-ws]-<tool>.log
+#                                                 (the tools side by side, 240 s each) -> sanitizer[-ws]-<tool>.log
 #   bash scripts/device.sh memory                the workspace cap measured (scripts/memory_cap.py, 100 s each):
 #                                                 triton s16384, reference s4096 causal -> memory-*.json
 #   bash scripts/device.sh bench [ARGS]          scripts/bench_bwd.py --out $OUT ARGS (no default limit), e.g.
@@ -104,19 +104,20 @@ case $cmd in
     echo "pytest rc=$?"
     grep -oE "PASSED tests/[^ ]+" "$OUT/gpu-tests.log" | cut -d' ' -f2 | sort -u >> .devrun/gpu-passed.txt
     grep -E "^FAILED|^ERROR| passed| failed" "$OUT/gpu-tests.log" | tail -12
-    sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt && cp .devrun/gpu-passed.txt "$OUT/" /root/
+    sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt
+    cp .devrun/gpu-passed.txt "$OUT/" && cp .devrun/gpu-passed.txt /root/
     echo "passed so far $(wc -l < .devrun/gpu-passed.txt) of $(wc -l < .devrun/gpu-all.txt)"
     ;;
   sanitize)
     info
     # `sanitize ws`: the warp-specialised kernel's case, also under synccheck (its named barriers)
+    # The tools run side by side (one process each; most of a run is compiling and instrumenting on the host).
     case=${1:-}; tools="memcheck racecheck"; [ "$case" = ws ] && tools="memcheck racecheck synccheck"
+    pids=()
     for tool in $tools; do
       limit 240 compute-sanitizer --tool "$tool" --target-processes all python3 scripts/sanitize_case.py $case \
-        > "$OUT/sanitizer${case:+-$case}-$tool.log" 2>&1
-      echo "$tool rc=$?"
-      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Device not supported|case done" "$OUT/sanitizer${case:+-$case}-$tool.log" \
-        | tail -4
+        > "$OUT/sanitizer${case:+-$case}-$tool.log" 2>&1 &
+      pids+=($!)
     done
     if [ "$case" = ws ]; then
       limit 240 compute-sanitizer --tool racecheck python3 scripts/sanitize_case.py handoff \
@@ -124,6 +125,11 @@ case $cmd in
       echo "racecheck (handoff baseline) rc=$?"
       grep -E "RACECHECK SUMMARY|case done" "$OUT/sanitizer-handoff-racecheck.log" | tail -2
     fi
+    for tool in $tools; do
+      wait "${pids[0]}"; echo "$tool rc=$?"; pids=("${pids[@]:1}")
+      grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Device not supported|case done" "$OUT/sanitizer${case:+-$case}-$tool.log" \
+        | tail -4
+    done
     ;;
   memory)
     info

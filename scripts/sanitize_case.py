@@ -6,8 +6,9 @@ before the exp2, config.Configs.bwd_dp_first) and a dense unwindowed call whose 
 key tile (the EVEN_K kernels, TMA tiles).
 
 `python3 scripts/sanitize_case.py ws` runs the warp-specialised kernels (fwd_ws.py, bwd_ws.py) instead: a
-causal GQA 8/2 varlen call with empty sequences at d128 (bwd_ws) and d256 (bwd_ws_split), deterministic (the
-backward's semaphore-ordered dQ adds) and not, and a dense windowed one.
+causal GQA 8/2 varlen call with empty sequences at d64 (bwd_ws's two-CTAs-per-SM tile), d128 (bwd_ws, key-major
+grid) and d256 (bwd_ws_split), deterministic (the backward's semaphore-ordered dQ adds) and not, and a dense
+windowed one.
 
 `python3 scripts/sanitize_case.py ws-switch` runs a Gluon kernel whose two partitions touch no shared memory
 of their own (each writes its own global rows): whatever racecheck reports there belongs to the code Triton
@@ -48,7 +49,7 @@ def varlen_backward(lens_q, lens_k, head_dim, deterministic):
 
 def ws_case():
     with fa.use_backend(TritonBackend(ws=True, fwd_ws=True)):
-        for head_dim in (128, 256):
+        for head_dim in (64, 128, 256):
             for deterministic in (True, False):
                 varlen_backward([137, 0, 70, 5, 200], [150, 9, 70, 0, 129], head_dim, deterministic)
         qd, kd, vd = (torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)

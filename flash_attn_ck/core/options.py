@@ -9,7 +9,7 @@ the autograd Function's ctx, the pipelines and the backends. Checks that need th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -67,6 +67,10 @@ class AttentionOptions:
         normalised (its own fields, or ops.py's flattening of them), without __post_init__: its checks would only
         repeat themselves, on every call of a host-bound small call. Never for values from outside, which go
         through the constructor."""
+        if torch.compiler.is_compiling():
+            # dynamo (torch 2.11) cannot trace the vars() update below; it traces the constructor, and a compiled
+            # graph runs none of this host code anyway.
+            return replace(self, **changes)
         options = object.__new__(type(self))
         vars(options).update(vars(self), **changes)     # frozen: only attribute assignment is blocked
         return options

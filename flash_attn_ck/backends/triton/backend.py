@@ -192,7 +192,7 @@ class TritonBackend(Backend):
         return "forward (one program per query tile); fwd_ws not used: " + ", ".join(reasons)
 
     def _ws_tile(self, p: AttentionProblem) -> config.WsTile:
-        return self.ws_tile or config.BWD_WS_SM90[config.head_block(p.head_dim_padded)]
+        return self.ws_tile or config.bwd_ws_tile(p.head_dim_padded, p.mask.is_causal, p.group_size)
 
     def _ws_kv_heads_per_launch(self, p: AttentionProblem) -> int:
         """KV heads per launch of the warp-specialised kernel: its fp32 dQ accumulator (a launch's query
@@ -303,8 +303,11 @@ class TritonBackend(Backend):
                 tiles = bwd_ws_semaphore_tiles(p.seqlen_q, self._ws_tile(p))
                 buffers.append(BufferSpec("dq_semaphore", (p.batch, heads, tiles), torch.int32, False,
                                           "orders the dQ adds per (batch, head, query tile); zeroed per launch"))
+            tile = self._ws_tile(p)
             kernel = ("bwd_ws_split (warp-specialised Gluon, sm_90; two warpgroups split the head dim)"
-                      if self._ws_tile(p).split_d else "bwd_ws (warp-specialised Gluon, sm_90)")
+                      if tile.split_d else "bwd_ws (warp-specialised Gluon, sm_90)")
+            if tile.longest_first:
+                kernel = kernel[:-1] + "; key-major grid: the longest causal key tiles first)"
             return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False, kernel=kernel)
         kernel = "bwd_main (one launch: key tiles + dQ pass)" if not self._dq_atomic(p) else "bwd_main (atomic dQ)"
         kernel += "; bwd_ws not used: " + ", ".join(ws_reasons)

@@ -177,19 +177,34 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 #   d256 s8192      394 / 391 vs one-launch 272 / 258, cuDNN 353 / 373
 #   d256 s2048      357 / 309 vs one-launch 262 / 232, cuDNN 345 / 298
 #   d192 s8192      314 / 313 vs one-launch 216 / 204, cuDNN 315 / 321 (h = 12; padded to 256 in shared memory)
-# A d64 candidate, compiled here and not yet run (tests/test_triton_ws.py): WsTile(64, 64, num_warps=4,
-# max_registers=128), two CTAs per SM (75 KB of shared memory and 128 registers a thread at launch each, no spills;
-# the MMA partition raises itself to 232). At d64 the exp2 and dS work per step weighs twice what it does at d128
-# against the matmuls, and one 8-warp MMA partition does it in lock-step (thread barriers); two CTAs' partitions
-# are not, so one's softmax work can overlap the other's matmuls. `bwd_ws_check.py --tiles64 64x64x2x1x4x128` times it.
-# Longest first (WsTile.longest_first, a key-major grid), compiled here and not yet run: scripts/wave_schedule.py
-# models a causal launch's tail (CTAs start in grid order on the SM that frees first): the tile-major grid reaches
-# 0.94 of the ideal at d128 s8192 and 0.89 at GQA 32/8 (4x longer CTAs), key-major 0.998 / 0.997 (x1.06 / x1.12).
-# Its cost is L2 locality: concurrent CTAs belong to different heads. `bwd_ws_check.py --tiles128
-# 64x128,64x128x2x1x8x0x1` times both.
-BWD_WS_SM90 = {64: WsTile(64, 128, num_stages=2, dq_stages=1),
+# d64: two CTAs per SM. WsTile(64, 64, num_warps=4, max_registers=128): 75 KB of shared memory and 128 registers a
+# thread at launch each, no spills (the MMA partition raises itself to 232). At d64 the exp2 and dS work per step
+# weighs twice what it does at d128 against the matmuls, and one 8-warp MMA partition does it in lock-step (thread
+# barriers); two CTAs' partitions are not, so one's softmax work overlaps the other's matmuls. Measured 2026-12-01
+# (`device.sh candidates`, bwd_ws_check.py, one process): d64 s8192 407 / 389 vs 64x128 with 8 warps 390 / 375,
+# cuDNN 443 / 409.
+# Longest first (WsTile.longest_first, a key-major grid): scripts/wave_schedule.py models a causal launch's tail (CTAs
+# start in grid order on the SM that frees first) and predicts x1.06 at d128 s8192 and x1.12 at GQA 32/8 (4x longer
+# CTAs); its cost is L2 locality, since concurrent CTAs then belong to different heads. Measured 2026-12-01 (same
+# run, key-major vs tile-major, TF/s): causal GQA 32/8 s8192 478 vs 442, s2048 383 vs 348 (cuDNN 488, 382);
+# causal MHA d128 s8192 464 vs 481; non-causal 497 vs 538 (MHA), 525 vs 531 and 465 vs 494 (GQA) -> key-major for
+# causal calls with BWD_WS_LONGEST_FIRST_MIN_GROUP or more query heads per kv head, at d128 (d96 runs the same tile;
+# d64 and d256 not measured).
+BWD_WS_SM90 = {64: WsTile(64, 64, num_stages=2, dq_stages=1, num_warps=4, max_registers=128),
                128: WsTile(64, 128, num_stages=2, dq_stages=1),
                256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
+BWD_WS_LONGEST_FIRST = {128: replace(BWD_WS_SM90[128], longest_first=True)}
+BWD_WS_LONGEST_FIRST_MIN_GROUP = 4
+
+
+def bwd_ws_tile(head_dim_padded: int, causal: bool, group_size: int) -> WsTile:
+    """The warp-specialised backward's tile for a call (the tables above)."""
+    key = head_block(head_dim_padded)
+    if causal and group_size >= BWD_WS_LONGEST_FIRST_MIN_GROUP and key in BWD_WS_LONGEST_FIRST:
+        return BWD_WS_LONGEST_FIRST[key]
+    return BWD_WS_SM90[key]
+
+
 # Where it measured faster than the one-launch kernel. Above 128 both kernels pad the head dim to 256, so every
 # head dim there does the work measured at d256 and d192.
 BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, *range(136, 257, 8)})
