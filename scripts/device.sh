@@ -35,11 +35,12 @@
 #                                                 attn_bwd_ws_kernel; attn_fwd_ws_kernel, attn_bwd_kernel, ...) in
 #                                                 scripts/profile_case.py --shape SHAPE (default 128:16:16:8192:0):
 #                                                 speed of light, tensor-pipe and shared-memory load, warp stalls
-#                                                 (300 s) -> ncu-KERNEL.txt. Written 2026-12-01, not run yet.
-#   bash scripts/device.sh candidates           the tiles compiled but not yet run, checked and timed beside the defaults
-#                                                 (240 s each): bwd_ws_check.py with the longest-first d128 tile and the
-#                                                 two-CTAs-per-SM d64 tile, fwd_ws_check.py with the longest-first d128
-#                                                 tile (causal rows are where they should differ) -> candidates-*.log
+#                                                 (300 s) -> ncu-KERNEL.txt
+#   bash scripts/device.sh candidates           alternative tiles checked and timed beside each other (240 s each):
+#                                                 bwd_ws_check.py with the tile-major and key-major (longest-first) d128
+#                                                 tiles and the 8-warp and two-CTAs-per-SM d64 tiles, fwd_ws_check.py with
+#                                                 the tile-major and query-major d128 tiles (causal rows are where the
+#                                                 grids should differ) -> candidates-*.log
 #   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
 #                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
 #                                                 this tree: old, new, old, new, so each version is timed twice

@@ -187,9 +187,11 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 # start in grid order on the SM that frees first) and predicts x1.06 at d128 s8192 and x1.12 at GQA 32/8 (4x longer
 # CTAs); its cost is L2 locality, since concurrent CTAs then belong to different heads. Measured 2026-12-01 (same
 # run, key-major vs tile-major, TF/s): causal GQA 32/8 s8192 478 vs 442, s2048 383 vs 348 (cuDNN 488, 382);
-# causal MHA d128 s8192 464 vs 481; non-causal 497 vs 538 (MHA), 525 vs 531 and 465 vs 494 (GQA) -> key-major for
-# causal calls with BWD_WS_LONGEST_FIRST_MIN_GROUP or more query heads per kv head, at d128 (d96 runs the same tile;
-# d64 and d256 not measured).
+# causal MHA d128 s8192 464 vs 481; non-causal 497 vs 538 (MHA), 525 vs 531 and 465 vs 494 (GQA). In processes that
+# first ran the rest of the benchmark grid (A/B against the tile-major code, alternating, twice): causal GQA 32/8
+# s8192 448 / 442 vs 406 / 439, s2048 372 / 382 vs 353 / 351 -> key-major for causal calls with
+# BWD_WS_LONGEST_FIRST_MIN_GROUP or more query heads per kv head, at d128 (d96 runs the same tile; group 2, d64 and
+# d256 not measured).
 BWD_WS_SM90 = {64: WsTile(64, 64, num_stages=2, dq_stages=1, num_warps=4, max_registers=128),
                128: WsTile(64, 128, num_stages=2, dq_stages=1),
                256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
@@ -269,9 +271,11 @@ class FwdWsTile:
 #   d256  674 / 653 and 602 / 598 causal (previous 377 / 335, cuDNN 649 / 591)   -> ping-pong off
 #   d192  528 / 516 and 489 / 486 causal (previous 288 / 247, cuDNN 645 / 570)   -> ping-pong off
 #   d96   478 / 470 and 445 / 449 causal (previous 376 / 343, cuDNN 468 / 423)   (d128 tiles: as d128)
-# Longest first (FwdWsTile.longest_first, a query-major grid), compiled here and not yet run: the causal d128 s8192
-# forward reaches 0.94 of the ideal tile-major, 0.998 query-major in scripts/wave_schedule.py's model;
-# `fwd_ws_check.py --tiles128 128x128x2x1x1,128x128x2x1x1x1` times both.
+# Longest first (FwdWsTile.longest_first, a query-major grid): the causal d128 s8192 forward reaches 0.94 of the ideal
+# tile-major, 0.998 query-major in scripts/wave_schedule.py's model, but measured slower on the H200 2026-12-01
+# (`fwd_ws_check.py --tiles128 128x128x2x1x1,128x128x2x1x1x1`, tile-major vs query-major): causal d128 s8192 559 vs
+# 538, GQA 32/8 s8192 573 vs 567 and s2048 478 vs 466, non-causal 608 vs 558; only causal d128 s2048 309 vs 323
+# -> off (the option stays for measurement).
 # Keyed by the power of two the head dim is padded to in shared memory (d96 runs in the d128 tiles), then causal.
 FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, overlap=True,
                                      pingpong=causal and d < 256)
