@@ -36,11 +36,10 @@
 #                                                 scripts/profile_case.py --shape SHAPE (default 128:16:16:8192:0):
 #                                                 speed of light, tensor-pipe and shared-memory load, warp stalls
 #                                                 (300 s) -> ncu-KERNEL.txt
-#   bash scripts/device.sh candidates           alternative tiles checked and timed beside each other (240 s each):
-#                                                 bwd_ws_check.py with the tile-major and key-major (longest-first) d128
-#                                                 tiles and the 8-warp and two-CTAs-per-SM d64 tiles, fwd_ws_check.py with
-#                                                 the tile-major and query-major d128 tiles (causal rows are where the
-#                                                 grids should differ) -> candidates-*.log
+#   bash scripts/device.sh candidates           tiles compiled but not yet run, checked and timed beside the defaults
+#                                                 (240 s): fwd_ws_check.py with three consumer warpgroups (192 query rows,
+#                                                 FA3's d64 shape; at d128 with 64 key rows), ping-pong off and on
+#                                                 -> candidates-fwd.log
 #   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
 #                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
 #                                                 this tree: old, new, old, new, so each version is timed twice
@@ -168,12 +167,9 @@ case $cmd in
     ;;
   candidates)
     info
-    limit 240 python3 scripts/bwd_ws_check.py --case-timeout 120 --tiles128 64x128,64x128x2x1x8x0x1 \
-      --tiles64 64x128,64x64x2x1x4x128 --peers sdpa_cudnn \
-      --shapes 128:16:16:8192,128:32:8:8192,128:32:8:2048,64:32:32:8192 2>&1 | tee "$OUT/candidates-bwd.log" \
-      | grep -E "^(PASS|FAIL|TIME|HANG|ERROR)"
-    limit 240 python3 scripts/fwd_ws_check.py --tiles128 128x128x2x1x1,128x128x2x1x1x1 --tiles64 128x128x2x1x1 \
-      --shapes 128:16:16,128:32:8 --seqlens 2048,8192 2>&1 | tee "$OUT/candidates-fwd.log" \
+    limit 240 python3 scripts/fwd_ws_check.py --tiles64 128x128x2x1x0,128x128x2x1x1,192x128x2x0x0,192x128x2x0x1 \
+      --tiles128 128x128x2x1x0,128x128x2x1x1,192x64x2x0x0,192x64x2x0x1 --tiles256 128x64x2x1x0 \
+      --shapes 64:32:32,128:16:16,128:32:8 --seqlens 2048,8192 2>&1 | tee "$OUT/candidates-fwd.log" \
       | grep -E "^(PASS|FAIL|TIME|ERROR)"
     ;;
   ab)

@@ -7,7 +7,8 @@ forward and torch SDPA (flash, cuDNN) in the same process.
         [--tiles64 ...] [--tiles128 128x128x2x1x0,128x128x2x1x1] [--tiles256 128x64x2x1x0,...]
         [--shapes 128:16:16,96:21:21,...] [--seqlens 4096,8192]
 
-A tile is 'BMxBNxSTAGESxOVERLAPxPINGPONG[xLONGEST_FIRST]' (config.FwdWsTile.parse), per shared-memory head
+A tile is 'BMxBNxSTAGESxOVERLAPxPINGPONG[xLONGEST_FIRST]' (config.FwdWsTile.parse; BM 192: three consumer
+warpgroups), per shared-memory head
 dim (64, 128, 256: d96 and d80 run in the 128 tiles, d192 in the 256 ones). Prints PASS/FAIL per case and a
 TIME line per shape; a variant that fails to compile or run prints its error and the script goes on. Exits non-zero if a
 check fails. Needs an sm_90 GPU.

@@ -124,6 +124,26 @@ def test_fwd_ws_kernel_varlen_empty_sequences(causal, dtype):
     assert out[167:231].abs().max() == 0
 
 
+@pytest.mark.parametrize("tile", ["192x128x2x0x0", "192x128x2x0x1"], ids=["free", "pingpong"])
+@pytest.mark.parametrize("case", [
+    dict(head_dim=64, seqlens=[(37, 80), (0, 50), (130, 9), (64, 0), (200, 211), (420, 429)], heads_k=2, causal=True),
+    dict(head_dim=64, batch=2, seqlen_q=333, seqlen_k=500, heads_k=1, window=(70, 30)),
+    dict(head_dim=128, batch=2, seqlen_q=700, seqlen_k=640, heads_k=4, causal=True)], ids=["d64-varlen-causal-gqa",
+                                                                              "d64-mqa-window", "d128-causal"])
+def test_three_consumer_forward_matches(tile, case):
+    """fwd_ws with three consumer warpgroups (FwdWsTile(192, ...), FA3's d64 shape; d128 with the same tile): varlen
+    with empty sequences, s_q != s_k, windows, GQA/MQA; out and lse under the 2x rule."""
+    from dataclasses import replace
+
+    from flash_attn_ck.backends.triton import config
+    fwd_tile = config.FwdWsTile.parse(tile)
+    if case["head_dim"] == 128:
+        fwd_tile = replace(fwd_tile, block_n=64)   # 128 key rows at d128 spill at 160 registers
+    cfg = Config(heads_q=8, **case)
+    with use_backend(TritonBackend(fwd_ws=True, fwd_ws_tile=fwd_tile)):
+        check_case(cfg, backend="triton", device="cuda", seed=3)
+
+
 @pytest.mark.parametrize("name", ["mqa_causal", "window", "alibi_softcap_window", "dropout_causal_gqa"])
 def test_features_other_modes(name, backend_options):
     _check(feature_case(FEATURES[name], 80))

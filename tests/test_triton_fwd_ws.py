@@ -137,7 +137,7 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
 # ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ------------------------
 def _compile(tile, head_dim, varlen, masks, overlap, pingpong=False):
     from flash_attn_ck.backends.triton import fwd_ws
-    half, box = tile.block_m // 2, triton.next_power_of_2(head_dim)
+    half, box = tile.block_m // tile.consumers, triton.next_power_of_2(head_dim)
     types = dict(q_desc=descriptor_type(half, head_dim, torch.bfloat16),
                  k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
                  v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
@@ -146,7 +146,7 @@ def _compile(tile, head_dim, varlen, masks, overlap, pingpong=False):
     cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages,
               VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2], OVERLAP=overlap,
               PINGPONG=pingpong, CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs,
-              QUERY_MAJOR=tile.longest_first)
+              QUERY_MAJOR=tile.longest_first, CONSUMERS=tile.consumers)
     return compile_sm90(fwd_ws.attn_fwd_ws_kernel, types, cx, 4)
 
 
@@ -191,6 +191,37 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, overlap, pingpon
     # The consumers fit their 240 registers: the overlap variants at d >= 96 hold the next S beside P and O and
     # spill a few words (4-12 bytes), no variant more.
     assert ptxas_report(ptx)["spill_stores"] <= 16
+
+
+@pytest.mark.parametrize("head_dim,block_n", [(64, 128), (128, 64)])
+@pytest.mark.parametrize("mask", ["dense", "varlen-causal", "top-left-window"])
+@pytest.mark.parametrize("pingpong", [False, True], ids=["free", "pingpong"])
+def test_three_consumers_compile_to_the_designed_instructions(head_dim, block_n, mask, pingpong):
+    """Three consumer warpgroups (FA3's d64 shape: 192 query rows per CTA): each issues its own S and P V per key tile,
+    the loader fills three Q tiles behind one barrier, the consumers get 160 registers each and do not spill."""
+    tile = config.FwdWsTile(192, block_n, overlap=False, pingpong=pingpong, consumers=3)
+    assert tile.consumer_regs == 160
+    varlen, masks = MASKS[mask]
+    kernel = _compile(tile, head_dim, varlen, masks, overlap=False, pingpong=pingpong)
+    assert kernel.metadata.shared <= SM90_SHARED_BYTES
+    ptx = kernel.asm["ptx"]
+    wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, (\{|%rd)", ptx)
+    assert len(wgmmas) == 3 * (head_dim // 16 + block_n // 16)
+    assert sum(1 for operand in wgmmas if operand == "{") == 3 * (block_n // 16)   # P from registers
+    # three Q tiles, K and V per key tile; a box row wider than the 128-byte swizzle goes as one copy per 128 bytes
+    copies_per_tile = head_dim * 2 // 128
+    assert ptx.count("cp.async.bulk.tensor.3d.shared::cluster.global") == (3 + 2) * copies_per_tile
+    # Waits: the loader's two ring slots; per consumer Q, K and V and, with ping-pong, its turn before S and P V.
+    assert ptx.count("mbarrier.try_wait") == 2 + 3 * (3 + (2 if pingpong else 0))
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160;", ptx)
+    assert ptxas_report(ptx)["spill_stores"] == 0
+    assert config.FwdWsTile.parse(str(tile)) == tile
+
+
+@pytest.mark.parametrize("block_m,consumers", [(128, 3), (192, 2), (256, 4), (64, 1)])
+def test_a_tile_needs_64_query_rows_per_consumer(block_m, consumers):
+    with pytest.raises(ValueError, match="64 query rows each"):
+        config.FwdWsTile(block_m, 128, consumers=consumers)
 
 
 @settings(max_examples=20, deadline=None)

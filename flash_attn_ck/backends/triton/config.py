@@ -219,30 +219,44 @@ BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
 # ---- warp-specialised forward (fwd_ws.py) on sm_90 ------------------------------------------------------
+# Registers per thread of each consumer warpgroup by their count: FA3's budgets (hopper/flash_fwd_kernel.h), which
+# with the 1-warp loader's 24 fill the register file.
+FWD_WS_CONSUMER_REGS = {2: 240, 3: 160}
+
+
 @dataclass(frozen=True)
 class FwdWsTile:
-    """Launch shape of the warp-specialised forward (fwd_ws.py): query rows per CTA (two consumer
-    warpgroups of block_m / 2 rows each), key rows per step, K/V ring stages, whether the next key tile's
-    S = Q K^T is issued before the current P V (intra-warpgroup overlap), whether the two consumers take turns
-    issuing their matmuls (ping-pong), the register budgets of the consumer worker and of the 1-warp loader, and
-    whether the grid is query-tile-major (`longest_first`: under a causal mask the longest query tiles of every head
-    start before any shorter one; fwd_ws._cta_coords)."""
+    """Launch shape of the warp-specialised forward (fwd_ws.py): query rows per CTA (`consumers` warpgroups of 64
+    rows each), key rows per step, K/V ring stages, whether the next key tile's S = Q K^T is issued before the
+    current P V (intra-warpgroup overlap), whether the consumers take turns issuing their matmuls (ping-pong), the
+    register budgets of a consumer warpgroup (None: FWD_WS_CONSUMER_REGS) and of the 1-warp loader, and whether the
+    grid is query-tile-major (`longest_first`: under a causal mask the longest query tiles of every head start before
+    any shorter one; fwd_ws._cta_coords)."""
     block_m: int
     block_n: int
     num_stages: int = 2
     overlap: bool = True
     pingpong: bool = False
-    consumer_regs: int = 240
+    consumer_regs: int | None = None
     loader_regs: int = 24
     longest_first: bool = False
+    consumers: int = 2
+
+    def __post_init__(self):
+        if self.consumers not in FWD_WS_CONSUMER_REGS or self.block_m != 64 * self.consumers:
+            raise ValueError(f"FwdWsTile: {self.consumers} consumers with block_m {self.block_m}; expected 2 or 3 "
+                             "consumer warpgroups of 64 query rows each (a wgmma's M)")
+        if self.consumer_regs is None:
+            object.__setattr__(self, "consumer_regs", FWD_WS_CONSUMER_REGS[self.consumers])
 
     @classmethod
     def parse(cls, text: str) -> FwdWsTile:
-        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG[xLONGEST_FIRST]]]]' (flags 0 or 1), as scripts/fwd_ws_check.py takes it."""
+        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG[xLONGEST_FIRST]]]]' (flags 0 or 1), as scripts/fwd_ws_check.py takes it;
+        BM 192 means three consumer warpgroups."""
         names = ("block_m", "block_n", "num_stages", "overlap", "pingpong", "longest_first")
         values = list(map(int, text.split("x")))
         values[3:] = map(bool, values[3:])
-        return cls(**dict(zip(names, values)))
+        return cls(**dict(zip(names, values)), consumers=values[0] // 64)
 
     def __str__(self) -> str:
         text = f"{self.block_m}x{self.block_n}x{self.num_stages}x{int(self.overlap)}x{int(self.pingpong)}"

@@ -2,20 +2,22 @@
 
 One CTA per (query tile of BLOCK_M rows, batch, query head); the first program of each (batch, head) takes its
 last query tile, the longest under a causal mask, and with QUERY_MAJOR the grid is (heads, batch, query tiles),
-so the last query tiles of every head start before any shorter one (`_cta_coords`). Three partitions share the CTA:
+so the last query tiles of every head start before any shorter one (`_cta_coords`). CONSUMERS (2 or 3) consumer
+warpgroups of 64 query rows each and a loader warp share the CTA:
 
-  loader      (1 warp)   TMA: the CTA's two Q halves once, behind one "q_ready" mbarrier; then per
+  loader      (1 warp)   TMA: the CTA's Q tiles (one per consumer) once, behind one "q_ready" mbarrier; then per
                          visible key tile K and V into a ring of NUM_STAGES buffers, each behind its own
-                         "ready" mbarrier (TMA byte count) and "empty" mbarrier (count 2: both
-                         consumers release it).
-  consumer 0  (default,  query rows [m0, m0 + BLOCK_M / 2), one warpgroup;
+                         "ready" mbarrier (TMA byte count) and "empty" mbarrier (count CONSUMERS: every
+                         consumer releases it).
+  consumer 0  (default,  query rows [m0, m0 + 64), one warpgroup;
                4 warps)
-  consumer 1  (4 warps)  query rows [m0 + BLOCK_M / 2, m0 + BLOCK_M), one warpgroup.
+  consumer i  (4 warps)  query rows [m0 + 64 i, m0 + 64 (i + 1)), one warpgroup each.
                          Per key tile: S = Q K^T (shared-memory operands, async wgmma); online softmax in
                          registers (running max m and sum l; P = exp2(S * scale * log2e - m * scale *
                          log2e), one FFMA per score); O = O * alpha + P V with P as the register A
-                         operand of the wgmma. The two warpgroups run on their own, so one's softmax
-                         overlaps the other's matmuls (ping-pong without an explicit schedule barrier).
+                         operand of the wgmma. The warpgroups run on their own, so one's softmax
+                         overlaps another's matmuls; PINGPONG makes them take turns issuing (one "turn"
+                         mbarrier each, passed round in consumer order).
                          OVERLAP: S of key tile j + 1 is issued before P V of tile j and the softmax of
                          j + 1 runs while P V of j is on the tensor cores (FA3's intra-warpgroup
                          overlap); one more S tile lives in registers.
@@ -23,8 +25,9 @@ so the last query tiles of every head start before any shorter one (`_cta_coords
                          buffer when its rows lie in the sequence, else a row-masked pointer store) and
                          lse = m * scale + ln(l) in fp32; a row that sees no key gets O = 0, lse = +inf.
 
-Both consumers walk every key tile the CTA sees (the loader loads each once); a tile that no row of a
-warpgroup sees gives P = 0 there. Tensors reach the kernel as host TMA descriptors with boxes of one
+Every consumer walks every key tile the CTA sees (the loader loads each once); a tile that no row of a
+warpgroup sees gives P = 0 there. Three consumers (FA3's d64 shape, 192 query rows per CTA) have 160 registers
+each, room for no OVERLAP. Tensors reach the kernel as host TMA descriptors with boxes of one
 head over 3-D (rows, heads, head_dim) views (gluon_common.descriptor), so one descriptor serves dense and
 varlen calls: a key tile may read rows of the next sequence (masked to P = 0, as every tile past len_k
 is), a Q tile may too (those rows are never written). HEAD_D is the power of two at or above head_dim:
@@ -34,6 +37,7 @@ Invariants (on the host: `TritonBackend.fwd_ws_reasons` decides which calls run 
 gluon_common.uniform_rows copies tensors whose rows a descriptor cannot view):
   - head_dim padded to a power of two with tiles in config.FWD_WS_SM90 (64, 128, 256); heads adjacent in
     memory (stride_h = head_dim), rows uniform, 16-byte aligned; out viewed the same way;
+  - BLOCK_M = 64 * CONSUMERS (config.FwdWsTile checks it);
   - the softmax scale is positive (the running max is taken on raw scores);
   - no dropout, ALiBi or softcap.
 """
@@ -93,18 +97,19 @@ def _tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, 
 
 # ---- loader partition ------------------------------------------------------------------------
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-            cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
+def _loader(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
             VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
             QUERY_MAJOR: gl.constexpr):
+    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right) = args
     m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, QUERY_MAJOR)
-    half: gl.constexpr = BLOCK_M // 2
-    mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-    for wg in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0 + wg * half, head, 0], q_ready, q_smem.index(wg))
+    CONSUMERS: gl.constexpr = q_smem.shape[0]   # one Q buffer per consumer warpgroup
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+    mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
+    for wg in gl.static_range(CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0 + wg * ROWS, head, 0], q_ready, q_smem.index(wg))
     kv_head = head // group
     for j in range(n_tiles):
         stage = j % NUM_STAGES
@@ -154,8 +159,8 @@ def _pv_round(p, v_smem, v_ready, v_empty, j, acc, turn, rounds, p_layout: gl.co
 
 @gluon.jit
 def _take_turn(turn, rounds, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: wait until the other consumer has issued its matmuls of the previous round (turn[WARPGROUP]
-    completes once per round), so the two warpgroups' matmuls reach the tensor cores one round each."""
+    """PINGPONG: wait until the previous consumer has issued its matmuls of the round (turn[WARPGROUP] completes
+    once per round), so the warpgroups' matmuls reach the tensor cores one round each, in consumer order."""
     if PINGPONG:
         mbarrier.wait(turn.index(WARPGROUP), rounds & 1)
     return rounds + 1
@@ -163,9 +168,9 @@ def _take_turn(turn, rounds, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def _pass_turn(turn, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
-    """PINGPONG: this consumer's matmuls of the round are issued; the other one's turn."""
+    """PINGPONG: this consumer's matmuls of the round are issued; the next one's turn (one turn barrier each)."""
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WARPGROUP), count=1)
+        mbarrier.arrive(turn.index((WARPGROUP + 1) % turn.shape[0]), count=1)
 
 
 @gluon.jit
@@ -199,16 +204,17 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 # ---- consumer partitions (default and worker: one warpgroup each) ------------------------------
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
-              cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
-              seqlen_q, seqlen_k, head_dim, scale, window_left, window_right,
-              WARPGROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+def _consumer(args, WARPGROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
               NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
               HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, QUERY_MAJOR: gl.constexpr):
+    (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse, cu_seqlens_q,
+     cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, head_dim, scale, window_left,
+     window_right) = args
     m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(
         cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
         BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, QUERY_MAJOR)
-    ROWS: gl.constexpr = BLOCK_M // 2
+    CONSUMERS: gl.constexpr = q_smem.shape[0]
+    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
     m0 = m0_cta + WARPGROUP * ROWS
     dtype: gl.constexpr = q_smem.dtype
 
@@ -230,8 +236,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empt
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     mbarrier.wait(q_ready, 0)   # also before an empty key range: the epilogue reuses the Q buffer
     rounds = 0   # matmul-issue rounds taken (PINGPONG)
-    if PINGPONG and WARPGROUP == 1:
-        _pass_turn(turn, 1, PINGPONG)   # consumer 0 issues first
+    if PINGPONG and WARPGROUP == CONSUMERS - 1:
+        _pass_turn(turn, WARPGROUP, PINGPONG)   # consumer 0 issues first
 
     # ---- online softmax over the visible key tiles ----
     if OVERLAP:
@@ -300,7 +306,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
                        NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
                        HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr,
                        PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                       QUERY_MAJOR: gl.constexpr):
+                       QUERY_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr):
     """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR; num_warps =
     CONSUMER_WARPS (consumer 0). See the module docstring."""
     if VARLEN:
@@ -309,7 +315,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
             return
     dtype: gl.constexpr = q_desc.dtype
     # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor); `slot` views them 2-D
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, 1, HEAD_D], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M // CONSUMERS, 1, HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 1, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 1, HEAD_D], v_desc.layout)
 
@@ -319,32 +325,43 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], bar_layout)
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)   # PINGPONG: consumer i may issue
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], bar_layout)   # PINGPONG: consumer i may issue
     mbarrier.init(q_ready, count=1)
-    for i in gl.static_range(2):
+    for i in gl.static_range(CONSUMERS):
         mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)   # one arrival per consumer warpgroup
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)   # one arrival per consumer warpgroup
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
 
-    # (arguments written out per partition: constexprs passed through a tuple variable arrive as tensors)
-    gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
-                     cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
-                     seqlen_q, seqlen_k, head_dim, scale, window_left, window_right,
-                     0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, OVERLAP,
-                     PINGPONG, QUERY_MAJOR)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
-                     cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h,
-                     seqlen_q, seqlen_k, head_dim, scale, window_left, window_right,
-                     1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, OVERLAP,
-                     PINGPONG, QUERY_MAJOR)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-                   cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
-                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, QUERY_MAJOR)),
-    ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])
+    # Runtime arguments travel as tuples; constexprs one by one (Gluon passes constexprs given through a tuple as
+    # tensors, and a partition's (function, arguments) pair only as written in the list).
+    consumer = (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
+                cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, head_dim,
+                scale, window_left, window_right)
+    loader = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
+              cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right)
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_consumer, (consumer, 0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                         OVERLAP, PINGPONG, QUERY_MAJOR)),
+            (_consumer, (consumer, 1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                         OVERLAP, PINGPONG, QUERY_MAJOR)),
+            (_consumer, (consumer, 2, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                         OVERLAP, PINGPONG, QUERY_MAJOR)),
+            (_loader, (loader, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                       QUERY_MAJOR)),
+        ], [CONSUMER_WARPS, CONSUMER_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (consumer, 0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                         OVERLAP, PINGPONG, QUERY_MAJOR)),
+            (_consumer, (consumer, 1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                         OVERLAP, PINGPONG, QUERY_MAJOR)),
+            (_loader, (loader, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
+                       QUERY_MAJOR)),
+        ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 # ---- host side -------------------------------------------------------------------------------
@@ -354,10 +371,10 @@ def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch
     """One launch of attn_fwd_ws_kernel: out (layout of q) and lse ((b, h, s_q) or varlen (h, total_q))."""
     d = q.shape[-1]
     group = q.shape[-2] // k.shape[-2]
-    half = tile.block_m // 2
+    rows_per_consumer = tile.block_m // tile.consumers
     q_desc, k_desc, v_desc = (uniform_descriptor(t, varlen, rows)[1]
-                              for t, rows in ((q, half), (k, tile.block_n), (v, tile.block_n)))
-    target, out_desc = uniform_descriptor(out, varlen, half)
+                              for t, rows in ((q, rows_per_consumer), (k, tile.block_n), (v, tile.block_n)))
+    target, out_desc = uniform_descriptor(out, varlen, rows_per_consumer)
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     cu_q = cu_seqlens_q if varlen else lse
     cu_k = cu_seqlens_k if varlen else lse
@@ -370,6 +387,6 @@ def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages, VARLEN=varlen,
         TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right, OVERLAP=tile.overlap, PINGPONG=tile.pingpong,
         CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, QUERY_MAJOR=tile.longest_first,
-        num_warps=CONSUMER_WARPS.value)
+        CONSUMERS=tile.consumers, num_warps=CONSUMER_WARPS.value)
     if target is not out:
         out.copy_(target)
