@@ -37,9 +37,9 @@
 #                                                 speed of light, tensor-pipe and shared-memory load, warp stalls
 #                                                 (300 s) -> ncu-KERNEL.txt
 #   bash scripts/device.sh candidates           tiles compiled but not yet run, checked and timed beside the defaults
-#                                                 (240 s): fwd_ws_check.py with three consumer warpgroups (192 query rows,
-#                                                 FA3's d64 shape; at d128 with 64 key rows), ping-pong off and on
-#                                                 -> candidates-fwd.log
+#                                                 (400 s): fwd_ws_check.py with three consumer warpgroups (192 query rows,
+#                                                 FA3's d64 shape; at d128 with 64 key rows) and with three K/V stages
+#                                                 (d128: 225 KB of shared memory) -> candidates-fwd.log
 #   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
 #                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
 #                                                 this tree: old, new, old, new, so each version is timed twice
@@ -167,8 +167,9 @@ case $cmd in
     ;;
   candidates)
     info
-    limit 240 python3 scripts/fwd_ws_check.py --tiles64 128x128x2x1x0,128x128x2x1x1,192x128x2x0x0,192x128x2x0x1 \
-      --tiles128 128x128x2x1x0,128x128x2x1x1,192x64x2x0x0,192x64x2x0x1 --tiles256 128x64x2x1x0 \
+    limit 400 python3 scripts/fwd_ws_check.py \
+      --tiles64 128x128x2x1x0,128x128x2x1x1,192x128x2x0x0,192x128x2x0x1,128x128x3x1x0 \
+      --tiles128 128x128x2x1x0,128x128x2x1x1,128x128x3x1x0,128x128x3x1x1,192x64x2x0x0 --tiles256 128x64x2x1x0 \
       --shapes 64:32:32,128:16:16,128:32:8 --seqlens 2048,8192 2>&1 | tee "$OUT/candidates-fwd.log" \
       | grep -E "^(PASS|FAIL|TIME|ERROR)"
     ;;
