@@ -296,18 +296,20 @@ class TritonBackend(Backend):
         ws_reasons = self.ws_reasons(p)
         if not ws_reasons:
             heads = self._ws_kv_heads_per_launch(p) * p.group_size
+            tile = self._ws_tile(p)
             buffers.append(BufferSpec("dq_accum", (*p.q_rows_shape, heads, d), torch.float32, False,
                                       f"fp32 dQ of {heads} query heads per launch "
                                       "(TMA reduce-adds, zeroed per launch)"))
             if p.deterministic:
-                tiles = bwd_ws_semaphore_tiles(p.seqlen_q, self._ws_tile(p))
+                tiles = bwd_ws_semaphore_tiles(p.seqlen_q, tile)
                 buffers.append(BufferSpec("dq_semaphore", (p.batch, heads, tiles), torch.int32, False,
                                           "orders the dQ adds per (batch, head, query tile); zeroed per launch"))
-            tile = self._ws_tile(p)
-            kernel = ("bwd_ws_split (warp-specialised Gluon, sm_90; two warpgroups split the head dim)"
-                      if tile.split_d else "bwd_ws (warp-specialised Gluon, sm_90)")
+            notes = ["warp-specialised Gluon, sm_90"]
+            if tile.split_d:
+                notes.append("two warpgroups split the head dim")
             if tile.longest_first:
-                kernel = kernel[:-1] + "; key-major grid: the longest causal key tiles first)"
+                notes.append("key-major grid: the longest causal key tiles first")
+            kernel = f"{'bwd_ws_split' if tile.split_d else 'bwd_ws'} ({'; '.join(notes)})"
             return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False, kernel=kernel)
         kernel = "bwd_main (one launch: key tiles + dQ pass)" if not self._dq_atomic(p) else "bwd_main (atomic dQ)"
         kernel += "; bwd_ws not used: " + ", ".join(ws_reasons)

@@ -219,8 +219,8 @@ BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
 # ---- warp-specialised forward (fwd_ws.py) on sm_90 ------------------------------------------------------
-# Registers per thread of each consumer warpgroup by their count: FA3's budgets (hopper/flash_fwd_kernel.h), which
-# with the 1-warp loader's 24 fill the register file.
+# Registers per thread of each consumer warpgroup by their count: FA3's budgets for two and three consumer
+# warpgroups (hopper/flash_fwd_kernel.h); with the loader's they fill the register file.
 FWD_WS_CONSUMER_REGS = {2: 240, 3: 160}
 
 
