@@ -128,10 +128,10 @@ def test_fwd_ws_kernel_varlen_empty_sequences(causal, dtype):
 @pytest.mark.parametrize("case", [
     dict(head_dim=64, seqlens=[(37, 80), (0, 50), (130, 9), (64, 0), (200, 211), (420, 429)], heads_k=2, causal=True),
     dict(head_dim=64, batch=2, seqlen_q=333, seqlen_k=500, heads_k=1, window=(70, 30)),
-    dict(head_dim=128, batch=2, seqlen_q=700, seqlen_k=640, heads_k=4, causal=True)], ids=["d64-varlen-causal-gqa",
-                                                                              "d64-mqa-window", "d128-causal"])
+    dict(head_dim=128, batch=2, seqlen_q=700, seqlen_k=640, heads_k=4, causal=True),
+], ids=["d64-varlen-causal-gqa", "d64-mqa-window", "d128-causal"])
 def test_three_consumer_forward_matches(tile, case):
-    """fwd_ws with three consumer warpgroups (FwdWsTile(192, ...), FA3's d64 shape; d128 with the same tile): varlen
+    """fwd_ws with three consumer warpgroups (FwdWsTile(192, ...), FA3's d64 shape; at d128 with 64 key rows): varlen
     with empty sequences, s_q != s_k, windows, GQA/MQA; out and lse under the 2x rule."""
     from dataclasses import replace
 
