@@ -10,7 +10,7 @@ import re
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
@@ -218,10 +218,19 @@ def test_three_consumers_compile_to_the_designed_instructions(head_dim, block_n,
     assert config.FwdWsTile.parse(str(tile)) == tile
 
 
-@pytest.mark.parametrize("block_m,consumers", [(128, 3), (192, 2), (256, 4), (64, 1)])
+@settings(max_examples=60, deadline=None)
+@given(block_m=st.integers(1, 512), consumers=st.integers(-1, 6))
+@example(block_m=128, consumers=2)
+@example(block_m=192, consumers=3)
+@example(block_m=128, consumers=3)
+@example(block_m=256, consumers=4)
 def test_a_tile_needs_64_query_rows_per_consumer(block_m, consumers):
-    with pytest.raises(ValueError, match="64 query rows each"):
-        config.FwdWsTile(block_m, 128, consumers=consumers)
+    """FwdWsTile takes two or three consumer warpgroups of 64 query rows each (a wgmma's M) and nothing else."""
+    if consumers in (2, 3) and block_m == 64 * consumers:
+        assert config.FwdWsTile(block_m, 128, consumers=consumers).consumer_regs == {2: 240, 3: 160}[consumers]
+    else:
+        with pytest.raises(ValueError, match=f"{consumers} consumers with block_m {block_m}.*64 query rows each"):
+            config.FwdWsTile(block_m, 128, consumers=consumers)
 
 
 @settings(max_examples=20, deadline=None)
