@@ -32,6 +32,7 @@ from dataclasses import fields
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .backends.base import Backend
 from .backends.registry import backend_from_key, backend_key
 from .core.options import AttentionOptions
 from .core.problem import pad_head_dim, row_stats_shape
@@ -279,6 +280,8 @@ def backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options: Attentio
 def attention(q, k, v, options: AttentionOptions):
     """The forward -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out`."""
     if _direct(q):
+        if not (options.backend is None or isinstance(options.backend, (str, Backend))):
+            backend_key(options.backend)     # raises the error the flattening would: naming `backend`
         if not torch.is_grad_enabled():    # nothing to differentiate: the Function would add only its cost
             return _forward(q, k, v, options)[:4]
         return _Attention.apply(q, k, v, options)
