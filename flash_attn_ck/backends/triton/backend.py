@@ -299,11 +299,13 @@ class TritonBackend(Backend):
             tile = self._ws_tile(p)
             buffers.append(BufferSpec("dq_accum", (*p.q_rows_shape, heads, d), torch.float32, False,
                                       f"fp32 dQ of {heads} query heads per launch "
-                                      "(TMA reduce-adds, zeroed per launch)"))
+                                      "(TMA reduce-adds; zeroed by bwd_preprocess, then by each dQ cast "
+                                      "that another launch follows)"))
             if p.deterministic:
                 tiles = bwd_ws_semaphore_tiles(p.seqlen_q, tile)
                 buffers.append(BufferSpec("dq_semaphore", (p.batch, heads, tiles), torch.int32, False,
-                                          "orders the dQ adds per (batch, head, query tile); zeroed per launch"))
+                                          "orders the dQ adds per (batch, head, query tile); zeroed by "
+                                          "bwd_preprocess, and before each later launch"))
             notes = ["warp-specialised Gluon, sm_90"]
             if tile.split_d:
                 notes.append("two warpgroups split the head dim")
@@ -402,14 +404,15 @@ class TritonBackend(Backend):
     def _backward_ws(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor,
                      dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                      workspace: dict[str, torch.Tensor]) -> None:
-        """The warp-specialised backward: D, then per group of kv heads: zero dq_accum, bwd_ws, dQ cast."""
+        """The warp-specialised backward: D (zeroing dq_accum and the semaphores), then per group of kv heads:
+        bwd_ws, the dQ cast (zeroing dq_accum again where another group follows; semaphores by a fill)."""
         from . import bwd_ws, gluon_common
         d = params.q.shape[-1]
         tile = self._ws_tile(p)
         delta, dq_acc, sems = workspace["softmax_d"], workspace["dq_accum"], workspace.get("dq_semaphore")
         cu_q = params.cu_seqlens_q if p.varlen else delta
         sizes = launch.Sizes(p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d)
-        self._preprocess(p, out, dout, delta, cu_q, (None, None, None, None), sizes)
+        self._preprocess(p, out, dout, delta, cu_q, (dq_acc, None, None, sems), sizes)
         q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
         dout = gluon_common.uniform_rows(dout, p.varlen)
         mask = self._gluon_mask_args(p)
@@ -421,8 +424,9 @@ class TritonBackend(Backend):
             hq = slice(kv.start * group, kv.stop * group)
             launch_heads = slice(0, hq.stop - hq.start)
             acc = _heads(dq_acc, -2, launch_heads)
-            acc.zero_()
-            sem = None if sems is None else _heads(sems, 1, launch_heads).zero_()
+            sem = None if sems is None else _heads(sems, 1, launch_heads)
+            if sem is not None and h0 > 0:
+                sem.zero_()
             lse_h, delta_h = (_heads(t, stats_heads_dim, hq) for t in (lse, delta))
             dk_h, dv_h = _heads(dk, -2, kv), _heads(dv, -2, kv)
             bwd_ws.launch(_heads(q, -2, hq), _heads(k, -2, kv), _heads(v, -2, kv), _heads(dout, -2, hq), lse_h, delta_h,
@@ -431,7 +435,7 @@ class TritonBackend(Backend):
                           **mask)
             dq_h = _heads(dq, -2, hq)
             _cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
-                  p.rows_q // batch, d)
+                  p.rows_q // batch, d, zero_src=kv.stop < p.heads_k)
 
 
 def _heads(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:
@@ -442,10 +446,11 @@ def _heads(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:
     return t.narrow(dim, heads.start, heads.stop - heads.start)
 
 
-def _cast(src: torch.Tensor, dst: torch.Tensor, src_bhr, dst_bhr, heads: int, batch: int, rows: int, d: int) -> None:
+def _cast(src: torch.Tensor, dst: torch.Tensor, src_bhr, dst_bhr, heads: int, batch: int, rows: int, d: int,
+          zero_src: bool = False) -> None:
     if rows == 0:
         return
-    launch.cast_rows(src, dst, src_bhr, dst_bhr, heads, batch, rows, config.head_block(d), d).launch()
+    launch.cast_rows(src, dst, src_bhr, dst_bhr, heads, batch, rows, config.head_block(d), d, zero_src).launch()
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -4,6 +4,8 @@ Used for dK/dV of the GQA accumulator epilogue (`(b, h_k, s_k, d)` or varlen `(h
 -> `(b, s_k, h_k, d)` / `(total_k, h_k, d)`) and for dQ in the atomic dQ mode (fp32 buffer laid
 out like q). Grid: (row blocks, heads, batch); rows are sequence positions (varlen: packed rows,
 with batch = 1 and zero batch strides). Strides are (batch, head, row) tuples (launch.cast_rows).
+ZERO_SRC: the source is zeroed as it is read (the warp-specialised backward's dQ accumulator, reused by the
+next group of heads).
 """
 
 import triton
@@ -11,13 +13,17 @@ import triton.language as tl
 
 
 @triton.jit
-def cast_rows_kernel(Src, Dst, stride_src, stride_dst, n_rows, head_dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def cast_rows_kernel(Src, Dst, stride_src, stride_dst, n_rows, head_dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                     ZERO_SRC: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     mask = (rows < n_rows)[:, None] & (cols < head_dim)[None, :]
     r64 = rows[:, None].to(tl.int64)
-    x = tl.load(Src + b * stride_src[0] + h * stride_src[1] + r64 * stride_src[2] + cols[None, :], mask=mask)
+    src = Src + b * stride_src[0] + h * stride_src[1] + r64 * stride_src[2] + cols[None, :]
+    x = tl.load(src, mask=mask)
+    if ZERO_SRC:      # the accumulator is reused by the next launch: zeroed here, not by a fill of its own
+        tl.store(src, tl.zeros_like(x), mask=mask)
     tl.store(Dst + b * stride_dst[0] + h * stride_dst[1] + r64 * stride_dst[2] + cols[None, :],
              x.to(Dst.dtype.element_ty), mask=mask)
