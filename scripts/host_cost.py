@@ -326,47 +326,51 @@ def layer_rows(args, device, dtype, backend: str | None) -> list[dict]:
     from flash_attn_ck.pipeline.select import select_backend
     b, s, h, d = args.host_shapes[0]
     name = backend or "triton"
+    if name == "triton":
+        dtype = torch.float16 if dtype == torch.float32 else dtype      # the Triton backend's dtypes
     installed = null_backend(name) if device.type == "cpu" else backend_instance(name)
+    # On the CPU the stand-in is passed itself (its class, not the registered one, says it runs on the CPU).
+    request = installed if device.type == "cpu" else name
     rows = []
     with fa.use_backend(installed):
         for varlen in (False, True):
             q, k, v, offsets = inputs(b, s, h, d, varlen, device, dtype)
             extra = dict(cu_seqlens_q=offsets["cu"], cu_seqlens_k=offsets["cu"], max_seqlen_q=s,
                          max_seqlen_k=s) if varlen else {}
-            options = AttentionOptions(causal=True, backend=name, **extra)
+            options = AttentionOptions(causal=True, backend=request, **extra)
             with torch.no_grad():
-                out, lse, _ = fa.flash_attn_fwd(q, k, v, causal=True, backend=name, **extra)
+                out, lse, _ = fa.flash_attn_fwd(q, k, v, causal=True, backend=request, **extra)
             dout = torch.randn_like(out)
             graph_out = ops.attention(q, k, v, options)[0]
             problem = describe_call(q, k, v, options)
-            chosen = select_backend(problem, name)
+            chosen = select_backend(problem, request)
             params = kernel_params(problem, q, k, v, options, None)
             lse_like = torch.empty_like(lse)
             out_like = torch.empty_like(out)
             cap = workspace_cap(None)
             plan = plan_chunks(problem, chosen, cap, params)
-            workspace = plan.per_chunk.allocate(device)
+            workspace = dict(plan.per_chunk.allocate(device), softmax_d=torch.empty_like(lse))
             grads = [torch.empty_like(t) for t in (q, k, v)]
             flat = ops._flatten(options, ops._FWD)
             layers = {
                 "fwd: flash_attn_func, no grad": (True, lambda: fa.flash_attn_varlen_func(
-                    q, k, v, offsets["cu"], offsets["cu"], s, s, causal=True, backend=name) if varlen
-                    else fa.flash_attn_func(q, k, v, causal=True, backend=name)),
-                "fwd: AttentionOptions(...)": (True, lambda: AttentionOptions(causal=True, backend=name, **extra)),
+                    q, k, v, offsets["cu"], offsets["cu"], s, s, causal=True, backend=request) if varlen
+                    else fa.flash_attn_func(q, k, v, causal=True, backend=request)),
+                "fwd: AttentionOptions(...)": (True, lambda: AttentionOptions(causal=True, backend=request, **extra)),
                 "fwd: ops.attention (autograd.Function)": (True, lambda: ops.attention(q, k, v, options)),
                 "fwd: torch.ops.flash_attn_ck.fwd (dispatcher)": (True, lambda: torch.ops.flash_attn_ck.fwd(
                     q, k, v, *flat)),
                 "fwd: attention_forward (pipeline)": (True, lambda: attention_forward(q, k, v, options)),
                 "fwd: describe_call": (True, lambda: describe_call(q, k, v, options)),
-                "fwd: select_backend": (True, lambda: select_backend(problem, name)),
+                "fwd: select_backend": (True, lambda: select_backend(problem, request)),
                 "fwd: backend.forward": (True, lambda: chosen.forward(problem, params, out_like, lse_like)),
                 "fwd: flash_attn_func, recording autograd": (False, lambda: fa.flash_attn_func(
-                    q, k, v, causal=True, backend=name) if not varlen else fa.flash_attn_varlen_func(
-                    q, k, v, offsets["cu"], offsets["cu"], s, s, causal=True, backend=name)),
+                    q, k, v, causal=True, backend=request) if not varlen else fa.flash_attn_varlen_func(
+                    q, k, v, offsets["cu"], offsets["cu"], s, s, causal=True, backend=request)),
                 "bwd: autograd.grad (Function backward)": (False, lambda: torch.autograd.grad(
                     graph_out, (q, k, v), dout, retain_graph=True)),
                 "bwd: flash_attn_bwd (the op)": (True, lambda: fa.flash_attn_bwd(
-                    dout, q, k, v, out, lse, causal=True, backend=name, **extra)),
+                    dout, q, k, v, out, lse, causal=True, backend=request, **extra)),
                 "bwd: attention_backward (pipeline, validating)": (True, lambda: attention_backward(
                     dout, q, k, v, out, lse, None, None, None, options, None)),
                 "bwd: plan_chunks": (True, lambda: plan_chunks(problem, chosen, cap, params)),
