@@ -275,6 +275,120 @@ def measure_throughput(name, q, k, v, causal, backend, args) -> dict:
         return dict(error=f"{type(error).__name__}: {str(error)[:200]}")
 
 
+# ---- layers: host µs of each layer of the package, outermost first --------------------------------
+
+def null_backend(name: str):
+    """On the CPU: backend `name`'s host code with no arithmetic (the reference's kernels do nothing; the
+    Triton backend builds every launch and issues none), installed for `name` by `fa.use_backend`."""
+    from flash_attn_ck.backends.reference import ReferenceBackend
+    if name == "reference":
+        class NullReference(ReferenceBackend):
+            def forward(self, *args):
+                pass
+
+            def backward(self, *args):
+                pass
+        return NullReference()
+    from flash_attn_ck.backends.triton import TritonBackend, launch
+
+    class HostOnlyTriton(TritonBackend):
+        device_types = frozenset({"cpu"})
+
+        @classmethod
+        def unavailable_reason(cls):
+            return None
+
+        def forward(self, *args):
+            with _no_launches(launch):
+                super().forward(*args)
+
+        def backward(self, *args):
+            with _no_launches(launch):
+                super().backward(*args)
+    return HostOnlyTriton()
+
+
+@contextlib.contextmanager
+def _no_launches(launch):
+    from flash_attn_ck.backends.triton import backend as triton_backend
+    saved = launch.LaunchSpec.launch, triton_backend._prepare_launch
+    launch.LaunchSpec.launch = lambda self: None
+    triton_backend._prepare_launch = lambda: None
+    try:
+        yield
+    finally:
+        launch.LaunchSpec.launch, triton_backend._prepare_launch = saved
+
+
+def layer_rows(args, device, dtype, backend: str | None) -> list[dict]:
+    """Host µs per call of each layer, forward then backward, at the first host shape, causal: the API, the
+    autograd Function, the torch.library op, the pipeline, its stages, the backend (launches included on a
+    GPU; on the CPU `null_backend`'s host code only)."""
+    from flash_attn_ck import ops
+    from flash_attn_ck.backends.registry import backend_instance
+    from flash_attn_ck.core.inputs import describe_call, kernel_params
+    from flash_attn_ck.core.options import AttentionOptions
+    from flash_attn_ck.pipeline.backward import attention_backward
+    from flash_attn_ck.pipeline.chunking import plan_chunks, workspace_cap
+    from flash_attn_ck.pipeline.forward import attention_forward
+    from flash_attn_ck.pipeline.select import select_backend
+    b, s, h, d = args.host_shapes[0]
+    name = backend or "triton"
+    installed = null_backend(name) if device.type == "cpu" else backend_instance(name)
+    rows = []
+    with fa.use_backend(installed):
+        for varlen in (False, True):
+            q, k, v, offsets = inputs(b, s, h, d, varlen, device, dtype)
+            extra = dict(cu_seqlens_q=offsets["cu"], cu_seqlens_k=offsets["cu"], max_seqlen_q=s,
+                         max_seqlen_k=s) if varlen else {}
+            options = AttentionOptions(causal=True, backend=name, **extra)
+            with torch.no_grad():
+                out, lse, _ = fa.flash_attn_fwd(q, k, v, causal=True, backend=name, **extra)
+            dout = torch.randn_like(out)
+            graph_out = ops.attention(q, k, v, options)[0]
+            problem = describe_call(q, k, v, options)
+            chosen = select_backend(problem, name)
+            params = kernel_params(problem, q, k, v, options, None)
+            lse_like = torch.empty_like(lse)
+            out_like = torch.empty_like(out)
+            cap = workspace_cap(None)
+            plan = plan_chunks(problem, chosen, cap, params)
+            workspace = plan.per_chunk.allocate(device)
+            grads = [torch.empty_like(t) for t in (q, k, v)]
+            flat = ops._flatten(options, ops._FWD)
+            layers = {
+                "fwd: flash_attn_func, no grad": (True, lambda: fa.flash_attn_varlen_func(
+                    q, k, v, offsets["cu"], offsets["cu"], s, s, causal=True, backend=name) if varlen
+                    else fa.flash_attn_func(q, k, v, causal=True, backend=name)),
+                "fwd: AttentionOptions(...)": (True, lambda: AttentionOptions(causal=True, backend=name, **extra)),
+                "fwd: ops.attention (autograd.Function)": (True, lambda: ops.attention(q, k, v, options)),
+                "fwd: torch.ops.flash_attn_ck.fwd (dispatcher)": (True, lambda: torch.ops.flash_attn_ck.fwd(
+                    q, k, v, *flat)),
+                "fwd: attention_forward (pipeline)": (True, lambda: attention_forward(q, k, v, options)),
+                "fwd: describe_call": (True, lambda: describe_call(q, k, v, options)),
+                "fwd: select_backend": (True, lambda: select_backend(problem, name)),
+                "fwd: backend.forward": (True, lambda: chosen.forward(problem, params, out_like, lse_like)),
+                "fwd: flash_attn_func, recording autograd": (False, lambda: fa.flash_attn_func(
+                    q, k, v, causal=True, backend=name) if not varlen else fa.flash_attn_varlen_func(
+                    q, k, v, offsets["cu"], offsets["cu"], s, s, causal=True, backend=name)),
+                "bwd: autograd.grad (Function backward)": (False, lambda: torch.autograd.grad(
+                    graph_out, (q, k, v), dout, retain_graph=True)),
+                "bwd: flash_attn_bwd (the op)": (True, lambda: fa.flash_attn_bwd(
+                    dout, q, k, v, out, lse, causal=True, backend=name, **extra)),
+                "bwd: attention_backward (pipeline, validating)": (True, lambda: attention_backward(
+                    dout, q, k, v, out, lse, None, None, None, options, None)),
+                "bwd: plan_chunks": (True, lambda: plan_chunks(problem, chosen, cap, params)),
+                "bwd: backend.backward": (True, lambda: chosen.backward(problem, params, out, lse, dout, *grads,
+                                                                        workspace)),
+            }
+            for layer, (no_grad, call) in layers.items():
+                with torch.no_grad() if no_grad else contextlib.nullcontext():
+                    host, _ = host_and_wall_us(call, args.calls, args.repeats, device)
+                rows.append(dict(layer=layer, layout="varlen" if varlen else "dense", host_us=host))
+                print(f"{layer:50s} {rows[-1]['layout']:6s} {host:8.1f} us", flush=True)
+    return rows
+
+
 # ---- report ----------------------------------------------------------------------------------------
 
 def ratio(row: dict, key: str, ours: str, other: str) -> float | None:
@@ -309,7 +423,20 @@ def throughput_line(row: dict) -> str:
     return f"d{row['d']} s{row['s']} {'causal' if row['causal'] else 'full'}: fwd/bwd TF/s {cells}"
 
 
-def markdown(meta: dict, host: list[dict], throughput: list[dict]) -> str:
+def layer_table(meta: dict, layers: list[dict]) -> list[str]:
+    if not layers:
+        return []
+    lines = [f"## Host µs per call of each layer (b:s:h:d {meta['layer_shape']}, causal; backend "
+             f"{meta['layer_backend']})", "", "| layer | dense | varlen |", "|---|---|---|"]
+    by_layer: dict[str, dict] = {}
+    for r in layers:
+        by_layer.setdefault(r["layer"], {})[r["layout"]] = r["host_us"]
+    lines += [f"| {layer} | {_num(v.get('dense'), '{:.1f}')} | {_num(v.get('varlen'), '{:.1f}')} |"
+              for layer, v in by_layer.items()]
+    return [*lines, ""]
+
+
+def markdown(meta: dict, host: list[dict], throughput: list[dict], layers: list[dict] = ()) -> str:
     peers = meta["peers"]
     notes = [f"- {LABELS[n]}: {why}" for n, why in meta.get("skipped", {}).items()]
     lines = [f"# Host cost per call, {meta['gpu']}, {meta['date']}", "",
@@ -317,7 +444,7 @@ def markdown(meta: dict, host: list[dict], throughput: list[dict]) -> str:
              f"ours on backend {meta['backend']!r}; {meta['calls']} back-to-back calls, median of "
              f"{meta['repeats']}. µs of host time per call; * = GPU-bound (wall > {GPU_BOUND_RATIO}x host: "
              "the GPU, not the host, set the pace of the calls).", "",
-             *notes, *([""] if notes else []), "## Host µs per call", ""]
+             *notes, *([""] if notes else []), *layer_table(meta, layers), "## Host µs per call", ""]
     head = ["call", "b", "s", "h", "d", "causal", "layout", *(LABELS[n] for n in peers), "ours / FA2"]
     gaps = any("busy_us" in c for r in host for c in r["peers"].values())
     if gaps:
@@ -390,7 +517,7 @@ def plot(meta: dict, host: list[dict], throughput: list[dict], path: Path) -> No
 def write(stem: Path, data: dict) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-    stem.with_suffix(".md").write_text(markdown(data["meta"], data["host"], data["throughput"]))
+    stem.with_suffix(".md").write_text(markdown(data["meta"], data["host"], data["throughput"], data.get("layers", [])))
     plot(data["meta"], data["host"], data["throughput"], stem.with_suffix(".png"))
 
 
@@ -406,6 +533,9 @@ def parse(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--gaps", action="store_true", help="torch.profiler: GPU busy and idle µs per call")
     ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument("--no-host", action="store_true", help="skip the host table (e.g. with --layers alone)")
+    ap.add_argument("--layers", action="store_true",
+                    help="host µs of each layer of ours (on the CPU: the backend's host code without arithmetic)")
     ap.add_argument("--host-shapes", default="", help=f"b:s:h:d,... (default {HOST_SHAPES}; cpu {CPU_HOST_SHAPES})")
     ap.add_argument("--seqs", default="512,1024,2048")
     ap.add_argument("--dims", default="64,128,256")
@@ -456,12 +586,19 @@ def main(argv=None) -> Path:
             meta["skipped"]["fa4"] = str(why)
     for name in meta["skipped"]:
         print(f"{LABELS[name]} skipped: {meta['skipped'][name]}")
-    data = dict(meta=meta, host=host_rows(args, device, dtype, backend), throughput=[])
+    data = dict(meta=meta, host=[], throughput=[], layers=[])
+    if args.layers:
+        meta["layer_shape"] = ":".join(map(str, args.host_shapes[0]))
+        name = args.backend or "triton"
+        meta["layer_backend"] = f"{name}, host code only (no arithmetic, no launch)" if device.type == "cpu" else name
+        data["layers"] = layer_rows(args, device, dtype, args.backend)
+    if not args.no_host:
+        data["host"] = host_rows(args, device, dtype, backend)
     if not args.no_throughput:
         data["throughput"] = throughput_rows(args, device, dtype, backend)
     stem = Path(args.out) / f"{gpu.replace(' ', '-').lower()}-{meta['date']}-host-cost{args.tag}"
     write(stem, data)
-    print(markdown(meta, data["host"], data["throughput"]))
+    print(markdown(meta, data["host"], data["throughput"], data["layers"]))
     return stem
 
 
