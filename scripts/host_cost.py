@@ -141,11 +141,19 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+SLOW_CALL_S = 0.2      # a measurement's budget of back-to-back calls, for peers slower than the rest
+
+
 def host_and_wall_us(call, calls: int, repeats: int, device: torch.device) -> tuple[float, float]:
     """(host, wall) µs per call over `calls` back-to-back calls, medians of `repeats`: host stops the clock
-    when the last call returns, wall after the device has finished them too."""
+    when the last call returns, wall after the device has finished them too. A call slower than
+    SLOW_CALL_S (cuDNN's varlen op builds its graph on every call) is timed over fewer calls."""
     call()
     synchronize(device)
+    start = time.perf_counter()
+    call()
+    synchronize(device)
+    calls = max(3, min(calls, int(SLOW_CALL_S / max(time.perf_counter() - start, 1e-9))))
     hosts, walls = [], []
     for _ in range(repeats):
         synchronize(device)

@@ -21,7 +21,7 @@ keep compiling), its value where backend.py names the call's flags (`_feature_ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -46,6 +46,20 @@ class Features(NamedTuple):
     DQ_ATOMIC: bool = False      # dQ added into an fp32 buffer by the key-tile programs (no dQ pass)
     DETERMINISTIC: bool = False  # the GQA accumulator epilogue's adds ordered by semaphores
     DP_FIRST: bool = False       # dO V^T issued before exp2(S - lse) (config.Configs.bwd_dp_first)
+
+
+class MaskFlags(NamedTuple):
+    """The mask's compile-time flags as the Gluon kernels take them (constexpr `MASK`, read by gluon_common.Mask)."""
+    TOP_LEFT: bool = False
+    HAS_LEFT: bool = False
+    HAS_RIGHT: bool = False
+
+
+class GluonMask(NamedTuple):
+    """A call's mask for the Gluon kernels: the window bounds (>= 0; `flags` says which apply) and the flags."""
+    window_left: int
+    window_right: int
+    flags: MaskFlags
 
 
 class Sizes(NamedTuple):
@@ -128,21 +142,27 @@ def _type_of(value: Any) -> Any:
         return "i32"
     if isinstance(value, float):
         return "fp32"
+    if hasattr(value, "block_shape"):   # a host TMA descriptor
+        from triton.runtime.jit import mangle_type
+        return mangle_type(value)
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    """One kernel call: `kernel[grid](*args.values(), num_warps=, num_stages=)`. `args` holds every
-    parameter of the kernel by name, in its order (runtime values, then the constexprs)."""
+    """One kernel call: `kernel[grid](*args.values(), num_warps=, num_stages=, **options)`. `args` holds every
+    parameter of the kernel by name, in its order (runtime values, then the constexprs); `options`: further
+    compile options (maxnreg). Gluon kernels have no software pipeliner: their num_stages is Triton's default."""
     kernel: Any
     grid: tuple[int, ...]
     args: dict[str, Any]
     num_warps: int
-    num_stages: int
+    num_stages: int = 3
+    options: dict[str, Any] = field(default_factory=dict)
 
     def launch(self) -> None:
-        launch_kernel(self.kernel, self.grid, tuple(self.args.values()), self.num_warps, self.num_stages)
+        launch_kernel(self.kernel, self.grid, tuple(self.args.values()), self.num_warps, self.num_stages,
+                      self.options)
 
     def signature(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(signature, constexprs) for triton.compiler.ASTSource, from the kernel's parameters."""
@@ -195,28 +215,31 @@ _COMPILED: dict[tuple, Any] = {}
 _CONSTEXPR: dict[Any, tuple[bool, ...]] = {}      # kernel -> which of its parameters are constexpr
 
 
-def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, num_stages: int) -> None:
-    """`kernel[grid](*args, num_warps=, num_stages=)`, through the compiled kernel's launcher directly once
-    Triton has compiled this specialisation (its `run` re-binds and re-specialises every argument, builds
-    a cache key string and launch metadata on every call; the first launch of each key goes through it, so
-    Triton decides what compiles). Constexprs are keyed by value, runtime arguments by `specialisation`;
-    launch hooks (profilers), the interpreter and arguments the key does not describe take Triton's path."""
+def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, num_stages: int,
+                  options: dict[str, Any] | None = None) -> None:
+    """`kernel[grid](*args, num_warps=, num_stages=, **options)`, through the compiled kernel's launcher
+    directly once Triton has compiled this specialisation (its `run` re-binds and re-specialises every
+    argument, builds a cache key string and launch metadata on every call; the first launch of each key goes
+    through it, so Triton decides what compiles). Compile options (maxnreg) and constexprs are keyed by value,
+    runtime arguments by `specialisation`; launch hooks (profilers), the interpreter and arguments the key does
+    not describe take Triton's path."""
     from triton import knobs
     from triton.runtime import driver
+    options = options or {}
     constexpr = _CONSTEXPR.get(kernel)
     if constexpr is None:
         params = getattr(kernel, "params", None)     # None: the interpreter's kernels (TRITON_INTERPRET=1)
         constexpr = _CONSTEXPR.setdefault(kernel, () if params is None else tuple(p.is_constexpr for p in params))
     if not constexpr or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
         return
     runtime = [specialisation(a) for a, is_constexpr in zip(args, constexpr) if not is_constexpr]
     device = driver.active.get_current_device()
-    key = (kernel, num_warps, num_stages, device, *runtime,
+    key = (kernel, num_warps, num_stages, *sorted(options.items()), device, *runtime,
            *(a for a, is_constexpr in zip(args, constexpr) if is_constexpr))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
         if None not in runtime:
             _COMPILED[key] = compiled
         return
