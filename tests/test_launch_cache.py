@@ -32,6 +32,25 @@ _TENSORS = [_BUFFER[offset:offset + 16].view(dtype)
 _SCALARS = [*_INTS, True, False, 0.0, 1.0, -2.5, *_TENSORS]
 
 
+def _descriptors():
+    """Host tensor descriptors (Gluon's with shared layouts, tl's) over several dtypes, blocks, shapes, offsets."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    buffer = torch.zeros(32768, dtype=torch.uint8)
+    found = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        base = buffer.view(dtype)
+        for rows, cols, offset in ((64, 64, 0), (32, 64, 64), (48, 96, 0), (64, 32, 32)):
+            t = base[offset:offset + rows * cols].view(rows, cols)
+            for block in ([64, 64], [32, 64], [64, 32]):
+                for swizzle in (64, 128):
+                    layout = gl.NVMMASharedLayout(swizzle, torch.empty((), dtype=dtype).element_size() * 8, 2)
+                    found.append(GluonDescriptor.from_tensor(t, block, layout))
+                found.append(TensorDescriptor.from_tensor(t, block))
+    return found
+
+
 def _triton(value):
     return native_specialize_impl(_CUDA, value, False, True, True)
 
@@ -47,6 +66,7 @@ def _assert_finer(values):
 @pytest.mark.skipif(_CUDA is None, reason="triton has no NVIDIA backend here")
 def test_the_key_is_at_least_as_fine_as_tritons():
     _assert_finer(_SCALARS)
+    _assert_finer(_descriptors())
 
 
 @pytest.mark.skipif(_CUDA is None, reason="triton has no NVIDIA backend here")
@@ -56,7 +76,7 @@ def test_the_key_of_tuples_is_at_least_as_fine_as_tritons(values):
     _assert_finer(values)
 
 
-def test_descriptors_and_strings_have_no_key():
+def test_strings_and_unknown_objects_have_no_key():
     assert launch.specialisation("x") is None
     assert launch.specialisation((1, object())) is None
 

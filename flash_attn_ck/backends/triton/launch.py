@@ -184,8 +184,9 @@ class LaunchSpec:
 def specialisation(value: Any) -> Any:
     """What Triton 3.6 compiles a runtime argument's variant on (`native_specialize_impl`), as a hashable key
     at least as fine as Triton's: a tensor's dtype and 16-byte alignment, an int's width (i32/i64/u64), == 1
-    and divisibility by 16, each element of a tuple; bools and floats by type. None: an argument this key does
-    not describe (a tensor descriptor, a string), which `launch_kernel` leaves to Triton."""
+    and divisibility by 16, each element of a tuple, a tensor descriptor's dtype, block, layout and padding;
+    bools and floats by type. None: an argument this key does not describe (a string, an unknown object),
+    which `launch_kernel` leaves to Triton."""
     kind = type(value)
     if kind is int:
         width = 0 if -2 ** 31 <= value < 2 ** 31 else 1 if -2 ** 63 <= value < 2 ** 63 else 2
@@ -197,6 +198,10 @@ def specialisation(value: Any) -> Any:
     if isinstance(value, tuple):
         inner = tuple(specialisation(v) for v in value)
         return None if None in inner else (kind, inner)
+    if isinstance(getattr(value, "base", None), torch.Tensor) and hasattr(value, "block_shape"):
+        # a host tensor descriptor (tl's or Gluon's): Triton specialises on its dtype, block and shared layout;
+        # shape and strides are runtime values, and the launcher encodes the descriptor on every launch
+        return kind, value.base.dtype, tuple(value.block_shape), getattr(value, "layout", None), value.padding
     return None
 
 
