@@ -331,6 +331,7 @@ def layer_rows(args, device, dtype, backend: str | None) -> list[dict]:
     from flash_attn_ck.pipeline.backward import attention_backward
     from flash_attn_ck.pipeline.chunking import plan_chunks, workspace_cap
     from flash_attn_ck.pipeline.forward import attention_forward
+    from flash_attn_ck.pipeline.prepare import prepare
     from flash_attn_ck.pipeline.select import select_backend
     b, s, h, d = args.host_shapes[0]
     name = backend or "triton"
@@ -365,11 +366,13 @@ def layer_rows(args, device, dtype, backend: str | None) -> list[dict]:
                     q, k, v, offsets["cu"], offsets["cu"], s, s, causal=True, backend=request) if varlen
                     else fa.flash_attn_func(q, k, v, causal=True, backend=request)),
                 "fwd: AttentionOptions(...)": (True, lambda: AttentionOptions(causal=True, backend=request, **extra)),
-                "fwd: ops.attention (autograd.Function)": (True, lambda: ops.attention(q, k, v, options)),
+                "fwd: ops.attention, no grad (no Function)": (True, lambda: ops.attention(q, k, v, options)),
+                "fwd: ops.attention, recording (the Function)": (False, lambda: ops.attention(q, k, v, options)),
                 "fwd: torch.ops.flash_attn_ck.fwd (dispatcher)": (True, lambda: torch.ops.flash_attn_ck.fwd(
                     q, k, v, *flat)),
                 "fwd: attention_forward (pipeline)": (True, lambda: attention_forward(q, k, v, options)),
-                "fwd: describe_call": (True, lambda: describe_call(q, k, v, options)),
+                "fwd: describe_call (validation: a memo miss)": (True, lambda: describe_call(q, k, v, options)),
+                "fwd: prepare (a memo hit: signature + value checks)": (True, lambda: prepare(q, k, v, options)),
                 "fwd: select_backend": (True, lambda: select_backend(problem, request)),
                 "fwd: backend.forward": (True, lambda: chosen.forward(problem, params, out_like, lse_like)),
                 "fwd: flash_attn_func, recording autograd": (False, lambda: fa.flash_attn_func(
