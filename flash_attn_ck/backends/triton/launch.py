@@ -181,76 +181,59 @@ class LaunchSpec:
 
 # ---- launching: the compiled kernel looked up once per specialisation ---------------------------------
 
-def specialisation(value: Any) -> Any:
-    """What Triton 3.6 compiles a runtime argument's variant on (`native_specialize_impl`), as a hashable key
-    at least as fine as Triton's: a tensor's dtype and 16-byte alignment, an int's width (i32/i64/u64), == 1
-    and divisibility by 16, each element of a tuple, a tensor descriptor's dtype, block, layout and padding;
-    bools and floats by type. None: an argument this key does not describe (a string, an unknown object),
-    which `launch_kernel` leaves to Triton."""
-    kind = type(value)
-    if kind is int:
-        width = 0 if -2 ** 31 <= value < 2 ** 31 else 1 if -2 ** 63 <= value < 2 ** 63 else 2
-        return width, value == 1, value % 16 == 0
-    if kind is bool or kind is float:
-        return kind
-    if isinstance(value, torch.Tensor):
-        return value.dtype, value.data_ptr() % 16 == 0
-    if isinstance(value, tuple):
-        inner = tuple(specialisation(v) for v in value)
-        return None if None in inner else (kind, inner)
-    if isinstance(getattr(value, "base", None), torch.Tensor) and hasattr(value, "block_shape"):
-        # a host tensor descriptor (tl's or Gluon's): Triton specialises on its dtype, block and shared layout;
-        # shape and strides are runtime values, and the launcher encodes the descriptor on every launch
-        return kind, value.base.dtype, tuple(value.block_shape), getattr(value, "layout", None), value.padding
-    return None
-
-
-def _runtime_value(value: Any) -> Any:
-    """An argument as the launcher takes it: tensors as their addresses (the launcher would ask the driver
-    about each tensor's pointer again), tuples element-wise."""
-    if isinstance(value, torch.Tensor):
-        return value.data_ptr()
-    if isinstance(value, tuple):
-        return tuple(_runtime_value(v) for v in value)
-    return value
-
-
-# (kernel, num_warps, num_stages, device, key of every argument) -> the CompiledKernel Triton chose for it
+# (kernel, warps, stages, compile options, debug knobs, device, each argument's specialisation) -> CompiledKernel
 _COMPILED: dict[tuple, Any] = {}
-_CONSTEXPR: dict[Any, tuple[bool, ...]] = {}      # kernel -> which of its parameters are constexpr
+# kernel -> per parameter (constexpr, then `native_specialize_impl`'s flags: is_const, specialise, align)
+_PARAMS: dict[Any, tuple | None] = {}
+
+
+def _params(kernel) -> tuple | None:
+    found = _PARAMS.get(kernel, False)
+    if found is False:
+        params = getattr(kernel, "params", None)     # None: the interpreter's kernels (TRITON_INTERPRET=1)
+        found = _PARAMS.setdefault(kernel, None if params is None else tuple(
+            (p.is_constexpr, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+            for p in params))
+    return found
 
 
 def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, num_stages: int,
                   options: dict[str, Any] | None = None) -> None:
     """`kernel[grid](*args, num_warps=, num_stages=, **options)`, through the compiled kernel's launcher
-    directly once Triton has compiled this specialisation (its `run` re-binds and re-specialises every
-    argument, builds a cache key string and launch metadata on every call; the first launch of each key goes
-    through it, so Triton decides what compiles). Compile options (maxnreg) and constexprs are keyed by value,
-    runtime arguments by `specialisation`; launch hooks (profilers), the interpreter and arguments the key does
-    not describe take Triton's path."""
+    directly once Triton has compiled this specialisation. Triton's `run` binds the arguments into a dict,
+    builds a cache key with `str(options)`, checks the kernel's globals and builds launch metadata on every
+    call; here the key is Triton's own specialisation of each runtime argument (`native_specialize_impl`, the
+    C++ function its binder calls: dtype, 16-byte alignment, ints == 1 and % 16, descriptors' blocks and
+    layouts), the constexprs and compile options by value and the debug knobs, and the first launch of each
+    key goes through `run` (so Triton compiles what it would). Launch hooks (profilers), the interpreter and
+    unhashable arguments take Triton's path. Not re-checked on a hit: the kernel's globals (constants
+    of the modules, fixed once imported)."""
     from triton import knobs
     from triton.runtime import driver
+    from triton.runtime.jit import native_specialize_impl
     options = options or {}
-    constexpr = _CONSTEXPR.get(kernel)
-    if constexpr is None:
-        params = getattr(kernel, "params", None)     # None: the interpreter's kernels (TRITON_INTERPRET=1)
-        constexpr = _CONSTEXPR.setdefault(kernel, () if params is None else tuple(p.is_constexpr for p in params))
-    if not constexpr or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+    params = _params(kernel)
+    if params is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
         return
-    runtime = [specialisation(a) for a, is_constexpr in zip(args, constexpr) if not is_constexpr]
     device = driver.active.get_current_device()
-    key = (kernel, num_warps, num_stages, *sorted(options.items()), device, *runtime,
-           *(a for a, is_constexpr in zip(args, constexpr) if is_constexpr))
-    compiled = _COMPILED.get(key)
+    backend = kernel.device_caches[device][3]
+    key = (kernel, num_warps, num_stages, *sorted(options.items()), knobs.runtime.debug,
+           knobs.compilation.instrumentation_mode, device,
+           *(a if constexpr else native_specialize_impl(backend, a, is_const, specialise, align)
+             for a, (constexpr, is_const, specialise, align) in zip(args, params)))
+    try:
+        compiled = _COMPILED.get(key)
+    except TypeError:       # an unhashable constexpr: nothing to keep
+        compiled = key = None
     if compiled is None:
         compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
-        if None not in runtime:
+        if key is not None:
             _COMPILED[key] = compiled
         return
     stream = driver.active.get_current_stream(device)
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, None, None, None, *map(_runtime_value, args))
+                 compiled.function, compiled.packed_metadata, None, None, None, *args)
 
 
 def _hooked(hook) -> bool:
