@@ -18,7 +18,7 @@ import torch
 from ck_emulator import EmulatedCkLibrary, Memory, OutOfBounds, TrackAllocations
 
 import flash_attn_ck as fa
-from cases import check_case, make_inputs
+from cases import check_case, check_mask_kind, make_inputs, mask_kind_grid
 from flash_attn_ck.backends.ck import backend as ck
 from flash_attn_ck.backends.ck.backend import CkBackend, CkError
 from flash_attn_ck.backends.ck.plan import ck_backward_plan
@@ -111,6 +111,12 @@ def test_dense_grid(name):
 @pytest.mark.parametrize("name", sorted(VARLEN))
 def test_varlen_grid(name):
     check_case(Config(**{**BASE, **VARLEN[name]}), backend=emulated())
+
+
+@pytest.mark.parametrize("kind,seqlens", mask_kind_grid(CkBackend.mask_kinds))
+def test_every_declared_mask_kind_matches_the_oracle(kind, seqlens):
+    """Each mask kind the CK backend declares, as the emulated kernels read it from mask_type/left/right."""
+    check_mask_kind(emulated(), kind, seqlens)
 
 
 def test_deterministic_is_bit_identical():

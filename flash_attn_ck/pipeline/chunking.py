@@ -166,8 +166,7 @@ def chunk_problem(problem: AttentionProblem, chunk: Chunk, rows_q: int, rows_k: 
     if (r0, r1) != (0, p.seqlen_q) and mask.type != MaskType.NO_MASK:
         # Rows [r0, r1): the same keep rule in the chunk's own row numbering, as generic (y, x).
         full = mask.for_lengths(p.seqlen_q, p.seqlen_k)
-        mask = MaskInfo(MaskType.WINDOW_GENERIC, full.y - r0, full.x + r0, full.y - r0, full.x + r0,
-                        r1 - r0, p.seqlen_k)
+        mask = MaskInfo.generic(full.y - r0, full.x + r0, r1 - r0, p.seqlen_k)
     placement = Placement(batch_offset=b0, head_offset=g0 * p.group_size + a, row_offset=r0,
                           heads=p.heads_q, seqlen_q=p.seqlen_q)
     if p.varlen:
