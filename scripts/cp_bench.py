@@ -1,4 +1,4 @@
-"""Context parallelism on CUDA GPUs: correctness, then forward+backward timing (issue 18). NOT RUN YET:
+"""Context parallelism on CUDA GPUs: correctness, then forward+backward timing. NOT RUN YET:
 written and reviewed on CPU only; it needs a session with device time on `nvidia-h200-x2`.
 
     # correctness (bf16, vs the same sequence on one GPU, and torch's context_parallel() with the provider)

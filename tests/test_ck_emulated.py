@@ -171,7 +171,7 @@ def test_an_unregistered_pointer_is_detected():
         fa.flash_attn_func(q, k, v, backend=backend)
 
 
-# ---- the findings --------------------------------------------------------------------
+# ---- the findings of docs/ck.md, one test each (numbered as there) --------------------------
 
 def test_finding1_dk_dv_rows_of_empty_query_sequences_are_zero():
     # CK's group-mode dq_dk_dv returns before its dK/dV epilogue for s_q == 0: MHA (dk/dv) and GQA
@@ -269,7 +269,7 @@ def test_finding5_no_library_plans_with_the_gfx942_table():
 
 
 def test_finding7_launch_failure_is_reported_as_such():
-    # An invalid grid (what s_k = 0 did before finding 3): CK's launch throws a HIP error.
+    # An invalid grid (what s_k = 0 did before finding 3 was fixed): CK's launch throws a HIP error.
     memory = Memory()
     library = EmulatedCkLibrary(memory)
     backend = CkBackend.on_library(library, {"cpu"}, lambda d: "gfx942")

@@ -1,4 +1,4 @@
-"""Issue 16: the classes of edge inputs, drawn by hypothesis rather than listed as instances.
+"""The classes of edge inputs, drawn by hypothesis rather than listed as instances.
 
 - Bad values for every argument of every public function (type, range, non-finite, device incl. meta,
   shape, slot count, aliasing, stride 0): `ArgumentError` naming the argument, and no input or
@@ -485,7 +485,7 @@ def test_dropout_independent_of_max_seqlen():
 
 
 def test_generous_max_seqlen_plans_from_real_lengths():
-    """Issue 16 item 14: 4-token sequences with max_seqlen 2**20 fit the default cap, on the real lengths."""
+    """4-token sequences with max_seqlen 2**20 fit the default cap, on the real lengths."""
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
     q = torch.randn(8, 2, 16, dtype=torch.float64)
     results = []

@@ -118,7 +118,7 @@ def test_normalisation_drops_only_redundant_sides():
     assert canonical_window(False, (9, 3), 10, 10) == (-1, 3)     # left >= s_k - 1 -> unbounded
     assert canonical_window(False, (8, 3), 10, 10) == (8, 3)
     assert canonical_window(False, (2, 9), 10, 10) == (2, -1)     # right >= s_q - 1 -> unbounded
-    # s_q > s_k (issue 16 item 6): right = 5 >= s_k is NOT unbounded (flash-attention's CK frontend drops it).
+    # s_q > s_k: right = 5 >= s_k is NOT unbounded (flash-attention's CK frontend drops it).
     assert canonical_window(False, (1, 5), 10, 3) == (1, 5)
     assert not MaskInfo.from_flash_args(False, (1, 5), 10, 3).keep(torch.arange(10), torch.arange(3))[0].any()
     assert canonical_window(False, (1, 9), 10, 3) == (1, -1)

@@ -154,7 +154,7 @@ class Adapters:
 
     def sdpa_flash_backward(self, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                             dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
-        # max_q/max_k are ignored: torch's context-parallel ring passes its last step's (issue 18 notes).
+        # max_q/max_k are ignored: torch's context-parallel ring passes its last step's lengths, not this call's.
         _check_dtype(query)
         grads = (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value))
         self.sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale,
