@@ -8,7 +8,8 @@ chunks, each on views of the inputs and outputs (no copies of q/k/v/out/dout):
    result is bit-identical to the unchunked call;
 2. if one group of one sequence is still too large: slices of the group's query heads and/or of
    the query rows (batch mode, no ALiBi). Their dK/dV are partial sums, written in the input dtype
-   (as CK's expanded buffers are) and added in fp32 in a fixed order, so runs stay deterministic.
+   (as CK's expanded buffers are) and added in fp32 (fp64 for fp64 inputs) in a fixed order, so runs stay
+   deterministic.
 
 Chunks carry a `Placement` (global batch/head/row offsets), so dropout draws the same keep pattern
 and masks keep their alignment. If even the smallest chunk does not fit, the backend's leaner setup
@@ -182,11 +183,12 @@ def _ranges(total: int, size: int) -> tuple[tuple[int, int], ...]:
 
 
 def _partial_sums(problem: AttentionProblem, batch_rows_k: int, heads_k: int) -> tuple[BufferSpec, ...]:
-    """fp32 sums of dK/dV partials, and the chunk's own dK/dV in the input dtype (the user's head dim:
-    a chunk unpads its result before it is added)."""
+    """Sums of dK/dV partials in the accumulation dtype, and the chunk's own dK/dV in the input dtype (the
+    user's head dim: a chunk unpads its result before it is added)."""
     p, d = problem, problem.head_dim
     rows = (batch_rows_k,) if p.varlen else (batch_rows_k // max(p.seqlen_k, 1), p.seqlen_k)
-    return tuple([BufferSpec(f"{g}_sum", (*rows, heads_k, d), torch.float32, True, f"fp32 sum of {g} partials")
+    accum = str(p.accum_dtype).removeprefix("torch.")
+    return tuple([BufferSpec(f"{g}_sum", (*rows, heads_k, d), p.accum_dtype, True, f"{accum} sum of {g} partials")
                   for g in ("dk", "dv")] +
                  [BufferSpec(f"{g}_partial", (*rows, heads_k, d), p.dtype, False, f"one chunk's {g} partial")
                   for g in ("dk", "dv")])
