@@ -605,16 +605,59 @@ def test_any_option_value_is_checked_before_the_schema(direction, data, through_
 
 # ---- double backward ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("through", ["q", "k", "v"])
-def test_double_backward_raises(through):
-    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    out = fa.flash_attn_func(q, k, v, causal=True, backend="reference")
-    grads = dict(zip("qkv", torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)))
-    with pytest.raises(RuntimeError, match="not differentiable"):
-        grads[through].square().sum().backward()
+def _shared_inputs(sharing: str):
+    """(leaves, f): leaves requiring grad and a function of them calling the API with them shared as named."""
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+    opts = dict(causal=True, backend="reference")
+    b, s, h, d = 1, 5, 2, 8
+    if sharing == "varlen q=k=v":
+        cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+        return [leaf(s, h, d)], lambda x: fa.flash_attn_varlen_func(x, x, x, cu, cu, 3, 3, **opts)
+    if sharing == "qkvpacked":
+        return [leaf(b, s, 3, h, d)], lambda qkv: fa.flash_attn_qkvpacked_func(qkv, **opts)
+    if sharing == "kvpacked":
+        return [leaf(b, s, h, d), leaf(b, s, 2, h, d)], lambda q, kv: fa.flash_attn_kvpacked_func(q, kv, **opts)
+    slots = {"distinct": "qkv", "q=k": "xxv", "k=v": "qxx", "q=v": "xkx", "q=k=v": "xxx"}[sharing]
+    names = sorted(set(slots))
+    leaves = [leaf(b, s, h, d) for _ in names]
+
+    def f(*tensors):
+        given = dict(zip(names, tensors))
+        return fa.flash_attn_func(*(given[slot] for slot in slots), **opts)
+    return leaves, f
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(sharing=st.sampled_from(["distinct", "q=k", "k=v", "q=v", "q=k=v", "qkvpacked", "kvpacked", "varlen q=k=v"]),
+       route=st.sampled_from(["backward", "grad", "grad allow_unused", "gradgradcheck"]), data=st.data())
+def test_double_backward_raises(sharing, route, data):
+    """Differentiating a gradient raises the README's error whatever the inputs share and however the second
+    derivative is asked for (a graph's own backward, autograd.grad of one input, with allow_unused,
+    gradgradcheck): never a None, a zero or a "not used in the graph"."""
+    leaves, f = _shared_inputs(sharing)
+    if route == "gradgradcheck":
+        with pytest.raises(RuntimeError, match="the attention backward is not differentiable"):
+            torch.autograd.gradgradcheck(f, leaves)
+        return
+    grads = torch.autograd.grad(f(*leaves).square().sum(), leaves, create_graph=True)
+    penalty = grads[data.draw(st.integers(0, len(grads) - 1), label="gradient")].square().sum()
+    wrt = leaves[data.draw(st.integers(0, len(leaves) - 1), label="with respect to")]
+    differentiate = penalty.backward if route == "backward" else functools.partial(
+        torch.autograd.grad, penalty, wrt, allow_unused=route == "grad allow_unused")
+    with pytest.raises(RuntimeError, match="the attention backward is not differentiable"):
+        differentiate()
+
+
+def test_first_order_gradients_unchanged_by_create_graph():
+    leaves, f = _shared_inputs("q=k=v")
+    plain = torch.autograd.grad(f(*leaves).square().sum(), leaves)
+    graphed = torch.autograd.grad(f(*leaves).square().sum(), leaves, create_graph=True)
+    assert torch.equal(plain[0], graphed[0]) and graphed[0].requires_grad
     # Without create_graph nothing changes: plain gradients, no graph.
-    out = fa.flash_attn_func(q, k, v, causal=True, backend="reference")
-    assert not torch.autograd.grad(out.sum(), q)[0].requires_grad
+    assert not plain[0].requires_grad
 
 
 # ---- the same checks on the Triton kernels, interpreted ---------------------------------------------------
@@ -636,6 +679,9 @@ half = torch.float16
 tile = (config.INTERPRETER.forward.block_m, config.INTERPRETER.forward.block_n)
 assert tile == (16, 16), tile
 t.check_rows_outside_sequences("triton", half)
+t.check_rows_outside_sequences("triton", half, ((0, 4), (0, 3)), 2, 1, (2, 2), True, exact_max=True)
+t.check_rows_outside_sequences("triton", half, ((0, 9), (6, 9)), 0, 0, (3, 1), False, cap_fraction=0.5)
+t.check_rows_outside_sequences("triton", half, ((0, 5), (3, 0), (4, 6)), 1, 2, (4, 2), True, True, 0.3)
 t.check_window("triton", half, 10, 3, (1, 5))
 t.check_window("triton", half, 40, 9, (3, 20))
 t.check_window("triton", half, seqlens=[(20, 5), (7, 12), (0, 3), (15, 15)], window=(2, 9))
