@@ -156,6 +156,31 @@ def test_cap_from_environment(monkeypatch):
     assert workspace_cap(None) == 4 << 30 and workspace_cap(77) == 77
 
 
+@settings(max_examples=60, deadline=None)
+@given(value=st.one_of(st.integers(), st.sampled_from([-2, -1, 0, 2 ** 63 - 1, 2 ** 63, 2 ** 64, 2 ** 70, -2 ** 63])))
+def test_cap_from_environment_and_argument_agree(value):
+    """One rule for `max_workspace_bytes` and the variable: a backward given either runs alike (same gradients,
+    or the same WorkspaceError), or both are refused by name; never a raw error from the op's schema."""
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    out, lse, _ = fa.flash_attn_fwd(q, q, q, backend="reference")
+    outcomes = []
+    for given_as in ("argument", "environment"):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(WORKSPACE_ENV, str(value))
+            try:
+                cap = value if given_as == "argument" else None
+                outcomes.append(fa.flash_attn_bwd(q, q, q, q, out, lse, backend="reference", max_workspace_bytes=cap))
+            except fa.WorkspaceError:
+                outcomes.append("over the cap")
+            except fa.ArgumentError as error:
+                assert str(error).startswith("max_workspace_bytes" if given_as == "argument" else WORKSPACE_ENV)
+                outcomes.append("refused")
+    if isinstance(outcomes[0], str) or isinstance(outcomes[1], str):
+        assert outcomes[0] == outcomes[1], (value, outcomes)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(*outcomes))
+
+
 def _coverage(chunks, batch, heads_k, group, seqlen_q):
     """How many chunks cover each (sequence, kv head, query head in group, query row)."""
     count = torch.zeros(batch, heads_k, group, seqlen_q, dtype=torch.int32)

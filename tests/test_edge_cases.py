@@ -612,10 +612,10 @@ def _shared_inputs(sharing: str):
     def leaf(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
     opts = dict(causal=True, backend="reference")
-    b, s, h, d = 1, 5, 2, 8
+    b, s, h, d = 1, 3, 1, 4       # small: gradgradcheck differentiates numerically element by element
     if sharing == "varlen q=k=v":
-        cu = torch.tensor([0, 2, 5], dtype=torch.int32)
-        return [leaf(s, h, d)], lambda x: fa.flash_attn_varlen_func(x, x, x, cu, cu, 3, 3, **opts)
+        cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+        return [leaf(s, h, d)], lambda x: fa.flash_attn_varlen_func(x, x, x, cu, cu, 2, 2, **opts)
     if sharing == "qkvpacked":
         return [leaf(b, s, 3, h, d)], lambda qkv: fa.flash_attn_qkvpacked_func(qkv, **opts)
     if sharing == "kvpacked":
