@@ -681,7 +681,12 @@ assert tile == (16, 16), tile
 t.check_rows_outside_sequences("triton", half)
 t.check_rows_outside_sequences("triton", half, ((0, 4), (0, 3)), 2, 1, (2, 2), True, exact_max=True)
 t.check_rows_outside_sequences("triton", half, ((0, 9), (6, 9)), 0, 0, (3, 1), False, cap_fraction=0.5)
-t.check_rows_outside_sequences("triton", half, ((0, 5), (3, 0), (4, 6)), 1, 2, (4, 2), True, True, 0.3)
+from hypothesis import given, settings, strategies as st
+@settings(max_examples=6, database=None, **t.SETTINGS)
+@given(**t.EMPTY_SEQUENCE_LAYOUTS, cap_fraction=st.sampled_from([None, 0.5, 0.3]))
+def empty_sequence_layouts(**layout):
+    t.check_rows_outside_sequences("triton", half, **layout)
+empty_sequence_layouts()
 t.check_window("triton", half, 10, 3, (1, 5))
 t.check_window("triton", half, 40, 9, (3, 20))
 t.check_window("triton", half, seqlens=[(20, 5), (7, 12), (0, 3), (15, 15)], window=(2, 9))
