@@ -17,7 +17,6 @@ from flash_attn_ck.backends.registry import backend_class
 from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.options import AttentionOptions
 from flash_attn_ck.core.problem import AttentionParams
-from flash_attn_ck.pipeline import chunking
 from flash_attn_ck.pipeline.chunking import WORKSPACE_ENV, Chunk, plan_chunks, workspace_cap
 from oracle import Config
 
@@ -295,7 +294,6 @@ def _planning_work(problem, backend, cap) -> tuple[int, int]:
         if events > PLANNING_EVENTS:
             raise _OverBudget
         return count
-    chunking._plan_chunks_dense.cache_clear()
     previous = sys.gettrace()
     tracemalloc.start()
     sys.settrace(count)
