@@ -3,7 +3,7 @@
 Built on scripts/wave_schedule.py's list scheduling (CTAs start in grid order on the SM that frees first, one
 CTA per SM): a CTA runs for its steps (tiles it walks, times query heads) at the dense kernels' measured rate
 per SM, and a CTA that has no work (a varlen tile past its sequence) costs `exit_us`. Per workload of
-scripts/bench_workloads.py (full sizes, seed 0) it prints:
+scripts/bench_workloads.py (full sizes, seed 0; the short rows at d128, as if bwd_ws ran them) it prints:
 - forward and backward makespans of today's grids (`batch x tiles(max_seqlen)` per head, the backward in
   launches of kv-head groups under config.BWD_WS_DQ_ACCUM_BYTES, each after a zero fill of dq_accum and before
   a cast) against grids over varlen_schedule's (sequence, tile) items, longest first, heads fastest;
@@ -208,7 +208,8 @@ def main(argv=None):
         measure_exit()
         return None
     costs = replace(Costs(), exit_us=args.exit_us)
-    rows = [model(w, costs) for w in workloads(FULL) if w.family in ("packed", "window", "long")]
+    rows = [model(w, costs) for w in workloads(FULL)      # the model's tiles and step costs are d128's
+            if w.family in ("packed", "window", "long") or (w.family == "short" and w.head_dim == 128)]
     print(f"exit {costs.exit_us} µs; ms per pass; TF/s of the modelled step: today / scheduled grids / and the zero "
           "fill fused / and one launch over every head")
     print("| workload | launches | fwd CTAs / items | fwd now | fwd scheduled | bwd now | bwd scheduled | "
