@@ -1,10 +1,13 @@
-"""Context parallelism for the (b, s, h, d) API on torch.distributed collectives (NCCL, RCCL or gloo).
+"""Context parallelism on torch.distributed collectives (NCCL, RCCL or gloo): attention over a sequence whose
+shards live on the ranks of a process group.
 
 Every rank of `group` (world W) holds one shard of the sequence of q, k and v: `shard` cuts a full tensor
 into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gathers them back.
 
 - layout "zigzag" (head-tail load balancing, the default): chunks r and 2W - 1 - r, so every rank has the
-  same causal work; "contiguous": chunks 2r and 2r + 1 (for non-causal calls either is balanced).
+  same causal work. This is torch's `_HeadTailLoadBalancer` order (`torch.distributed.tensor.experimental`'s
+  default for causal CP): a tensor sharded by torch's load balancer is a valid "zigzag" shard and the
+  reverse. "contiguous": chunks 2r and 2r + 1 (torch's CP without load balancing).
 - kv_exchange "ring": K/V (packed in one buffer) travel around the ring with isend/irecv, the next step's
   transfer in flight while the current step computes. Per step and local query chunk, one forward call
   over the key chunks the chunk sees (a prefix of the held block, bottom-right causal when it ends with
@@ -13,9 +16,8 @@ into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gath
   Backward: the same steps with `flash_attn_bwd` given the merged out/lse (so D = rowsum(dO * O) is the
   global one), writing into preallocated per-step buffers; dQ accumulates locally in fp32 and dK/dV
   accumulate in fp32 buffers that travel around the ring and arrive back at their owner after W hops.
-  Both transfers overlap compute: the next K/V block is posted before the step computes, and a block's
-  dK/dV sums (sent on after the previous rank's step) arrive while this rank computes its parts.
-  Causal or not; sliding windows are refused here (a window's block masks need a negative side).
+  Both transfers overlap compute. Causal or not; sliding windows are refused here (a window's block masks
+  need a negative side).
 - kv_exchange "allgather": K/V are all-gathered once (every rank then holds the full K/V); each local query
   chunk at global rows [q0, q0 + c) runs one call on the keys [start, end) it can see, where choosing
   `end` (q0 + c, or further for a right window) makes flash-attn's bottom-right alignment coincide with
@@ -23,21 +25,35 @@ into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gath
   the full sequence, reduce-scattered back to the owners.
 
 GQA (h_k < h) works in both. Varlen (`cu_seqlens`, ring only): every rank holds its two chunks of every
-sequence (zigzag or contiguous per sequence); each step's calls are varlen over one chunk per sequence (`_Chunks`).
-Refused, with an error that says why: dropout (each rank's keep pattern is drawn for its own blocks and cannot
-follow the ring), varlen with the all-gather, ALiBi and softcap (not built).
+sequence (zigzag or contiguous per sequence); each step's calls are varlen over one chunk per sequence (`_Chunks`,
+built once per cu_seqlens tensor, not per call).
+
+Dropout: every kernel call of a rank (a ring step's query chunk, or an all-gather chunk) draws its own keep
+pattern from one `[seed, offset]` drawn per forward, with the seed advanced by the call's global index
+(rank, step, chunk); the backward re-derives the same states, so forward and backward drop the same elements
+and no two calls of the group share a pattern.
+
+Everything is validated before the first communication (options with `flash_attn_func`'s own rules, the
+operands of the first kernel call, the backend's ability to run it): an argument error raises on every rank
+that gets it without leaving sends or receives posted. Refused, with an error that says why: varlen with the
+all-gather, ALiBi and softcap (not built), windows with the ring.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api import flash_attn_bwd, flash_attn_fwd
+from ..core.dropout import new_rng_state
 from ..core.errors import ArgumentError
+from ..core.inputs import describe_call
+from ..core.options import AttentionOptions
+from ..pipeline.select import select_backend
 
 LAYOUTS = ("zigzag", "contiguous")
 KV_EXCHANGES = ("ring", "allgather")
@@ -48,6 +64,18 @@ def chunk_ids(rank: int, world: int, layout: str) -> tuple[int, int]:
     if layout not in LAYOUTS:
         raise ArgumentError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (2 * rank, 2 * rank + 1)
+
+
+def process_group(mesh_or_group=None):
+    """A ProcessGroup from a 1-D DeviceMesh, a ProcessGroup, or None (the default group)."""
+    if mesh_or_group is None:
+        return dist.group.WORLD
+    if hasattr(mesh_or_group, "get_group"):
+        if mesh_or_group.ndim != 1:
+            raise ArgumentError(f"mesh: expected a 1-D DeviceMesh (the context-parallel dimension), got "
+                                f"{mesh_or_group.ndim} dimensions; pass mesh['cp'] or its process group")
+        return mesh_or_group.get_group()
+    return mesh_or_group
 
 
 def _group_size_rank(group) -> tuple[int, int]:
@@ -67,9 +95,11 @@ def _split(x: torch.Tensor, seq_dim: int, bounds: list[int], parts: int) -> list
 def shard(x: torch.Tensor, group=None, *, seq_dim: int = 1, layout: str = "zigzag",
           cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's shard of the full tensor `x` (every rank passes the same x): its two chunks, concatenated.
+    `group`: a ProcessGroup or a 1-D DeviceMesh. For (b, h, s, d) tensors pass seq_dim=2; "zigzag" equals torch's
+    head-tail load balancer followed by an even split.
     Varlen (`cu_seqlens`, x packed (total, ...) with seq_dim=0): every sequence is cut into 2W chunks and the
     shard packs this rank's two chunks of each sequence, in sequence order (offsets cu_seqlens / W)."""
-    world, rank = _group_size_rank(group)
+    world, rank = _group_size_rank(process_group(group))
     bounds = _bounds(x.shape[seq_dim], cu_seqlens)
     for a, b in itertools.pairwise(bounds):
         if (b - a) % (2 * world):
@@ -81,6 +111,7 @@ def shard(x: torch.Tensor, group=None, *, seq_dim: int = 1, layout: str = "zigza
 def unshard(x: torch.Tensor, group=None, *, seq_dim: int = 1, layout: str = "zigzag",
             cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """The full tensor from every rank's shard (all-gather, then the chunks back in sequence order)."""
+    group = process_group(group)
     world, _ = _group_size_rank(group)
     gathered = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(gathered, x.contiguous(), group=group)
@@ -110,7 +141,9 @@ class _Chunks:
     c: int = 0
     rows: tuple[torch.Tensor, torch.Tensor] | None = None
     cu: torch.Tensor | None = None
+    cu_seen: tuple[torch.Tensor, torch.Tensor] | None = None   # keys of one chunk, of both chunks
     max_c: int = 0
+    sequences: int = 1
 
     @staticmethod
     def varlen(cu_seqlens: torch.Tensor, world: int, device: torch.device) -> _Chunks:
@@ -119,7 +152,12 @@ class _Chunks:
         rows = tuple(torch.cat([torch.arange(a + i * n, a + (i + 1) * n) for a, n in zip(bounds, lengths)]
                                + [torch.zeros(0, dtype=torch.int64)]).to(device) for i in (0, 1))
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-        return _Chunks(rows=rows, cu=cu, max_c=max(lengths, default=0))
+        return _Chunks(rows=rows, cu=cu, cu_seen=(cu, cu * 2), max_c=max(lengths, default=0),
+                       sequences=len(lengths))
+
+    @property
+    def empty(self) -> bool:
+        return (self.c if self.rows is None else self.rows[0].numel()) == 0
 
     def q(self, i: int) -> tuple:
         """Local chunk i of q, out, dout (seq dim 1 dense, 0 varlen)."""
@@ -142,8 +180,27 @@ class _Chunks:
     def options(self, seen: int) -> dict:
         if self.rows is None:
             return {}
-        return dict(cu_seqlens_q=self.cu, cu_seqlens_k=self.cu * seen, max_seqlen_q=self.max_c,
+        return dict(cu_seqlens_q=self.cu, cu_seqlens_k=self.cu_seen[seen - 1], max_seqlen_q=self.max_c,
                     max_seqlen_k=seen * self.max_c)
+
+
+# Varlen chunk indices per cu_seqlens tensor: reading cu_seqlens (a host sync on a GPU) and building the
+# index tensors happens once per tensor and layout, not in every layer's forward and backward.
+_VARLEN_CHUNKS = WeakIdKeyDictionary()
+
+
+def _varlen_chunks(cu_seqlens: torch.Tensor, world: int, device: torch.device) -> tuple[_Chunks, int]:
+    """The chunks of a rank's varlen shard and the rows it holds (total / W)."""
+    key = (cu_seqlens._version, world, device)
+    cached = _VARLEN_CHUNKS.get(cu_seqlens)
+    if cached is None or cached[0] != key:
+        bounds = _bounds(0, cu_seqlens)
+        if any((b - a) % (2 * world) for a, b in itertools.pairwise(bounds)):
+            raise ArgumentError(f"cu_seqlens: every sequence length must be a multiple of 2 * world size = "
+                                f"{2 * world}, got offsets {bounds}")
+        cached = (key, _Chunks.varlen(cu_seqlens, world, device), bounds[-1] // world)
+        _VARLEN_CHUNKS[cu_seqlens] = cached
+    return cached[1:]
 
 
 @dataclass(frozen=True)
@@ -153,18 +210,35 @@ class _Call:
     rank: int
     layout: str
     kv_exchange: str
-    causal: bool
-    window: tuple[int, int]
-    softmax_scale: float | None
-    deterministic: bool
-    backend: object
+    options: AttentionOptions      # causal, window, scale, dropout, deterministic, backend: validated
     chunks: _Chunks
+    heads: int
+    rng: torch.Tensor | None = None      # per kernel call of this rank: (calls, 2) [seed, offset] (dropout)
+
+    @property
+    def calls(self) -> int:
+        """Kernel calls of one rank per direction (rng states to draw): two per ring step, two for all-gather."""
+        return 2 * self.world if self.kv_exchange == "ring" else 2
+
+    def with_rng(self, base: torch.Tensor | None) -> _Call:
+        """The call with its per-kernel-call rng states derived from one `[seed, offset]` (None without dropout):
+        the seed advanced by the call's index over the whole group, so no two calls share a keep pattern."""
+        if base is None or not self.options.dropout_p:
+            return self
+        index = torch.arange(self.rank * self.calls, (self.rank + 1) * self.calls, device=base.device)
+        return replace(self, rng=base + torch.stack([index, torch.zeros_like(index)], dim=1))
+
+    def kernel(self, index: int) -> dict:
+        """The options of kernel call `index` of this rank."""
+        o = self.options
+        return dict(softmax_scale=o.softmax_scale, dropout_p=o.dropout_p, backend=o.backend,
+                    rng_state=None if self.rng is None else self.rng[index])
 
     def attend(self, q_chunk: int, kv_chunks: tuple[int, int]) -> tuple[int, bool]:
         """Ring step: how many leading chunks of the held K/V block query chunk `q_chunk` sees, and whether
         the last of them is its own (bottom-right causal). Local chunks are in increasing order, so the
         chunks a causal query sees are a prefix of the block."""
-        if not self.causal:
+        if not self.options.causal:
             return len(kv_chunks), False
         seen = sum(index <= q_chunk for index in kv_chunks)
         return seen, seen > 0 and kv_chunks[seen - 1] == q_chunk
@@ -172,17 +246,13 @@ class _Call:
     def window_call(self, q_start: int, c: int, total: int) -> tuple[int, int, tuple[int, int]]:
         """All-gather: the keys [start, end) query rows [q_start, q_start + c) can see, and the flash-attn
         window on them that equals the global interval [i - left, i + right] (docs/integrations.md)."""
-        left, right = self.window
-        if self.causal:
+        left, right = self.options.window_size
+        if self.options.causal:
             right = 0
         end = total if right < 0 else min(total, q_start + c + right)
         shift = end - c - q_start           # flash-attn's bottom-right offset beyond the global diagonal
         start = 0 if left < 0 else max(0, q_start - left)
         return start, end, (-1 if left < 0 else left + shift, -1 if right < 0 else right - shift)
-
-
-def _kernel_options(call: _Call) -> dict:
-    return dict(softmax_scale=call.softmax_scale, backend=call.backend)
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -205,19 +275,29 @@ def _accum(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _ring_send_recv(buffers: list[torch.Tensor], call: _Call) -> tuple[list[torch.Tensor], list]:
-    """Send `buffers` to the next rank and receive the previous rank's into new buffers (asynchronously)."""
-    received = [torch.empty_like(b) for b in buffers]
-    after = dist.get_global_rank(call.group, (call.rank + 1) % call.world)
-    before = dist.get_global_rank(call.group, (call.rank - 1) % call.world)
-    ops = [dist.P2POp(dist.isend, b, after, call.group) for b in buffers]
-    ops += [dist.P2POp(dist.irecv, b, before, call.group) for b in received]
-    return received, dist.batch_isend_irecv(ops)
+class _PostedTransfers:
+    """Sends/receives in flight. On an error after they were posted, `drain` completes them, so the group's
+    next collective is not matched against a half-finished exchange."""
 
+    def __init__(self):
+        self.works = []
 
-def _wait(works) -> None:
-    for work in works:
-        work.wait()
+    def post(self, buffers: list[torch.Tensor], call: _Call) -> list[torch.Tensor]:
+        """Send `buffers` to the next rank and receive the previous rank's into new buffers (asynchronously)."""
+        received = [torch.empty_like(b) for b in buffers]
+        after = dist.get_global_rank(call.group, (call.rank + 1) % call.world)
+        before = dist.get_global_rank(call.group, (call.rank - 1) % call.world)
+        ops = [dist.P2POp(dist.isend, b, after, call.group) for b in buffers]
+        ops += [dist.P2POp(dist.irecv, b, before, call.group) for b in received]
+        self.works += dist.batch_isend_irecv(ops)
+        return received
+
+    def wait(self) -> None:
+        works, self.works = self.works, []
+        for work in works:
+            work.wait()
+
+    drain = wait
 
 
 def _pack(*tensors: torch.Tensor) -> torch.Tensor:
@@ -234,41 +314,40 @@ def _unpack(buffer: torch.Tensor, *likes: torch.Tensor) -> list[torch.Tensor]:
 
 # ---- ring ------------------------------------------------------------------------------------------
 
-def _ring_blocks(k, v, call: _Call):
+def _ring_blocks(k, v, call: _Call, transfers: _PostedTransfers):
     """Per ring step: (step, the K/V block held now, its chunk ids). The next block's transfer is posted
     before the current one is handed out, so it travels while the caller computes."""
-    kv, received, works = _pack(k, v), [], []
+    kv, received = _pack(k, v), None
     for step in range(call.world):
         if step:
-            _wait(works)
+            transfers.wait()
             (kv,) = received
         if step < call.world - 1:
-            received, works = _ring_send_recv([kv], call)
+            received = transfers.post([kv], call)
         k_blk, v_blk = _unpack(kv, k, v)
         yield step, k_blk, v_blk, chunk_ids((call.rank - step) % call.world, call.world, call.layout)
 
 
-def _ring_forward(q, k, v, call: _Call):
+def _ring_forward(q, k, v, call: _Call, out: torch.Tensor, transfers: _PostedTransfers):
     sel = call.chunks
     q_chunks = chunk_ids(call.rank, call.world, call.layout)
     merged = [(None, None), (None, None)]
-    for _, k_blk, v_blk, kv_chunks in _ring_blocks(k, v, call):
+    for step, k_blk, v_blk, kv_chunks in _ring_blocks(k, v, call, transfers):
         for i, q_chunk in enumerate(q_chunks):
             seen, causal = call.attend(q_chunk, kv_chunks)
             if seen:
                 keys = sel.keys(seen)
                 out_i, lse_i, _ = flash_attn_fwd(q[sel.q(i)], k_blk[keys], v_blk[keys], causal=causal,
-                                                 **sel.options(seen), **_kernel_options(call))
+                                                 **sel.options(seen), **call.kernel(2 * step + i))
                 merged[i] = _merge(*merged[i], out_i, lse_i)
-    out = torch.empty_like(q)
     lse = merged[0][1].new_empty((*merged[0][1].shape[:-1], q.shape[q.dim() - 3]))
     for i, (out_i, lse_i) in enumerate(merged):
-        out[sel.q(i)] = out_i.to(q.dtype)
+        out[sel.q(i)] = out_i
         lse[sel.lse(i)] = lse_i
-    return out, lse
+    return lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, call: _Call):
+def _ring_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTransfers):
     """Per step: post the next K/V block's transfer, compute this block's gradients into per-chunk buffers,
     then wait for the block's travelling dK/dV sums (sent by the previous rank after its own step, in flight
     during this step's compute), add this step's parts in the order the query chunks ran, and send them on."""
@@ -278,34 +357,39 @@ def _ring_backward(dout, q, k, v, out, lse, call: _Call):
     dq = torch.zeros(q.shape, dtype=accum, device=q.device)
     dq_i = torch.empty_like(q[sel.q(0)])
     block_grads = [(torch.empty_like(k), torch.empty_like(v)) for _ in q_chunks]   # per local query chunk
-    dkv_next, dkv_works = None, []
-    for step, k_blk, v_blk, kv_chunks in _ring_blocks(k, v, call):
-        parts = []
-        for i, q_chunk in enumerate(q_chunks):
-            seen, causal = call.attend(q_chunk, kv_chunks)
-            if not seen:
-                continue
-            rows, keys = sel.q(i), sel.keys(seen)
-            dk_i, dv_i = (sel.workspace(buffer, seen) for buffer in block_grads[i])
-            flash_attn_bwd(dout[rows], q[rows], k_blk[keys], v_blk[keys], out[rows], lse[sel.lse(i)], dq_i, dk_i,
-                           dv_i, causal=causal, deterministic=call.deterministic, **sel.options(seen),
-                           **_kernel_options(call))
-            dq[rows] += dq_i
-            parts.append((keys, dk_i, dv_i))
-        if step:
-            _wait(dkv_works)
-            (dkv,) = dkv_next
-        else:
-            dkv = torch.zeros(k.numel() + v.numel(), dtype=accum, device=k.device)   # this rank's own block
-        dk_blk, dv_blk = _unpack(dkv, k, v)
-        for keys, dk_i, dv_i in parts:
-            dk_blk[keys] += dk_i
-            dv_blk[keys] += dv_i
-        # dK/dV move on every step, arriving home after W hops; their transfer overlaps the next step.
-        dkv_next, dkv_works = _ring_send_recv([dkv], call)
-    _wait(dkv_works)
+    dkv_transfers = _PostedTransfers()
+    dkv_next = None
+    try:
+        for step, k_blk, v_blk, kv_chunks in _ring_blocks(k, v, call, transfers):
+            parts = []
+            for i, q_chunk in enumerate(q_chunks):
+                seen, causal = call.attend(q_chunk, kv_chunks)
+                if not seen:
+                    continue
+                rows, keys = sel.q(i), sel.keys(seen)
+                dk_i, dv_i = (sel.workspace(buffer, seen) for buffer in block_grads[i])
+                flash_attn_bwd(dout[rows], q[rows], k_blk[keys], v_blk[keys], out[rows], lse[sel.lse(i)], dq_i,
+                               dk_i, dv_i, causal=causal, deterministic=call.options.deterministic,
+                               **sel.options(seen), **call.kernel(2 * step + i))
+                dq[rows] += dq_i
+                parts.append((keys, dk_i, dv_i))
+            if step:
+                dkv_transfers.wait()
+                (dkv,) = dkv_next
+            else:
+                dkv = torch.zeros(k.numel() + v.numel(), dtype=accum, device=k.device)   # this rank's own block
+            dk_blk, dv_blk = _unpack(dkv, k, v)
+            for keys, dk_i, dv_i in parts:
+                dk_blk[keys] += dk_i
+                dv_blk[keys] += dv_i
+            # dK/dV move on every step, arriving home after W hops; their transfer overlaps the next step.
+            dkv_next = dkv_transfers.post([dkv], call)
+        dkv_transfers.wait()
+    except BaseException:
+        dkv_transfers.drain()
+        raise
     dk, dv = _unpack(dkv_next[0], k, v)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv
 
 
 # ---- all-gather ------------------------------------------------------------------------------------
@@ -326,28 +410,28 @@ def _local_calls(q, call: _Call):
         yield slice(i * c, (i + 1) * c), slice(start, end), window
 
 
-def _allgather_forward(q, k, v, call: _Call):
+def _allgather_forward(q, k, v, call: _Call, out: torch.Tensor, transfers: _PostedTransfers):
     k_full, v_full = _gather_kv(k, v, call)
-    outs, lses = [], []
-    for rows, keys, window in _local_calls(q, call):
+    lses = []
+    for i, (rows, keys, window) in enumerate(_local_calls(q, call)):
         out_i, lse_i, _ = flash_attn_fwd(q[:, rows], k_full[:, keys], v_full[:, keys], window_size=window,
-                                         **_kernel_options(call))
-        outs.append(out_i)
+                                         **call.kernel(i))
+        out[:, rows] = out_i
         lses.append(lse_i)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=-1)
+    return torch.cat(lses, dim=-1)
 
 
-def _allgather_backward(dout, q, k, v, out, lse, call: _Call):
+def _allgather_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTransfers):
     k_full, v_full = _gather_kv(k, v, call)
     accum = _accum(q)
     dq = torch.empty_like(q)
     dk_full = torch.zeros(k_full.shape, dtype=accum, device=k.device)
     dv_full = torch.zeros(v_full.shape, dtype=accum, device=v.device)
     dk_i, dv_i = torch.empty_like(k_full), torch.empty_like(v_full)
-    for rows, keys, window in _local_calls(q, call):
+    for i, (rows, keys, window) in enumerate(_local_calls(q, call)):
         flash_attn_bwd(dout[:, rows], q[:, rows], k_full[:, keys], v_full[:, keys], out[:, rows], lse[..., rows],
                        dq[:, rows], dk_i[:, keys], dv_i[:, keys], window_size=window,
-                       deterministic=call.deterministic, **_kernel_options(call))
+                       deterministic=call.options.deterministic, **call.kernel(i))
         dk_full[:, keys] += dk_i[:, keys]
         dv_full[:, keys] += dv_i[:, keys]
     # Each rank's chunks, in rank order, then one reduce-scatter hands every rank the sum of its own.
@@ -356,7 +440,7 @@ def _allgather_backward(dout, q, k, v, out, lse, call: _Call):
     mine = torch.empty(stacked.numel() // call.world, dtype=accum, device=k.device)
     dist.reduce_scatter_tensor(mine, stacked, group=call.group)
     dk, dv = _unpack(mine, k, v)
-    return dq, dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv
 
 
 def _shards(full: torch.Tensor, call: _Call) -> list[torch.Tensor]:
@@ -365,26 +449,99 @@ def _shards(full: torch.Tensor, call: _Call) -> list[torch.Tensor]:
     return [torch.cat([chunks[i] for i in chunk_ids(r, call.world, call.layout)], dim=1) for r in range(call.world)]
 
 
-# ---- autograd and the public function ------------------------------------------------------------
+# ---- the two directions, shared by every front end ----------------------------------------------
 
 _FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward}
 _BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward}
 
 
+def forward(q, k, v, call: _Call, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, _Call]:
+    """`(out, lse, call)`: this shard's output (written into `out` where given: any tensor shaped like q whose
+    last dim has stride 1), its lse (fp32; fp64 for fp64 inputs) and the call with the rng states it drew."""
+    if out is None:
+        out = torch.empty_like(q)
+    if call.chunks.empty:           # every shard is empty (shards have equal sizes): nothing to exchange
+        lse_shape = (call.heads, 0) if call.chunks.rows is not None else (q.shape[0], call.heads, 0)
+        return out, q.new_empty(lse_shape, dtype=_accum(q)), call
+    call = call.with_rng(new_rng_state(q.device) if call.options.dropout_p else None)
+    transfers = _PostedTransfers()
+    try:
+        lse = _FORWARD[call.kv_exchange](q, k.contiguous(), v.contiguous(), call, out, transfers)
+    except BaseException:
+        transfers.drain()
+        raise
+    return out, lse, call
+
+
+def backward(dout, q, k, v, out, lse, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv in the accumulation dtype (fp32; fp64 for fp64 inputs), like q, k, v. `call`: forward's."""
+    accum = _accum(q)
+    if call.chunks.empty:
+        return tuple(torch.zeros(t.shape, dtype=accum, device=t.device) for t in (q, k, v))
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    transfers = _PostedTransfers()
+    try:
+        return _BACKWARD[call.kv_exchange](dout, q, k.contiguous(), v.contiguous(), out, lse, call, transfers)
+    except BaseException:
+        transfers.drain()
+        raise
+
+
+def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exchange: str,
+              cu_seqlens: torch.Tensor | None = None) -> _Call:
+    """Validate everything a context-parallel call needs, before any communication: the options (flash-attn's
+    rules, `options`), the CP arguments, and the first kernel call's operands and backend; the `_Call`.
+    q, k, v: this rank's (b, s / W, h, d) views (varlen (total / W, h, d))."""
+    if kv_exchange not in KV_EXCHANGES:
+        raise ArgumentError(f"kv_exchange: expected one of {KV_EXCHANGES}, got {kv_exchange!r}")
+    if kv_exchange == "ring" and options.window_size != (-1, -1):
+        raise ArgumentError("window_size: sliding windows need kv_exchange='allgather' (the ring's per-block "
+                            "masks would need negative window sides)")
+    if cu_seqlens is not None and kv_exchange != "ring":
+        raise ArgumentError("cu_seqlens: varlen needs kv_exchange='ring' (not built for the all-gather)")
+    expected = "(total / W, h, d)" if cu_seqlens is not None else "(b, s / W, h, d)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != len(expected.split(",")):
+            raise ArgumentError(f"{name}: expected a {expected} tensor, got {type(t).__name__} "
+                                f"{tuple(getattr(t, 'shape', ()))}")
+    group = process_group(group)
+    world, rank = _group_size_rank(group)
+    chunk_ids(rank, world, layout)
+    if cu_seqlens is None:
+        if q.shape[1] % 2 or q.shape[1] != k.shape[1]:
+            raise ArgumentError(f"q and k shards must have the same even length (two chunks per rank), got "
+                                f"{q.shape[1]} and {k.shape[1]}")
+        chunks = _Chunks(c=q.shape[1] // 2)
+    else:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+            raise ArgumentError(f"cu_seqlens: expected an int32 (b + 1,) tensor, got {cu_seqlens!r}")
+        chunks, rows = _varlen_chunks(cu_seqlens, world, q.device)
+        if not q.shape[0] == k.shape[0] == rows:
+            raise ArgumentError(f"q and k shards must hold total / W = {rows} rows, got {q.shape[0]} and "
+                                f"{k.shape[0]}")
+    call = _Call(group, world, rank, layout, kv_exchange, options, chunks, heads=q.shape[-2])
+    if not chunks.empty:
+        # The first kernel call of this rank (both local chunks' keys seen): operands and backend checked here,
+        # so a bad dtype, head count or backend raises before any K/V is posted.
+        probe = options.replace_checked(causal=False, window_size=(-1, -1), **chunks.options(2))
+        select_backend(describe_call(q[chunks.q(0)], k, v, probe), options.backend)
+    return call
+
+
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: _Call):
-        out, lse = _FORWARD[call.kv_exchange](q, k, v, call)
+        out, lse, ctx.call = forward(q, k, v, call)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = call
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _BACKWARD[ctx.call.kv_exchange](dout.contiguous(), q, k, v, out, lse, ctx.call)
-        return dq, dk, dv, None
+        dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.call)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -396,10 +553,12 @@ def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=Fal
         q, k, v: this rank's shards (b, s / W, h, d) and (b, s / W, h_k, d), as `shard(x, group, layout=layout)`
             cuts them (every rank the same b, h, d; s a multiple of 2W). Varlen: (total / W, h, d) and
             (total / W, h_k, d), as `shard(x, group, seq_dim=0, layout=layout, cu_seqlens=cu_seqlens)` cuts them.
+        group: a ProcessGroup, a 1-D DeviceMesh, or None (the default group).
         cu_seqlens: varlen (kv_exchange="ring" only): the full sequences' int32 offsets (b + 1,), the same on
-            every rank and for q and k; every sequence's length a multiple of 2W.
-        causal, window_size, softmax_scale, deterministic, backend: as for `flash_attn_func`, over the full
-            sequence (windows: kv_exchange="allgather" only).
+            every rank and for q and k; every sequence's length a multiple of 2W. Its chunk indices are built
+            once per tensor (reuse one cu_seqlens tensor across layers to avoid a host sync per call).
+        causal, window_size, softmax_scale, dropout_p, deterministic, backend: as for `flash_attn_func` (validated
+            by the same rules), over the full sequence (windows: kv_exchange="allgather" only).
         layout: "zigzag" (head-tail load balancing) or "contiguous". kv_exchange: "ring" or "allgather".
         return_lse: also return this shard's softmax lse (b, h, s / W), varlen (h, total / W) (fp32; fp64 for
             fp64 inputs).
@@ -408,42 +567,43 @@ def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=Fal
         this rank's shard of the output (b, s / W, h, d), varlen (total / W, h, d), as `shard` cuts the full output.
 
     Raises:
-        ArgumentError: dropout, ALiBi, softcap, cu_seqlens_q/k, a window or varlen with the all-gather exchange
-            (windows: the ring), or a bad shape/option.
+        ArgumentError (before any communication): ALiBi, softcap, cu_seqlens_q/k, a window or varlen with the
+            all-gather exchange (windows: the ring), or a bad shape/option.
     """
-    if dropout_p:
-        raise ArgumentError("dropout_p: not supported under context parallelism (each rank draws its keep "
-                            "pattern for its own blocks; the pattern cannot follow K/V around the ring)")
     if unsupported:
         raise ArgumentError(f"{', '.join(sorted(unsupported))}: not supported by context_parallel_attn "
                             "(ALiBi and softcap are not built for context parallelism; varlen takes one "
                             "cu_seqlens for q and k)")
-    if kv_exchange not in KV_EXCHANGES:
-        raise ArgumentError(f"kv_exchange: expected one of {KV_EXCHANGES}, got {kv_exchange!r}")
-    window = (int(window_size[0]), int(window_size[1]))
-    if kv_exchange == "ring" and window != (-1, -1):
-        raise ArgumentError("window_size: sliding windows need kv_exchange='allgather' (the ring's per-block "
-                            "masks would need negative window sides)")
-    if cu_seqlens is not None and kv_exchange != "ring":
-        raise ArgumentError("cu_seqlens: varlen needs kv_exchange='ring' (not built for the all-gather)")
-    world, rank = _group_size_rank(group)
-    chunk_ids(rank, world, layout)
-    if cu_seqlens is None:
-        if q.shape[1] % 2 or q.shape[1] != k.shape[1]:
-            raise ArgumentError(f"q and k shards must have the same even length (two chunks per rank), got "
-                                f"{q.shape[1]} and {k.shape[1]}")
-        chunks = _Chunks(c=q.shape[1] // 2)
-    else:
-        bounds = _bounds(0, cu_seqlens)
-        if any((b - a) % (2 * world) for a, b in itertools.pairwise(bounds)):
-            raise ArgumentError(f"cu_seqlens: every sequence length must be a multiple of 2 * world size = "
-                                f"{2 * world}, got offsets {bounds}")
-        if not q.shape[0] == k.shape[0] == bounds[-1] // world:
-            raise ArgumentError(f"q and k shards must hold total / W = {bounds[-1] // world} rows, got "
-                                f"{q.shape[0]} and {k.shape[0]}")
-        chunks = _Chunks.varlen(cu_seqlens, world, q.device)
-    group = dist.group.WORLD if group is None else group
-    call = _Call(group, world, rank, layout, kv_exchange, bool(causal), window, softmax_scale, deterministic, backend,
-                 chunks)
-    out, lse = _ContextParallelAttention.apply(q, k.contiguous(), v.contiguous(), call)
+    options = AttentionOptions(softmax_scale=softmax_scale, causal=causal, window_size=window_size, dropout_p=dropout_p,
+                               deterministic=deterministic, backend=backend)
+    k, v = (t.contiguous() if isinstance(t, torch.Tensor) else t for t in (k, v))
+    call = plan_call(q, k, v, group, options=options, layout=layout, kv_exchange=kv_exchange, cu_seqlens=cu_seqlens)
+    out, lse = _ContextParallelAttention.apply(q, k, v, call)
     return (out, lse) if return_lse else out
+
+
+def context_parallel_sdpa(query, key, value, mesh_or_group=None, *, is_causal=False, scale=None, enable_gqa=False,
+                          dropout_p=0.0, layout="zigzag", kv_exchange="ring", backend=None):
+    """`F.scaled_dot_product_attention` over a sequence sharded across a DeviceMesh or process group.
+
+    Args:
+        query: this rank's (b, h, s / W, d) shard; key, value: (b, h_k, s / W, d). Shard full tensors with
+            `shard(x, mesh, seq_dim=2, layout=layout)`, or with torch's `_context_parallel_shard(mesh, buffers,
+            seq_dims, load_balancer=_HeadTailLoadBalancer(s, W, device))`, which is `layout="zigzag"` (without a
+            load balancer torch's shards are `layout="contiguous"`).
+        mesh_or_group: a 1-D DeviceMesh, a ProcessGroup, or None (the default group).
+        is_causal, scale, enable_gqa, dropout_p: as for SDPA over the full sequence (h_k < h needs enable_gqa).
+        layout, kv_exchange, backend: as for `context_parallel_attn`.
+
+    Returns:
+        this rank's (b, h, s / W, d) shard of the output.
+    """
+    if query.dim() == 4 and key.dim() == 4 and key.shape[1] != query.shape[1] and not enable_gqa:
+        raise ArgumentError(f"key: {key.shape[1]} heads differ from the query's {query.shape[1]}; pass "
+                            f"enable_gqa=True (as F.scaled_dot_product_attention requires)")
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        raise ArgumentError(f"query: expected a (b, h, s / W, d) tensor, got {getattr(query, 'shape', query)!r}")
+    out = context_parallel_attn(*(t.transpose(1, 2) for t in (query, key, value)), process_group(mesh_or_group),
+                                softmax_scale=scale, causal=is_causal, dropout_p=dropout_p, layout=layout,
+                                kv_exchange=kv_exchange, backend=backend)
+    return out.transpose(1, 2)
