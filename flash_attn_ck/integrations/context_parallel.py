@@ -213,7 +213,8 @@ class _Call:
     options: AttentionOptions      # causal, window, scale, dropout, deterministic, backend: validated
     chunks: _Chunks
     heads: int
-    rng: torch.Tensor | None = None      # per kernel call of this rank: (calls, 2) [seed, offset] (dropout)
+    rng_base: torch.Tensor | None = None     # dropout: the [seed, offset] drawn once per forward
+    rng: torch.Tensor | None = None          # and per kernel call of this rank: (calls, 2), derived from it
 
     @property
     def calls(self) -> int:
@@ -226,7 +227,7 @@ class _Call:
         if base is None or not self.options.dropout_p:
             return self
         index = torch.arange(self.rank * self.calls, (self.rank + 1) * self.calls, device=base.device)
-        return replace(self, rng=base + torch.stack([index, torch.zeros_like(index)], dim=1))
+        return replace(self, rng_base=base, rng=base + torch.stack([index, torch.zeros_like(index)], dim=1))
 
     def kernel(self, index: int) -> dict:
         """The options of kernel call `index` of this rank."""
@@ -455,15 +456,18 @@ _FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward}
 _BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward}
 
 
-def forward(q, k, v, call: _Call, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, _Call]:
+def forward(q, k, v, call: _Call, out: torch.Tensor | None = None,
+            rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, _Call]:
     """`(out, lse, call)`: this shard's output (written into `out` where given: any tensor shaped like q whose
-    last dim has stride 1), its lse (fp32; fp64 for fp64 inputs) and the call with the rng states it drew."""
+    last dim has stride 1), its lse (fp32; fp64 for fp64 inputs) and the call with its rng states (dropout:
+    derived from `rng_state`, else from one fresh draw; `call.rng_base` is what the backward needs)."""
     if out is None:
         out = torch.empty_like(q)
     if call.chunks.empty:           # every shard is empty (shards have equal sizes): nothing to exchange
         lse_shape = (call.heads, 0) if call.chunks.rows is not None else (q.shape[0], call.heads, 0)
         return out, q.new_empty(lse_shape, dtype=_accum(q)), call
-    call = call.with_rng(new_rng_state(q.device) if call.options.dropout_p else None)
+    if call.options.dropout_p:
+        call = call.with_rng(new_rng_state(q.device) if rng_state is None else rng_state)
     transfers = _PostedTransfers()
     try:
         lse = _FORWARD[call.kv_exchange](q, k.contiguous(), v.contiguous(), call, out, transfers)
@@ -474,7 +478,8 @@ def forward(q, k, v, call: _Call, out: torch.Tensor | None = None) -> tuple[torc
 
 
 def backward(dout, q, k, v, out, lse, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv in the accumulation dtype (fp32; fp64 for fp64 inputs), like q, k, v. `call`: forward's."""
+    """dq, dk, dv in the accumulation dtype (fp32; fp64 for fp64 inputs), like q, k, v. `call`: forward's (or
+    `plan_call`'s `.with_rng(the forward's rng_base)`)."""
     accum = _accum(q)
     if call.chunks.empty:
         return tuple(torch.zeros(t.shape, dtype=accum, device=t.device) for t in (q, k, v))

@@ -31,6 +31,8 @@ Semantics (docs/integrations.md):
   `philox_offset` = uint64 0 on CUDA builds (FA2's layout since torch 2.5); on ROCm builds int64 scalars
   seed and offset. The backward rebuilds `[seed, offset]` from what torch hands back, so it drops exactly
   the forward's elements (torch passes the forward's outputs unchanged to the backward op).
+- Dropout while torch's own context-parallel ring is on (`torch_ring_active`): refused, naming
+  `torch_cp.install_torch_cp_handlers()` (torch's ring hands every backward step the last step's rng state).
 - Refused with a RuntimeError that names the reason (never a silent fallback): `return_debug_mask`,
   float64 (torch's meta declares an fp32 lse), `alibi_slopes` (torch's `_flash_attention_backward` has no
   slopes argument, so its gradients would be wrong), `seqused_k`, `block_table`, `num_splits > 1`. Errors of
@@ -39,6 +41,7 @@ Semantics (docs/integrations.md):
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +70,27 @@ def _check_dtype(query: torch.Tensor, allow_fp64: bool = False) -> None:
     if query.dtype not in allowed:
         _refuse(f"query dtype {query.dtype} is not supported here (torch's meta function declares an fp32 "
                 "logsumexp; use fp16/bf16, or fp32 with the reference backend)")
+
+
+_TORCH_CP = "torch.distributed.tensor.experimental._context_parallel._attention"
+
+
+def torch_ring_active() -> bool:
+    """Whether torch's CP dispatcher is on with torch's own ring for the flash op (not our installed one)."""
+    module = sys.modules.get(_TORCH_CP)
+    if module is None:         # never imported: torch's CP was never turned on
+        return False
+    from torch.distributed.tensor import DTensor
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    return DTensor._op_dispatcher._custom_op_handlers.get(flash) is module._sdpa_handler
+
+
+def _check_dropout_outside_torch_ring(dropout_p: float) -> None:
+    if dropout_p and torch_ring_active():
+        _refuse("dropout under torch's context parallelism: torch's ring gives every backward step the last forward "
+                "step's rng state, so the gradients would not match the forward's dropout. Call "
+                "flash_attn_ck.integrations.torch_cp.install_torch_cp_handlers() first (our ring keeps a state per "
+                "step), or use dropout_p=0")
 
 
 def sdpa_causal(is_causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, bool, tuple[int, int]]:
@@ -163,6 +187,7 @@ class Adapters:
         _check_dtype(query)
         if return_debug_mask:
             _refuse("return_debug_mask=True (FA2's debug mask layout) is not supported")
+        _check_dropout_outside_torch_ring(dropout_p)
         out = torch.empty_like(query)
         lse, rng_state = self.sdpa_forward(query, key, value, dropout_p, is_causal, scale, out)
         seed, offset = rng_outputs(rng_state, query.device)
@@ -171,8 +196,9 @@ class Adapters:
 
     def sdpa_flash_backward(self, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                             dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
-        # max_q/max_k are ignored: torch's context-parallel ring passes its last step's (issue 18 notes).
+        # max_q/max_k are ignored: torch's context-parallel ring passes its last step's.
         _check_dtype(query)
+        _check_dropout_outside_torch_ring(dropout_p)
         grads = (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value))
         self.sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale,
                            rng_input(dropout_p, philox_seed, philox_offset), grads)
