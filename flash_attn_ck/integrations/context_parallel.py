@@ -9,9 +9,10 @@ into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gath
   default for causal CP): a tensor sharded by torch's load balancer is a valid "zigzag" shard and the
   reverse. "contiguous": chunks 2r and 2r + 1 (torch's CP without load balancing).
 - kv_exchange "ring": K/V (packed in one buffer) travel around the ring with isend/irecv, the next step's
-  transfer in flight while the current step computes. Per step and local query chunk, one forward call
-  over the key chunks the chunk sees (a prefix of the held block, bottom-right causal when it ends with
-  the chunk itself); the partial outputs are merged by their lse in fp32 (fp64 for fp64 inputs):
+  transfer in flight while the current step computes. Per step, one kernel call (`_Call.step_calls`): with both
+  layouts, causal or not, a step's mask is one call's — the own block is causal on the local order, a zigzag
+  block from a lower rank is seen by both local chunks in its first chunk, one from a higher rank by the second
+  local chunk in full; the partial outputs are merged by their lse in fp32 (fp64 for fp64 inputs):
   `lse = logaddexp(lse, lse_i)`, `out = out * exp(lse_old - lse) + out_i * exp(lse_i - lse)`.
   Backward: the same steps with `flash_attn_bwd` given the merged out/lse (so D = rowsum(dO * O) is the
   global one), writing into preallocated per-step buffers; dQ accumulates locally in fp32 and dK/dV
@@ -163,9 +164,13 @@ class _Chunks:
         """Local chunk i of q, out, dout (seq dim 1 dense, 0 varlen)."""
         return (slice(None), slice(i * self.c, (i + 1) * self.c)) if self.rows is None else (self.rows[i],)
 
-    def lse(self, i: int) -> tuple:
-        """Local chunk i of the lse (b, h, s) or (h, total): the last dim."""
-        return (Ellipsis, self.q(i)[-1])
+    def rows_of(self, q_chunks: tuple[int, ...]) -> tuple:
+        """The local rows of q, out, dout of one or both local chunks (both: the whole shard)."""
+        return self.q(q_chunks[0]) if len(q_chunks) == 1 else (slice(None),)
+
+    def row_workspace(self, buffer: torch.Tensor, count: int) -> torch.Tensor:
+        """A view of `buffer` (shaped like q) with the shape of `count` local chunks, for flash_attn_bwd's dq."""
+        return buffer[:, :count * self.c] if self.rows is None else buffer[:count * self.rows[0].numel()]
 
     def keys(self, seen: int) -> tuple:
         """The first `seen` chunks of a held K/V block (per sequence)."""
@@ -177,11 +182,12 @@ class _Chunks:
         """A view of `buffer` (shaped like k) with the shape of `seen` chunks, for flash_attn_bwd to write."""
         return buffer[self.keys(seen)] if self.rows is None else buffer[:seen * self.rows[0].numel()]
 
-    def options(self, seen: int) -> dict:
+    def options(self, seen: int, q_count: int = 1) -> dict:
+        """The varlen arguments of a call on `q_count` local query chunks and `seen` key chunks of a block."""
         if self.rows is None:
             return {}
-        return dict(cu_seqlens_q=self.cu, cu_seqlens_k=self.cu_seen[seen - 1], max_seqlen_q=self.max_c,
-                    max_seqlen_k=seen * self.max_c)
+        return dict(cu_seqlens_q=self.cu_seen[q_count - 1], cu_seqlens_k=self.cu_seen[seen - 1],
+                    max_seqlen_q=q_count * self.max_c, max_seqlen_k=seen * self.max_c)
 
 
 # Varlen chunk indices per cu_seqlens tensor: reading cu_seqlens (a host sync on a GPU) and building the
@@ -201,6 +207,16 @@ def _varlen_chunks(cu_seqlens: torch.Tensor, world: int, device: torch.device) -
         cached = (key, _Chunks.varlen(cu_seqlens, world, device), bounds[-1] // world)
         _VARLEN_CHUNKS[cu_seqlens] = cached
     return cached[1:]
+
+
+@dataclass(frozen=True)
+class _StepCall:
+    """One kernel call of a ring step: the local query chunks it covers, the leading chunks of the held K/V block
+    it reads, and whether the mask on them is (bottom-right) causal."""
+
+    q_chunks: tuple[int, ...]
+    seen: int
+    causal: bool
 
 
 @dataclass(frozen=True)
@@ -234,6 +250,18 @@ class _Call:
         o = self.options
         return dict(softmax_scale=o.softmax_scale, dropout_p=o.dropout_p, backend=o.backend,
                     rng_state=None if self.rng is None else self.rng[index])
+
+    def step_calls(self, kv_chunks: tuple[int, int]) -> list[_StepCall]:
+        """The kernel calls of a ring step holding the K/V block of `kv_chunks`: one where the step's mask is
+        one call's (both layouts, causal or not: every step); else one per local query chunk that sees keys."""
+        (seen_0, causal_0), (seen_1, causal_1) = (self.attend(q_chunk, kv_chunks)
+                                                  for q_chunk in chunk_ids(self.rank, self.world, self.layout))
+        if seen_0 and seen_0 == seen_1 and not causal_0 and not causal_1:
+            return [_StepCall((0, 1), seen_0, False)]      # every local row sees the same keys
+        if (seen_0, causal_0, seen_1, causal_1) == (1, True, 2, True):
+            return [_StepCall((0, 1), 2, True)]            # the own block: causal on the local order
+        return [_StepCall((i,), seen, causal) for i, (seen, causal) in enumerate(((seen_0, causal_0),
+                                                                                 (seen_1, causal_1))) if seen]
 
     def attend(self, q_chunk: int, kv_chunks: tuple[int, int]) -> tuple[int, bool]:
         """Ring step: how many leading chunks of the held K/V block query chunk `q_chunk` sees, and whether
@@ -331,47 +359,43 @@ def _ring_blocks(k, v, call: _Call, transfers: _PostedTransfers):
 
 def _ring_forward(q, k, v, call: _Call, out: torch.Tensor, transfers: _PostedTransfers):
     sel = call.chunks
-    q_chunks = chunk_ids(call.rank, call.world, call.layout)
-    merged = [(None, None), (None, None)]
+    out_acc = lse_acc = None
     for step, k_blk, v_blk, kv_chunks in _ring_blocks(k, v, call, transfers):
-        for i, q_chunk in enumerate(q_chunks):
-            seen, causal = call.attend(q_chunk, kv_chunks)
-            if seen:
-                keys = sel.keys(seen)
-                out_i, lse_i, _ = flash_attn_fwd(q[sel.q(i)], k_blk[keys], v_blk[keys], causal=causal,
-                                                 **sel.options(seen), **call.kernel(2 * step + i))
-                merged[i] = _merge(*merged[i], out_i, lse_i)
-    lse = merged[0][1].new_empty((*merged[0][1].shape[:-1], q.shape[q.dim() - 3]))
-    for i, (out_i, lse_i) in enumerate(merged):
-        out[sel.q(i)] = out_i
-        lse[sel.lse(i)] = lse_i
-    return lse
+        for index, part in enumerate(call.step_calls(kv_chunks)):
+            rows, keys = sel.rows_of(part.q_chunks), sel.keys(part.seen)
+            out_i, lse_i, _ = flash_attn_fwd(q[rows], k_blk[keys], v_blk[keys], causal=part.causal,
+                                             **sel.options(part.seen, len(part.q_chunks)),
+                                             **call.kernel(2 * step + index))
+            if out_acc is None:        # the first step (the rank's own block) covers every local row
+                out_acc, lse_acc = _merge(None, None, out_i, lse_i)
+            else:
+                out_acc[rows], lse_acc[(Ellipsis, rows[-1])] = _merge(out_acc[rows], lse_acc[(Ellipsis, rows[-1])],
+                                                                      out_i, lse_i)
+    out.copy_(out_acc)
+    return lse_acc
 
 
 def _ring_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTransfers):
-    """Per step: post the next K/V block's transfer, compute this block's gradients into per-chunk buffers,
+    """Per step: post the next K/V block's transfer, compute this block's gradients into per-call buffers,
     then wait for the block's travelling dK/dV sums (sent by the previous rank after its own step, in flight
-    during this step's compute), add this step's parts in the order the query chunks ran, and send them on."""
+    during this step's compute), add this step's parts in the order the calls ran, and send them on."""
     sel = call.chunks
-    q_chunks = chunk_ids(call.rank, call.world, call.layout)
     accum = _accum(q)
     dq = torch.zeros(q.shape, dtype=accum, device=q.device)
-    dq_i = torch.empty_like(q[sel.q(0)])
-    block_grads = [(torch.empty_like(k), torch.empty_like(v)) for _ in q_chunks]   # per local query chunk
+    dq_buffer = torch.empty_like(q)
+    block_grads = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]   # per call of a step
     dkv_transfers = _PostedTransfers()
     dkv_next = None
     try:
         for step, k_blk, v_blk, kv_chunks in _ring_blocks(k, v, call, transfers):
             parts = []
-            for i, q_chunk in enumerate(q_chunks):
-                seen, causal = call.attend(q_chunk, kv_chunks)
-                if not seen:
-                    continue
-                rows, keys = sel.q(i), sel.keys(seen)
-                dk_i, dv_i = (sel.workspace(buffer, seen) for buffer in block_grads[i])
-                flash_attn_bwd(dout[rows], q[rows], k_blk[keys], v_blk[keys], out[rows], lse[sel.lse(i)], dq_i,
-                               dk_i, dv_i, causal=causal, deterministic=call.options.deterministic,
-                               **sel.options(seen), **call.kernel(2 * step + i))
+            for index, part in enumerate(call.step_calls(kv_chunks)):
+                rows, keys = sel.rows_of(part.q_chunks), sel.keys(part.seen)
+                dq_i = sel.row_workspace(dq_buffer, len(part.q_chunks))
+                dk_i, dv_i = (sel.workspace(buffer, part.seen) for buffer in block_grads[index])
+                flash_attn_bwd(dout[rows], q[rows], k_blk[keys], v_blk[keys], out[rows], lse[(Ellipsis, rows[-1])],
+                               dq_i, dk_i, dv_i, causal=part.causal, deterministic=call.options.deterministic,
+                               **sel.options(part.seen, len(part.q_chunks)), **call.kernel(2 * step + index))
                 dq[rows] += dq_i
                 parts.append((keys, dk_i, dv_i))
             if step:
