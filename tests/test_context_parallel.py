@@ -338,3 +338,38 @@ def test_options_accepted_exactly_when_flash_attn_func_accepts_them(one_process_
     assert ours[0] == single[0], (options, single, ours)
     if ours[0] == "accepted" and dropout_p == 0:
         torch.testing.assert_close(ours[1], single[1], atol=1e-12, rtol=1e-10)
+
+
+def _compile_worker(rank, world, port):
+    init(rank, world, port)
+    try:
+        captured = []
+
+        def recording_backend(graph_module, example_inputs):
+            captured.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+            return graph_module.forward
+
+        for exchange, causal, h_k in (("ring", True, 2), ("allgather", False, 4)):
+            q, k, v, dout = (shard(t) for t in _full_inputs(4 * world, 4, h_k))
+
+            def attend(q, k, v):
+                return context_parallel_attn(q, k, v, causal=causal, softmax_scale=0.3, kv_exchange=exchange,
+                                             backend="reference") * 2
+
+            results = []
+            for fn in (attend, torch.compile(attend, fullgraph=True, backend=recording_backend)):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = fn(*leaves)
+                results.append((out, *torch.autograd.grad(out, leaves, dout)))
+            for eager, compiled in zip(*results, strict=True):
+                torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+            assert any("flash_attn_ck_cp.forward" in target for target in captured), captured
+            torch._dynamo.reset()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compile_fullgraph_captures_the_call():
+    """torch.compile(fullgraph=True) traces context_parallel_attn as one custom op (process group by name), and
+    the compiled forward and gradients equal eager ones."""
+    spawn(_compile_worker, 2)

@@ -603,6 +603,11 @@ def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=Fal
         raise ArgumentError(f"{', '.join(sorted(unsupported))}: not supported by context_parallel_attn "
                             "(ALiBi and softcap are not built for context parallelism; varlen takes one "
                             "cu_seqlens for q and k)")
+    if torch.compiler.is_compiling():
+        out, lse = _compiled_call(q, k, v, group, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                  dropout_p=dropout_p, deterministic=deterministic, layout=layout,
+                                  kv_exchange=kv_exchange, backend=backend, cu_seqlens=cu_seqlens)
+        return (out, lse) if return_lse else out
     options = AttentionOptions(softmax_scale=softmax_scale, causal=causal, window_size=window_size, dropout_p=dropout_p,
                                deterministic=deterministic, backend=backend)
     k, v = (t.contiguous() if isinstance(t, torch.Tensor) else t for t in (k, v))
@@ -636,3 +641,77 @@ def context_parallel_sdpa(query, key, value, mesh_or_group=None, *, is_causal=Fa
                                 softmax_scale=scale, causal=is_causal, dropout_p=dropout_p, layout=layout,
                                 kv_exchange=kv_exchange, backend=backend)
     return out.transpose(1, 2)
+
+
+# ---- torch.compile: the two directions as custom ops (process group by name, as torch's flex CP does) ------
+
+def _op_options(softmax_scale, causal, window_left, window_right, dropout_p, deterministic, backend):
+    return AttentionOptions(softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                            dropout_p=dropout_p, deterministic=deterministic, backend=backend)
+
+
+@torch.library.custom_op("flash_attn_ck_cp::forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, layout: str, kv_exchange: str,
+                causal: bool, window_left: int, window_right: int, softmax_scale: float | None, dropout_p: float,
+                deterministic: bool, backend: str | None, cu_seqlens: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out, lse and the dropout rng base (empty without dropout); validated here, before any communication."""
+    options = _op_options(softmax_scale, causal, window_left, window_right, dropout_p, deterministic, backend)
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    call = plan_call(q, k, v, group, options=options, layout=layout, kv_exchange=kv_exchange, cu_seqlens=cu_seqlens)
+    out, lse, call = forward(q, k, v, call)
+    rng_base = call.rng_base if call.rng_base is not None else torch.empty(0, dtype=torch.int64, device=q.device)
+    return out, lse, rng_base
+
+
+@_forward_op.register_fake
+def _(q, k, v, group_name, layout, kv_exchange, causal, window_left, window_right, softmax_scale, dropout_p,
+      deterministic, backend, cu_seqlens):
+    lse_shape = (q.shape[-2], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
+    return (torch.empty_like(q), q.new_empty(lse_shape, dtype=_accum(q)),
+            q.new_empty((2 if dropout_p else 0,), dtype=torch.int64))
+
+
+@torch.library.custom_op("flash_attn_ck_cp::backward", mutates_args=())
+def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, rng_base: torch.Tensor, group_name: str, layout: str, kv_exchange: str,
+                 causal: bool, window_left: int, window_right: int, softmax_scale: float | None, dropout_p: float,
+                 deterministic: bool, backend: str | None, cu_seqlens: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    options = _op_options(softmax_scale, causal, window_left, window_right, dropout_p, deterministic, backend)
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    call = plan_call(q, k, v, group, options=options, layout=layout, kv_exchange=kv_exchange, cu_seqlens=cu_seqlens)
+    call = call.with_rng(rng_base if rng_base.numel() else None)
+    # copy=True: the ring's dk and dv are views of one buffer, and a custom op's outputs must not alias.
+    return tuple(g.to(t.dtype, copy=True) for g, t in zip(backward(dout, q, k, v, out, lse, call), (q, k, v),
+                                                          strict=True))
+
+
+@_backward_op.register_fake
+def _(dout, q, k, v, out, lse, rng_base, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, *options = inputs
+    out, lse, rng_base = output
+    ctx.save_for_backward(q, k, v, out, lse, rng_base, options[-1])
+    ctx.options = options[:-1]
+    ctx.mark_non_differentiable(lse, rng_base)
+
+
+def _op_backward(ctx, dout, _dlse, _drng):
+    q, k, v, out, lse, rng_base, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = _backward_op(dout.contiguous(), q, k, v, out, lse, rng_base, *ctx.options, cu_seqlens)
+    return (dq, dk, dv) + (None,) * (len(ctx.options) + 1)
+
+
+_forward_op.register_autograd(_op_backward, setup_context=_setup_context)
+
+
+def _compiled_call(q, k, v, group, *, softmax_scale, causal, window_size, dropout_p, deterministic, layout,
+                   kv_exchange, backend, cu_seqlens):
+    """Under torch.compile: the custom op (one opaque node per direction, so fullgraph captures the call)."""
+    group_name = process_group(group).group_name
+    return _forward_op(q, k, v, group_name, layout, kv_exchange, causal, window_size[0], window_size[1],
+                       softmax_scale, dropout_p, deterministic, backend, cu_seqlens)[:2]
