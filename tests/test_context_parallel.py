@@ -38,12 +38,15 @@ CASES = [
     ("allgather", "contiguous", False, (-1, 4), 2, 2),
     ("allgather", "zigzag", False, (0, 0), 2, 1),
 ]
+# all-to-all over heads: heads in units of W (h, h_k multiples of the world size)
+A2A_CASES = [("a2a", "zigzag", True, (-1, -1), 2, 1), ("a2a", "contiguous", False, (-1, -1), 2, 2),
+             ("a2a", "zigzag", False, (5, 2), 2, 1)]
 # varlen (ring): (layout, causal, h, h_k); sequence lengths in units of 2W, one of them empty
 VARLEN_CASES = list(itertools.product(("zigzag", "contiguous"), (False, True), ((4, 4), (4, 2))))
 VARLEN_UNITS = (3, 1, 0, 2)
 # dropout: (kv_exchange, layout, causal, window)
 DROPOUT_CASES = [("ring", "zigzag", True, (-1, -1)), ("ring", "contiguous", False, (-1, -1)),
-                 ("allgather", "zigzag", True, (3, -1))]
+                 ("allgather", "zigzag", True, (3, -1)), ("a2a", "zigzag", True, (-1, -1))]
 
 
 def _free_port() -> int:
@@ -129,7 +132,7 @@ def _check_dropout_case(case, world):
     other elements than the forward, as torch's own ring does, fails this), the forward must be reproducible,
     and dropout must change the output."""
     exchange, layout, causal, window = case
-    q, k, v, dout = (shard(t, layout=layout) for t in _full_inputs(4 * world, 4, 2, seed=world))
+    q, k, v, dout = (shard(t, layout=layout) for t in _full_inputs(4 * world, 2 * world, world, seed=world))
     directions = [torch.randn_like(t) for t in (q, k, v)]
     run = dict(causal=causal, window_size=window, layout=layout, kv_exchange=exchange, backend="reference")
 
@@ -154,8 +157,8 @@ def _check_one_row_chunks(world):
     """bf16/fp16 with one row per chunk (s = 2W), every exchange and layout, causal or not, GQA: out and every
     gradient within 2x of the same-precision math SDPA's error against float64 (the merge runs in fp32)."""
     for seed, dtype, exchange, causal in itertools.product(range(3), (torch.bfloat16, torch.float16),
-                                                           ("ring", "allgather"), (False, True)):
-        q, k, v, dout = _full_inputs(2 * world, 4, 2, d=32, b=1, dtype=torch.float32, seed=seed)
+                                                           ("ring", "allgather", "a2a"), (False, True)):
+        q, k, v, dout = _full_inputs(2 * world, 2 * world, world, d=32, b=1, dtype=torch.float32, seed=seed)
 
         def run(fn, dtype, q, k, v, dout):
             leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
@@ -182,12 +185,12 @@ def _check_sdpa_front_end(world):
 
     mesh = init_device_mesh("cpu", (world,))
     seq = 4 * world
-    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in _full_inputs(seq, 4, 2))
+    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in _full_inputs(seq, 2 * world, world))
     balancer = _HeadTailLoadBalancer(seq, world, torch.device("cpu"))
     local = _context_parallel_shard(mesh, [q, k, v, dout], [2, 2, 2, 2], load_balancer=balancer)
     for ours, theirs in zip((shard(t, mesh, seq_dim=2) for t in (q, k, v, dout)), local, strict=True):
         assert torch.equal(ours, theirs), "torch's head-tail shard is our zigzag shard"
-    for exchange in ("ring", "allgather"):
+    for exchange in ("ring", "allgather", "a2a"):
         leaves = [t.clone().requires_grad_() for t in local[:3]]
         out = context_parallel_sdpa(*leaves, mesh, is_causal=True, scale=0.3, enable_gqa=True, kv_exchange=exchange,
                                     backend="reference")
@@ -207,6 +210,8 @@ def _worker(rank, world, port):
     try:
         for case in CASES:
             _check_case(case, world)
+        for exchange, layout, causal, window, h, h_k in A2A_CASES:
+            _check_case((exchange, layout, causal, window, h * world, h_k * world), world)
         for case in VARLEN_CASES:
             _check_varlen_case(case, world)
         for case in DROPOUT_CASES:

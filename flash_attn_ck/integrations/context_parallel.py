@@ -24,8 +24,12 @@ into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gath
   `end` (q0 + c, or further for a right window) makes flash-attn's bottom-right alignment coincide with
   the global positions, so causal and any window (left, right) are exact. Backward: dK/dV partials over
   the full sequence, reduce-scattered back to the owners.
+- kv_exchange "a2a" (all-to-all over heads, DeepSpeed Ulysses): one all-to-all turns every rank's sequence shard
+  of all heads into the whole sequence of h / W heads (h and h_k multiples of W); one kernel call on it (causal,
+  windows, dropout: anything flash_attn_func does), and one all-to-all back. The backward repeats the forward's
+  exchanges (q, out, dout in one; k, v in another) instead of keeping the head-scattered copies.
 
-GQA (h_k < h) works in both. Varlen (`cu_seqlens`, ring only): every rank holds its two chunks of every
+GQA (h_k < h) works in all three. Varlen (`cu_seqlens`, ring only): every rank holds its two chunks of every
 sequence (zigzag or contiguous per sequence); each step's calls are varlen over one chunk per sequence (`_Chunks`,
 built once per cu_seqlens tensor, not per call).
 
@@ -57,7 +61,7 @@ from ..core.options import AttentionOptions
 from ..pipeline.select import select_backend
 
 LAYOUTS = ("zigzag", "contiguous")
-KV_EXCHANGES = ("ring", "allgather")
+KV_EXCHANGES = ("ring", "allgather", "a2a")
 
 
 def chunk_ids(rank: int, world: int, layout: str) -> tuple[int, int]:
@@ -234,8 +238,9 @@ class _Call:
 
     @property
     def calls(self) -> int:
-        """Kernel calls of one rank per direction (rng states to draw): two per ring step, two for all-gather."""
-        return 2 * self.world if self.kv_exchange == "ring" else 2
+        """Kernel calls of one rank per direction (rng states to draw): up to two per ring step, two for
+        all-gather, one for a2a."""
+        return {"ring": 2 * self.world, "allgather": 2, "a2a": 1}[self.kv_exchange]
 
     def with_rng(self, base: torch.Tensor | None) -> _Call:
         """The call with its per-kernel-call rng states derived from one `[seed, offset]` (None without dropout):
@@ -474,10 +479,68 @@ def _shards(full: torch.Tensor, call: _Call) -> list[torch.Tensor]:
     return [torch.cat([chunks[i] for i in chunk_ids(r, call.world, call.layout)], dim=1) for r in range(call.world)]
 
 
+
+# ---- all-to-all over heads (Ulysses) ------------------------------------------------------------------
+
+def _sequence_to_heads(tensors: list[torch.Tensor], call: _Call) -> list[torch.Tensor]:
+    """One all-to-all: each (b, s / W, H, ...) shard (H a multiple of W, one dtype) -> (b, s, H / W, ...), the whole
+    sequence in order for this rank's H / W heads (head group = rank)."""
+    w = call.world
+    parts = [t.unflatten(2, (w, t.shape[2] // w)).movedim(2, 0).reshape(w, -1) for t in tensors]
+    received = torch.empty_like(torch.cat(parts, dim=1))
+    dist.all_to_all_single(received, torch.cat(parts, dim=1), group=call.group)
+    results, offset = [], 0
+    for t, part in zip(tensors, parts, strict=True):
+        per_rank = received[:, offset:offset + part.shape[1]].reshape(w, *t.shape[:2], t.shape[2] // w, *t.shape[3:])
+        results.append(_in_sequence_order(list(per_rank), w, call.layout, 1))
+        offset += part.shape[1]
+    return results
+
+
+def _heads_to_sequence(tensors: list[torch.Tensor], call: _Call) -> list[torch.Tensor]:
+    """The inverse of `_sequence_to_heads`: (b, s, H / W, ...) of this rank's head group -> its (b, s / W, H, ...)
+    shard of every head."""
+    w = call.world
+    parts = [torch.stack(_shards(t, call)).reshape(w, -1) for t in tensors]
+    received = torch.empty_like(torch.cat(parts, dim=1))
+    dist.all_to_all_single(received, torch.cat(parts, dim=1), group=call.group)
+    results, offset = [], 0
+    for t, part in zip(tensors, parts, strict=True):
+        per_rank = received[:, offset:offset + part.shape[1]].reshape(w, t.shape[0], t.shape[1] // w, *t.shape[2:])
+        results.append(per_rank.movedim(0, 2).flatten(2, 3))
+        offset += part.shape[1]
+    return results
+
+
+def _a2a_forward(q, k, v, call: _Call, out: torch.Tensor, transfers: _PostedTransfers):
+    q_h, = _sequence_to_heads([q], call)
+    k_h, v_h = _sequence_to_heads([k, v], call)
+    out_h, lse_h, _ = flash_attn_fwd(q_h, k_h, v_h, causal=call.options.causal, window_size=call.options.window_size,
+                                     **call.kernel(0))
+    out_s, = _heads_to_sequence([out_h], call)
+    lse_s, = _heads_to_sequence([lse_h.transpose(1, 2)], call)
+    out.copy_(out_s)
+    return lse_s.transpose(1, 2).contiguous()
+
+
+def _a2a_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTransfers):
+    """The forward's exchanges again (q, out, dout in one all-to-all; k, v in another; lse), one backward call on
+    the whole sequence for this rank's heads, and dq, dk, dv back to their shards."""
+    q_h, out_h, dout_h = _sequence_to_heads([q, out, dout], call)
+    k_h, v_h = _sequence_to_heads([k, v], call)
+    lse_h, = _sequence_to_heads([lse.transpose(1, 2)], call)
+    dq_h, dk_h, dv_h, _ = flash_attn_bwd(dout_h, q_h, k_h, v_h, out_h, lse_h.transpose(1, 2).contiguous(),
+                                         causal=call.options.causal, window_size=call.options.window_size,
+                                         deterministic=call.options.deterministic, **call.kernel(0))
+    dq, = _heads_to_sequence([dq_h], call)
+    dk, dv = _heads_to_sequence([dk_h, dv_h], call)
+    return dq, dk, dv
+
+
 # ---- the two directions, shared by every front end ----------------------------------------------
 
-_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward}
-_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward}
+_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward, "a2a": _a2a_forward}
+_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward, "a2a": _a2a_backward}
 
 
 def forward(q, k, v, call: _Call, out: torch.Tensor | None = None,
@@ -528,7 +591,7 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
         raise ArgumentError("window_size: sliding windows need kv_exchange='allgather' (the ring's per-block "
                             "masks would need negative window sides)")
     if cu_seqlens is not None and kv_exchange != "ring":
-        raise ArgumentError("cu_seqlens: varlen needs kv_exchange='ring' (not built for the all-gather)")
+        raise ArgumentError(f"cu_seqlens: varlen needs kv_exchange='ring' (not built for {kv_exchange!r})")
     expected = "(total / W, h, d)" if cu_seqlens is not None else "(b, s / W, h, d)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != len(expected.split(",")):
@@ -549,6 +612,9 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
         if not q.shape[0] == k.shape[0] == rows:
             raise ArgumentError(f"q and k shards must hold total / W = {rows} rows, got {q.shape[0]} and "
                                 f"{k.shape[0]}")
+    if kv_exchange == "a2a" and (q.shape[-2] % world or k.shape[-2] % world):
+        raise ArgumentError(f"kv_exchange='a2a' scatters heads over the group: q's {q.shape[-2]} and k's "
+                            f"{k.shape[-2]} heads must be multiples of the world size {world} (use 'ring')")
     call = _Call(group, world, rank, layout, kv_exchange, options, chunks, heads=q.shape[-2])
     if not chunks.empty:
         # The first kernel call of this rank (both local chunks' keys seen): operands and backend checked here,
