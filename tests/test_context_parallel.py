@@ -205,6 +205,42 @@ def _check_sdpa_front_end(world):
         context_parallel_sdpa(*local[:3], mesh, is_causal=True)
 
 
+def _check_hybrid(world):
+    """a2a+ring over a 2-D mesh (2 ring groups x world/2 a2a ranks): every rank's shard of out, dq, dk, dv equals
+    single-process attention (causal zigzag GQA, non-causal contiguous), and dropout's gradients belong to its
+    forward (the directional derivative)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ring", "a2a"))
+    for layout, causal, h, h_k in (("zigzag", True, 4, 2), ("contiguous", False, 2, 2)):
+        q, k, v, dout = _full_inputs(4 * world, h * world // 2, h_k * world // 2)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = flash_attn_func(*full, causal=causal, softmax_scale=0.4, backend="reference")
+        ref_grads = torch.autograd.grad(ref, full, dout)
+        local = [shard(t, mesh, layout=layout).requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attn(*local, mesh, causal=causal, softmax_scale=0.4, layout=layout,
+                                    kv_exchange="a2a+ring", backend="reference")
+        grads = torch.autograd.grad(out, local, shard(dout, mesh, layout=layout))
+        for name, o, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
+            torch.testing.assert_close(o, shard(r.detach(), mesh, layout=layout), atol=1e-12, rtol=1e-10,
+                                       msg=lambda m, name=name: f"a2a+ring {layout} {name}: {m}")
+    q, k, v, dout = (shard(t, mesh) for t in _full_inputs(4 * world, world, world))
+    directions = [torch.randn_like(t) for t in (q, k, v)]
+
+    def loss(shift):
+        torch.manual_seed(5)
+        out = context_parallel_attn(*(t + shift * d for t, d in zip((q, k, v), directions)), mesh, causal=True,
+                                    dropout_p=0.3, kv_exchange="a2a+ring", backend="reference")
+        return _group_sum((out * dout).sum().item())
+
+    torch.manual_seed(5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attn(*leaves, mesh, causal=True, dropout_p=0.3, kv_exchange="a2a+ring", backend="reference")
+    predicted = _group_sum(sum((g * d).sum().item() for g, d in zip(torch.autograd.grad(out, leaves, dout),
+                                                                    directions)))
+    measured = (loss(1e-6) - loss(-1e-6)) / 2e-6
+    assert math.isclose(measured, predicted, rel_tol=1e-6, abs_tol=1e-6), (measured, predicted)
+
+
 def _worker(rank, world, port):
     init(rank, world, port)
     try:
@@ -218,6 +254,8 @@ def _worker(rank, world, port):
             _check_dropout_case(case, world)
         _check_one_row_chunks(world)
         _check_sdpa_front_end(world)
+        if world % 2 == 0:
+            _check_hybrid(world)
     finally:
         dist.destroy_process_group()
 

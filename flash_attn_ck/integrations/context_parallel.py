@@ -29,7 +29,12 @@ into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gath
   windows, dropout: anything flash_attn_func does), and one all-to-all back. The backward repeats the forward's
   exchanges (q, out, dout in one; k, v in another) instead of keeping the head-scattered copies.
 
-GQA (h_k < h) works in all three. Varlen (`cu_seqlens`, ring only): every rank holds its two chunks of every
+- kv_exchange "a2a+ring" (TE's a2a+p2p, Megatron's hierarchical CP) over a 2-D DeviceMesh (ring dim R, a2a dim
+  A; W = R A): `shard(x, mesh)` gives rank (r, a) piece a of each chunk of ring rank r's zigzag (or contiguous)
+  shard, so one all-to-all inside the a2a group assembles ring rank r's shard for h / A heads; the ring runs
+  across the R groups on it; one all-to-all back. h and h_k must be multiples of A; no windows, no varlen.
+
+GQA (h_k < h) works in all of them. Varlen (`cu_seqlens`, ring only): every rank holds its two chunks of every
 sequence (zigzag or contiguous per sequence); each step's calls are varlen over one chunk per sequence (`_Chunks`,
 built once per cu_seqlens tensor, not per call).
 
@@ -61,14 +66,35 @@ from ..core.options import AttentionOptions
 from ..pipeline.select import select_backend
 
 LAYOUTS = ("zigzag", "contiguous")
-KV_EXCHANGES = ("ring", "allgather", "a2a")
+KV_EXCHANGES = ("ring", "allgather", "a2a", "a2a+ring")
+
+
+# rank, world -> the two chunk ids; "interleaved" is internal: the a2a group inside the hybrid, whose members each
+# hold a piece of both of the ring shard's chunks.
+_CHUNK_IDS = {"zigzag": lambda rank, world: (rank, 2 * world - 1 - rank),
+              "contiguous": lambda rank, world: (2 * rank, 2 * rank + 1),
+              "interleaved": lambda rank, world: (rank, world + rank)}
 
 
 def chunk_ids(rank: int, world: int, layout: str) -> tuple[int, int]:
     """The two global chunk indices (of 2 * world) that `rank` holds, in local order (increasing)."""
-    if layout not in LAYOUTS:
+    if layout not in _CHUNK_IDS:
         raise ArgumentError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
-    return (rank, 2 * world - 1 - rank) if layout == "zigzag" else (2 * rank, 2 * rank + 1)
+    return _CHUNK_IDS[layout](rank, world)
+
+
+def _mesh_2d(mesh) -> bool:
+    return hasattr(mesh, "get_group") and mesh.ndim == 2
+
+
+def _shard_ids(group, layout: str) -> tuple[int, tuple[int, int]]:
+    """(W, this rank's two chunk ids of 2W). A 2-D mesh (ring dim, a2a dim) of R x A ranks (the hybrid): rank
+    (r, a) holds piece a of each of its ring shard's chunks (i0, i1): chunks i0 * A + a and i1 * A + a."""
+    if _mesh_2d(group):
+        (ring, r), (inner, a) = (_group_size_rank(group.get_group(dim)) for dim in (0, 1))
+        return ring * inner, tuple(i * inner + a for i in chunk_ids(r, ring, layout))
+    world, rank = _group_size_rank(process_group(group))
+    return world, chunk_ids(rank, world, layout)
 
 
 def process_group(mesh_or_group=None):
@@ -100,16 +126,15 @@ def _split(x: torch.Tensor, seq_dim: int, bounds: list[int], parts: int) -> list
 def shard(x: torch.Tensor, group=None, *, seq_dim: int = 1, layout: str = "zigzag",
           cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's shard of the full tensor `x` (every rank passes the same x): its two chunks, concatenated.
-    `group`: a ProcessGroup or a 1-D DeviceMesh. For (b, h, s, d) tensors pass seq_dim=2; "zigzag" equals torch's
-    head-tail load balancer followed by an even split.
+    `group`: a ProcessGroup, a 1-D DeviceMesh, or the hybrid's 2-D mesh. For (b, h, s, d) tensors pass seq_dim=2;
+    "zigzag" equals torch's head-tail load balancer followed by an even split.
     Varlen (`cu_seqlens`, x packed (total, ...) with seq_dim=0): every sequence is cut into 2W chunks and the
     shard packs this rank's two chunks of each sequence, in sequence order (offsets cu_seqlens / W)."""
-    world, rank = _group_size_rank(process_group(group))
+    world, ids = _shard_ids(group, layout)
     bounds = _bounds(x.shape[seq_dim], cu_seqlens)
     for a, b in itertools.pairwise(bounds):
         if (b - a) % (2 * world):
             raise ArgumentError(f"sequence length {b - a} must be a multiple of 2 * world size = {2 * world}")
-    ids = chunk_ids(rank, world, layout)
     return torch.cat([chunks[i] for chunks in _split(x, seq_dim, bounds, 2 * world) for i in ids], dim=seq_dim)
 
 
@@ -232,22 +257,24 @@ class _Call:
     kv_exchange: str
     options: AttentionOptions      # causal, window, scale, dropout, deterministic, backend: validated
     chunks: _Chunks
-    heads: int
     rng_base: torch.Tensor | None = None     # dropout: the [seed, offset] drawn once per forward
     rng: torch.Tensor | None = None          # and per kernel call of this rank: (calls, 2), derived from it
+    inner: _Call | None = None               # the hybrid's a2a group (this call is then its ring across groups)
+    rng_rank: int | None = None              # this rank's index for the rng derivation (default: rank)
 
     @property
     def calls(self) -> int:
         """Kernel calls of one rank per direction (rng states to draw): up to two per ring step, two for
         all-gather, one for a2a."""
-        return {"ring": 2 * self.world, "allgather": 2, "a2a": 1}[self.kv_exchange]
+        return {"ring": 2 * self.world, "allgather": 2, "a2a": 1, "a2a+ring": 2 * self.world}[self.kv_exchange]
 
     def with_rng(self, base: torch.Tensor | None) -> _Call:
         """The call with its per-kernel-call rng states derived from one `[seed, offset]` (None without dropout):
         the seed advanced by the call's index over the whole group, so no two calls share a keep pattern."""
         if base is None or not self.options.dropout_p:
             return self
-        index = torch.arange(self.rank * self.calls, (self.rank + 1) * self.calls, device=base.device)
+        rank = self.rank if self.rng_rank is None else self.rng_rank
+        index = torch.arange(rank * self.calls, (rank + 1) * self.calls, device=base.device)
         return replace(self, rng_base=base, rng=base + torch.stack([index, torch.zeros_like(index)], dim=1))
 
     def kernel(self, index: int) -> dict:
@@ -512,35 +539,65 @@ def _heads_to_sequence(tensors: list[torch.Tensor], call: _Call) -> list[torch.T
     return results
 
 
-def _a2a_forward(q, k, v, call: _Call, out: torch.Tensor, transfers: _PostedTransfers):
-    q_h, = _sequence_to_heads([q], call)
-    k_h, v_h = _sequence_to_heads([k, v], call)
-    out_h, lse_h, _ = flash_attn_fwd(q_h, k_h, v_h, causal=call.options.causal, window_size=call.options.window_size,
-                                     **call.kernel(0))
-    out_s, = _heads_to_sequence([out_h], call)
-    lse_s, = _heads_to_sequence([lse_h.transpose(1, 2)], call)
+def _on_head_groups(q, k, v, heads_call: _Call, out: torch.Tensor, attend):
+    """All-to-all to the head groups of `heads_call`'s group, `attend(q_h, k_h, v_h, out_h) -> lse_h` there, and
+    out (written into `out`) and the lse back to the shards."""
+    q_h, = _sequence_to_heads([q], heads_call)
+    k_h, v_h = _sequence_to_heads([k, v], heads_call)
+    out_h = torch.empty_like(q_h)
+    lse_h = attend(q_h, k_h, v_h, out_h)
+    out_s, = _heads_to_sequence([out_h], heads_call)
+    lse_s, = _heads_to_sequence([lse_h.transpose(1, 2)], heads_call)
     out.copy_(out_s)
     return lse_s.transpose(1, 2).contiguous()
 
 
-def _a2a_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTransfers):
-    """The forward's exchanges again (q, out, dout in one all-to-all; k, v in another; lse), one backward call on
-    the whole sequence for this rank's heads, and dq, dk, dv back to their shards."""
-    q_h, out_h, dout_h = _sequence_to_heads([q, out, dout], call)
-    k_h, v_h = _sequence_to_heads([k, v], call)
-    lse_h, = _sequence_to_heads([lse.transpose(1, 2)], call)
-    dq_h, dk_h, dv_h, _ = flash_attn_bwd(dout_h, q_h, k_h, v_h, out_h, lse_h.transpose(1, 2).contiguous(),
-                                         causal=call.options.causal, window_size=call.options.window_size,
-                                         deterministic=call.options.deterministic, **call.kernel(0))
-    dq, = _heads_to_sequence([dq_h], call)
-    dk, dv = _heads_to_sequence([dk_h, dv_h], call)
+def _grads_on_head_groups(dout, q, k, v, out, lse, heads_call: _Call, attend_backward):
+    """The forward's exchanges again (q, out, dout in one all-to-all; k, v in another; lse), `attend_backward(dout_h,
+    q_h, k_h, v_h, out_h, lse_h) -> dq_h, dk_h, dv_h` there, and the gradients back to their shards."""
+    q_h, out_h, dout_h = _sequence_to_heads([q, out, dout], heads_call)
+    k_h, v_h = _sequence_to_heads([k, v], heads_call)
+    lse_h, = _sequence_to_heads([lse.transpose(1, 2)], heads_call)
+    dq_h, dk_h, dv_h = attend_backward(dout_h, q_h, k_h, v_h, out_h, lse_h.transpose(1, 2).contiguous())
+    dq, = _heads_to_sequence([dq_h], heads_call)
+    dk, dv = _heads_to_sequence([dk_h, dv_h], heads_call)
     return dq, dk, dv
+
+
+def _a2a_forward(q, k, v, call: _Call, out: torch.Tensor, transfers: _PostedTransfers):
+    def attend(q_h, k_h, v_h, out_h):      # the whole sequence: one call
+        result, lse_h, _ = flash_attn_fwd(q_h, k_h, v_h, causal=call.options.causal,
+                                          window_size=call.options.window_size, **call.kernel(0))
+        out_h.copy_(result)
+        return lse_h
+    return _on_head_groups(q, k, v, call, out, attend)
+
+
+def _a2a_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTransfers):
+    def attend_backward(dout_h, q_h, k_h, v_h, out_h, lse_h):
+        return flash_attn_bwd(dout_h, q_h, k_h, v_h, out_h, lse_h, causal=call.options.causal,
+                              window_size=call.options.window_size, deterministic=call.options.deterministic,
+                              **call.kernel(0))[:3]
+    return _grads_on_head_groups(dout, q, k, v, out, lse, call, attend_backward)
+
+
+def _hybrid_forward(q, k, v, call: _Call, out: torch.Tensor, transfers: _PostedTransfers):
+    """a2a inside the inner group (its members' pieces form the ring shard of h / A heads), the ring across."""
+    return _on_head_groups(q, k, v, call.inner, out,
+                           lambda q_h, k_h, v_h, out_h: _ring_forward(q_h, k_h, v_h, call, out_h, transfers))
+
+
+def _hybrid_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTransfers):
+    return _grads_on_head_groups(dout, q, k, v, out, lse, call.inner,
+                                 lambda *tensors: _ring_backward(*tensors, call, transfers))
 
 
 # ---- the two directions, shared by every front end ----------------------------------------------
 
-_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward, "a2a": _a2a_forward}
-_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward, "a2a": _a2a_backward}
+_FORWARD = {"ring": _ring_forward, "allgather": _allgather_forward, "a2a": _a2a_forward,
+            "a2a+ring": _hybrid_forward}
+_BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward, "a2a": _a2a_backward,
+             "a2a+ring": _hybrid_backward}
 
 
 def forward(q, k, v, call: _Call, out: torch.Tensor | None = None,
@@ -551,7 +608,7 @@ def forward(q, k, v, call: _Call, out: torch.Tensor | None = None,
     if out is None:
         out = torch.empty_like(q)
     if call.chunks.empty:           # every shard is empty (shards have equal sizes): nothing to exchange
-        lse_shape = (call.heads, 0) if call.chunks.rows is not None else (q.shape[0], call.heads, 0)
+        lse_shape = (q.shape[-2], 0) if call.chunks.rows is not None else (q.shape[0], q.shape[-2], 0)
         return out, q.new_empty(lse_shape, dtype=_accum(q)), call
     if call.options.dropout_p:
         call = call.with_rng(new_rng_state(q.device) if rng_state is None else rng_state)
@@ -587,7 +644,7 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
     q, k, v: this rank's (b, s / W, h, d) views (varlen (total / W, h, d))."""
     if kv_exchange not in KV_EXCHANGES:
         raise ArgumentError(f"kv_exchange: expected one of {KV_EXCHANGES}, got {kv_exchange!r}")
-    if kv_exchange == "ring" and options.window_size != (-1, -1):
+    if kv_exchange in ("ring", "a2a+ring") and options.window_size != (-1, -1):
         raise ArgumentError("window_size: sliding windows need kv_exchange='allgather' (the ring's per-block "
                             "masks would need negative window sides)")
     if cu_seqlens is not None and kv_exchange != "ring":
@@ -597,9 +654,15 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
         if not isinstance(t, torch.Tensor) or t.dim() != len(expected.split(",")):
             raise ArgumentError(f"{name}: expected a {expected} tensor, got {type(t).__name__} "
                                 f"{tuple(getattr(t, 'shape', ()))}")
+    if layout not in LAYOUTS:
+        raise ArgumentError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if (kv_exchange == "a2a+ring") != _mesh_2d(group):
+        raise ArgumentError("kv_exchange='a2a+ring' takes a 2-D DeviceMesh (ring dim, a2a dim), and only it does; "
+                            f"got kv_exchange={kv_exchange!r} with {group!r}")
+    if kv_exchange == "a2a+ring":
+        return _plan_hybrid(q, k, v, group, options, layout)
     group = process_group(group)
     world, rank = _group_size_rank(group)
-    chunk_ids(rank, world, layout)
     if cu_seqlens is None:
         if q.shape[1] % 2 or q.shape[1] != k.shape[1]:
             raise ArgumentError(f"q and k shards must have the same even length (two chunks per rank), got "
@@ -615,12 +678,32 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
     if kv_exchange == "a2a" and (q.shape[-2] % world or k.shape[-2] % world):
         raise ArgumentError(f"kv_exchange='a2a' scatters heads over the group: q's {q.shape[-2]} and k's "
                             f"{k.shape[-2]} heads must be multiples of the world size {world} (use 'ring')")
-    call = _Call(group, world, rank, layout, kv_exchange, options, chunks, heads=q.shape[-2])
+    call = _Call(group, world, rank, layout, kv_exchange, options, chunks)
     if not chunks.empty:
         # The first kernel call of this rank (both local chunks' keys seen): operands and backend checked here,
         # so a bad dtype, head count or backend raises before any K/V is posted.
         probe = options.replace_checked(causal=False, window_size=(-1, -1), **chunks.options(2))
         select_backend(describe_call(q[chunks.q(0)], k, v, probe), options.backend)
+    return call
+
+
+def _plan_hybrid(q, k, v, mesh, options: AttentionOptions, layout: str) -> _Call:
+    """The hybrid over a 2-D mesh of R x A ranks: a2a over the inner dim (A), the ring over the outer dim (R) on
+    the inner group's gathered shards (2 chunks of A pieces) of h / A heads."""
+    (outer, inner) = (mesh.get_group(dim) for dim in (0, 1))
+    (ring, r), (heads_world, a) = _group_size_rank(outer), _group_size_rank(inner)
+    if q.shape[1] % 2 or q.shape[1] != k.shape[1]:
+        raise ArgumentError(f"q and k shards must have the same even length (two chunks per rank), got "
+                            f"{q.shape[1]} and {k.shape[1]}")
+    if q.shape[-2] % heads_world or k.shape[-2] % heads_world:
+        raise ArgumentError(f"kv_exchange='a2a+ring' scatters heads over the mesh's a2a dim: q's {q.shape[-2]} and "
+                            f"k's {k.shape[-2]} heads must be multiples of its size {heads_world}")
+    c = q.shape[1] // 2
+    heads_call = _Call(inner, heads_world, a, "interleaved", "a2a", options, _Chunks(c=c))
+    call = _Call(outer, ring, r, layout, "a2a+ring", options, _Chunks(c=c * heads_world), inner=heads_call,
+                 rng_rank=a * ring + r)
+    if c:
+        select_backend(describe_call(q[:, :c], k, v, options.replace_checked(causal=False)), options.backend)
     return call
 
 
@@ -648,13 +731,15 @@ def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=Fal
         q, k, v: this rank's shards (b, s / W, h, d) and (b, s / W, h_k, d), as `shard(x, group, layout=layout)`
             cuts them (every rank the same b, h, d; s a multiple of 2W). Varlen: (total / W, h, d) and
             (total / W, h_k, d), as `shard(x, group, seq_dim=0, layout=layout, cu_seqlens=cu_seqlens)` cuts them.
-        group: a ProcessGroup, a 1-D DeviceMesh, or None (the default group).
+        group: a ProcessGroup, a 1-D DeviceMesh, or None (the default group); for kv_exchange="a2a+ring" a 2-D
+            DeviceMesh (ring dim, a2a dim), whose shards `shard(x, mesh)` cuts.
         cu_seqlens: varlen (kv_exchange="ring" only): the full sequences' int32 offsets (b + 1,), the same on
             every rank and for q and k; every sequence's length a multiple of 2W. Its chunk indices are built
             once per tensor (reuse one cu_seqlens tensor across layers to avoid a host sync per call).
         causal, window_size, softmax_scale, dropout_p, deterministic, backend: as for `flash_attn_func` (validated
             by the same rules), over the full sequence (windows: kv_exchange="allgather" only).
-        layout: "zigzag" (head-tail load balancing) or "contiguous". kv_exchange: "ring" or "allgather".
+        layout: "zigzag" (head-tail load balancing) or "contiguous". kv_exchange: "ring", "allgather", "a2a" or
+            "a2a+ring" (see the module docstring).
         return_lse: also return this shard's softmax lse (b, h, s / W), varlen (h, total / W) (fp32; fp64 for
             fp64 inputs).
 
@@ -691,7 +776,8 @@ def context_parallel_sdpa(query, key, value, mesh_or_group=None, *, is_causal=Fa
             `shard(x, mesh, seq_dim=2, layout=layout)`, or with torch's `_context_parallel_shard(mesh, buffers,
             seq_dims, load_balancer=_HeadTailLoadBalancer(s, W, device))`, which is `layout="zigzag"` (without a
             load balancer torch's shards are `layout="contiguous"`).
-        mesh_or_group: a 1-D DeviceMesh, a ProcessGroup, or None (the default group).
+        mesh_or_group: a 1-D DeviceMesh, a ProcessGroup, or None (the default group); for kv_exchange="a2a+ring"
+            a 2-D DeviceMesh (ring dim, a2a dim).
         is_causal, scale, enable_gqa, dropout_p: as for SDPA over the full sequence (h_k < h needs enable_gqa).
         layout, kv_exchange, backend: as for `context_parallel_attn`.
 
@@ -703,7 +789,7 @@ def context_parallel_sdpa(query, key, value, mesh_or_group=None, *, is_causal=Fa
                             f"enable_gqa=True (as F.scaled_dot_product_attention requires)")
     if not isinstance(query, torch.Tensor) or query.dim() != 4:
         raise ArgumentError(f"query: expected a (b, h, s / W, d) tensor, got {getattr(query, 'shape', query)!r}")
-    out = context_parallel_attn(*(t.transpose(1, 2) for t in (query, key, value)), process_group(mesh_or_group),
+    out = context_parallel_attn(*(t.transpose(1, 2) for t in (query, key, value)), mesh_or_group,
                                 softmax_scale=scale, causal=is_causal, dropout_p=dropout_p, layout=layout,
                                 kv_exchange=kv_exchange, backend=backend)
     return out.transpose(1, 2)
@@ -711,9 +797,13 @@ def context_parallel_sdpa(query, key, value, mesh_or_group=None, *, is_causal=Fa
 
 # ---- torch.compile: the two directions as custom ops (process group by name, as torch's flex CP does) ------
 
-def _op_options(softmax_scale, causal, window_left, window_right, dropout_p, deterministic, backend):
-    return AttentionOptions(softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-                            dropout_p=dropout_p, deterministic=deterministic, backend=backend)
+def _op_call(q, k, v, group_name, layout, kv_exchange, causal, window_left, window_right, softmax_scale, dropout_p,
+             deterministic, backend, cu_seqlens) -> _Call:
+    """The ops' arguments, validated (before any communication), as a `_Call`."""
+    options = AttentionOptions(softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                               dropout_p=dropout_p, deterministic=deterministic, backend=backend)
+    group = dist.distributed_c10d._resolve_process_group(group_name)
+    return plan_call(q, k, v, group, options=options, layout=layout, kv_exchange=kv_exchange, cu_seqlens=cu_seqlens)
 
 
 @torch.library.custom_op("flash_attn_ck_cp::forward", mutates_args=())
@@ -721,10 +811,9 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: s
                 causal: bool, window_left: int, window_right: int, softmax_scale: float | None, dropout_p: float,
                 deterministic: bool, backend: str | None, cu_seqlens: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """out, lse and the dropout rng base (empty without dropout); validated here, before any communication."""
-    options = _op_options(softmax_scale, causal, window_left, window_right, dropout_p, deterministic, backend)
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    call = plan_call(q, k, v, group, options=options, layout=layout, kv_exchange=kv_exchange, cu_seqlens=cu_seqlens)
+    """out, lse and the dropout rng base (empty without dropout)."""
+    call = _op_call(q, k, v, group_name, layout, kv_exchange, causal, window_left, window_right, softmax_scale,
+                    dropout_p, deterministic, backend, cu_seqlens)
     out, lse, call = forward(q, k, v, call)
     rng_base = call.rng_base if call.rng_base is not None else torch.empty(0, dtype=torch.int64, device=q.device)
     return out, lse, rng_base
@@ -744,10 +833,8 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  causal: bool, window_left: int, window_right: int, softmax_scale: float | None, dropout_p: float,
                  deterministic: bool, backend: str | None, cu_seqlens: torch.Tensor | None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = _op_options(softmax_scale, causal, window_left, window_right, dropout_p, deterministic, backend)
-    group = dist.distributed_c10d._resolve_process_group(group_name)
-    call = plan_call(q, k, v, group, options=options, layout=layout, kv_exchange=kv_exchange, cu_seqlens=cu_seqlens)
-    call = call.with_rng(rng_base if rng_base.numel() else None)
+    call = _op_call(q, k, v, group_name, layout, kv_exchange, causal, window_left, window_right, softmax_scale,
+                    dropout_p, deterministic, backend, cu_seqlens).with_rng(rng_base if rng_base.numel() else None)
     # copy=True: the ring's dk and dv are views of one buffer, and a custom op's outputs must not alias.
     return tuple(g.to(t.dtype, copy=True) for g, t in zip(backward(dout, q, k, v, out, lse, call), (q, k, v),
                                                           strict=True))
