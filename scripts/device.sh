@@ -36,12 +36,9 @@
 #                                                 scripts/profile_case.py --shape SHAPE (default 128:16:16:8192:0):
 #                                                 speed of light, tensor-pipe and shared-memory load, warp stalls
 #                                                 (300 s) -> ncu-KERNEL.txt
-#   bash scripts/device.sh candidates           tiles compiled but not yet run, checked and timed beside the defaults
-#                                                 (400 s): fwd_ws_check.py with three consumer warpgroups (192 query rows,
-#                                                 FA3's d64 shape; at d128 with 64 key rows) and with three K/V stages
-#                                                 (d128: 225 KB of shared memory) -> candidates-fwd.log; then (200 s)
-#                                                 bwd_ws_check.py with deeper Q/dO and dQ rings on the two-CTAs d64 tile
-#                                                 (three stages, two dQ buffers: up to 108 KB a CTA) -> candidates-bwd.log
+#   bash scripts/device.sh candidates           the experiment of scripts/lab/candidates.sh: tiles compiled but not yet
+#                                                 run, checked and timed beside the defaults by scripts/lab/fwd_ws_check.py
+#                                                 and bwd_ws_check.py -> candidates-fwd.log, candidates-bwd.log
 #   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
 #                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
 #                                                 this tree: old, new, old, new, so each version is timed twice
@@ -169,14 +166,9 @@ case $cmd in
     ;;
   candidates)
     info
-    limit 400 python3 scripts/fwd_ws_check.py \
-      --tiles64 128x128x2x1x0,128x128x2x1x1,192x128x2x0x0,192x128x2x0x1,128x128x3x1x0 \
-      --tiles128 128x128x2x1x0,128x128x2x1x1,128x128x3x1x0,128x128x3x1x1,192x64x2x0x0 --tiles256 128x64x2x1x0 \
-      --shapes 64:32:32,128:16:16,128:32:8 --seqlens 2048,8192 2>&1 | tee "$OUT/candidates-fwd.log" \
-      | grep -E "^(PASS|FAIL|TIME|ERROR)"
-    limit 200 python3 scripts/bwd_ws_check.py --case-timeout 120 \
-      --tiles64 64x64x2x1x4x128,64x64x3x1x4x128,64x64x2x2x4x128,64x64x3x2x4x128 --peers sdpa_cudnn \
-      --shapes 64:32:32:8192,64:32:32:2048 2>&1 | tee "$OUT/candidates-bwd.log" | grep -E "^(PASS|FAIL|TIME|HANG|ERROR)"
+    export OUT TIMEOUT
+    export -f limit
+    bash scripts/lab/candidates.sh
     ;;
   ab)
     [ $# -eq 2 ] || { echo "usage: bash scripts/device.sh ab OLD_TREE SHAPES" >&2; exit 2; }

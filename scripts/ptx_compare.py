@@ -1,18 +1,18 @@
 """Whether this tree's default Gluon kernels compile to the same PTX as another tree's, without a GPU.
 
-    git archive REV flash_attn_ck tests | tar -x -C /tmp/old
-    python3 scripts/ptx_compare.py /tmp/old
+    git archive REV flash_attn_ck scripts tests | tar -x -C /tmp/old
+    python3 scripts/ptx_compare.py /tmp/old [NAME_PART]
 
-Compiles, in each tree, every default tile of the warp-specialised forward (fwd_ws) and backward (bwd_ws,
-bwd_ws_split) for sm_90a over a set of mask / varlen / deterministic variants, strips what only debug information
-carries (`.loc`, `.file`, comments, `$L__tmp` labels, the debug sections) and prints, per variant, IDENTICAL or the
-number of differing lines. Identical PTX means identical machine code: GPU results of OLD_TREE's kernels (tests,
-sanitizer, timings) hold for this tree's. Exits 1 if any variant differs.
+Compiles, in each tree (by that tree's own copy of this script, so each spells its kernels' arguments its own way),
+every default tile of the warp-specialised forward (fwd_ws) and backward (bwd_ws, bwd_ws_split) for sm_90a over a set
+of mask / varlen / deterministic variants (NAME_PART: only those whose names contain it, e.g. "fwd_ws" or "d128"),
+strips what only debug information carries (`.loc`, `.file`, comments, `$L__tmp` labels, the debug sections) and
+prints, per variant, IDENTICAL or the number of differing lines. Identical PTX means identical machine code: GPU
+results of OLD_TREE's kernels (tests, sanitizer, timings) hold for this tree's. Exits 1 if any variant differs.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -20,9 +20,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-# (head dim, causal, (TOP_LEFT, HAS_LEFT, HAS_RIGHT), varlen, deterministic)
-VARIANTS = [(d, causal, (False, False, causal), False, False) for d in (64, 128, 256) for causal in (False, True)] + \
-           [(d, True, (True, True, True), True, True) for d in (64, 128, 256)]
+
+def variants(head_dims):
+    """(head dim, causal, (TOP_LEFT, HAS_LEFT, HAS_RIGHT), varlen, deterministic): dense and causal calls at each
+    head dim, and the mask and mode every flag turns on (top-left window, varlen, deterministic)."""
+    return [(d, causal, (False, False, causal), False, False) for d in head_dims for causal in (False, True)] + \
+           [(d, True, (True, True, True), True, True) for d in head_dims]
 
 
 def strip_debug(ptx: str) -> str:
@@ -38,68 +41,50 @@ def strip_debug(ptx: str) -> str:
     return "\n".join(lines)
 
 
-def dump() -> dict[str, str]:
+def specs(names: str = ""):
+    """(variant name, launch spec) of every variant whose name contains `names` (all by default) at every head dim of
+    the tile tables, built by the kernels' own launch_spec functions (through tests/gluon_compile.py) from CPU
+    tensors of the variant's layout."""
+    from gluon_compile import bwd_spec, fwd_spec
+
+    from flash_attn_ck.backends.triton import config
+
+    for d, causal, masks, varlen, deterministic in variants(sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90))):
+        name = f"fwd_ws d{d} causal={causal} varlen={varlen}"
+        if d in config.FWD_WS_SM90 and names in name:
+            yield name, fwd_spec(config.FWD_WS_SM90[d][causal], d, varlen, masks)
+        if d in config.BWD_WS_SM90:
+            spec = bwd_spec(config.BWD_WS_SM90[d], d, varlen, masks, deterministic)
+            name = f"{spec.kernel.fn.__name__} d{d} causal={causal} varlen={varlen} det={deterministic}"
+            if names in name:
+                yield name, spec
+
+
+def dump(names: str = "") -> dict[str, str]:
     """Stripped PTX of this process's tree (flash_attn_ck and tests/ first on sys.path), keyed by variant."""
-    import torch
-    from gluon_compile import compile_sm90, descriptor_type
-
-    from flash_attn_ck.backends.triton import bwd_ws, bwd_ws_split, config, fwd_ws
-
-    def accepted(kernel, values):   # an older tree's kernel may lack a newer constexpr
-        names = inspect.signature(kernel.fn).parameters
-        return {k: v for k, v in values.items() if k in names}
-
-    out = {}
-    for d, causal, masks, varlen, deterministic in VARIANTS:
-        masked = dict(VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2])
-        tile = config.FWD_WS_SM90[d][causal]
-        rows = tile.block_m // getattr(tile, "consumers", 2)
-        types = dict(q_desc=descriptor_type(rows, d, torch.bfloat16), o_desc=descriptor_type(rows, d, torch.bfloat16),
-                     k_desc=descriptor_type(tile.block_n, d, torch.bfloat16),
-                     v_desc=descriptor_type(tile.block_n, d, torch.bfloat16),
-                     Out="*bf16", Lse="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", scale="fp32")
-        cx = accepted(fwd_ws.attn_fwd_ws_kernel, dict(
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=d, NUM_STAGES=tile.num_stages, OVERLAP=tile.overlap,
-            PINGPONG=tile.pingpong, CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs,
-            QUERY_MAJOR=False, CONSUMERS=getattr(tile, "consumers", 2), **masked))
-        out[f"fwd_ws d{d} causal={causal} varlen={varlen}"] = strip_debug(
-            compile_sm90(fwd_ws.attn_fwd_ws_kernel, types, cx, 4).asm["ptx"])
-
-        tile = config.BWD_WS_SM90[d]
-        kernel = bwd_ws_split.attn_bwd_ws_split_kernel if tile.split_d else bwd_ws.attn_bwd_ws_kernel
-        parts = 2 if tile.split_d else 1
-        types = dict(q_desc=descriptor_type(tile.block_m, d, torch.bfloat16),
-                     do_desc=descriptor_type(tile.block_m, d, torch.bfloat16),
-                     k_desc=descriptor_type(tile.block_n, d, torch.bfloat16),
-                     v_desc=descriptor_type(tile.block_n, d, torch.bfloat16),
-                     dq_desc=descriptor_type(tile.block_m, d, torch.float32, parts), Lse="*fp32", Delta="*fp32",
-                     dK="*bf16", dV="*bf16", Sem="*i32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", scale="fp32")
-        cx = accepted(kernel, dict(
-            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=d, NUM_STAGES=tile.num_stages,
-            DQ_STAGES=tile.dq_stages, LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs,
-            MMA_REGS=tile.mma_regs, DETERMINISTIC=deterministic, KEY_MAJOR=False, num_warps=tile.num_warps, **masked))
-        options = {"maxnreg": tile.max_registers} if getattr(tile, "max_registers", 0) else {}
-        out[f"{kernel.fn.__name__} d{d} causal={causal} varlen={varlen} det={deterministic}"] = strip_debug(
-            compile_sm90(kernel, types, cx, tile.num_warps, **options).asm["ptx"])
-    return out
+    from gluon_compile import compile_spec
+    return {name: strip_debug(compile_spec(spec).asm["ptx"]) for name, spec in specs(names)}
 
 
-def tree_dump(tree: Path) -> dict[str, str]:
+def tree_dump(tree: Path, *args: str) -> dict[str, str]:
+    """The tree's own dump (`--dump *args` of its scripts/ptx_compare.py)."""
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{tree / 'tests'}")
-    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dump"], cwd=tree, env=env,
-                         capture_output=True, text=True)
+    run = subprocess.run([sys.executable, str(tree / "scripts" / "ptx_compare.py"), "--dump", *args], cwd=tree,
+                         env=env, capture_output=True, text=True)
     if run.returncode:
         sys.exit(f"compiling the kernels of {tree} failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout)
 
 
 def main():
-    if sys.argv[1:] == ["--dump"]:
-        print(json.dumps(dump()))
+    if sys.argv[1:2] == ["--dump"]:
+        print(json.dumps(dump(*sys.argv[2:])))
         return
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
-    old, new = tree_dump(Path(sys.argv[1]).resolve()), tree_dump(Path(__file__).resolve().parents[1])
+    names = sys.argv[2] if len(sys.argv) == 3 else ""
+    old = {name: ptx for name, ptx in tree_dump(Path(sys.argv[1]).resolve()).items() if names in name}
+    new = tree_dump(Path(__file__).resolve().parents[1], names)
     differ = 0
     for name in sorted(set(old) | set(new)):
         if name not in old or name not in new:

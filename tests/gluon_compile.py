@@ -47,6 +47,44 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int
                           options=dict(num_warps=num_warps, **options))
 
 
+def _call(head_dim: int, varlen: bool, masks, heads: int = 4, rows: int = 512):
+    """CPU tensors of one call's layout ((rows, heads, d) varlen, else (1, rows, heads, d)) and its keywords."""
+    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    shape = (rows, heads, head_dim) if varlen else (1, rows, heads, head_dim)
+    lse_shape = (heads, rows) if varlen else (1, heads, rows)
+    tensors = dict(q=torch.empty(shape, dtype=torch.bfloat16), lse=torch.empty(lse_shape),
+                   cu_seqlens=torch.tensor([0, rows], dtype=torch.int32))
+    return shape, tensors, dict(varlen=varlen, batch=1, seqlen_q=rows, seqlen_k=rows, scale=0.125,
+                                mask=GluonMask(0, 0, MaskFlags(*masks)))
+
+
+def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False)):
+    """fwd_ws.launch_spec of `tile` for a call of `head_dim` (bf16, 512 rows, 4 heads) with `masks` (TOP_LEFT,
+    HAS_LEFT, HAS_RIGHT)."""
+    from flash_attn_ck.backends.triton import fwd_ws
+    _, t, call = _call(head_dim, varlen, masks)
+    q = t["q"]
+    return fwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), t["lse"], t["cu_seqlens"], t["cu_seqlens"],
+                              tile=tile, **call)[0]
+
+
+def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False):
+    """bwd_ws.launch_spec of `tile` (bwd_ws_split's kernel for a split_d tile) for a call like fwd_spec's, in the
+    deterministic mode or not."""
+    from flash_attn_ck.backends.triton import bwd_ws
+    shape, t, call = _call(head_dim, varlen, masks)
+    q, lse = t["q"], t["lse"]
+    sems = torch.zeros(1, shape[-2], 512 // tile.block_m, dtype=torch.int32) if deterministic else None
+    return bwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), lse, lse.clone(), torch.empty(shape), q.clone(),
+                              q.clone(), t["cu_seqlens"], t["cu_seqlens"], tile=tile, semaphores=sems, **call)
+
+
+def compile_spec(spec):
+    """compile_sm90 of a launch spec (launch.LaunchSpec: the kernel's arguments as backend.py launches them)."""
+    types, constexprs = spec.signature()
+    return compile_sm90(spec.kernel, types, constexprs, spec.num_warps, **spec.options)
+
+
 def ptxas_report(ptx: str) -> dict[str, int]:
     """ptxas -v of the PTX for sm_90a: registers at launch (warp-specialised partitions then move them with
     setmaxnreg) and the bytes of spill stores and loads."""

@@ -2,11 +2,12 @@
 (`TritonBackend.fwd_ws_reasons`: on by default where measured faster, every unsupported feature named), the
 dispatch itself, and that every kernel variant compiles to sm_90a with the instructions the design rests
 on and without register spills where ptxas reports none. Its numerics run on the GPU (tests/test_triton.py,
-scripts/fwd_ws_check.py)."""
+scripts/lab/fwd_ws_check.py)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from gluon_compile import SM90_SHARED_BYTES, compile_sm90, descriptor_type, pretend_capability, ptxas_report  # noqa: E402
+from gluon_compile import SM90_SHARED_BYTES, compile_spec, fwd_spec, pretend_capability, ptxas_report  # noqa: E402
 
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
 from flash_attn_ck.backends.triton import config  # noqa: E402
@@ -131,39 +132,31 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
     assert [c[0] for c in calls] == (["fwd_ws"] if forced else ["forward"])
     if forced:
         kw = calls[0][1]
-        assert kw["tile"] == config.FWD_WS_SM90[128][causal] and kw["has_right"] == causal and not kw["has_left"]
+        flags = kw["mask"].flags
+        assert kw["tile"] == config.FWD_WS_SM90[128][causal] and causal == flags.HAS_RIGHT and not flags.HAS_LEFT
 
 
 # ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ------------------------
 def _compile(tile, head_dim, varlen, masks, overlap, pingpong=False):
-    from flash_attn_ck.backends.triton import fwd_ws
-    half, box = tile.block_m // tile.consumers, triton.next_power_of_2(head_dim)
-    types = dict(q_desc=descriptor_type(half, head_dim, torch.bfloat16),
-                 k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
-                 v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
-                 o_desc=descriptor_type(half, head_dim, torch.bfloat16),
-                 Out="*bf16", Lse="*fp32", cu_seqlens_q="*i32", cu_seqlens_k="*i32", scale="fp32")
-    cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages,
-              VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2], OVERLAP=overlap,
-              PINGPONG=pingpong, CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs,
-              QUERY_MAJOR=tile.longest_first, CONSUMERS=tile.consumers)
-    return compile_sm90(fwd_ws.attn_fwd_ws_kernel, types, cx, 4)
+    """The kernel fwd_ws.launch runs for `tile` with `overlap` and `pingpong`, compiled for sm_90a."""
+    return compile_spec(fwd_spec(replace(tile, overlap=overlap, pingpong=pingpong), head_dim, varlen, masks))
 
 
 MASKS = {"dense": (False, (False, False, False)), "causal": (False, (False, False, True)),
          "window": (False, (False, True, True)), "varlen": (True, (False, False, False)),
          "varlen-causal": (True, (False, False, True)), "top-left-window": (True, (True, True, True))}
-# Every mask variant at d64/d128 (each variant is a separate kernel); at d96, d192 (padded to 128 and 256 in
-# shared memory) and d256 the dense and varlen-causal ones. GQA is the runtime `group`: no variant.
-VARIANTS = [(d, mask) for d in (64, 128) for mask in sorted(MASKS)] + \
-           [(d, mask) for d in (96, 192, 256) for mask in ("dense", "varlen-causal")]
+# Every mask variant (each is a separate kernel) at each head dim of the table; at a head dim padded into each
+# (3/4 of its block: d96 runs in d128's tiles, d192 in d256's) the dense and varlen-causal ones. GQA is the runtime
+# `group`: no variant.
+VARIANTS = [(d, mask) for d in sorted(config.FWD_WS_SM90) for mask in sorted(MASKS)] + \
+           [(d * 3 // 4, mask) for d in sorted(config.FWD_WS_SM90) for mask in ("dense", "varlen-causal")]
 
 
 @pytest.mark.parametrize("head_dim,mask", VARIANTS)
 @pytest.mark.parametrize("overlap,pingpong", [(True, False), (False, False), (True, True)],
                          ids=["overlap", "no-overlap", "overlap-pingpong"])
 def test_kernel_compiles_to_the_designed_instructions(head_dim, overlap, pingpong, mask):
-    tile = config.FWD_WS_SM90[triton.next_power_of_2(head_dim)][False]
+    tile = config.fwd_ws_tile(head_dim, causal=False)
     varlen, masks = MASKS[mask]
     kernel = _compile(tile, head_dim, varlen, masks, overlap, pingpong)
     assert kernel.metadata.shared <= SM90_SHARED_BYTES   # the tile launches: its buffers fit one SM's shared memory
@@ -172,7 +165,7 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, overlap, pingpon
     # wgmma per key tile (the overlapped loop has a prologue S and an epilogue P V besides).
     wgmmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16 \{[^}]*\}, (\{|%rd)", ptx)
     register_a = sum(1 for operand in wgmmas if operand == "{")
-    per_tile = triton.next_power_of_2(head_dim) // 16 + tile.block_n // 16
+    per_tile = config.head_block(head_dim) // 16 + tile.block_n // 16
     assert len(wgmmas) == 2 * per_tile * (2 if overlap else 1)
     assert register_a == 2 * (tile.block_n // 16) * (2 if overlap else 1)
     # TMA loads (boxes of one head: 3-D) behind mbarriers, the output's TMA store, the K/V ring's waits and
@@ -236,33 +229,25 @@ def test_a_tile_needs_64_query_rows_per_consumer(block_m, consumers):
 @settings(max_examples=20, deadline=None)
 @given(batch=st.integers(1, 3), seqlen=st.integers(1, 700), heads=st.integers(1, 4), longest_first=st.booleans())
 def test_the_grid_is_query_major_when_asked(batch, seqlen, heads, longest_first):
-    """fwd_ws.launch (kernel stubbed, CPU tensors): the grid is (query tiles, batch, heads), or (heads, batch, query
-    tiles) with FwdWsTile.longest_first, and the kernel is told which (QUERY_MAJOR)."""
-    from unittest import mock
-
+    """fwd_ws.launch_spec (CPU tensors): the grid is (query tiles, batch, heads), or (heads, batch, query tiles) with
+    FwdWsTile.longest_first, and the kernel is told which (QUERY_MAJOR)."""
     from flash_attn_ck.backends.triton import fwd_ws
-    seen = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.update(grid=grid, query_major=kwargs["QUERY_MAJOR"])
+    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
 
     tile = config.FwdWsTile(128, 128, longest_first=longest_first)
     q = torch.zeros(batch, seqlen, heads, 64, dtype=torch.bfloat16)
-    with mock.patch.object(fwd_ws, "attn_fwd_ws_kernel", Recorder()):
-        fwd_ws.launch(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(batch, heads, seqlen), None, None,
-                      varlen=False, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, scale=0.1, top_left=False,
-                      window_left=-1, window_right=0, has_left=False, has_right=True, tile=tile)
+    spec, _ = fwd_ws.launch_spec(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(batch, heads, seqlen), None,
+                                 None, varlen=False, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, scale=0.1,
+                                 mask=GluonMask(0, 0, MaskFlags(HAS_RIGHT=True)), tile=tile)
     tiles = -(-seqlen // tile.block_m)
-    assert seen["grid"] == ((heads, batch, tiles) if longest_first else (tiles, batch, heads))
-    assert seen["query_major"] is longest_first
+    assert spec.grid == ((heads, batch, tiles) if longest_first else (tiles, batch, heads))
+    assert spec.args["C"].QUERY_MAJOR is longest_first
     assert config.FwdWsTile.parse(str(tile)) == tile
 
 
 def test_a_query_major_grid_counts_query_tiles_in_z():
     """QUERY_MAJOR swaps the axes the kernel reads: the last-tile-first order counts the query tiles in the grid's z
     dimension (%nctaid.z) instead of x."""
-    from dataclasses import replace
     tile = config.FWD_WS_SM90[128][True]
     for longest_first, axis in ((False, "x"), (True, "z")):
         ptx = _compile(replace(tile, longest_first=longest_first), 128, True, (False, False, True), True).asm["ptx"]

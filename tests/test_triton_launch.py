@@ -4,6 +4,9 @@ scripts/triton_compile_check.py compiles); backend.py's named values all land in
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,3 +56,70 @@ def test_split_named_refuses_unknown_names():
     assert scores == ScoreArgs(0.5, 0.0, 0.0, 0, 0) and features.HAS_ALIBI and features.VARLEN
     with pytest.raises(AssertionError, match="HAS_NEW_THING"):
         launch.split_named(dict(named, HAS_NEW_THING=True))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_gluon_specs_match_their_kernels(varlen):
+    """fwd_ws.launch_spec and bwd_ws.launch_spec name exactly their kernel's parameters, in order, for every tile
+    of the tables (bwd_ws_split's kernel for a split tile), with the compile-time values the tile and the mask
+    give and the head dim padded as config.head_block pads it."""
+    from gluon_compile import bwd_spec, fwd_spec
+
+    from flash_attn_ck.backends.triton import bwd_ws, bwd_ws_split, fwd_ws
+    masks = (False, True, True)
+    for block, causal_tiles in config.FWD_WS_SM90.items():
+        for tile in causal_tiles.values():
+            spec = fwd_spec(tile, block * 3 // 4, varlen, masks)
+            sig, constexprs = spec.signature()
+            assert spec.kernel is fwd_ws.attn_fwd_ws_kernel and list(sig) == spec.kernel.arg_names
+            assert constexprs["C"] == fwd_ws.Constants(tile.block_m, tile.block_n, block, tile.num_stages,
+                                                       tile.consumers, tile.overlap, tile.pingpong, tile.longest_first,
+                                                       varlen, tile.consumer_regs, tile.loader_regs)
+            assert constexprs["MASK"] == launch.MaskFlags(*masks)
+    for block, tile in config.BWD_WS_SM90.items():
+        for deterministic in (False, True):
+            spec = bwd_spec(tile, block * 3 // 4, varlen, masks, deterministic)
+            sig, constexprs = spec.signature()
+            kernel = bwd_ws_split.attn_bwd_ws_split_kernel if tile.split_d else bwd_ws.attn_bwd_ws_kernel
+            assert spec.kernel is kernel and list(sig) == kernel.arg_names
+            c = constexprs["C"]
+            assert (block, deterministic, varlen) == (c.HEAD_D, c.DETERMINISTIC, c.VARLEN)
+            assert spec.num_warps == tile.num_warps and spec.options == (
+                {"maxnreg": tile.max_registers} if tile.max_registers else {})
+
+
+# ---- parameter lists stay short enough to read ------------------------------------------------------
+MAX_PARAMETERS = 20
+# The older Triton kernels (one program per tile) not yet grouped: their widths may only shrink.
+OLDER_WIDER = {"bwd_main.py:key_tile_dkdv": 36, "bwd_main.py:attn_bwd_kernel": 35, "bwd_dq.py:query_tile_dq": 27,
+               "scores.py:query_tile_operands": 21, "forward.py:attn_fwd_kernel": 21}
+
+
+def _is_jit(decorator) -> bool:
+    """@triton.jit, @gluon.jit, @jit, with or without arguments."""
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return (target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", None)) == "jit"
+
+
+def jit_parameter_counts(package: Path) -> dict[str, int]:
+    """{"file.py:function": parameter count} of every @jit function (kernels, helpers, methods of aggregates)
+    defined in the modules of `package` (a directory), read from their source."""
+    counts = {}
+    for path in sorted(package.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any(_is_jit(d) for d in node.decorator_list):
+                args = node.args
+                counts[f"{path.name}:{node.name}"] = (len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs)
+                                                     + (args.vararg is not None) + (args.kwarg is not None))
+    return counts
+
+
+def test_no_jit_function_takes_more_than_twenty_parameters():
+    """Kernels and their helpers take grouped arguments (launch specs, tuples, Gluon aggregates) instead of long flat
+    lists: none of the backend's @jit functions has more than MAX_PARAMETERS (OLDER_WIDER: the older Triton kernels
+    still above it, which may only shrink)."""
+    counts = jit_parameter_counts(Path(config.__file__).parent)
+    assert len(counts) > 50   # the parse found the kernels (triton.jit and gluon.jit alike)
+    assert counts["fwd_ws.py:attn_fwd_ws_kernel"] <= MAX_PARAMETERS
+    wide = {name: n for name, n in counts.items() if n > OLDER_WIDER.get(name, MAX_PARAMETERS)}
+    assert not wide, f"@jit functions with more than {MAX_PARAMETERS} parameters: {wide}"

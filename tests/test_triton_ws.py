@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import replace
-from unittest import mock
 
 import pytest
 import torch
@@ -17,8 +16,8 @@ triton = pytest.importorskip("triton")
 
 from gluon_compile import (  # noqa: E402
     SM90_SHARED_BYTES,
-    compile_sm90,
-    descriptor_type,
+    bwd_spec,
+    compile_spec,
     pretend_capability,
     ptxas_report,
 )
@@ -136,37 +135,29 @@ def test_a_launch_over_every_head_passes_the_tensors_themselves():
 # ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ----------------------
 def _compile(tile, head_dim, varlen, masks, deterministic=False):
     """The kernel `bwd_ws.launch` runs for `tile` (bwd_ws_split's for a split_d tile), compiled for sm_90a."""
-    from flash_attn_ck.backends.triton import bwd_ws, bwd_ws_split
-
-    box = triton.next_power_of_2(head_dim)
-    cx = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages,
-              DQ_STAGES=tile.dq_stages, VARLEN=varlen, TOP_LEFT=masks[0], HAS_LEFT=masks[1], HAS_RIGHT=masks[2],
-              LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs, DETERMINISTIC=deterministic,
-              KEY_MAJOR=tile.longest_first)
-    if tile.split_d:
-        kernel, dq_parts = bwd_ws_split.attn_bwd_ws_split_kernel, 2
-        cx["MMA_REGS"] = tile.mma_regs
-    else:
-        kernel, dq_parts = bwd_ws.attn_bwd_ws_kernel, 1
-        cx["num_warps"] = tile.num_warps
-    types = dict(q_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
-                 k_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
-                 v_desc=descriptor_type(tile.block_n, head_dim, torch.bfloat16),
-                 do_desc=descriptor_type(tile.block_m, head_dim, torch.bfloat16),
-                 dq_desc=descriptor_type(tile.block_m, head_dim, torch.float32, dq_parts),
-                 Lse="*fp32", Delta="*fp32", dK="*bf16", dV="*bf16", Sem="*i32", cu_seqlens_q="*i32",
-                 cu_seqlens_k="*i32", scale="fp32")
-    caps = {"maxnreg": tile.max_registers} if tile.max_registers else {}
-    return compile_sm90(kernel, types, cx, tile.num_warps, **caps)
+    return compile_spec(bwd_spec(tile, head_dim, varlen, masks, deterministic))
 
 
-@pytest.mark.parametrize("head_dim,varlen,masks,deterministic", [
-    (128, False, (False, False, False), False), (128, True, (False, False, True), False),
-    (128, False, (True, True, True), False), (128, True, (False, True, True), True),
-    (96, False, (False, False, False), False), (64, True, (False, False, True), True)],
-    ids=["dense", "varlen-causal", "window", "varlen-window-deterministic", "d96-dense", "d64-varlen-causal-det"])
+# The tiles of the table, and a head dim padded into each (3/4 of its block: d96 runs in d128's tile).
+UNSPLIT = [d for d, tile in sorted(config.BWD_WS_SM90.items()) if not tile.split_d]
+SPLIT = [d for d, tile in sorted(config.BWD_WS_SM90.items()) if tile.split_d]
+MASKS = {"dense": (False, (False, False, False), False), "causal": (False, (False, False, True), False),
+         "varlen-causal": (True, (False, False, True), False), "window": (False, (True, True, True), False),
+         "varlen-window-det": (True, (False, True, True), True),
+         "varlen-causal-det": (True, (False, False, True), True)}
+
+
+def _cases(head_dims, masks, padded_masks):
+    """(head dim, varlen, masks, deterministic) of `masks` at each head dim and `padded_masks` at a head dim padded
+    into each, with readable ids."""
+    cases = [(d, m) for d in head_dims for m in masks] + [(d * 3 // 4, m) for d in head_dims for m in padded_masks]
+    return pytest.mark.parametrize("head_dim,varlen,masks,deterministic", [(d, *MASKS[m]) for d, m in cases],
+                                   ids=[f"d{d}-{m}" for d, m in cases])
+
+
+@_cases(UNSPLIT, ["dense", "varlen-causal", "window", "varlen-window-det"], ["dense"])
 def test_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, deterministic):
-    tile = config.BWD_WS_SM90[config.head_block(head_dim)]
+    tile = config.bwd_ws_tile(head_dim, causal=False)
     kernel = _compile(tile, head_dim, varlen, masks, deterministic)
     assert kernel.metadata.shared <= SM90_SHARED_BYTES   # the tile launches: its buffers fit one SM's shared memory
     ptx = kernel.asm["ptx"]
@@ -190,14 +181,10 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, d
 @given(batch=st.integers(1, 3), seqlen=st.integers(1, 700), heads_k=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
        split=st.booleans(), longest_first=st.booleans())
 def test_the_grid_is_key_major_when_asked(batch, seqlen, heads_k, group, split, longest_first):
-    """bwd_ws.launch (kernel stubbed, CPU tensors): the grid is (key tiles, batch, kv heads), or (kv heads, batch, key
-    tiles) with WsTile.longest_first, and the kernel is told which (KEY_MAJOR)."""
+    """bwd_ws.launch_spec (CPU tensors): the grid is (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with
+    WsTile.longest_first, and the kernel is told which (KEY_MAJOR)."""
     from flash_attn_ck.backends.triton import bwd_ws
-    seen = {}
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.update(grid=grid, key_major=kwargs["KEY_MAJOR"])
+    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
 
     d = 256 if split else 64
     tile = config.WsTile(64, 64 if split else 128, num_warps=4 if split else 8, split_d=split,
@@ -205,16 +192,16 @@ def test_the_grid_is_key_major_when_asked(batch, seqlen, heads_k, group, split, 
     q = torch.zeros(batch, seqlen, heads_k * group, d, dtype=torch.bfloat16)
     k = torch.zeros(batch, seqlen, heads_k, d, dtype=torch.bfloat16)
     rows = torch.zeros(batch, heads_k * group, seqlen)
-    with mock.patch.object(bwd_ws, "attn_bwd_ws_split_kernel" if split else "attn_bwd_ws_kernel", Recorder()):
-        bwd_ws.launch(q, k, k.clone(), q.clone(), rows, rows.clone(), q.float(), k.clone(), k.clone(), None, None,
-                      varlen=False, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, scale=0.1, top_left=False,
-                      window_left=-1, window_right=0, has_left=False, has_right=True, tile=tile)
+    spec = bwd_ws.launch_spec(q, k, k.clone(), q.clone(), rows, rows.clone(), q.float(), k.clone(), k.clone(), None,
+                              None, varlen=False, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, scale=0.1,
+                              mask=GluonMask(0, 0, MaskFlags(HAS_RIGHT=True)), tile=tile)
     key_tiles = -(-seqlen // tile.block_n)
-    assert seen["grid"] == ((heads_k, batch, key_tiles) if longest_first else (key_tiles, batch, heads_k))
-    assert seen["key_major"] is longest_first
+    assert spec.kernel is (bwd_ws.attn_bwd_ws_split_kernel if split else bwd_ws.attn_bwd_ws_kernel)
+    assert spec.grid == ((heads_k, batch, key_tiles) if longest_first else (key_tiles, batch, heads_k))
+    assert spec.args["C"].KEY_MAJOR is longest_first
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim", sorted(config.BWD_WS_SM90))
 def test_a_key_major_grid_reads_the_head_count_from_x(head_dim):
     """KEY_MAJOR swaps the axes the kernel reads: the deterministic writer counts the kv heads in the grid's x
     dimension (%nctaid.x) instead of z; the default reads z."""
@@ -225,15 +212,14 @@ def test_a_key_major_grid_reads_the_head_count_from_x(head_dim):
         assert f"%nctaid.{axis}" in ptx and f"%nctaid.{'xz'.replace(axis, '')}" not in ptx
 
 
-@pytest.mark.parametrize("varlen,masks,deterministic",
-                         [(False, (False, False, False), False), (True, (False, False, True), True)],
-                         ids=["dense", "varlen-det"])
-def test_a_register_cap_fits_two_ctas_on_an_sm(varlen, masks, deterministic):
-    """WsTile.max_registers: the d64 tile (4 MMA warps, 128 registers a thread at launch) fits two CTAs in one SM's
-    registers and shared memory, the MMA partition still gets its budget (setmaxnreg) and nothing spills."""
-    tile = config.BWD_WS_SM90[64]
+@_cases([d for d in UNSPLIT if config.BWD_WS_SM90[d].max_registers], ["dense", "varlen-causal-det"], [])
+def test_a_register_cap_fits_two_ctas_on_an_sm(head_dim, varlen, masks, deterministic):
+    """WsTile.max_registers: a capped tile (the d64 one: 4 MMA warps, 128 registers a thread at launch) fits two CTAs
+    in one SM's registers and shared memory, the MMA partition still gets its budget (setmaxnreg) and nothing
+    spills."""
+    tile = config.BWD_WS_SM90[head_dim]
     assert tile.max_registers == 128
-    kernel = _compile(tile, 64, varlen, masks, deterministic)
+    kernel = _compile(tile, head_dim, varlen, masks, deterministic)
     report = ptxas_report(kernel.asm["ptx"])
     assert report["registers"] <= 128 and report["spill_stores"] == 0
     assert 2 * report["registers"] * kernel.metadata.num_warps * 32 <= 64 * 1024
@@ -242,14 +228,11 @@ def test_a_register_cap_fits_two_ctas_on_an_sm(varlen, masks, deterministic):
     assert config.WsTile.parse(str(tile)) == tile
 
 
-@pytest.mark.parametrize("head_dim,varlen,masks,deterministic", [
-    (256, False, (False, False, False), False), (256, False, (False, False, True), False),
-    (192, True, (False, True, True), False), (256, True, (False, False, True), True)],
-    ids=["d256-dense", "d256-causal", "d192-varlen-window", "d256-varlen-causal-det"])
+@_cases(SPLIT, ["dense", "causal", "varlen-causal-det"], ["varlen-window-det"])
 def test_split_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, deterministic):
     """bwd_ws_split (head dims above 128): its buffers fit one SM, the main path does not spill, dQ goes out by
     TMA reduce-adds."""
-    tile = config.BWD_WS_SM90[config.head_block(head_dim)]
+    tile = config.bwd_ws_tile(head_dim, causal=False)
     assert tile.split_d
     kernel = _compile(tile, head_dim, varlen, masks, deterministic)
     assert kernel.metadata.shared <= SM90_SHARED_BYTES
@@ -265,7 +248,8 @@ def test_split_kernel_compiles_to_the_designed_instructions(head_dim, varlen, ma
 
 
 @settings(max_examples=40, deadline=None)
-@given(head_dim=st.sampled_from([64, 96, 128, 192, 256]), heads_k=st.integers(1, 8), group=st.integers(1, 8),
+@given(head_dim=st.sampled_from(sorted({d * f // 4 for d in config.BWD_WS_SM90 for f in (3, 4)})),
+       heads_k=st.integers(1, 8), group=st.integers(1, 8),
        causal=st.booleans())
 def test_causal_gqa_at_d128_starts_the_longest_key_tiles_first(head_dim, heads_k, group, causal):
     """config.bwd_ws_tile: the key-major grid (measured faster on causal GQA 32/8, slower on causal MHA and on every
@@ -276,17 +260,20 @@ def test_causal_gqa_at_d128_starts_the_longest_key_tiles_first(head_dim, heads_k
     expected = causal and group >= 4 and config.head_block(head_dim) == 128
     assert tile.longest_first is expected
     assert tile == replace(config.BWD_WS_SM90[config.head_block(head_dim)], longest_first=expected)
+    assert tile == config.bwd_ws_tile(head_dim, causal, group)
     assert ("key-major grid" in plan.kernel) is expected
 
 
 def test_head_dims_above_128_take_the_split_kernel(sm90):
-    """Every head dim between 129 and 256 is padded to 256 and runs bwd_ws_split's tile by default (measured faster
-    than the one-launch kernel at d192 and d256, which pads the same way); below 128 the unsplit tiles serve."""
-    for head_dim in (136, 160, 192, 200, 256):
-        assert TritonBackend().ws_reasons(problem(head_dim=head_dim)) == []
-        assert TritonBackend()._ws_tile(problem(head_dim=head_dim)).split_d
-        assert TritonBackend().backward_plan(problem(head_dim=head_dim)).kernel.startswith("bwd_ws_split ")
-    for head_dim in (64, 128):
+    """Every head dim padded into a split tile's block (between 129 and 256) runs bwd_ws_split's tile by default
+    (measured faster than the one-launch kernel at d192 and d256, which pads the same way); the unsplit tiles serve
+    the rest of the table."""
+    for block in SPLIT:
+        for head_dim in range(block // 2 + 8, block + 1, 8):
+            assert TritonBackend().ws_reasons(problem(head_dim=head_dim)) == []
+            assert TritonBackend()._ws_tile(problem(head_dim=head_dim)).split_d
+            assert TritonBackend().backward_plan(problem(head_dim=head_dim)).kernel.startswith("bwd_ws_split ")
+    for head_dim in UNSPLIT:
         assert not TritonBackend()._ws_tile(problem(head_dim=head_dim)).split_d
         assert TritonBackend().backward_plan(problem(head_dim=head_dim)).kernel.startswith("bwd_ws ")
     assert TritonBackend().ws_reasons(problem(head_dim=72)) == ["head dim 72: the one-launch kernel measured faster"]

@@ -168,9 +168,9 @@ class TritonBackend(Backend):
         if p.dtype not in (torch.bfloat16, torch.float16):
             reasons.append(f"{p.dtype} inputs (bf16/fp16 only)")
         d = p.head_dim_padded
-        if rule.tile_key(d) not in rule.tiles:
-            padded = " (padded to a power of two)" if rule.pads_head_dim else ""
-            reasons.append(f"head dim {d}: the kernel has tiles for head dims{padded} {sorted(rule.tiles)}")
+        if rule.tile(d, p.mask.is_causal, p.group_size) is None:
+            reasons.append(f"head dim {d}: the kernel has tiles for head dims (padded to a power of two) "
+                           f"{sorted(rule.tiles)}")
         elif setting is None and d not in rule.default_head_dims:
             reasons.append(f"head dim {d}: {rule.slower_head_dim}")
         if setting is None and max(p.seqlen_q, p.seqlen_k) < rule.min_seqlen:
@@ -235,11 +235,11 @@ class TritonBackend(Backend):
                     HAS_RIGHT=masked and m.right >= 0)
 
     @staticmethod
-    def _gluon_mask_args(p: AttentionProblem) -> dict:
+    def _gluon_mask(p: AttentionProblem) -> launch.GluonMask:
         """The mask as the warp-specialised kernels' launch functions (fwd_ws.launch, bwd_ws.launch) take it."""
         m = TritonBackend._mask_args(p)
-        return dict(top_left=m["TOP_LEFT"], window_left=m["window_left"], window_right=m["window_right"],
-                    has_left=m["HAS_LEFT"], has_right=m["HAS_RIGHT"])
+        return launch.GluonMask(m["window_left"], m["window_right"],
+                                launch.MaskFlags(m["TOP_LEFT"], m["HAS_LEFT"], m["HAS_RIGHT"]))
 
     @staticmethod
     def _feature_args(p: AttentionProblem, params: AttentionParams, dummy: torch.Tensor) -> tuple[list, dict]:
@@ -284,10 +284,10 @@ class TritonBackend(Backend):
                     lse: torch.Tensor) -> None:
         """The warp-specialised forward: one launch of fwd_ws."""
         from . import fwd_ws
-        tile = self.fwd_ws_tile or config.FWD_WS_SM90[config.head_block(p.head_dim_padded)][p.mask.is_causal]
+        tile = self.fwd_ws_tile or config.fwd_ws_tile(p.head_dim_padded, p.mask.is_causal)
         fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
-                      tile=tile, **self._gluon_mask_args(p))
+                      tile=tile, mask=self._gluon_mask(p))
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
@@ -412,7 +412,7 @@ class TritonBackend(Backend):
         self._preprocess(p, out, dout, delta, cu_q, (None, None, None, None), sizes)
         q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
         dout = gluon_common.uniform_rows(dout, p.varlen)
-        mask = self._gluon_mask_args(p)
+        mask = self._gluon_mask(p)
         kv_per_launch, group = self._ws_kv_heads_per_launch(p), p.group_size
         batch = 1 if p.varlen else p.batch
         stats_heads_dim = 0 if p.varlen else 1      # lse/delta: (h, total_q) or (b, h, s_q)
@@ -427,8 +427,8 @@ class TritonBackend(Backend):
             dk_h, dv_h = _heads(dk, -2, kv), _heads(dv, -2, kv)
             bwd_ws.launch(_heads(q, -2, hq), _heads(k, -2, kv), _heads(v, -2, kv), _heads(dout, -2, hq), lse_h, delta_h,
                           acc, dk_h, dv_h, params.cu_seqlens_q, params.cu_seqlens_k, varlen=p.varlen, batch=p.batch,
-                          seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale, tile=tile, semaphores=sem,
-                          **mask)
+                          seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale, mask=mask, tile=tile,
+                          semaphores=sem)
             dq_h = _heads(dq, -2, hq)
             _cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                   p.rows_q // batch, d)

@@ -55,32 +55,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import bwd_ws_workers as workers
 from .bwd_ws_schedule import semaphore_tiles
 from .bwd_ws_split import attn_bwd_ws_split_kernel
-from .gluon_common import (
-    LOG2E,
-    box_cols,
-    descriptor,
-    issue_ring_mma,
-    probs_transposed,
-    slot,
-)
+from .gluon_common import LOG2E, Mask, Sequences, descriptor, probs_transposed, slot
+from .launch import GluonMask, LaunchSpec
 
 
 # ---- MMA partition (default) -----------------------------------------------------------------
 @gluon.jit
-def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-         q_ready, do_ready, tile_empty, kv_ready, dq_full, dq_empty,
-         dK, dV, cu_seqlens_q, cu_seqlens_k,
-         stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
-         seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
-         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-         DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-         HAS_RIGHT: gl.constexpr, KEY_MAJOR: gl.constexpr, num_warps: gl.constexpr):
-    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(
-        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)
-    dtype: gl.constexpr = k_smem.dtype
-    k_tile = k_smem.reshape([BLOCK_N, HEAD_D])
-    v_tile = v_smem.reshape([BLOCK_N, HEAD_D])
+def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
+    """`grads`: (dK, dV, their strides); `sizes`: the kernel's."""
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(cfg, seqs, mask)
+    head_dim, group, scale = sizes[2], sizes[3], sizes[4]
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    HEAD_D: gl.constexpr = cfg.HEAD_D
+    num_warps: gl.constexpr = cfg.NUM_WARPS
+    dtype: gl.constexpr = bufs.k.dtype
+    k_tile, v_tile = bufs.kv()
 
     # Layouts: every warp owns 16 key rows of the (BLOCK_N, *) tiles; dQ splits its columns.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -105,22 +95,21 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
     dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
 
     steps = m_tiles * group
-    mbarrier.wait(kv_ready, 0)
+    mbarrier.wait(bufs.kv_ready, 0)
     for step in range(steps):
-        sT = issue_ring_mma(k_tile, q_smem, q_ready, s_zero, step, NUM_STAGES)
-        dpT = issue_ring_mma(v_tile, do_smem, do_ready, s_zero, step, NUM_STAGES)
-        stage = step % NUM_STAGES
+        sT = bufs.q.issue_mma(k_tile, s_zero, step)
+        dpT = bufs.do.issue_mma(v_tile, s_zero, step)
+        stage = step % cfg.NUM_STAGES
         m0 = m_lo + (step % m_tiles) * BLOCK_M
-        q_tile = slot(q_smem, stage)
-        do_tile = slot(do_smem, stage)
-        lse2 = lse_smem.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
-        delta = delta_smem.index(stage).load(col_layout)
+        q_tile = slot(bufs.q.bufs, stage)
+        do_tile = slot(bufs.do.bufs, stage)
+        lse2 = bufs.lse.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
+        delta = bufs.delta.index(stage).load(col_layout)
         offs_m = m0 + offs_m_tile
 
         # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked ----
         sT = warpgroup_mma_wait(1, deps=(sT,))
-        pT = probs_transposed(sT, lse2, scale_log2, offs_m, offs_n, m0, n0, len_k, shift, window_left, window_right,
-                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        pT = probs_transposed(mask, sT, lse2, scale_log2, offs_m, offs_n, m0, n0, len_k, shift, BLOCK_M, BLOCK_N)
 
         # ---- dS^T = P^T (dP^T - D); dV += P^T dO ----
         dpT = warpgroup_mma_wait(0, deps=(dpT,))
@@ -139,67 +128,46 @@ def _mma(q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem
         dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))   # dK stays on the tensor cores during the hand-off
 
         # ---- hand dQ (scaled) to the writer ----
-        dq_stage = step % DQ_STAGES
-        mbarrier.wait(dq_empty.index(dq_stage), ((step // DQ_STAGES) & 1) ^ 1)
-        slot(dq_smem, dq_stage).store(dq * scale)
-        fence_async_shared()
-        gl.thread_barrier()   # every warp's dQ is in shared memory
-        mbarrier.arrive(dq_full.index(dq_stage), count=1)
+        workers.hand_dq(cfg, bufs, dq, scale, step, 0)
         dk = warpgroup_mma_wait(0, deps=(dk, ds_op))[0]
-        mbarrier.arrive(tile_empty.index(stage), count=1)   # dK and dV, the last readers of Q and dO, are done
+        bufs.q.release(step)   # dK and dV, the last readers of Q and dO, are done
 
     # ---- epilogue: dK (scaled) and dV in the output dtype ----
-    workers.store_dkv(dk, dv, dK, dV, n0, b, kv_head, k_row0, len_k, head_dim, scale,
-              stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh, 0, VARLEN)
+    workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, head_dim, scale, 0, seqs.VARLEN)
 
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem, cu_seqlens_q, cu_seqlens_k,
-                       stride_lse_b, stride_lse_h, stride_dkb, stride_dkr, stride_dkh,
-                       stride_dvb, stride_dvr, stride_dvh,
-                       seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right, sem_m_tiles,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr,
-                       TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                       LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                       DETERMINISTIC: gl.constexpr, KEY_MAJOR: gl.constexpr, num_warps: gl.constexpr):
-    """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR
-    (workers.cta_coords). See the module docstring."""
-    if VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if workers.past_sequence(cu_seqlens_k, BLOCK_N, KEY_MAJOR):
+                       stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
+                       C: gl.constexpr, MASK: gl.constexpr):
+    """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR (workers.cta_coords);
+    num_warps = C.NUM_WARPS. `stride_lse`: (batch, head); `stride_dk`, `stride_dv`: (batch, row, head); `sizes`:
+    (seqlen_q, seqlen_k, head_dim, group, scale); `window`: (left, right); C: workers.Constants; MASK:
+    launch.MaskFlags. See the module docstring."""
+    cfg = workers.Config(C, 1)
+    seqlen_q, seqlen_k, group = sizes[0], sizes[1], sizes[3]
+    if C.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
+        if workers.past_sequence(cu_seqlens_k, cfg.BLOCK_N, cfg.KEY_MAJOR):
             return
     dtype: gl.constexpr = q_desc.dtype
-    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready = \
-        workers.loader_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, 1)
-    dq_smem, dq_full, dq_empty = workers.writer_buffers(dq_desc, BLOCK_M, HEAD_D, DQ_STAGES, 1)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], ds_layout)
+    bufs = workers.allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, 1)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], ds_layout)
 
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN)
+    mask = Mask(window, MASK)
     gl.warp_specialize([
-        (_mma, (q_smem, do_smem, k_smem, v_smem, ds_smem, dq_smem, lse_smem, delta_smem,
-                q_ready, do_ready, tile_empty, kv_ready, dq_full, dq_empty,
-                dK, dV, cu_seqlens_q, cu_seqlens_k,
-                stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
-                seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
-                BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                KEY_MAJOR, num_warps)),
-        (workers.loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                   q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
-                   cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
-                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)),
-        (workers.dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
-                      cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
-                      BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, 1, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                      DETERMINISTIC, KEY_MAJOR)),
-    ], [1, 1], [LOADER_REGS, WRITER_REGS])
+        (_mma, (cfg, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes)),
+        (workers.loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse), group)),
+        (workers.dq_writer, (cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
+    ], [1, 1], [C.LOADER_REGS, C.WRITER_REGS])
 
 
 # ---- host side -------------------------------------------------------------------------------
-def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int,
-           seqlen_q: int, seqlen_k: int, scale: float, top_left: bool, window_left: int, window_right: int,
-           has_left: bool, has_right: bool, tile, semaphores=None):
-    """One launch of attn_bwd_ws_kernel (of bwd_ws_split's kernel for a `split_d` tile). dq_accum (rows_q, heads_q,
+def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int,
+                seqlen_q: int, seqlen_k: int, scale: float, mask: GluonMask, tile, semaphores=None) -> LaunchSpec:
+    """The launch of attn_bwd_ws_kernel (of bwd_ws_split's kernel for a `split_d` tile). dq_accum (rows_q, heads_q,
     d) fp32 must be zero; dq_accum receives dQ already scaled. lse/delta: (b, h, s_q) or varlen (h, total_q).
     `semaphores`: zeroed int32 (batch, heads_q, semaphore_tiles(seqlen_q, tile)) for the deterministic mode, else
     None."""
@@ -209,25 +177,25 @@ def launch(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     dk_strides = (0, dk.stride(0), dk.stride(1)) if varlen else (dk.stride(0), dk.stride(1), dk.stride(2))
     dv_strides = (0, dv.stride(0), dv.stride(1)) if varlen else (dv.stride(0), dv.stride(1), dv.stride(2))
-    cu_q = cu_seqlens_q if varlen else lse
-    cu_k = cu_seqlens_k if varlen else lse
-    box = box_cols(d)   # shared-memory head dim: columns past d read as zeros, never written
     key_tiles = triton.cdiv(seqlen_k, tile.block_n)
     grid = (heads_k, batch, key_tiles) if tile.longest_first else (key_tiles, batch, heads_k)
-    if tile.split_d:   # its two MMA warpgroups hand dQ over in halves of the columns
-        kernel, dq_parts, extra = attn_bwd_ws_split_kernel, 2, dict(MMA_REGS=tile.mma_regs)
-    else:
-        kernel, dq_parts, extra = attn_bwd_ws_kernel, 1, {}
-    if tile.max_registers:
-        extra["maxnreg"] = tile.max_registers
-    kernel[grid](
-        descriptor(q, varlen, tile.block_m), descriptor(k, varlen, tile.block_n), descriptor(v, varlen, tile.block_n),
-        descriptor(dout, varlen, tile.block_m), descriptor(dq_accum, varlen, tile.block_m, dq_parts),
-        lse, delta, dk, dv, semaphores if semaphores is not None else lse, cu_q, cu_k,
-        *lse_strides, *dk_strides, *dv_strides,
-        seqlen_q, seqlen_k, d, group, scale, window_left, window_right, semaphore_tiles(seqlen_q, tile),
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages, DQ_STAGES=tile.dq_stages,
-        VARLEN=varlen, TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-        LOADER_REGS=tile.loader_regs, WRITER_REGS=tile.writer_regs,
-        DETERMINISTIC=semaphores is not None, KEY_MAJOR=tile.longest_first, num_warps=tile.num_warps, **extra)
+    # split_d: its two MMA warpgroups hand dQ over in halves of the columns
+    kernel, dq_parts = (attn_bwd_ws_split_kernel, 2) if tile.split_d else (attn_bwd_ws_kernel, 1)
+    q_desc = descriptor(q, varlen, tile.block_m)
+    constants = workers.Constants(
+        tile.block_m, tile.block_n, q_desc.block_shape[-1], tile.num_stages, tile.dq_stages, tile.num_warps, varlen,
+        semaphores is not None, tile.longest_first, tile.loader_regs, tile.writer_regs, tile.mma_regs)
+    return LaunchSpec(kernel, grid, dict(
+        q_desc=q_desc, k_desc=descriptor(k, varlen, tile.block_n), v_desc=descriptor(v, varlen, tile.block_n),
+        do_desc=descriptor(dout, varlen, tile.block_m), dq_desc=descriptor(dq_accum, varlen, tile.block_m, dq_parts),
+        Lse=lse, Delta=delta, dK=dk, dV=dv, Sem=semaphores if semaphores is not None else lse,
+        cu_seqlens_q=cu_seqlens_q if varlen else lse, cu_seqlens_k=cu_seqlens_k if varlen else lse,
+        stride_lse=lse_strides, stride_dk=dk_strides, stride_dv=dv_strides,
+        sizes=(seqlen_q, seqlen_k, d, group, scale), window=(mask.window_left, mask.window_right),
+        sem_m_tiles=semaphore_tiles(seqlen_q, tile), C=constants, MASK=mask.flags),
+        tile.num_warps, options={"maxnreg": tile.max_registers} if tile.max_registers else {})
 
+
+def launch(*args, **kwargs):
+    """One launch of attn_bwd_ws_kernel (launch_spec's arguments)."""
+    launch_spec(*args, **kwargs).launch()

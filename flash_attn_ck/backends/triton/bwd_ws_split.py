@@ -23,7 +23,6 @@ head, rows past a sequence masked by lse = +inf and the key mask, dK/dV stored b
 deterministic mode's ordered adds).
 """
 
-from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -35,28 +34,35 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import bwd_ws_workers as workers
-from .gluon_common import LOG2E, issue_ring_mma, probs_transposed, slot
+from .gluon_common import LOG2E, Mask, Sequences, aggregate, probs_transposed, slot
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per half
 
 
+@aggregate
+class Exchange:
+    """What the two MMA warpgroups exchange per step: P^T and dS^T in shared memory, "p_ready" and "ds_ready" (one
+    arrival each, by the warpgroup that wrote it) and "ps_free" (both warpgroups' matmuls have read them)."""
+    pt: gl.shared_memory_descriptor
+    dst: gl.shared_memory_descriptor
+    p_ready: gl.shared_memory_descriptor
+    ds_ready: gl.shared_memory_descriptor
+    ps_free: gl.shared_memory_descriptor
+
+
 # ---- one MMA warpgroup: its role in S^T / dP^T, then its half of the columns ----------------------
 @gluon.jit
-def _half(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, lse_smem, delta_smem,
-          q_ready, do_ready, tile_empty, kv_ready, p_ready, ds_ready, ps_free, dq_full, dq_empty,
-          dK, dV, cu_seqlens_q, cu_seqlens_k,
-          stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
-          seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
-          BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-          DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-          HAS_RIGHT: gl.constexpr, KEY_MAJOR: gl.constexpr):
-    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(
-        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)
-    dtype: gl.constexpr = k_smem.dtype
+def _half(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
+    """`grads`: (dK, dV, their strides); `sizes`: the kernel's."""
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(cfg, seqs, mask)
+    head_dim, group, scale = sizes[2], sizes[3], sizes[4]
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    HEAD_D: gl.constexpr = cfg.HEAD_D
+    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+    dtype: gl.constexpr = bufs.k.dtype
     HALF_D: gl.constexpr = HEAD_D // 2
-    k_tile = k_smem.reshape([BLOCK_N, HEAD_D])
-    v_tile = v_smem.reshape([BLOCK_N, HEAD_D])
+    k_tile, v_tile = bufs.kv()
     k_half = k_tile.slice(HALF * HALF_D, HALF_D, dim=1)
 
     # Layouts: the warpgroup's 4 warps own 16 rows each of S^T/dP^T, of dK_h/dV_h and of dQ_h.
@@ -75,7 +81,7 @@ def _half(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, half_layout)
 
-    mbarrier.wait(kv_ready, 0)
+    mbarrier.wait(bufs.kv_ready, 0)
     for step in range(m_tiles * group):
         stage = step % NUM_STAGES
         ring_phase = (step // NUM_STAGES) & 1
@@ -83,76 +89,65 @@ def _half(HALF: gl.constexpr, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem
         m0 = m_lo + (step % m_tiles) * BLOCK_M
         if HALF == 0:
             # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked, to shared memory ----
-            sT = issue_ring_mma(k_tile, q_smem, q_ready, s_zero, step, NUM_STAGES)
-            lse2 = lse_smem.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
+            sT = bufs.q.issue_mma(k_tile, s_zero, step)
+            lse2 = bufs.lse.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
             sT = warpgroup_mma_wait(0, deps=(sT,))
-            pT = probs_transposed(sT, lse2, scale_log2, m0 + offs_m_tile, offs_n, m0, n0, len_k, shift, window_left,
-                                  window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-            mbarrier.wait(ps_free, phase ^ 1)   # the previous step's matmuls have read P^T and dS^T
-            pt_smem.store(pT.to(dtype))
+            pT = probs_transposed(mask, sT, lse2, scale_log2, m0 + offs_m_tile, offs_n, m0, n0, len_k, shift,
+                                  BLOCK_M, BLOCK_N)
+            mbarrier.wait(xchg.ps_free, phase ^ 1)   # the previous step's matmuls have read P^T and dS^T
+            xchg.pt.store(pT.to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-            mbarrier.arrive(p_ready, count=1)
-            mbarrier.wait(do_ready.index(stage), ring_phase)   # dV_h reads dO
-            mbarrier.wait(ds_ready, phase)
+            mbarrier.arrive(xchg.p_ready, count=1)
+            mbarrier.wait(bufs.do.ready.index(stage), ring_phase)   # dV_h reads dO
+            mbarrier.wait(xchg.ds_ready, phase)
         else:
             # ---- dS^T = P^T (dP^T - D), to shared memory ----
-            dpT = issue_ring_mma(v_tile, do_smem, do_ready, s_zero, step, NUM_STAGES)
-            mbarrier.wait(q_ready.index(stage), ring_phase)   # D, and Q for dK_h
-            delta = delta_smem.index(stage).load(col_layout)
+            dpT = bufs.do.issue_mma(v_tile, s_zero, step)
+            mbarrier.wait(bufs.q.ready.index(stage), ring_phase)   # D, and Q for dK_h
+            delta = bufs.delta.index(stage).load(col_layout)
             dpT = warpgroup_mma_wait(0, deps=(dpT,))
-            mbarrier.wait(p_ready, phase)   # after scores' wait on ps_free: dS^T's buffer is free too
-            pT = pt_smem.load(s_layout).to(gl.float32)
-            dst_smem.store((pT * (dpT - gl.expand_dims(delta, 0))).to(dtype))
+            mbarrier.wait(xchg.p_ready, phase)   # after scores' wait on ps_free: dS^T's buffer is free too
+            pT = xchg.pt.load(s_layout).to(gl.float32)
+            xchg.dst.store((pT * (dpT - gl.expand_dims(delta, 0))).to(dtype))
             fence_async_shared()
             gl.thread_barrier()
-            mbarrier.arrive(ds_ready, count=1)
+            mbarrier.arrive(xchg.ds_ready, count=1)
 
         # ---- this half: dV_h += P^T dO_h, dK_h += dS^T Q_h, dQ_h = dS K_h (A operands in shared memory) ----
-        dv = warpgroup_mma(pt_smem, slot(do_smem, stage).slice(HALF * HALF_D, HALF_D, dim=1), dv, is_async=True)
-        dk = warpgroup_mma(dst_smem, slot(q_smem, stage).slice(HALF * HALF_D, HALF_D, dim=1), dk, is_async=True)
-        dq = warpgroup_mma(dst_smem.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
+        dv = warpgroup_mma(xchg.pt, slot(bufs.do.bufs, stage).slice(HALF * HALF_D, HALF_D, dim=1), dv,
+                           is_async=True)
+        dk = warpgroup_mma(xchg.dst, slot(bufs.q.bufs, stage).slice(HALF * HALF_D, HALF_D, dim=1), dk,
+                           is_async=True)
+        dq = warpgroup_mma(xchg.dst.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
-        mbarrier.arrive(ps_free, count=1)
-        mbarrier.arrive(tile_empty.index(stage), count=1)
+        mbarrier.arrive(xchg.ps_free, count=1)
+        bufs.q.release(step)
 
         # ---- hand dQ_h (scaled) to the writer ----
-        dq_stage = step % DQ_STAGES
-        mbarrier.wait(dq_empty.index(dq_stage), ((step // DQ_STAGES) & 1) ^ 1)
-        slot(dq_smem, dq_stage * 2 + HALF).store(dq * scale)
-        fence_async_shared()
-        gl.thread_barrier()   # every warp's rows are in shared memory
-        mbarrier.arrive(dq_full.index(dq_stage), count=1)
+        workers.hand_dq(cfg, bufs, dq, scale, step, HALF)
 
     # ---- epilogue: dK_h (scaled) and dV_h in the output dtype ----
-    workers.store_dkv(dk, dv, dK, dV, n0, b, kv_head, k_row0, len_k, head_dim, scale,
-              stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh, HALF * HALF_D, VARLEN)
+    workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, head_dim, scale, HALF * HALF_D, seqs.VARLEN)
 
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem,
-                             cu_seqlens_q, cu_seqlens_k, stride_lse_b, stride_lse_h, stride_dkb, stride_dkr,
-                             stride_dkh, stride_dvb, stride_dvr, stride_dvh,
-                             seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right, sem_m_tiles,
-                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                             NUM_STAGES: gl.constexpr, DQ_STAGES: gl.constexpr, VARLEN: gl.constexpr,
-                             TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-                             MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, WRITER_REGS: gl.constexpr,
-                             DETERMINISTIC: gl.constexpr, KEY_MAJOR: gl.constexpr):
+                             cu_seqlens_q, cu_seqlens_k, stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
+                             C: gl.constexpr, MASK: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
-    if VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if workers.past_sequence(cu_seqlens_k, BLOCK_N, KEY_MAJOR):
+    cfg = workers.Config(C, 2)   # a half of dQ from each warpgroup
+    seqlen_q, seqlen_k, group = sizes[0], sizes[1], sizes[3]
+    if C.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
+        if workers.past_sequence(cu_seqlens_k, cfg.BLOCK_N, cfg.KEY_MAJOR):
             return
     dtype: gl.constexpr = q_desc.dtype
-    q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready = \
-        workers.loader_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES,
-                               2)   # a slot is released by both warpgroups
-    dq_smem, dq_full, dq_empty = workers.writer_buffers(dq_desc, BLOCK_M, HEAD_D, DQ_STAGES, 2)   # a half from each
-    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], st_layout)
-    dst_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, BLOCK_M], st_layout)
+    bufs = workers.allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, 2)   # a slot is released by both
+    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_M], dtype)
+    pt_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], st_layout)
+    dst_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], st_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -160,29 +155,14 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
     mbarrier.init(p_ready, count=1)
     mbarrier.init(ds_ready, count=1)
     mbarrier.init(ps_free, count=2)   # both warpgroups' matmuls have read P^T and dS^T
+    xchg = Exchange(pt_smem, dst_smem, p_ready, ds_ready, ps_free)
 
-    # (arguments written out per partition: constexprs passed through a tuple variable arrive as tensors)
-    gl.warp_specialize([
-        (_half, (0, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, lse_smem, delta_smem,
-                 q_ready, do_ready, tile_empty, kv_ready, p_ready, ds_ready, ps_free, dq_full, dq_empty,
-                 dK, dV, cu_seqlens_q, cu_seqlens_k,
-                 stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
-                 seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
-                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                 KEY_MAJOR)),
-        (_half, (1, q_smem, do_smem, k_smem, v_smem, pt_smem, dst_smem, dq_smem, lse_smem, delta_smem,
-                 q_ready, do_ready, tile_empty, kv_ready, p_ready, ds_ready, ps_free, dq_full, dq_empty,
-                 dK, dV, cu_seqlens_q, cu_seqlens_k,
-                 stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
-                 seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
-                 BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, DQ_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                 KEY_MAJOR)),
-        (workers.loader, (q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-                   q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
-                   cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
-                   BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)),
-        (workers.dq_writer, (dq_desc, dq_smem, dq_full, dq_empty, Sem,
-                      cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
-                      BLOCK_M, BLOCK_N, HEAD_D, DQ_STAGES, 2, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                      DETERMINISTIC, KEY_MAJOR)),
-    ], [MMA_WARPS, 1, 1], [MMA_REGS, LOADER_REGS, WRITER_REGS])
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN)
+    mask = Mask(window, MASK)
+    grads = (dK, dV, stride_dk, stride_dv)
+    gl.warp_specialize(
+        [(_half, (cfg, bufs, xchg, seqs, mask, grads, sizes, half)) for half in (0, 1)]
+        + [(workers.loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
+                             group)),
+           (workers.dq_writer, (cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles))],
+        [MMA_WARPS, 1, 1], [C.MMA_REGS, C.LOADER_REGS, C.WRITER_REGS])

@@ -3,15 +3,81 @@ partition derives from the program id, the loader partition (TMA loads of K, V a
 and D staged in shared memory) and the dQ writer (TMA reduce-adds into the fp32 dq_accum, ordered in the
 deterministic mode). bwd_ws.py's docstring describes the protocol."""
 
-from __future__ import annotations
+from typing import NamedTuple
 
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .gluon_common import LOG2E, query_range, sequence
+from .gluon_common import LOG2E, Ring, aggregate, slot
+
+
+class Constants(NamedTuple):
+    """The warp-specialised backward kernels' compile-time arguments but the mask's (their constexpr `C`;
+    bwd_ws.launch_spec makes it)."""
+    BLOCK_M: int
+    BLOCK_N: int
+    HEAD_D: int          # the head dim in shared memory: the power of two at or above head_dim
+    NUM_STAGES: int      # Q/dO ring
+    DQ_STAGES: int       # dQ hand-off buffers
+    NUM_WARPS: int       # of the first MMA warpgroup(s): the launch's num_warps
+    VARLEN: bool
+    DETERMINISTIC: bool
+    KEY_MAJOR: bool
+    LOADER_REGS: int
+    WRITER_REGS: int
+    MMA_REGS: int        # bwd_ws_split: the second MMA warpgroup's registers
+
+
+@aggregate
+class Config:
+    """The constants every partition reads; DQ_PARTS: the dQ hand-off's column parts (one per MMA warpgroup that
+    owns a part of the head dim: 2 in bwd_ws_split)."""
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    HEAD_D: gl.constexpr
+    NUM_STAGES: gl.constexpr
+    DQ_STAGES: gl.constexpr
+    DQ_PARTS: gl.constexpr
+    NUM_WARPS: gl.constexpr
+    DETERMINISTIC: gl.constexpr
+    KEY_MAJOR: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, C, DQ_PARTS):
+        for name in ("BLOCK_M", "BLOCK_N", "HEAD_D", "NUM_STAGES", "DQ_STAGES", "NUM_WARPS", "DETERMINISTIC",
+                     "KEY_MAJOR"):
+            setattr(self, name, gl.constexpr(getattr(C, name)))
+        self.DQ_PARTS = gl.constexpr(DQ_PARTS)
+
+
+@aggregate
+class Buffers:
+    """The loader's shared memory and barriers: K, V (behind kv_ready) and the Q/dO rings ((rows, 1, HEAD_D) boxes of
+    one head) with lse·log2e and D beside them (q's ready barrier counts Q's bytes and the loader's lse/D stores);
+    Q and dO share their "empty" barriers, released by every MMA partition. `dq`: the dQ hand-off ring (ready:
+    "dq_full", one arrival per part; empty: the writer's)."""
+    q: Ring
+    do: Ring
+    k: gl.shared_memory_descriptor
+    v: gl.shared_memory_descriptor
+    lse: gl.shared_memory_descriptor
+    delta: gl.shared_memory_descriptor
+    kv_ready: gl.shared_memory_descriptor
+    dq: Ring
+
+    @gluon.jit
+    def kv(self):
+        """K and V, (BLOCK_N, 1, HEAD_D) boxes of one head, as (BLOCK_N, HEAD_D) tiles."""
+        return slot_of(self.k), slot_of(self.v)
+
+
+@gluon.jit
+def slot_of(box):
+    """A (rows, 1, cols) box of one head as a (rows, cols) tile."""
+    return box.reshape([box.shape[0], box.shape[2]])
 
 
 @builtin
@@ -34,17 +100,15 @@ def cta_coords(KEY_MAJOR: gl.constexpr):
 
 
 @gluon.jit
-def tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, KEY_MAJOR: gl.constexpr):
+def tile_schedule(cfg, seqs, mask):
     """Everything every partition derives from the program id, computed the same way in each."""
-    n_tile, b, kv_head, _ = cta_coords(KEY_MAJOR)
-    n0 = n_tile * BLOCK_N
-    q_row0, len_q = sequence(cu_seqlens_q, b, seqlen_q, VARLEN)
-    k_row0, len_k = sequence(cu_seqlens_k, b, seqlen_k, VARLEN)
-    shift = 0 if TOP_LEFT else len_k - len_q
-    m_lo, m_hi = query_range(n0, len_q, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    m_tiles = gl.maximum(gl.cdiv(m_hi - m_lo, BLOCK_M), 0)
+    n_tile, b, kv_head, _ = cta_coords(cfg.KEY_MAJOR)
+    n0 = n_tile * cfg.BLOCK_N
+    q_row0, len_q = seqs.query(b)
+    k_row0, len_k = seqs.key(b)
+    shift = mask.shift(len_q, len_k)
+    m_lo, m_hi = mask.query_range(n0, len_q, shift, cfg.BLOCK_M, cfg.BLOCK_N)
+    m_tiles = gl.maximum(gl.cdiv(m_hi - m_lo, cfg.BLOCK_M), 0)
     return n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles
 
 
@@ -57,16 +121,17 @@ def past_sequence(cu_seqlens_k, BLOCK_N: gl.constexpr, KEY_MAJOR: gl.constexpr):
 
 
 @gluon.jit
-def loader_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr, RELEASES: gl.constexpr):
-    """The loader's shared memory and barriers: K, V; the Q/dO ring ((rows, 1, HEAD_D) boxes of one head, viewed
-    2-D by `slot`) with lse·log2e and D beside it; "ready" barriers (q_ready counts Q's bytes and the loader's
-    lse/D stores) and "tile_empty", which RELEASES arrivals (one per MMA partition) complete."""
+def allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, RELEASES: gl.constexpr):
+    """The workers' Buffers; `tile_empty` (the Q/dO rings' "empty") completes with RELEASES arrivals, one per MMA
+    partition."""
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    HEAD_D: gl.constexpr = cfg.HEAD_D
+    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 1, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, 1, HEAD_D], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, 1, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, 1, HEAD_D], v_desc.layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
@@ -80,64 +145,61 @@ def loader_buffers(q_desc, k_desc, v_desc, do_desc, BLOCK_M: gl.constexpr, BLOCK
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(tile_empty.index(i), count=RELEASES)
     mbarrier.init(kv_ready, count=1)
-    return q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, q_ready, do_ready, tile_empty, kv_ready
 
-
-@gluon.jit
-def writer_buffers(dq_desc, BLOCK_M: gl.constexpr, HEAD_D: gl.constexpr, DQ_STAGES: gl.constexpr,
-                   DQ_PARTS: gl.constexpr):
-    """The dQ writer's fp32 buffers (DQ_STAGES x DQ_PARTS of HEAD_D / DQ_PARTS columns) and barriers: "dq_full"
-    completes with one arrival per part, "dq_empty" with the writer's."""
+    # the dQ writer's fp32 buffers: DQ_STAGES x DQ_PARTS of HEAD_D / DQ_PARTS columns
+    DQ_STAGES: gl.constexpr = cfg.DQ_STAGES
+    DQ_PARTS: gl.constexpr = cfg.DQ_PARTS
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES * DQ_PARTS, BLOCK_M, 1, HEAD_D // DQ_PARTS],
                                         dq_desc.layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
     for i in gl.static_range(DQ_STAGES):
         mbarrier.init(dq_full.index(i), count=DQ_PARTS)
         mbarrier.init(dq_empty.index(i), count=1)
-    return dq_smem, dq_full, dq_empty
+    return Buffers(Ring(q_smem, q_ready, tile_empty, NUM_STAGES), Ring(do_smem, do_ready, tile_empty, NUM_STAGES),
+                   k_smem, v_smem, lse_smem, delta_smem, kv_ready, Ring(dq_smem, dq_full, dq_empty, DQ_STAGES))
 
 
 # ---- loader partition ------------------------------------------------------------------------
 @gluon.jit
-def loader(q_desc, k_desc, v_desc, do_desc, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem,
-            q_ready, do_ready, tile_empty, kv_ready, Lse, Delta, stride_lse_b, stride_lse_h,
-            cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right,
-            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-            VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-            KEY_MAJOR: gl.constexpr):
-    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
-        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row0 + n0, kv_head, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [k_row0 + n0, kv_head, 0], kv_ready, v_smem)
+def loader(cfg, bufs, seqs, mask, descs, rows, group):
+    """`descs`: (q, k, v, dO) descriptors; `rows`: (Lse, Delta, (batch, head) strides of both)."""
+    q_desc, k_desc, v_desc, do_desc = descs
+    Lse, Delta, stride_lse = rows
+    stride_lse_b, stride_lse_h = stride_lse
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(cfg, seqs, mask)
+    mbarrier.expect(bufs.kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [k_row0 + n0, kv_head, 0], bufs.kv_ready, bufs.k)
+    tma.async_copy_global_to_shared(v_desc, [k_row0 + n0, kv_head, 0], bufs.kv_ready, bufs.v)
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     offs_m_tile = gl.arange(0, BLOCK_M, layout=row_layout)
-    if VARLEN:
+    if seqs.VARLEN:
         Lse += q_row0
         Delta += q_row0
     steps = m_tiles * group
+    q_ready = bufs.q.ready
+    do_ready = bufs.do.ready
     for step in range(steps):
         stage = step % NUM_STAGES
         phase = (step // NUM_STAGES) & 1
         head = kv_head * group + step // m_tiles
         m0 = m_lo + (step % m_tiles) * BLOCK_M
-        mbarrier.wait(tile_empty.index(stage), phase ^ 1)
+        mbarrier.wait(bufs.q.empty.index(stage), phase ^ 1)
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_row0 + m0, head, 0], q_ready.index(stage),
-                                        q_smem.index(stage))
+                                        bufs.q.bufs.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(do_desc, [q_row0 + m0, head, 0], do_ready.index(stage),
-                                        do_smem.index(stage))
+                                        bufs.do.bufs.index(stage))
         # lse (times log2 e) and D of the tile's rows beside Q, behind q_ready's second arrival; rows past
         # the sequence get lse = +inf (P = 0) and D = 0.
         offs_m = m0 + offs_m_tile
         row_ok = offs_m < len_q
         head_offset = b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
-        lse_smem.index(stage).store(gl.load(Lse + head_offset + offs_m, mask=row_ok, other=float("inf")) * LOG2E)
-        delta_smem.index(stage).store(gl.load(Delta + head_offset + offs_m, mask=row_ok, other=0.0))
+        bufs.lse.index(stage).store(gl.load(Lse + head_offset + offs_m, mask=row_ok, other=float("inf")) * LOG2E)
+        bufs.delta.index(stage).store(gl.load(Delta + head_offset + offs_m, mask=row_ok, other=0.0))
         mbarrier.arrive(q_ready.index(stage), count=1)
 
 
@@ -151,52 +213,68 @@ def _bulk_wait_all(token):
 
 
 @gluon.jit
-def dq_writer(dq_desc, dq_smem, dq_full, dq_empty, Sem,
-               cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right, sem_m_tiles,
-               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, DQ_STAGES: gl.constexpr,
-               DQ_PARTS: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-               HAS_RIGHT: gl.constexpr, DETERMINISTIC: gl.constexpr, KEY_MAJOR: gl.constexpr):
+def dq_writer(cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
     """Per step: the query tile's dQ, in DQ_PARTS buffers of HEAD_D / DQ_PARTS columns each (bwd_ws_split.py
     hands it over in halves), reduce-added into dq_accum."""
-    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(
-        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, KEY_MAJOR)
-    n_tile, _, _, kv_heads = cta_coords(KEY_MAJOR)
+    BLOCK_M: gl.constexpr = cfg.BLOCK_M
+    BLOCK_N: gl.constexpr = cfg.BLOCK_N
+    DQ_STAGES: gl.constexpr = cfg.DQ_STAGES
+    DQ_PARTS: gl.constexpr = cfg.DQ_PARTS
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(cfg, seqs, mask)
+    n_tile, _, _, kv_heads = cta_coords(cfg.KEY_MAJOR)
     heads = kv_heads * group
     for step in range(m_tiles * group):
         stage = step % DQ_STAGES
         phase = (step // DQ_STAGES) & 1
         head = kv_head * group + step // m_tiles
         m0 = m_lo + (step % m_tiles) * BLOCK_M
-        mbarrier.wait(dq_full.index(stage), phase)
-        if DETERMINISTIC:
+        mbarrier.wait(bufs.dq.ready.index(stage), phase)
+        if cfg.DETERMINISTIC:
             # Key tiles add into a query tile in ascending order: tile n waits until the tiles before it
             # that see this query tile (from the first one, n_first) have added theirs.
             n_first = 0
-            if HAS_LEFT:
-                n_first = gl.cdiv(gl.maximum(m0 - BLOCK_N - window_left + shift + 1, 0), BLOCK_N)
+            if mask.HAS_LEFT:
+                n_first = gl.cdiv(gl.maximum(m0 - BLOCK_N - mask.left + shift + 1, 0), BLOCK_N)
             turn = n_tile - n_first
             sem = Sem + ((b * heads + head) * sem_m_tiles + m0 // BLOCK_M)
             while gl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass
         for part in gl.static_range(DQ_PARTS):
-            tma_reduce_add(dq_desc, [q_row0 + m0, head, part * (HEAD_D // DQ_PARTS)],
-                           dq_smem.index(stage * DQ_PARTS + part))
-        if DETERMINISTIC:
+            tma_reduce_add(dq_desc, [q_row0 + m0, head, part * (cfg.HEAD_D // DQ_PARTS)],
+                           bufs.dq.bufs.index(stage * DQ_PARTS + part))
+        if cfg.DETERMINISTIC:
             _bulk_wait_all(step)
             gl.atomic_add(sem, 1, sem="release")
         else:
             tma.store_wait(0)   # the engine has read the buffer
-        mbarrier.arrive(dq_empty.index(stage), count=1)
+        mbarrier.arrive(bufs.dq.empty.index(stage), count=1)
+
+
+@gluon.jit
+def hand_dq(cfg, bufs, dq, scale, step, PART: gl.constexpr):
+    """Hand step's dQ (scaled; its part PART of cfg.DQ_PARTS) to the writer once its buffer is free: every warp's
+    rows in shared memory, then one arrival on "dq_full"."""
+    dq_stage = step % cfg.DQ_STAGES
+    mbarrier.wait(bufs.dq.empty.index(dq_stage), ((step // cfg.DQ_STAGES) & 1) ^ 1)
+    if cfg.DQ_PARTS == 1:
+        slot(bufs.dq.bufs, dq_stage).store(dq * scale)
+    else:
+        slot(bufs.dq.bufs, dq_stage * cfg.DQ_PARTS + PART).store(dq * scale)
+    fence_async_shared()
+    gl.thread_barrier()   # every warp's dQ is in shared memory
+    mbarrier.arrive(bufs.dq.ready.index(dq_stage), count=1)
 
 
 # ---- epilogue of the MMA partitions -------------------------------------------------------------
 @gluon.jit
-def store_dkv(dk, dv, dK, dV, n0, b, kv_head, k_row0, len_k, head_dim, scale,
-              stride_dkb, stride_dkr, stride_dkh, stride_dvb, stride_dvr, stride_dvh,
-              COL0: gl.constexpr, VARLEN: gl.constexpr):
+def store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, head_dim, scale, COL0: gl.constexpr,
+              VARLEN: gl.constexpr):
     """dK (scaled) and dV, (key rows, columns COL0 ...) accumulators in fp32, stored in the output dtype: rows of
-    this sequence only, columns below head_dim only (not the shared-memory padding)."""
+    this sequence only, columns below head_dim only (not the shared-memory padding). `grads`: (dK, dV, their
+    (batch, row, head) strides)."""
+    dK, dV, stride_dk, stride_dv = grads
+    stride_dkb, stride_dkr, stride_dkh = stride_dk
+    stride_dvb, stride_dvr, stride_dvh = stride_dv
     layout: gl.constexpr = dk.type.layout
     offs_r = n0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
     offs_d = COL0 + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))

@@ -1,17 +1,12 @@
-"""Launch configurations (tile shapes, warps, pipeline stages), keyed on the head-dim block, causal
-and GQA. Chosen offline: nothing is autotuned on the call path.
-
-Where the numbers come from:
-- `SM90_*`: measured on one NVIDIA H200 (sm_90, torch 2.11.0+cu130, triton 3.6.0) by
-  `scripts/triton_tune.py`, which times each candidate of `candidates()` on the grid of docs/semantics.md
-  (bf16, s = 4096/8192) and keeps the fastest; the date is beside each table.
-- `GENERIC_*`: for other CUDA GPUs, untuned; smaller tiles and two pipeline stages so that the
-  shared memory of consumer and Ampere parts (about 100 KB per block) suffices.
-- `INTERPRETER`: tiny tiles for TRITON_INTERPRET=1 on the CPU (correctness only).
+"""Launch configurations (tile shapes, warps, pipeline stages), keyed on the head-dim block (`head_block`), causal
+and GQA. Chosen offline: nothing is autotuned on the call path. One comment line per decision names where its
+numbers are: the measurement rounds (H200, sm_90, triton 3.6) are in docs/triton.md §Tuning rounds, the raw
+results in bench/ and docs/results-nvidia-h200.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 
@@ -85,46 +80,34 @@ class WsTile:
 @dataclass(frozen=True)
 class GluonRule:
     """Where a warp-specialised Gluon kernel runs (`TritonBackend.ws_reasons`, `fwd_ws_reasons`): the
-    TritonBackend option that forces it (True) or turns it off (False), the head dims with tiles, where the
-    default (None) runs it, the reasons given where it does not, and whether it needs a positive softmax scale."""
+    TritonBackend option that forces it (True) or turns it off (False), its tile table (keyed by head_block) and
+    the function that picks a call's tile from it, where the default (None) runs it, the reasons given where it
+    does not, and whether it needs a positive softmax scale."""
     option: str
     tiles: dict
+    tile: Callable          # (head_dim, causal, group_size) -> the call's tile, None where the table has none
     default_head_dims: frozenset
     min_seqlen: int
     slower_head_dim: str    # why a head dim with tiles but outside default_head_dims keeps the other kernel
     shorter: str            # why sequences shorter than min_seqlen do
     positive_scale: bool = False
-    pads_head_dim: bool = False   # tiles are keyed by the power of two the head dim is padded to in shared memory
-
-    def tile_key(self, head_dim: int) -> int:
-        """The key of `tiles` that serves `head_dim` (absent: no tile)."""
-        return head_block(head_dim) if self.pads_head_dim else head_dim
 
 
 def head_block(head_dim: int) -> int:
-    """The power-of-two register block that holds a (padded) head dim; columns past it are masked.
-    At least 32: the smallest block the tile tables hold (d = 8 and 16 run in it, masked)."""
+    """The power-of-two block that holds a (padded) head dim, in registers (the Triton kernels; columns past it
+    are masked) and in shared memory (the Gluon kernels' TMA boxes read zeros past it): every tile table is keyed
+    by it. At least 32: the smallest block the tables hold (d = 8 and 16 run in it, masked)."""
     block = 32
     while block < head_dim:
         block *= 2
     return block
 
 
-# ---- sm_90 (H200), measured 2026-11-29 (see the module docstring) ----------------------------
+# ---- sm_90 (H200): one-launch kernels -----------------------------------------------------------
 # key: (head block, causal) -> Configs; GQA uses the MHA row (the program shape does not change).
-# Row: (bwd_kv, bwd_dq, bwd_tma, bwd_dp_first, bwd_even_k).
-# Backward tiles: winners of scripts/triton_tune.py on the H200 (bf16, s = 8192, non-causal). d64 and
-# d256 from the first search (pointer loads; d64 356, d256 240 TF/s). d128 from the second search, after
-# tile loads moved to TMA descriptors (tiles.py): key tile unchanged, dQ pass (128, 64, 8, 3), 392 TF/s
-# in the dQ-pass mode. d256 keeps pointer loads in the backward: with TMA loads its best tiles reached
-# 233 TF/s against 239 (docs/triton.md §Measured and dropped). The d32 row reuses d64's.
-# dp_first (d256 only): writing dO V^T before the exp2 in both roles measured 258 vs 249 TF/s at d256
-# s16384, 271 vs 266 at s8192, 253 vs 247 at s4096 causal (three alternating rounds, identical each
-# round); at d128 it lost (causal s8192 355 vs 368), so the other rows keep the source order.
-# bwd_even_k (2026-11-30, full grid with all peers): dropping the per-tile mask branch of non-causal calls
-# whose key tiles are all full gave d64 non-causal 365-387 vs 351-370 TF/s, d128 395-430 vs 387-415, GQA
-# 32/8 380/428 vs 366/420, but d256 192-197 vs 260-269 (s >= 2048), so the d256 row keeps the branch.
-# Forward tiles: not searched (FlexAttention's H100 defaults, as a starting point).
+# Row: (bwd_kv, bwd_dq, bwd_tma, bwd_dp_first, bwd_even_k). docs/triton.md §Tuning rounds, "One-launch tables":
+# backward tiles: scripts/triton_tune.py winners (d32 reuses d64's); forward tiles: FlexAttention's H100 defaults.
+# d256: pointer loads ("stores"), dO V^T first, the mask branch kept (EVEN_K lost there).
 _BWD_SM90 = {
     32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False, True),
     64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False, True),
@@ -134,93 +117,46 @@ _BWD_SM90 = {
 _FWD_SM90 = {32: Tile(128, 64, 4, 3), 64: Tile(128, 64, 4, 3), 128: Tile(128, 64, 8, 3), 256: Tile(64, 64, 4, 2)}
 SM90 = {(d, causal): Configs(_FWD_SM90[d], *_BWD_SM90[d]) for d in _BWD_SM90 for causal in (False, True)}
 
-# Short sequences (longest query/key length <= SHORT_SEQLEN): the backward moves its tiles through masked
-# pointers, no TMA descriptors. Measured 2026-11-29 on the H200 (GPU time of all backward kernels,
-# `launch_overhead.py --kernels`, SM90 tiles, dQ pass): d128 s512 0.610 vs 0.750 ms (causal 0.476 vs
-# 0.632), s1024 1.019 vs 1.137 (0.681 vs 0.831), s2048 1.841 vs 1.905 (1.108 vs 1.231); d64 s2048
-# 1.975 vs 2.058; d256 s2048 2.718 vs 2.731. At s4096 the descriptors win (d128 3.472 vs 3.757 ms):
-# making a descriptor costs each program a fixed latency that only long key/query walks amortise.
+# Up to these longest lengths the backward / forward move tiles by masked pointers, no TMA descriptors (a descriptor
+# costs each program a latency short walks do not amortise): docs/triton.md §Tuning rounds, "Short sequences".
 SHORT_SEQLEN = 2048
-# The forward, likewise, up to FWD_SHORT_SEQLEN (bench_bwd.py, forward TF/s pointers vs descriptors,
-# 2026-11-29): s512 d64 307 vs 207, d128 300 vs 225, d256 246 vs 216; s1024 d64 causal 263 vs 233,
-# d256 291 vs 279, d128 355 vs 369 (causal 203 vs 185); at s2048 the descriptors mostly win (d256
-# 340 vs 330, GQA 32/8 449 vs 411).
 FWD_SHORT_SEQLEN = 1024
 # Made once: select is on the call path.
 SM90_SHORT = {key: replace(c, bwd_tma="none") for key, c in SM90.items()}
 SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items()}
 
-# ---- warp-specialised backward (bwd_ws.py) on sm_90, measured 2026-11-30 --------------------------
-# scripts/bwd_ws_check.py on the H200 (bf16, b = 16384/s, h = 2048/d; TFLOP/s of the whole backward with
-# its torch pre/post-processing, next to the one-launch kernel in the same process):
-#   d128 s8192      64x128: 450 / 412 causal (one-launch 411 / 372); GQA 32/8 468 / 394 (429 / 362)
-#   d128 s8192      the next step's S^T (and dP^T) issued early: 308 (241); 3 stages 296; 2 dQ buffers 303
-#                   (the issued-ahead accumulators push the MMA partition past its 240 registers: 224-484
-#                   bytes of spills)
-#   d128 s2048      352 / 257 vs one-launch 376 / 311 -> the kernel runs above BWD_WS_MIN_SEQLEN only
-#   d64 s8192       64x128 346 / 304, 128x128 223-319 vs one-launch 384 / 326 -> d64 runs it only when forced
-# 2026-12-01, the loader staging lse/D in shared memory, dK left in flight during the dQ hand-off and one
-# release per slot (spills of the MMA partition 28 -> 12 bytes dense, 172 -> 92 varlen causal; Nsight Compute
-# had shown 31% of stalls on L1TEX scoreboards and 8.5M local-memory requests per launch):
-#   d128 s8192      529 / 469 (before 466 / 433), cuDNN 530 / 487; GQA 32/8 539 / 452, cuDNN 531 / 488;
-#   d128 s4096      508 / 427, cuDNN 511 / 438 (bwd_ws_check.py --time-only, one process)
-#   d128 s2048      478 / 372 vs one-launch 376 / 309, cuDNN 493 / 396; GQA 32/8 496 / 358 vs 378 / 297
-#   d64 s8192       395 / 379 vs one-launch 384 / 333, cuDNN 446 / 408
-# 2026-12-01, boxes of one head (3-D descriptors; d96 padded to 128 in shared memory), same process:
-#   d128 s8192      536 / 485, one-launch 412 / 367, cuDNN 530 / 490
-#   d96 s8192       424 / 386, one-launch 325 / 282, cuDNN 417 / 391 (h = 21)
-# Head dims above 128 (192 and 256, 256 in shared memory): bwd_ws_split.py, 64 x 64 (each warpgroup's 4 warps own
-# 16 key rows each; FA3 takes 64 x 80 at d256), one Q/dO stage (two do not fit beside K, V, P^T, dS^T and the dQ
-# halves: 214 KB of shared memory with one).
-# ptxas: no spills dense or causal at d256; 180 bytes in the deterministic mode, 16 varlen d192. Measured on the H200
-# 2026-12-01 (bwd_ws_check.py --time-only, one process; FA4 2026-11-30: d256 376 / 356):
-#   d256 s8192      394 / 391 vs one-launch 272 / 258, cuDNN 353 / 373
-#   d256 s2048      357 / 309 vs one-launch 262 / 232, cuDNN 345 / 298
-#   d192 s8192      314 / 313 vs one-launch 216 / 204, cuDNN 315 / 321 (h = 12; padded to 256 in shared memory)
-# d64: two CTAs per SM. WsTile(64, 64, num_warps=4, max_registers=128): 75 KB of shared memory and 128 registers a
-# thread at launch each, no spills (the MMA partition raises itself to 232). At d64 the exp2 and dS work per step
-# weighs twice what it does at d128 against the matmuls, and one 8-warp MMA partition does it in lock-step (thread
-# barriers); two CTAs' partitions are not, so one's softmax work overlaps the other's matmuls. Measured 2026-12-01
-# (`device.sh candidates`, bwd_ws_check.py, one process): d64 s8192 407 / 389 vs 64x128 with 8 warps 390 / 375,
-# cuDNN 443 / 409.
-# Longest first (WsTile.longest_first, a key-major grid): scripts/wave_schedule.py models a causal launch's tail (CTAs
-# start in grid order on the SM that frees first) and predicts x1.06 at d128 s8192 and x1.12 at GQA 32/8 (4x longer
-# CTAs); its cost is L2 locality, since concurrent CTAs then belong to different heads. Measured 2026-12-01 (same
-# run, key-major vs tile-major, TF/s): causal GQA 32/8 s8192 478 vs 442, s2048 383 vs 348 (cuDNN 488, 382);
-# causal MHA d128 s8192 464 vs 481; non-causal 497 vs 538 (MHA), 525 vs 531 and 465 vs 494 (GQA). In processes that
-# first ran the rest of the benchmark grid (A/B against the tile-major code, alternating, twice): causal GQA 32/8
-# s8192 448 / 442 vs 406 / 439, s2048 372 / 382 vs 353 / 351 -> key-major for causal calls with
-# BWD_WS_LONGEST_FIRST_MIN_GROUP or more query heads per kv head, at d128 (d96 runs the same tile; group 2, d64 and
-# d256 not measured).
+# ---- warp-specialised backward (bwd_ws.py, bwd_ws_split.py) on sm_90 --------------------------------------------
+# docs/triton.md §Tuning rounds, "Warp-specialised backward": d128 64 x 128 (FA3's shape); d64 two CTAs an SM
+# (4 MMA warps, 128 registers at launch); d256 bwd_ws_split 64 x 64 with one Q/dO stage (two do not fit).
 BWD_WS_SM90 = {64: WsTile(64, 64, num_stages=2, dq_stages=1, num_warps=4, max_registers=128),
                128: WsTile(64, 128, num_stages=2, dq_stages=1),
                256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
+# Key-major grid for causal calls with 4+ query heads per kv head at d128 (same section, "Longest first").
 BWD_WS_LONGEST_FIRST = {128: replace(BWD_WS_SM90[128], longest_first=True)}
 BWD_WS_LONGEST_FIRST_MIN_GROUP = 4
 
 
-def bwd_ws_tile(head_dim_padded: int, causal: bool, group_size: int) -> WsTile:
-    """The warp-specialised backward's tile for a call (the tables above)."""
-    key = head_block(head_dim_padded)
+def bwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> WsTile | None:
+    """The warp-specialised backward's tile for a call (the tables above; None: no tile for the head dim)."""
+    key = head_block(head_dim)
     if causal and group_size >= BWD_WS_LONGEST_FIRST_MIN_GROUP and key in BWD_WS_LONGEST_FIRST:
         return BWD_WS_LONGEST_FIRST[key]
-    return BWD_WS_SM90[key]
+    return BWD_WS_SM90.get(key)
 
 
-# Where it measured faster than the one-launch kernel. Above 128 both kernels pad the head dim to 256, so every
-# head dim there does the work measured at d256 and d192.
+# Where it measured faster than the one-launch kernel (same section); above 128 every head dim is padded to 256 and
+# does the work measured at d192 and d256. The shortest length measured: s2048.
 BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, *range(136, 257, 8)})
-BWD_WS_MIN_SEQLEN = 2048   # the shortest length measured (d64 only at s8192)
-BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
+BWD_WS_MIN_SEQLEN = 2048
+BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, bwd_ws_tile, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
                         slower_head_dim="the one-launch kernel measured faster",
-                        shorter="the one-launch kernel measured faster", pads_head_dim=True)
-# The fp32 dQ accumulator of one launch: kv-head groups run in turn so that it stays under this size (one
-# launch for every call of the benchmark grid; docs/triton.md on the GQA memory target this does not meet).
+                        shorter="the one-launch kernel measured faster")
+# The fp32 dQ accumulator of one launch: kv-head groups run in turn below it (docs/triton.md §Missing / next, GQA
+# backward memory).
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
 # ---- warp-specialised forward (fwd_ws.py) on sm_90 ------------------------------------------------------
-# Registers per thread of each consumer warpgroup by their count: FA3's budgets for two and three consumer
-# warpgroups (hopper/flash_fwd_kernel.h); with the loader's they fill the register file.
+# Registers per thread of a consumer warpgroup by their count: FA3's budgets (hopper/flash_fwd_kernel.h).
 FWD_WS_CONSUMER_REGS = {2: 240, 3: 160}
 
 
@@ -263,51 +199,29 @@ class FwdWsTile:
         return text + "x1" if self.longest_first else text
 
 
-# Tiles: FA3's H100 shape for d128 (128 query rows per CTA in two consumer warpgroups, 2 K/V stages, the
-# intra-warpgroup overlap; FA3's key block, 176 non-causal / 128 causal, is not a power of two: 128 here);
-# at d64 FA3 takes 192 x 192 with three warpgroups, a shape this two-consumer kernel does not have: 128 x 128.
-# 240 registers per consumer warpgroup and 24 for the loader are FA3's budgets for two consumer warpgroups.
-# Measured 2026-12-01 on the H200 (scripts/fwd_ws_check.py, bf16, b = 16384/s, h = 2048/d, forward TFLOP/s
-# non-causal / causal, same process):
-#   d128 s4096  overlap 605 / 517, no overlap 528 / 470, previous forward 471 / 401, cuDNN 588 / 508
-#   d128 s8192  overlap 602 / 519, no overlap 546 / 503, previous forward 484 / 439, cuDNN 594 / 539
-#   GQA 32/8 s8192  overlap 604 / 574, previous 482 / 453, cuDNN 583 / 538
-#   d64 s8192   overlap 445 / 414, no overlap 432 / 408, previous forward 398 / 371, cuDNN 451 / 432
-# Ping-pong (the two consumers take turns issuing their matmuls, FA3's warp scheduler barrier), measured
-# 2026-12-01 in one process (fwd_ws_check.py --tiles 128x128x2x1x0,128x128x2x1x1 --seqlens 2048,8192; off / on):
-#   causal      d128 s8192 540 / 575, s2048 462 / 472; GQA 32/8 s8192 588 / 588, s2048 468 / 488;
-#               d64 s8192 410 / 415, s2048 331 / 335                            -> on
-#   non-causal  d128 s8192 615 / 609, s2048 628 / 567; GQA 32/8 s8192 611 / 616, s2048 568 / 551;
-#               d64 s8192 457 / 442, s2048 423 / 414                            -> off
-# d256 (and d192, padded to 256 in shared memory): 128 x 64 tiles, FA3's key block at d256; 196 KB of shared
-# memory with 2 stages. Measured 2026-12-01 (fwd_ws_check.py --shapes 96:21:21,192:10:10,256:8:8 --seqlens 8192,
-# ping-pong off / on, previous forward, cuDNN, same process):
-#   d256  674 / 653 and 602 / 598 causal (previous 377 / 335, cuDNN 649 / 591)   -> ping-pong off
-#   d192  528 / 516 and 489 / 486 causal (previous 288 / 247, cuDNN 645 / 570)   -> ping-pong off
-#   d96   478 / 470 and 445 / 449 causal (previous 376 / 343, cuDNN 468 / 423)   (d128 tiles: as d128)
-# Longest first (FwdWsTile.longest_first, a query-major grid): the causal d128 s8192 forward reaches 0.94 of the ideal
-# tile-major, 0.998 query-major in scripts/wave_schedule.py's model, but measured slower on the H200 2026-12-01
-# (`fwd_ws_check.py --tiles128 128x128x2x1x1,128x128x2x1x1x1`, tile-major vs query-major): causal d128 s8192 559 vs
-# 538, GQA 32/8 s8192 573 vs 567 and s2048 478 vs 466, non-causal 608 vs 558; only causal d128 s2048 309 vs 323
-# -> off (the option stays for measurement).
+# docs/triton.md §Tuning rounds, "Warp-specialised forward": FA3's d128 shape (128 x 128, 2 stages, the
+# intra-warpgroup overlap) for d64/d128, 128 x 64 at d256; ping-pong on causal d64/d128 only; tile-major grid.
 # Keyed by the power of two the head dim is padded to in shared memory (d96 runs in the d128 tiles), then causal.
 FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, overlap=True,
                                      pingpong=causal and d < 256)
                    for causal in (False, True)} for d in (64, 128, 256)}
-# Shorter sequences, measured 2026-12-01 (fwd_ws_check.py --seqlens 1024,2048, same process, fwd_ws vs previous
-# forward vs cuDNN): d128 s2048 566 / 457 vs 445 / 336 (cuDNN 612 / 478), s1024 543 / 344 vs 386 / 291;
-# GQA 32/8 s2048 569 / 471 vs 451 / 349, s1024 535 / 404 vs 410 / 310; d64 s2048 420 / 330 vs 371 / 303,
-# s1024 373 / 257 vs 353 / 264 (the one row where the previous forward is ahead, by 3%).
-# Default for the head dims measured faster than the previous forward (d96/d192/d256 timed at s8192 only, d64/d128
-# from s1024 on), from s1024, the shortest length measured.
+# Where it measured faster than the previous forward (same section), from s1024, the shortest length measured.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = 1024
 # The running max is taken on raw scores, so the softmax scale must be positive.
-FWD_WS_RULE = GluonRule("fwd_ws", FWD_WS_SM90, FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_MIN_SEQLEN,
+
+
+def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile | None:
+    """The warp-specialised forward's tile for a call (None: no tile for the head dim; GQA runs the MHA tile)."""
+    tiles = FWD_WS_SM90.get(head_block(head_dim))
+    return tiles[causal] if tiles else None
+
+
+FWD_WS_RULE = GluonRule("fwd_ws", FWD_WS_SM90, fwd_ws_tile, FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_MIN_SEQLEN,
                         slower_head_dim="not measured faster than the previous forward (TritonBackend(fwd_ws=True) "
                                         "runs it)",
                         shorter="not measured faster there (TritonBackend(fwd_ws=True) runs it)",
-                        positive_scale=True, pads_head_dim=True)
+                        positive_scale=True)
 
 GENERIC = {
     32: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),

@@ -42,7 +42,8 @@ gluon_common.uniform_rows copies tensors whose rows a descriptor cannot view):
   - no dropout, ALiBi or softcap.
 """
 
-from __future__ import annotations
+
+from typing import NamedTuple
 
 import triton
 from triton.experimental import gluon
@@ -55,19 +56,68 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import (
-    LOG2E,
-    box_cols,
-    issue_ring_mma,
-    keep_mask,
-    key_range,
-    sequence,
-    slot,
-    tile_needs_mask,
-    uniform_descriptor,
-)
+from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot, uniform_descriptor
+from .launch import GluonMask, LaunchSpec
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
+
+
+class Constants(NamedTuple):
+    """attn_fwd_ws_kernel's compile-time arguments but the mask's (its constexpr `C`; launch_spec makes it)."""
+    BLOCK_M: int
+    BLOCK_N: int
+    HEAD_D: int          # the head dim in shared memory: the power of two at or above head_dim
+    NUM_STAGES: int
+    CONSUMERS: int
+    OVERLAP: bool
+    PINGPONG: bool
+    QUERY_MAJOR: bool
+    VARLEN: bool
+    CONSUMER_REGS: int
+    LOADER_REGS: int
+
+
+@aggregate
+class Config:
+    """The kernel's constants and the consumers' register layouts: the warpgroup's 4 warps split the rows of S and
+    O; P is the register A operand of P V."""
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    HEAD_D: gl.constexpr
+    NUM_STAGES: gl.constexpr
+    CONSUMERS: gl.constexpr
+    ROWS: gl.constexpr        # query rows per consumer warpgroup
+    OVERLAP: gl.constexpr
+    PINGPONG: gl.constexpr
+    QUERY_MAJOR: gl.constexpr
+    s_layout: gl.constexpr
+    o_layout: gl.constexpr
+    p_layout: gl.constexpr
+    row_layout: gl.constexpr   # one value per query row
+
+    @gluon.constexpr_function
+    def __init__(self, C):
+        for name in ("BLOCK_M", "BLOCK_N", "HEAD_D", "NUM_STAGES", "CONSUMERS", "OVERLAP", "PINGPONG", "QUERY_MAJOR"):
+            setattr(self, name, gl.constexpr(getattr(C, name)))
+        self.ROWS = gl.constexpr(C.BLOCK_M // C.CONSUMERS)
+        warps = CONSUMER_WARPS.value
+        self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                               instr_shape=[16, C.BLOCK_N, 16]))
+        self.o_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
+                                                               instr_shape=[16, C.HEAD_D, 16]))
+        self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.o_layout.value, k_width=2))
+        self.row_layout = gl.constexpr(gl.SliceLayout(1, self.s_layout.value))
+
+
+@aggregate
+class Buffers:
+    """Shared memory and barriers: the CTA's Q tiles (one per consumer, behind one "q_ready" barrier), the K and V
+    rings, and the ping-pong "turn" barriers (one per consumer)."""
+    q: gl.shared_memory_descriptor
+    q_ready: gl.shared_memory_descriptor
+    k: Ring
+    v: Ring
+    turn: gl.shared_memory_descriptor
 
 
 # ---- schedule: which query rows and key tiles a CTA covers --------------------------------------
@@ -82,112 +132,97 @@ def _cta_coords(BLOCK_M: gl.constexpr, QUERY_MAJOR: gl.constexpr):
 
 
 @gluon.jit
-def _tile_schedule(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
-                   HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, QUERY_MAJOR: gl.constexpr):
+def _tile_schedule(cfg, seqs, mask):
     """Everything every partition derives from the program id, computed the same way in each."""
-    m0, b, head = _cta_coords(BLOCK_M, QUERY_MAJOR)
-    q_row0, len_q = sequence(cu_seqlens_q, b, seqlen_q, VARLEN)
-    k_row0, len_k = sequence(cu_seqlens_k, b, seqlen_k, VARLEN)
-    shift = 0 if TOP_LEFT else len_k - len_q
-    n_lo, n_hi = key_range(m0, len_q, len_k, shift, window_left, window_right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    n_tiles = gl.maximum(gl.cdiv(n_hi - n_lo, BLOCK_N), 0)
+    m0, b, head = _cta_coords(cfg.BLOCK_M, cfg.QUERY_MAJOR)
+    q_row0, len_q = seqs.query(b)
+    k_row0, len_k = seqs.key(b)
+    shift = mask.shift(len_q, len_k)
+    n_lo, n_hi = mask.key_range(m0, len_q, len_k, shift, cfg.BLOCK_M, cfg.BLOCK_N)
+    n_tiles = gl.maximum(gl.cdiv(n_hi - n_lo, cfg.BLOCK_N), 0)
     return m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles
 
 
 # ---- loader partition ------------------------------------------------------------------------
 @gluon.jit
-def _loader(args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr, NUM_STAGES: gl.constexpr,
-            VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr,
-            QUERY_MAJOR: gl.constexpr):
-    (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-     cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right) = args
-    m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(
-        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, QUERY_MAJOR)
-    CONSUMERS: gl.constexpr = q_smem.shape[0]   # one Q buffer per consumer warpgroup
-    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
-    mbarrier.expect(q_ready, CONSUMERS * q_desc.block_type.nbytes)
-    for wg in gl.static_range(CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0 + wg * ROWS, head, 0], q_ready, q_smem.index(wg))
+def _loader(cfg, bufs, seqs, mask, descs, group):
+    q_desc, k_desc, v_desc = descs
+    m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(cfg, seqs, mask)
+    mbarrier.expect(bufs.q_ready, cfg.CONSUMERS * q_desc.block_type.nbytes)
+    for wg in gl.static_range(cfg.CONSUMERS):
+        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0 + wg * cfg.ROWS, head, 0], bufs.q_ready,
+                                        bufs.q.index(wg))
     kv_head = head // group
     for j in range(n_tiles):
-        stage = j % NUM_STAGES
-        phase = (j // NUM_STAGES) & 1
-        row = k_row0 + n_lo + j * BLOCK_N
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row, kv_head, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row, kv_head, 0], v_ready.index(stage), v_smem.index(stage))
+        stage = j % cfg.NUM_STAGES
+        phase = (j // cfg.NUM_STAGES) & 1
+        row = k_row0 + n_lo + j * cfg.BLOCK_N
+        _load(bufs.k, k_desc, [row, kv_head, 0], stage, phase)
+        _load(bufs.v, v_desc, [row, kv_head, 0], stage, phase)
+
+
+@gluon.jit
+def _load(ring, desc, coord, stage, phase):
+    """Load a tile into `ring`'s slot `stage` once it is free (its readers released it in the previous phase)."""
+    mbarrier.wait(ring.empty.index(stage), phase ^ 1)
+    mbarrier.expect(ring.ready.index(stage), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, coord, ring.ready.index(stage), ring.bufs.index(stage))
 
 
 # ---- consumer steps --------------------------------------------------------------------------
 @gluon.jit
-def _issue_pv(p, v_smem, v_ready, j, acc, p_layout: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _issue_pv(cfg, p, v, j, acc):
     """Issue O += P V of key tile j (async) once its V has landed; P from registers."""
-    stage = j % NUM_STAGES
-    mbarrier.wait(v_ready.index(stage), (j // NUM_STAGES) & 1)
-    p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)
-    return warpgroup_mma(p_op, slot(v_smem, stage), acc, is_async=True)
+    v.wait_ready(j)
+    p_op = gl.convert_layout(p.to(v.bufs.dtype), cfg.p_layout)
+    return warpgroup_mma(p_op, v.tile(j), acc, is_async=True)
 
 
 @gluon.jit
-def _s_round(q_tile, k_smem, k_ready, k_empty, s_zero, j, turn, rounds, NUM_STAGES: gl.constexpr,
-             WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+def _s_round(cfg, bufs, q_tile, s_zero, j, rounds, WARPGROUP: gl.constexpr):
     """A matmul round of S = Q K^T alone (key tile j): issue it in turn, wait for it, release K's slot."""
-    rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
-    s = issue_ring_mma(q_tile, k_smem, k_ready, s_zero, j, NUM_STAGES)
-    _pass_turn(turn, WARPGROUP, PINGPONG)
+    rounds = _take_turn(cfg, bufs.turn, rounds, WARPGROUP)
+    s = bufs.k.issue_mma(q_tile, s_zero, j)
+    _pass_turn(cfg, bufs.turn, WARPGROUP)
     s = warpgroup_mma_wait(0, deps=(s,))
-    _release(k_empty, j, NUM_STAGES)
+    bufs.k.release(j)
     return s, rounds
 
 
 @gluon.jit
-def _pv_round(p, v_smem, v_ready, v_empty, j, acc, turn, rounds, p_layout: gl.constexpr, NUM_STAGES: gl.constexpr,
-              WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+def _pv_round(cfg, bufs, p, j, acc, rounds, WARPGROUP: gl.constexpr):
     """A matmul round of P V alone (key tile j): issue it in turn, wait for it, release V's slot."""
-    rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
-    acc = _issue_pv(p, v_smem, v_ready, j, acc, p_layout, NUM_STAGES)
-    _pass_turn(turn, WARPGROUP, PINGPONG)
+    rounds = _take_turn(cfg, bufs.turn, rounds, WARPGROUP)
+    acc = _issue_pv(cfg, p, bufs.v, j, acc)
+    _pass_turn(cfg, bufs.turn, WARPGROUP)
     acc = warpgroup_mma_wait(0, deps=(acc,))
-    _release(v_empty, j, NUM_STAGES)
+    bufs.v.release(j)
     return acc, rounds
 
 
 @gluon.jit
-def _take_turn(turn, rounds, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+def _take_turn(cfg, turn, rounds, WARPGROUP: gl.constexpr):
     """PINGPONG: wait until the previous consumer has issued its matmuls of the round (turn[WARPGROUP] completes
     once per round), so the warpgroups' matmuls reach the tensor cores one round each, in consumer order."""
-    if PINGPONG:
+    if cfg.PINGPONG:
         mbarrier.wait(turn.index(WARPGROUP), rounds & 1)
     return rounds + 1
 
 
 @gluon.jit
-def _pass_turn(turn, WARPGROUP: gl.constexpr, PINGPONG: gl.constexpr):
+def _pass_turn(cfg, turn, WARPGROUP: gl.constexpr):
     """PINGPONG: this consumer's matmuls of the round are issued; the next one's turn (one turn barrier each)."""
-    if PINGPONG:
+    if cfg.PINGPONG:
         mbarrier.arrive(turn.index((WARPGROUP + 1) % turn.shape[0]), count=1)
 
 
 @gluon.jit
-def _release(empty, j, NUM_STAGES: gl.constexpr):
-    """This warpgroup is done with ring slot j % NUM_STAGES (its wgmma reading it has completed)."""
-    mbarrier.arrive(empty.index(j % NUM_STAGES), count=1)
-
-
-@gluon.jit
-def _softmax_step(s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shift, window_left, window_right, scale_log2,
-                  ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+def _softmax_step(cfg, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shift, scale_log2):
     """One key tile's online-softmax update of raw scores s: (P, alpha that rescales O, new max, new sum).
     The max is kept on raw scores; exp2 takes s * scale * log2e - m * scale * log2e (one FFMA)."""
-    if tile_needs_mask(m0, n0, len_k, shift, window_left, window_right, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT):
+    if mask.tile_needs_mask(m0, n0, len_k, shift, cfg.ROWS, cfg.BLOCK_N):
         # (relative to the tile: columns 0..BLOCK_N - 1 against per-row bounds, no per-column key index)
-        keep = keep_mask(gl.expand_dims(offs_m - n0, 1), gl.expand_dims(offs_n, 0), len_k - n0, shift,
-                         window_left, window_right, HAS_LEFT, HAS_RIGHT)
+        keep = mask.keep(gl.expand_dims(offs_m - n0, 1), gl.expand_dims(offs_n, 0), len_k - n0, shift)
         s = gl.where(keep, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, 1))
     m_scaled = gl.where(m_new == float("-inf"), 0.0, m_new * scale_log2)   # a row with no key yet: P = 0
@@ -204,94 +239,78 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 # ---- consumer partitions (default and worker: one warpgroup each) ------------------------------
 @gluon.jit
-def _consumer(args, WARPGROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-              NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr, HAS_LEFT: gl.constexpr,
-              HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr, PINGPONG: gl.constexpr, QUERY_MAJOR: gl.constexpr):
-    (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse, cu_seqlens_q,
-     cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, head_dim, scale, window_left,
-     window_right) = args
-    m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(
-        cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, window_left, window_right,
-        BLOCK_M, BLOCK_N, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT, QUERY_MAJOR)
-    CONSUMERS: gl.constexpr = q_smem.shape[0]
-    ROWS: gl.constexpr = BLOCK_M // CONSUMERS
+def _consumer(cfg, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr):
+    """Query rows [m0 + ROWS * WARPGROUP, + ROWS) of the CTA's tile. `outputs`: (o_desc, Out, Lse, (out row, lse
+    batch, lse head) strides); `sizes`: the kernel's."""
+    o_desc, Out, Lse, strides = outputs
+    stride_out_row, stride_lse_b, stride_lse_h = strides
+    head_dim, scale = sizes[2], sizes[4]
+    m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(cfg, seqs, mask)
+    ROWS: gl.constexpr = cfg.ROWS
     m0 = m0_cta + WARPGROUP * ROWS
-    dtype: gl.constexpr = q_smem.dtype
+    dtype: gl.constexpr = bufs.q.dtype
 
-    # Layouts: the warpgroup's 4 warps split the rows of S and O; P is the register A operand of P V.
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per query row
-    offs_m = m0 + gl.arange(0, ROWS, layout=row_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_m = m0 + gl.arange(0, ROWS, layout=cfg.row_layout)
+    offs_n = gl.arange(0, cfg.BLOCK_N, layout=gl.SliceLayout(0, cfg.s_layout))
     scale_log2 = scale * LOG2E
-    q_tile = slot(q_smem, WARPGROUP)
+    q_tile = slot(bufs.q, WARPGROUP)
 
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_layout)
-    l_i = gl.zeros([ROWS], gl.float32, row_layout)
-    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    mbarrier.wait(q_ready, 0)   # also before an empty key range: the epilogue reuses the Q buffer
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, cfg.row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, cfg.row_layout)
+    acc = gl.zeros([ROWS, cfg.HEAD_D], gl.float32, cfg.o_layout)
+    s_zero = gl.zeros([ROWS, cfg.BLOCK_N], gl.float32, cfg.s_layout)
+    mbarrier.wait(bufs.q_ready, 0)   # also before an empty key range: the epilogue reuses the Q buffer
     rounds = 0   # matmul-issue rounds taken (PINGPONG)
-    if PINGPONG and WARPGROUP == CONSUMERS - 1:
-        _pass_turn(turn, WARPGROUP, PINGPONG)   # consumer 0 issues first
+    if cfg.PINGPONG and WARPGROUP == cfg.CONSUMERS - 1:
+        _pass_turn(cfg, bufs.turn, WARPGROUP)   # consumer 0 issues first
 
     # ---- online softmax over the visible key tiles ----
-    if OVERLAP:
+    if cfg.OVERLAP:
         # S_{j+1} is issued before P V_j; the softmax of tile j + 1 overlaps P V_j.
         if n_tiles > 0:
-            s, rounds = _s_round(q_tile, k_smem, k_ready, k_empty, s_zero, 0, turn, rounds, NUM_STAGES,
-                                 WARPGROUP, PINGPONG)
-            p, _, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo, offs_m, offs_n, m0, len_k, shift, window_left,
-                                           window_right, scale_log2, ROWS, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+            s, rounds = _s_round(cfg, bufs, q_tile, s_zero, 0, rounds, WARPGROUP)
+            p, _, m_i, l_i = _softmax_step(cfg, mask, s, m_i, l_i, n_lo, offs_m, offs_n, m0, len_k, shift,
+                                           scale_log2)
             for j in range(1, n_tiles):
-                rounds = _take_turn(turn, rounds, WARPGROUP, PINGPONG)
-                s = issue_ring_mma(q_tile, k_smem, k_ready, s_zero, j, NUM_STAGES)
-                acc = _issue_pv(p, v_smem, v_ready, j - 1, acc, p_layout, NUM_STAGES)
-                _pass_turn(turn, WARPGROUP, PINGPONG)
+                rounds = _take_turn(cfg, bufs.turn, rounds, WARPGROUP)
+                s = bufs.k.issue_mma(q_tile, s_zero, j)
+                acc = _issue_pv(cfg, p, bufs.v, j - 1, acc)
+                _pass_turn(cfg, bufs.turn, WARPGROUP)
                 s = warpgroup_mma_wait(1, deps=(s,))
-                _release(k_empty, j, NUM_STAGES)
-                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo + j * BLOCK_N, offs_m, offs_n, m0, len_k, shift,
-                                                   window_left, window_right, scale_log2, ROWS, BLOCK_N,
-                                                   HAS_LEFT, HAS_RIGHT)
+                bufs.k.release(j)
+                p, alpha, m_i, l_i = _softmax_step(cfg, mask, s, m_i, l_i, n_lo + j * cfg.BLOCK_N, offs_m, offs_n,
+                                                   m0, len_k, shift, scale_log2)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                _release(v_empty, j - 1, NUM_STAGES)
-                acc = _rescale(acc, alpha, o_layout)
-            acc, rounds = _pv_round(p, v_smem, v_ready, v_empty, n_tiles - 1, acc, turn, rounds, p_layout, NUM_STAGES,
-                                    WARPGROUP, PINGPONG)
+                bufs.v.release(j - 1)
+                acc = _rescale(acc, alpha, cfg.o_layout)
+            acc, rounds = _pv_round(cfg, bufs, p, n_tiles - 1, acc, rounds, WARPGROUP)
     else:
         for j in range(n_tiles):
-            s, rounds = _s_round(q_tile, k_smem, k_ready, k_empty, s_zero, j, turn, rounds, NUM_STAGES,
-                                 WARPGROUP, PINGPONG)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, n_lo + j * BLOCK_N, offs_m, offs_n, m0, len_k, shift,
-                                               window_left, window_right, scale_log2, ROWS, BLOCK_N,
-                                               HAS_LEFT, HAS_RIGHT)
-            acc = _rescale(acc, alpha, o_layout)
-            acc, rounds = _pv_round(p, v_smem, v_ready, v_empty, j, acc, turn, rounds, p_layout, NUM_STAGES,
-                                    WARPGROUP, PINGPONG)
+            s, rounds = _s_round(cfg, bufs, q_tile, s_zero, j, rounds, WARPGROUP)
+            p, alpha, m_i, l_i = _softmax_step(cfg, mask, s, m_i, l_i, n_lo + j * cfg.BLOCK_N, offs_m, offs_n, m0,
+                                               len_k, shift, scale_log2)
+            acc = _rescale(acc, alpha, cfg.o_layout)
+            acc, rounds = _pv_round(cfg, bufs, p, j, acc, rounds, WARPGROUP)
 
     # ---- epilogue: O / l and lse; rows that see no key get O = 0, lse = +inf ----
     empty = l_i == 0.0
     inv_l = gl.where(empty, 0.0, 1.0 / l_i)
-    out = _rescale(acc, inv_l, o_layout).to(dtype)
+    out = _rescale(acc, inv_l, cfg.o_layout).to(dtype)
     lse = gl.where(empty, float("inf"), m_i * scale + gl.log2(gl.where(empty, 1.0, l_i)) / LOG2E)
     lse_rows = Lse + b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + offs_m
-    if VARLEN:
+    if seqs.VARLEN:
         lse_rows += q_row0
     gl.store(lse_rows, lse, mask=offs_m < len_q)
     if m0 + ROWS <= len_q:
         # this warpgroup's S matmuls, the only readers of its Q, are done: O goes out through its buffer (the
         # TMA store writes the head's head_dim columns, not the padding)
-        slot(q_smem, WARPGROUP).store(out)
+        slot(bufs.q, WARPGROUP).store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row0 + m0, head, 0], q_smem.index(WARPGROUP))
+        tma.async_copy_shared_to_global(o_desc, [q_row0 + m0, head, 0], bufs.q.index(WARPGROUP))
         tma.store_wait(0)
     elif m0 < len_q:
-        offs_r = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
-        offs_d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
+        offs_r = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, cfg.o_layout))
+        offs_d = gl.arange(0, cfg.HEAD_D, layout=gl.SliceLayout(0, cfg.o_layout))
         rows = (q_row0 + offs_r).to(gl.int64)
         ptrs = Out + gl.expand_dims(rows * stride_out_row, 1) + head * head_dim + gl.expand_dims(offs_d, 0)
         gl.store(ptrs, out, mask=gl.expand_dims(offs_r < len_q, 1) & gl.expand_dims(offs_d < head_dim, 0))
@@ -299,25 +318,25 @@ def _consumer(args, WARPGROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
-def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, cu_seqlens_k,
-                       stride_out_row, stride_lse_b, stride_lse_h,
-                       seqlen_q, seqlen_k, head_dim, group, scale, window_left, window_right,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                       NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr, TOP_LEFT: gl.constexpr,
-                       HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, OVERLAP: gl.constexpr,
-                       PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                       QUERY_MAJOR: gl.constexpr, CONSUMERS: gl.constexpr):
+def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, cu_seqlens_k, strides, sizes, window,
+                       C: gl.constexpr, MASK: gl.constexpr):
     """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR; num_warps =
-    CONSUMER_WARPS (consumer 0). See the module docstring."""
-    if VARLEN:
-        m0, b, _ = _cta_coords(BLOCK_M, QUERY_MAJOR)
+    CONSUMER_WARPS (consumer 0). `strides`: (out row, lse batch, lse head); `sizes`: (seqlen_q, seqlen_k, head_dim,
+    group, scale); `window`: (left, right); C: Constants; MASK: launch.MaskFlags. See the module docstring."""
+    cfg = Config(C)
+    seqlen_q, seqlen_k, group = sizes[0], sizes[1], sizes[3]
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN)
+    if C.VARLEN:
+        m0, b, _ = _cta_coords(cfg.BLOCK_M, cfg.QUERY_MAJOR)
         if m0 >= gl.load(cu_seqlens_q + b + 1) - gl.load(cu_seqlens_q + b):
             return
     dtype: gl.constexpr = q_desc.dtype
+    CONSUMERS: gl.constexpr = cfg.CONSUMERS
+    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
     # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor); `slot` views them 2-D
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, BLOCK_M // CONSUMERS, 1, HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 1, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, 1, HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, cfg.ROWS, 1, cfg.HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, cfg.BLOCK_N, 1, cfg.HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, cfg.BLOCK_N, 1, cfg.HEAD_D], v_desc.layout)
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -334,41 +353,21 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
         mbarrier.init(k_empty.index(i), count=CONSUMERS)   # one arrival per consumer warpgroup
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
-
-    # Runtime arguments travel as tuples; constexprs one by one (Gluon passes constexprs given through a tuple as
-    # tensors, and a partition's (function, arguments) pair only as written in the list).
-    consumer = (q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, turn, o_desc, Out, Lse,
-                cu_seqlens_q, cu_seqlens_k, stride_out_row, stride_lse_b, stride_lse_h, seqlen_q, seqlen_k, head_dim,
-                scale, window_left, window_right)
-    loader = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty,
-              cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, group, window_left, window_right)
-    if CONSUMERS == 3:
-        gl.warp_specialize([
-            (_consumer, (consumer, 0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                         OVERLAP, PINGPONG, QUERY_MAJOR)),
-            (_consumer, (consumer, 1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                         OVERLAP, PINGPONG, QUERY_MAJOR)),
-            (_consumer, (consumer, 2, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                         OVERLAP, PINGPONG, QUERY_MAJOR)),
-            (_loader, (loader, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                       QUERY_MAJOR)),
-        ], [CONSUMER_WARPS, CONSUMER_WARPS, 1], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (consumer, 0, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                         OVERLAP, PINGPONG, QUERY_MAJOR)),
-            (_consumer, (consumer, 1, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                         OVERLAP, PINGPONG, QUERY_MAJOR)),
-            (_loader, (loader, BLOCK_M, BLOCK_N, HEAD_D, NUM_STAGES, VARLEN, TOP_LEFT, HAS_LEFT, HAS_RIGHT,
-                       QUERY_MAJOR)),
-        ], [CONSUMER_WARPS, 1], [CONSUMER_REGS, LOADER_REGS])
+    bufs = Buffers(q_smem, q_ready, Ring(k_smem, k_ready, k_empty, NUM_STAGES),
+                   Ring(v_smem, v_ready, v_empty, NUM_STAGES), turn)
+    mask = Mask(window, MASK)
+    outputs = (o_desc, Out, Lse, strides)
+    gl.warp_specialize(
+        [(_consumer, (cfg, bufs, seqs, mask, outputs, sizes, wg)) for wg in (0, 1, 2)[:CONSUMERS]]
+        + [(_loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc), group))],
+        [CONSUMER_WARPS] * (CONSUMERS - 1) + [1], [C.CONSUMER_REGS] * (CONSUMERS - 1) + [C.LOADER_REGS])
 
 
 # ---- host side -------------------------------------------------------------------------------
-def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int, seqlen_q: int,
-           seqlen_k: int, scale: float, top_left: bool, window_left: int, window_right: int, has_left: bool,
-           has_right: bool, tile):
-    """One launch of attn_fwd_ws_kernel: out (layout of q) and lse ((b, h, s_q) or varlen (h, total_q))."""
+def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int, seqlen_q: int,
+                seqlen_k: int, scale: float, mask: GluonMask, tile) -> tuple[LaunchSpec, object]:
+    """The launch of attn_fwd_ws_kernel for out (layout of q) and lse ((b, h, s_q) or varlen (h, total_q)), and the
+    tensor it writes: out itself, or a copy of it that a descriptor can view (launch copies it back)."""
     d = q.shape[-1]
     group = q.shape[-2] // k.shape[-2]
     rows_per_consumer = tile.block_m // tile.consumers
@@ -376,17 +375,22 @@ def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch
                               for t, rows in ((q, rows_per_consumer), (k, tile.block_n), (v, tile.block_n)))
     target, out_desc = uniform_descriptor(out, varlen, rows_per_consumer)
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
-    cu_q = cu_seqlens_q if varlen else lse
-    cu_k = cu_seqlens_k if varlen else lse
-    box = box_cols(d)   # shared-memory head dim: columns past d read as zeros, never written
     query_tiles = triton.cdiv(seqlen_q, tile.block_m)
     grid = (q.shape[-2], batch, query_tiles) if tile.longest_first else (query_tiles, batch, q.shape[-2])
-    attn_fwd_ws_kernel[grid](
-        q_desc, k_desc, v_desc, out_desc, target, lse, cu_q, cu_k, out_desc.strides[0],   # target's row stride
-        *lse_strides, seqlen_q, seqlen_k, d, group, scale, window_left, window_right,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_D=box, NUM_STAGES=tile.num_stages, VARLEN=varlen,
-        TOP_LEFT=top_left, HAS_LEFT=has_left, HAS_RIGHT=has_right, OVERLAP=tile.overlap, PINGPONG=tile.pingpong,
-        CONSUMER_REGS=tile.consumer_regs, LOADER_REGS=tile.loader_regs, QUERY_MAJOR=tile.longest_first,
-        CONSUMERS=tile.consumers, num_warps=CONSUMER_WARPS.value)
+    constants = Constants(tile.block_m, tile.block_n, out_desc.block_shape[-1], tile.num_stages, tile.consumers,
+                          tile.overlap, tile.pingpong, tile.longest_first, varlen, tile.consumer_regs,
+                          tile.loader_regs)
+    return LaunchSpec(attn_fwd_ws_kernel, grid, dict(
+        q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=out_desc, Out=target, Lse=lse,
+        cu_seqlens_q=cu_seqlens_q if varlen else lse, cu_seqlens_k=cu_seqlens_k if varlen else lse,
+        strides=(out_desc.strides[0], *lse_strides),   # target's row stride
+        sizes=(seqlen_q, seqlen_k, d, group, scale), window=(mask.window_left, mask.window_right),
+        C=constants, MASK=mask.flags), CONSUMER_WARPS.value), target
+
+
+def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, **kwargs):
+    """One launch of attn_fwd_ws_kernel (launch_spec's keywords): out (layout of q) and lse."""
+    spec, target = launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, **kwargs)
+    spec.launch()
     if target is not out:
         out.copy_(target)

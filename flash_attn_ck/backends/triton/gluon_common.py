@@ -8,8 +8,6 @@ The mask follows scores.py's conventions: bottom-right aligned per sequence (`sh
 orientation (the forward's S, the backward's S^T).
 """
 
-from __future__ import annotations
-
 import functools
 
 import torch
@@ -17,11 +15,48 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate
+
+from . import config
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
-# ---- sequences and visible ranges -------------------------------------------------------------
+def aggregate(cls):
+    """Triton's aggregate (a value of named fields that jit functions pass and return as one) with, unless the class
+    writes its own, a constructor taking the fields in their order (constexpr fields from plain values too)."""
+    if "__init__" not in cls.__dict__:
+        fields = cls.__annotations__
+
+        def __init__(self, *values):
+            assert len(values) == len(fields), f"{cls.__name__}: {len(values)} values for fields {list(fields)}"
+            for name, value in zip(fields, values):
+                setattr(self, name, gl.constexpr(value) if fields[name] is gl.constexpr else value)
+        cls.__init__ = gluon.constexpr_function(__init__)
+    return _aggregate(cls)
+
+
+# ---- the call's sequences and mask ----------------------------------------------------------
+@aggregate
+class Sequences:
+    """Where each sequence of the call lies: packed (VARLEN: cu_seqlens) or dense (b * max rows)."""
+    cu_seqlens_q: gl.tensor
+    cu_seqlens_k: gl.tensor
+    seqlen_q: gl.tensor
+    seqlen_k: gl.tensor
+    VARLEN: gl.constexpr
+
+    @gluon.jit
+    def query(self, b):
+        """(first row in the 2-D view, length) of query sequence b."""
+        return sequence(self.cu_seqlens_q, b, self.seqlen_q, self.VARLEN)
+
+    @gluon.jit
+    def key(self, b):
+        """(first row in the 2-D view, length) of key sequence b."""
+        return sequence(self.cu_seqlens_k, b, self.seqlen_k, self.VARLEN)
+
+
 @gluon.jit
 def sequence(cu_seqlens, b, max_len, VARLEN: gl.constexpr):
     """(first row in the 2-D view, length) of sequence b."""
@@ -34,89 +69,126 @@ def sequence(cu_seqlens, b, max_len, VARLEN: gl.constexpr):
     return start, length
 
 
-@gluon.jit
-def query_range(n0, len_q, shift, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Query rows [lo, hi) that see keys [n0, n0 + BLOCK_N); lo is a multiple of BLOCK_M."""
-    lo = 0
-    hi = len_q
-    if HAS_RIGHT:
-        lo = gl.maximum(n0 - shift - right, 0)
-        lo = (lo // BLOCK_M) * BLOCK_M
-    if HAS_LEFT:
-        hi = gl.minimum(n0 + BLOCK_N + left - shift, len_q)
-    return lo, hi
+@aggregate
+class Mask:
+    """The call's mask (the module docstring's conventions): the window bounds `left`/`right` (runtime, >= 0) and
+    its compile-time flags, `flags` of the host's MaskFlags. A new mask kind is a flag there and a rule here."""
+    left: gl.tensor
+    right: gl.tensor
+    TOP_LEFT: gl.constexpr
+    HAS_LEFT: gl.constexpr
+    HAS_RIGHT: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, window, flags):
+        self.left, self.right = window
+        self.TOP_LEFT = gl.constexpr(flags.TOP_LEFT)
+        self.HAS_LEFT = gl.constexpr(flags.HAS_LEFT)
+        self.HAS_RIGHT = gl.constexpr(flags.HAS_RIGHT)
+
+    @gluon.jit
+    def shift(self, len_q, len_k):
+        """The diagonal's offset: 0 top-left, len_k - len_q bottom-right."""
+        return 0 if self.TOP_LEFT else len_k - len_q
+
+    @gluon.jit
+    def query_range(self, n0, len_q, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Query rows [lo, hi) that see keys [n0, n0 + BLOCK_N); lo is a multiple of BLOCK_M."""
+        lo = 0
+        hi = len_q
+        if self.HAS_RIGHT:
+            lo = gl.maximum(n0 - shift - self.right, 0)
+            lo = (lo // BLOCK_M) * BLOCK_M
+        if self.HAS_LEFT:
+            hi = gl.minimum(n0 + BLOCK_N + self.left - shift, len_q)
+        return lo, hi
+
+    @gluon.jit
+    def key_range(self, m0, len_q, len_k, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Keys [lo, hi) that query rows [m0, min(m0 + BLOCK_M, len_q)) see; lo is a multiple of BLOCK_N."""
+        lo = 0
+        hi = len_k
+        if self.HAS_LEFT:
+            lo = gl.maximum(m0 + shift - self.left, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        if self.HAS_RIGHT:
+            hi = gl.minimum(gl.minimum(m0 + BLOCK_M, len_q) + shift + self.right, len_k)
+        return lo, hi
+
+    @gluon.jit
+    def tile_needs_mask(self, m0, n0, len_k, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """False when every (row, key) of rows [m0, m0 + BLOCK_M) x keys [n0, n0 + BLOCK_N) is kept."""
+        partial = n0 + BLOCK_N > len_k
+        if self.HAS_LEFT:
+            partial = partial | (n0 < m0 + BLOCK_M - 1 + shift - self.left)
+        if self.HAS_RIGHT:
+            partial = partial | (n0 + BLOCK_N - 1 > m0 + shift + self.right)
+        return partial
+
+    @gluon.jit
+    def keep(self, rows, cols, len_k, shift):
+        """Whether query `rows` see key `cols` (broadcast elementwise)."""
+        keep = cols < len_k
+        if self.HAS_LEFT:
+            keep = keep & (cols >= rows + shift - self.left)
+        if self.HAS_RIGHT:
+            keep = keep & (cols <= rows + shift + self.right)
+        return keep
 
 
 @gluon.jit
-def key_range(m0, len_q, len_k, shift, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Keys [lo, hi) that query rows [m0, min(m0 + BLOCK_M, len_q)) see; lo is a multiple of BLOCK_N."""
-    lo = 0
-    hi = len_k
-    if HAS_LEFT:
-        lo = gl.maximum(m0 + shift - left, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-    if HAS_RIGHT:
-        hi = gl.minimum(gl.minimum(m0 + BLOCK_M, len_q) + shift + right, len_k)
-    return lo, hi
-
-
-# ---- the mask ---------------------------------------------------------------------------------
-@gluon.jit
-def tile_needs_mask(m0, n0, len_k, shift, left, right, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """False when every (row, key) of rows [m0, m0 + BLOCK_M) x keys [n0, n0 + BLOCK_N) is kept."""
-    partial = n0 + BLOCK_N > len_k
-    if HAS_LEFT:
-        partial = partial | (n0 < m0 + BLOCK_M - 1 + shift - left)
-    if HAS_RIGHT:
-        partial = partial | (n0 + BLOCK_N - 1 > m0 + shift + right)
-    return partial
-
-
-@gluon.jit
-def keep_mask(rows, cols, len_k, shift, left, right, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """Whether query `rows` see key `cols` (broadcast elementwise)."""
-    keep = cols < len_k
-    if HAS_LEFT:
-        keep = keep & (cols >= rows + shift - left)
-    if HAS_RIGHT:
-        keep = keep & (cols <= rows + shift + right)
-    return keep
-
-
-@gluon.jit
-def probs_transposed(sT, lse2, scale_log2, offs_m, offs_n, m0, n0, len_k, shift, left, right,
-                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+def probs_transposed(mask, sT, lse2, scale_log2, offs_m, offs_n, m0, n0, len_k, shift, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr):
     """The backward's P^T = exp2(S^T * scale * log2e - lse * log2e) of keys `offs_n` (rows) x queries `offs_m`
     (columns) from raw scores S^T and lse·log2e per query, 0 where the mask drops the pair (checked only on tiles
     that need it)."""
     pT = gl.exp2(sT * scale_log2 - gl.expand_dims(lse2, 0))
-    if tile_needs_mask(m0, n0, len_k, shift, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT):
-        keep = keep_mask(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_k, shift, left, right,
-                         HAS_LEFT, HAS_RIGHT)
+    if mask.tile_needs_mask(m0, n0, len_k, shift, BLOCK_M, BLOCK_N):
+        keep = mask.keep(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_k, shift)
         pT = gl.where(keep, pT, 0.0)
     return pT
 
 
-# ---- a matmul against a ring tile -----------------------------------------------------------------
+# ---- a ring of shared-memory tiles --------------------------------------------------------------
+@aggregate
+class Ring:
+    """STAGES tiles in shared memory, (rows, cols) or (rows, 1, cols) (a descriptor's box of one head), each behind
+    a "ready" mbarrier (its TMA load has landed) and an "empty" one (its readers are done). Step i uses slot
+    i % STAGES in phase (i // STAGES) & 1; rings that are filled and released together share barriers."""
+    bufs: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor
+    empty: gl.shared_memory_descriptor
+    STAGES: gl.constexpr
+
+    @gluon.jit
+    def tile(self, step):
+        """The (rows, cols) tile of step `step`."""
+        return slot(self.bufs, step % self.STAGES)
+
+    @gluon.jit
+    def wait_ready(self, step):
+        mbarrier.wait(self.ready.index(step % self.STAGES), (step // self.STAGES) & 1)
+
+    @gluon.jit
+    def release(self, step):
+        """This reader is done with the slot of `step` (its wgmma reading it has completed)."""
+        mbarrier.arrive(self.empty.index(step % self.STAGES), count=1)
+
+    @gluon.jit
+    def issue_mma(self, a_smem, zero, step):
+        """Issue acc = A B^T (async wgmma, both operands in shared memory) against B = the tile of `step`, once it
+        has landed: the forward's S = Q K^T, the backward's S^T = K Q^T and dP^T = V dO^T."""
+        stage = step % self.STAGES
+        mbarrier.wait(self.ready.index(stage), (step // self.STAGES) & 1)
+        return warpgroup_mma(a_smem, slot(self.bufs, stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
 @gluon.jit
 def slot(buffers, i):
     """Buffer i of a ring of (rows, cols) tiles, or of (rows, 1, cols) tiles (a descriptor's box of one head),
     as a (rows, cols) tile."""
     tile = buffers.index(i)
     return tile.reshape([tile.shape[0], tile.shape[len(tile.shape) - 1]])
-
-
-@gluon.jit
-def issue_ring_mma(a_smem, ring, ready, zero, step, NUM_STAGES: gl.constexpr):
-    """Issue acc = A B^T (async wgmma, both operands in shared memory) against B = the ring tile of `step`,
-    once its "ready" barrier says it has landed: the forward's S = Q K^T, the backward's S^T = K Q^T and
-    dP^T = V dO^T."""
-    stage = step % NUM_STAGES
-    mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1)
-    return warpgroup_mma(a_smem, slot(ring, stage).permute((1, 0)), zero, use_acc=False, is_async=True)
 
 
 # ---- host side: TMA descriptors over 2-D row views ---------------------------------------------
@@ -158,16 +230,11 @@ def _box_layout(box: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)
 
 
-def box_cols(head_dim: int) -> int:
-    """The head dim of a tile in shared memory: the power of two at or above the tensor's."""
-    return 1 << (head_dim - 1).bit_length()
-
-
 def descriptor(t, varlen: bool, block_rows: int, parts: int = 1):
-    """A host TMA descriptor over `t`'s 3-D view (rows, heads, head_dim) with (block_rows, 1, box_cols(head_dim))
-    boxes of one head (coordinates [row, head, 0]): columns past head_dim read as zeros and are not written, so a
-    head dim that is not a power of two is padded in shared memory only. `parts` > 1: boxes of that fraction of
-    the padded columns (coordinates [row, head, first column])."""
+    """A host TMA descriptor over `t`'s 3-D view (rows, heads, head_dim) with (block_rows, 1, head_block(head_dim))
+    boxes of one head (config.head_block; coordinates [row, head, 0]): columns past head_dim read as zeros and are
+    not written, so a head dim that is not a power of two is padded in shared memory only. `parts` > 1: boxes of
+    that fraction of the padded columns (coordinates [row, head, first column])."""
     return _descriptor(t, rows_view(t, varlen), block_rows, parts)
 
 
@@ -180,5 +247,5 @@ def uniform_descriptor(t, varlen: bool, block_rows: int):
 def _descriptor(t, view, block_rows: int, parts: int = 1):
     rows, cols, row_stride = view
     d = t.shape[-1]
-    box = (block_rows, 1, box_cols(d) // parts)
+    box = (block_rows, 1, config.head_block(d) // parts)
     return TensorDescriptor(t, [rows, cols // d, d], [row_stride, d, 1], list(box), _box_layout(box, t.dtype))

@@ -21,10 +21,10 @@ checked against a torch reference on random data:
 Each probe prints one PASS/FAIL line (max abs error, tolerance, timing where meaningful) plus PTX instruction
 counts; a failing probe does not stop the others; the exit status is non-zero if any failed.
 
-On the device (H200, sm_90):   python3 scripts/gluon_probe.py
-Without a GPU:                  python3 scripts/gluon_probe.py --compile-only
+On the device (H200, sm_90):   python3 scripts/lab/gluon_probe.py
+Without a GPU:                  python3 scripts/lab/gluon_probe.py --compile-only
     (compiles every probe kernel for sm_90a and reports the PTX instruction counts, no numerical check)
-Pick probes by name:            python3 scripts/gluon_probe.py rs_wgmma tma_reduce
+Pick probes by name:            python3 scripts/lab/gluon_probe.py rs_wgmma tma_reduce
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flash_attn_ck.backends.triton.bwd_ws_workers import tma_reduce_add
 
 WARPS: gl.constexpr = gl.constexpr(8)   # num_warps of every probe kernel (the default partition's warps)

@@ -3,34 +3,29 @@ an fp32 PyTorch reference (the 2x rule: error <= 2x that of the same math in the
 exactly on the rows with no key), then forward TFLOP/s of each tile variant beside the current Triton
 forward and torch SDPA (flash, cuDNN) in the same process.
 
-    PYTHONPATH=$PWD:$PWD/tests python3 scripts/fwd_ws_check.py [--check-only] [--time-only]
-        [--tiles64 ...] [--tiles128 128x128x2x1x0,128x128x2x1x1] [--tiles256 128x64x2x1x0,...]
+    python3 scripts/lab/fwd_ws_check.py [--check-only] [--time-only] [--tiles BLOCK=TILE[,TILE...]]...
         [--shapes 128:16:16,96:21:21,...] [--seqlens 4096,8192]
 
-A tile is 'BMxBNxSTAGESxOVERLAPxPINGPONG[xLONGEST_FIRST]' (config.FwdWsTile.parse; BM 192: three consumer
-warpgroups), per shared-memory head
-dim (64, 128, 256: d96 and d80 run in the 128 tiles, d192 in the 256 ones). Prints PASS/FAIL per case and a
-TIME line per shape; a variant that fails to compile or run prints its error and the script goes on. Exits non-zero if a
-check fails. Needs an sm_90 GPU.
+Tiles: config.FWD_WS_SM90's (each head block's causal and non-causal tiles), or per head block (config.head_block
+of a head dim: d96 and d80 run in the 128 tiles, d192 in the 256 ones) the list of a --tiles spec, a tile in
+config.FwdWsTile.parse's 'BMxBNxSTAGESxOVERLAPxPINGPONG[xLONGEST_FIRST]' (BM 192: three consumer warpgroups), e.g.
+--tiles 128=128x128x2x1x0,128x128x2x1x1. Every case runs with every tile of its block. Prints PASS/FAIL per case
+and a TIME line per shape; a variant that fails to compile or run prints its error and the script goes on. Exits
+non-zero if a check fails. Needs an sm_90 GPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import traceback
-from pathlib import Path
 
 import torch
 import triton
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ws_reference import attention, each_sequence, make_inputs, mask_args, within_2x
+from ws_reference import arguments, attention, each_sequence, make_inputs, mask_args, tile_spec, within_2x
 
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import TritonBackend, fwd_ws
-from flash_attn_ck.backends.triton.config import FwdWsTile
+from flash_attn_ck.backends.triton.config import FWD_WS_SM90, FwdWsTile, head_block
 
 
 def ws_forward(q, k, v, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max_k=0):
@@ -42,7 +37,7 @@ def ws_forward(q, k, v, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max
     batch = cu_q.numel() - 1 if varlen else q.shape[0]
     s_q, s_k = (max_q, max_k) if varlen else (q.shape[1], k.shape[1])
     fwd_ws.launch(q, k, v, out, lse, cu_q, cu_k, varlen=varlen, batch=batch, seqlen_q=s_q, seqlen_k=s_k,
-                  scale=q.shape[-1] ** -0.5, tile=tile, **mask_args(causal, window))
+                  scale=q.shape[-1] ** -0.5, tile=tile, mask=mask_args(causal, window))
     return out, lse
 
 
@@ -101,7 +96,7 @@ CASES = [   # name, b, h, h_k, s_q, s_k, d, causal, window, varlen lengths, dtyp
 def run_checks(tiles) -> bool:
     ok = True
     for name, b, h, h_k, s_q, s_k, d, causal, window, lens, dtype in CASES:
-        for tile in tiles[triton.next_power_of_2(d)]:
+        for tile in tiles[head_block(d)]:
             try:
                 ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, lens, dtype)
             except Exception as e:  # a failing variant is reported and the others still run
@@ -144,22 +139,18 @@ def time_case(b, h, h_k, s, d, causal, tiles):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--check-only", action="store_true")
-    ap.add_argument("--time-only", action="store_true")
-    ap.add_argument("--tiles128", default="128x128x2x1,128x128x2x0")
-    ap.add_argument("--tiles64", default="128x128x2x1,128x128x2x0")
-    ap.add_argument("--tiles256", default="128x64x2x1x0,128x64x2x1x1")
+    ap = arguments()
     ap.add_argument("--seqlens", default="4096,8192", help="timed lengths (b = 16384 / s)")
     ap.add_argument("--shapes", default="128:16:16,64:32:32,128:32:8", help="timed d:h:h_k (h = 2048 / d)")
     args = ap.parse_args()
-    tiles = {d: [FwdWsTile.parse(t) for t in getattr(args, f"tiles{d}").split(",")] for d in (64, 128, 256)}
+    tiles = tile_spec(args.tiles, {block: by_causal.values() for block, by_causal in FWD_WS_SM90.items()},
+                      FwdWsTile.parse)
     ok = True if args.time_only else run_checks(tiles)
     if not args.check_only:
         for d, h, h_k in (map(int, shape.split(":")) for shape in args.shapes.split(",")):
             for s in map(int, args.seqlens.split(",")):
                 for causal in (False, True):
-                    time_case(16384 // s, h, h_k, s, d, causal, tiles[triton.next_power_of_2(d)])
+                    time_case(16384 // s, h, h_k, s, d, causal, tiles[head_block(d)])
     sys.exit(0 if ok else 1)
 
 

@@ -1,12 +1,37 @@
-"""What the checks of the warp-specialised kernels share (scripts/bwd_ws_check.py, scripts/fwd_ws_check.py): a
-case's inputs, the kernels' mask arguments of a flash-attn (causal, window_size) pair, attention in plain
-PyTorch in a chosen dtype, one sequence at a time (bottom-right aligned masks, as the kernels), and the 2x rule."""
+"""What the checks of the warp-specialised kernels share (scripts/lab/bwd_ws_check.py, scripts/lab/fwd_ws_check.py):
+the tiles to run (a tile spec over the config tables), a case's inputs, the kernels' mask of a flash-attn (causal,
+window_size) pair, attention in plain PyTorch in a chosen dtype, one sequence at a time (bottom-right aligned masks,
+as the kernels), and the 2x rule."""
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]   # repo, scripts/
+
+
+def arguments():
+    """The check scripts' common options: --check-only, --time-only and the tile spec (--tiles, for tile_spec)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--check-only", action="store_true")
+    ap.add_argument("--time-only", action="store_true")
+    ap.add_argument("--tiles", action="append", help="BLOCK=TILE[,TILE...] (repeatable): a head block's tiles")
+    return ap
+
+
+def tile_spec(specs, table, parse):
+    """{head block: [tiles]} to check and time: `table`'s ({block: tiles}), with each 'BLOCK=TILE[,TILE...]' of
+    `specs` (TILE as `parse` reads it) replacing its block's list; a head dim runs its config.head_block's list."""
+    tiles = {block: list(dict.fromkeys(default)) for block, default in table.items()}
+    for spec in specs or ():
+        block, _, text = spec.partition("=")
+        tiles[int(block)] = [parse(t) for t in text.split(",")]
+    return tiles
 
 
 def make_inputs(b, h, h_k, s_q, s_k, d, dtype, varlen_lens=None, device="cuda"):
@@ -37,12 +62,12 @@ def within_2x(label, got, ref32, ref_same):
 
 
 def mask_args(causal, window):
-    """The launch arguments of a (causal, window_size) pair: causal is a right bound of 0."""
+    """The kernels' launch.GluonMask of a (causal, window_size) pair: causal is a right bound of 0."""
+    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
     left, right = window
     if causal:
         right = 0
-    return dict(top_left=False, window_left=max(left, 0), window_right=max(right, 0),
-                has_left=left >= 0, has_right=right >= 0)
+    return GluonMask(max(left, 0), max(right, 0), MaskFlags(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0))
 
 
 def attention(q, k, v, causal, window, dtype):

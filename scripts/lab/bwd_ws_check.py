@@ -2,11 +2,13 @@
 against an fp32 PyTorch reference (the 2x rule: error <= 2x that of the same math in bf16) and, for
 timing, against the current Triton backward and torch SDPA (FA2, cuDNN) in the same process.
 
-    python scripts/bwd_ws_check.py [--check-only] [--time-only] [--tiles128 64x128,...] [--tiles64 ...]
+    python scripts/lab/bwd_ws_check.py [--check-only] [--time-only] [--tiles BLOCK=TILE[,TILE...]]...
         [--only REGEX] [--case-timeout SECONDS]
 
-A tile is config.WsTile.parse's 'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xLONGEST_FIRST]]]]]'; the
-checks run each (d128 tile, d64 tile) pair of the two lists, so give them the same length.
+Tiles: config.BWD_WS_SM90's, or per head block (config.head_block of a head dim) the list of a --tiles spec,
+a tile in config.WsTile.parse's 'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xLONGEST_FIRST]]]]]' (a block
+whose table tile splits the head dim keeps bwd_ws_split.py), e.g. --tiles 64=64x64x2x1x4x128,64x64x3x1x4x128.
+Round i checks the i-th tile of every block.
 
 Prints one line per case; exits non-zero if a check fails, with 3 (after a HANG line) if a case has not finished
 within --case-timeout (a deadlocked kernel would otherwise hold the GPU call to its limit). Needs an sm_90 GPU.
@@ -14,22 +16,19 @@ within --case-timeout (a deadlocked kernel would otherwise hold the GPU call to 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
 import re
 import sys
 import threading
-from pathlib import Path
+from dataclasses import replace
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ws_reference import attention, each_sequence, make_inputs, mask_args, within_2x
+from ws_reference import arguments, attention, each_sequence, make_inputs, mask_args, tile_spec, within_2x
 
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import bwd_ws
-from flash_attn_ck.backends.triton.config import BWD_WS_SM90, WsTile
+from flash_attn_ck.backends.triton.config import BWD_WS_SM90, WsTile, head_block
 
 
 def ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max_k=0):
@@ -43,7 +42,7 @@ def ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q=None, cu_k=N
     s_q, s_k = (q.shape[1], k.shape[1]) if not varlen else (max_q, max_k)
     m = mask_args(causal, window)
     bwd_ws.launch(q, k, v, dout, lse, delta, dq_acc, dk, dv, cu_q, cu_k, varlen=varlen, batch=batch, seqlen_q=s_q,
-                  seqlen_k=s_k, scale=scale, tile=tile, **m)
+                  seqlen_k=s_k, scale=scale, tile=tile, mask=m)
     return dq_acc.to(q.dtype), dk, dv
 
 
@@ -91,73 +90,72 @@ def _hang(name, seconds):
     os._exit(3)
 
 
+# (name, b, h, h_k, s_q, s_k, d, causal, window, varlen (len_q, len_k) pairs or None, dtype)
+CASES = [
+    ("dense d128 s256", 2, 4, 4, 256, 256, 128, False, (-1, -1), None, torch.bfloat16),
+    ("dense d128 s200 (partial tiles)", 2, 4, 4, 200, 200, 128, False, (-1, -1), None, torch.bfloat16),
+    ("causal d128 s384", 2, 4, 4, 384, 384, 128, True, (-1, -1), None, torch.bfloat16),
+    ("causal s_q 100 != s_k 300", 2, 4, 4, 100, 300, 128, True, (-1, -1), None, torch.bfloat16),
+    ("causal s_q 300 != s_k 100", 2, 4, 4, 300, 100, 128, True, (-1, -1), None, torch.bfloat16),
+    ("window (64, 32) d128", 2, 4, 4, 384, 384, 128, False, (64, 32), None, torch.bfloat16),
+    ("gqa 8/2 causal", 2, 8, 2, 256, 256, 128, True, (-1, -1), None, torch.bfloat16),
+    ("gqa 8/1 (mqa)", 1, 8, 1, 256, 256, 128, False, (-1, -1), None, torch.bfloat16),
+    ("gqa 8/4", 1, 8, 4, 256, 256, 128, True, (-1, -1), None, torch.bfloat16),
+    ("fp16 causal", 2, 4, 4, 256, 256, 128, True, (-1, -1), None, torch.float16),
+    ("d64 causal", 2, 4, 4, 384, 384, 64, True, (-1, -1), None, torch.bfloat16),
+    ("varlen causal gqa", 0, 4, 2, 0, 0, 128, True, (-1, -1), [(100, 100), (0, 50), (257, 300), (64, 0), (130, 70)],
+     torch.bfloat16),
+    ("varlen d64", 0, 4, 4, 0, 0, 64, False, (-1, -1), [(200, 130), (1, 1), (129, 255)], torch.bfloat16),
+    # head dims padded to 128 in shared memory
+    ("d96 causal gqa 8/2 s300", 2, 8, 2, 300, 300, 96, True, (-1, -1), None, torch.bfloat16),
+    ("d96 varlen window (64, 32)", 0, 4, 2, 0, 0, 96, False, (64, 32), [(100, 100), (0, 50), (257, 300)],
+     torch.bfloat16),
+    ("d80 dense s_q 100 != s_k 333", 2, 4, 4, 100, 333, 80, False, (-1, -1), None, torch.bfloat16),
+    # head dims above 128: the split kernel (bwd_ws_split.py)
+    ("d256 dense s200 (partial tiles)", 2, 4, 4, 200, 200, 256, False, (-1, -1), None, torch.bfloat16),
+    ("d256 causal gqa 8/2 s384", 2, 8, 2, 384, 384, 256, True, (-1, -1), None, torch.bfloat16),
+    ("d256 window (64, 32) s_q 300 != s_k 200", 2, 4, 4, 300, 200, 256, False, (64, 32), None, torch.bfloat16),
+    ("d192 varlen causal gqa, empty sequences", 0, 4, 2, 0, 0, 192, True, (-1, -1),
+     [(100, 100), (0, 50), (257, 300), (64, 0)], torch.bfloat16),
+]
+
+
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--check-only", action="store_true")
-    ap.add_argument("--time-only", action="store_true")
-    ap.add_argument("--tiles128", default=str(BWD_WS_SM90[128]))
-    ap.add_argument("--tiles64", default=str(BWD_WS_SM90[64]))
+    ap = arguments()
     ap.add_argument("--peers", default="triton-one-launch,sdpa_flash,sdpa_cudnn", help="timed beside the tiles")
     ap.add_argument("--only", default="", help="run the check cases whose name matches this regex")
     ap.add_argument("--case-timeout", type=float, default=180.0, help="seconds a check case may take, compiling")
     ap.add_argument("--shapes", default="128:16:16:8192,128:32:8:8192,64:32:32:8192,128:16:16:2048",
                     help="timed shapes d:h:h_k:s, each causal and not (b = 16384 / s)")
     args = ap.parse_args()
-    tiles = {d: [WsTile.parse(t) for t in getattr(args, f"tiles{d}").split(",")] for d in (64, 128)}
-    tiles[96] = tiles[128]   # d96 runs in the d128 tiles (padded in shared memory)
-    tiles[256] = tiles[192] = [BWD_WS_SM90[256]]   # bwd_ws_split.py (d192 padded to 256)
+    tiles = tile_spec(args.tiles, {block: [tile] for block, tile in BWD_WS_SM90.items()}, WsTile.parse)
+    for block, listed in tiles.items():   # bwd_ws_split's blocks keep it
+        table = BWD_WS_SM90.get(block)
+        tiles[block] = [replace(t, split_d=table.split_d, mma_regs=table.mma_regs) if table else t for t in listed]
+    blocks = sorted(tiles)
     ok = True
-    # Round i checks the i-th d128 and d64 tiles (a list that runs out leaves its head dims to the other rounds) and,
-    # in the first round, the split kernel's head dims.
-    rounds = [] if args.time_only else list(itertools.zip_longest(tiles[128], tiles[64]))
-    for round_index, (t128, t64) in enumerate(rounds):
-        print(f"-- checks with d128 tile {t128}, d64 tile {t64}")
-        cases = [
-            ("dense d128 s256", 2, 4, 4, 256, 256, 128, False, (-1, -1), None),
-            ("dense d128 s200 (partial tiles)", 2, 4, 4, 200, 200, 128, False, (-1, -1), None),
-            ("causal d128 s384", 2, 4, 4, 384, 384, 128, True, (-1, -1), None),
-            ("causal s_q 100 != s_k 300", 2, 4, 4, 100, 300, 128, True, (-1, -1), None),
-            ("causal s_q 300 != s_k 100", 2, 4, 4, 300, 100, 128, True, (-1, -1), None),
-            ("window (64, 32) d128", 2, 4, 4, 384, 384, 128, False, (64, 32), None),
-            ("gqa 8/2 causal", 2, 8, 2, 256, 256, 128, True, (-1, -1), None),
-            ("gqa 8/1 (mqa)", 1, 8, 1, 256, 256, 128, False, (-1, -1), None),
-            ("gqa 8/4", 1, 8, 4, 256, 256, 128, True, (-1, -1), None),
-            ("d64 causal", 2, 4, 4, 384, 384, 64, True, (-1, -1), None),
-            ("varlen causal gqa", 0, 4, 2, 0, 0, 128, True, (-1, -1),
-             [(100, 100), (0, 50), (257, 300), (64, 0), (130, 70)]),
-            ("varlen d64", 0, 4, 4, 0, 0, 64, False, (-1, -1), [(200, 130), (1, 1), (129, 255)]),
-            # head dims padded to 128 in shared memory
-            ("d96 causal gqa 8/2 s300", 2, 8, 2, 300, 300, 96, True, (-1, -1), None),
-            ("d96 varlen window (64, 32)", 0, 4, 2, 0, 0, 96, False, (64, 32), [(100, 100), (0, 50), (257, 300)]),
-            ("d80 dense s_q 100 != s_k 333", 2, 4, 4, 100, 333, 80, False, (-1, -1), None),
-            # head dims above 128: the split kernel (bwd_ws_split.py)
-            ("d256 dense s200 (partial tiles)", 2, 4, 4, 200, 200, 256, False, (-1, -1), None),
-            ("d256 causal gqa 8/2 s384", 2, 8, 2, 384, 384, 256, True, (-1, -1), None),
-            ("d256 window (64, 32) s_q 300 != s_k 200", 2, 4, 4, 300, 200, 256, False, (64, 32), None),
-            ("d192 varlen causal gqa, empty sequences", 0, 4, 2, 0, 0, 192, True, (-1, -1),
-             [(100, 100), (0, 50), (257, 300), (64, 0)]),
-        ]
-        for name, b, h, h_k, s_q, s_k, d, causal, window, lens in cases:
-            t = t64 if d <= 64 else t128 if d <= 128 else tiles[256][0] if round_index == 0 else None
-            if t is None or not re.search(args.only, name):
+    rounds = [] if args.time_only else list(itertools.zip_longest(*(tiles[block] for block in blocks)))
+    for round_tiles in rounds:
+        print("-- checks with " + ", ".join(f"d{block} tile {t}" for block, t in zip(blocks, round_tiles)))
+        for name, b, h, h_k, s_q, s_k, d, causal, window, lens, dtype in CASES:
+            tile = round_tiles[blocks.index(head_block(d))] if head_block(d) in blocks else None
+            if tile is None or not re.search(args.only, name):
                 continue
             watchdog = threading.Timer(args.case_timeout, _hang, (name, args.case_timeout))
             watchdog.start()
             try:
-                ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, t, lens)
+                ok &= check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, lens, dtype)
             except Exception as e:
                 ok = False
                 print(f"FAIL {name}: {type(e).__name__}: {str(e)[:600]}", flush=True)
             finally:
                 watchdog.cancel()
-        if t128 is not None:
-            ok &= check("fp16 causal", 2, 4, 4, 256, 256, 128, True, (-1, -1), t128, None, torch.float16)
     if not args.check_only:
         peers = [p for p in args.peers.split(",") if p]
         for shape in args.shapes.split(","):
             d, h, h_k, s = map(int, shape.split(":"))
             for causal in (False, True):
-                time_case(16384 // s, h, h_k, s, d, causal, tiles[d], peers)
+                time_case(16384 // s, h, h_k, s, d, causal, tiles[head_block(d)], peers)
     sys.exit(0 if ok else 1)
 
 

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The next tiles to try on the GPU, checked and timed beside the defaults: run by `bash scripts/device.sh candidates`
+# (from the repository root, logs to $OUT, each step under device.sh's `limit`). Edit the lists here; the decisions
+# they lead to go into config.py and their numbers into docs/triton.md §Tuning rounds.
+#   forward (400 s): three consumer warpgroups (192 query rows, FA3's d64 shape; at d128 with 64 key rows) and three
+#     K/V stages (d128: 225 KB of shared memory) -> candidates-fwd.log
+#   backward (200 s): deeper Q/dO and dQ rings on the two-CTAs d64 tile (three stages, two dQ buffers: up to 108 KB a
+#     CTA) -> candidates-bwd.log
+set -u
+limit 400 python3 scripts/lab/fwd_ws_check.py \
+  --tiles 64=128x128x2x1x0,128x128x2x1x1,192x128x2x0x0,192x128x2x0x1,128x128x3x1x0 \
+  --tiles 128=128x128x2x1x0,128x128x2x1x1,128x128x3x1x0,128x128x3x1x1,192x64x2x0x0 --tiles 256=128x64x2x1x0 \
+  --shapes 64:32:32,128:16:16,128:32:8 --seqlens 2048,8192 2>&1 | tee "$OUT/candidates-fwd.log" \
+  | grep -E "^(PASS|FAIL|TIME|ERROR)"
+limit 200 python3 scripts/lab/bwd_ws_check.py --case-timeout 120 \
+  --tiles 64=64x64x2x1x4x128,64x64x3x1x4x128,64x64x2x2x4x128,64x64x3x2x4x128 --peers sdpa_cudnn \
+  --shapes 64:32:32:8192,64:32:32:2048 2>&1 | tee "$OUT/candidates-bwd.log" | grep -E "^(PASS|FAIL|TIME|HANG|ERROR)"
