@@ -21,7 +21,9 @@ from .prepare import prepare, prepared_backend
 from .rows import fill_all_outside_sequences
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions):
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
+                      rng_state: torch.Tensor | None = None):
+    """`rng_state`: with dropout, the keep pattern of this `[seed, offset]` (checked by the caller); None draws one."""
     # ---- validate and choose the backend before allocating anything ------------------------------
     call = prepare(q, k, v, options)
     problem = call.problem
@@ -31,7 +33,10 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
                             f"flash_attn_ck cannot materialise (use backend='reference' or 'triton', or dropout_p=0)")
 
     # ---- outputs -------------------------------------------------------------------------------
-    rng_state = new_rng_state(q.device) if problem.dropout_p > 0 else None
+    if problem.dropout_p == 0:
+        rng_state = None
+    elif rng_state is None:
+        rng_state = new_rng_state(q.device)
     params = kernel_params(problem, q, k, v, options, rng_state)
     out = torch.empty(params.q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(problem.lse_shape, dtype=problem.accum_dtype, device=q.device)
