@@ -227,6 +227,7 @@ def test_use_backend_applies_to_memoised_calls(counted):
 
 # ---- GPU: no host-device synchronisation anywhere on the Triton path ---------------------------------
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 @pytest.mark.parametrize("seqlen", [128, 512, 2048])
