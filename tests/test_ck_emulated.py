@@ -16,6 +16,9 @@ import dataclasses
 import pytest
 import torch
 from ck_emulator import EmulatedCkLibrary, Memory, OutOfBounds, TrackAllocations
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_edge_cases import EMPTY_SEQUENCE_LAYOUTS, SETTINGS, check_rows_outside_sequences
 
 import flash_attn_ck as fa
 from cases import check_case, check_mask_kind, make_inputs, mask_kind_grid
@@ -117,6 +120,15 @@ def test_varlen_grid(name):
 def test_every_declared_mask_kind_matches_the_oracle(kind, seqlens):
     """Each mask kind the CK backend declares, as the emulated kernels read it from mask_type/left/right."""
     check_mask_kind(emulated(), kind, seqlens)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(**EMPTY_SEQUENCE_LAYOUTS, cap_fraction=st.sampled_from([None, 0.5, 0.3]))
+def test_varlen_layouts_with_empty_sequences(lengths, extra_q, extra_k, heads, causal, exact_max, cap_fraction):
+    # Whole calls and chunks under a cap: a side with no rows launches nothing (an empty grid is an invalid
+    # launch; a chunk of query-empty sequences would hand CK NULL q/dout pointers), and every output is written.
+    check_rows_outside_sequences(emulated(), torch.float16, lengths, extra_q, extra_k, heads, causal, exact_max,
+                                 cap_fraction)
 
 
 def test_deterministic_is_bit_identical():

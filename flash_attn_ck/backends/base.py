@@ -104,4 +104,4 @@ class Backend(abc.ABC):
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
         """Fill `workspace['softmax_d']` and dq; dk/dv, or the expanded buffers when the plan says
         `reduce_expanded_kv` (then `dk`/`dv` are left for the pipeline's group sum). The pipeline
-        calls it only when the call has query rows."""
+        calls it only when the call (or chunk) has query rows and key rows."""
