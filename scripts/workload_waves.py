@@ -1,6 +1,6 @@
 """Where the warp-specialised kernels spend an H200 on the training-shaped workloads: a model, not a measurement.
 
-Built on scripts/wave_schedule.py's list scheduling (CTAs start in grid order on the SM that frees first, one
+Built on scripts/lab/wave_schedule.py's list scheduling (CTAs start in grid order on the SM that frees first, one
 CTA per SM): a CTA runs for its steps (tiles it walks, times query heads) at the dense kernels' measured rate
 per SM, and a CTA that has no work (a varlen tile past its sequence) costs `exit_us`. Per workload of
 scripts/bench_workloads.py (full sizes, seed 0; the short rows at d128, as if bwd_ws ran them) it prints:
