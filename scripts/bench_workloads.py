@@ -159,12 +159,12 @@ def _heads(h: int, h_k: int) -> str:
 
 def inputs(w: Workload, device: torch.device, seed: int = 0):
     """(q, k, v) leaves and the runner's varlen argument (None for a dense batch)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     rows = (sum(w.lengths),) if w.packed else (len(w.lengths), w.lengths[0])
 
     def leaf(heads):
-        t = torch.randn(*rows, heads, w.head_dim, generator=gen, dtype=torch.float32)
-        return t.to(device=device, dtype=torch.bfloat16).requires_grad_()
+        t = torch.randn(*rows, heads, w.head_dim, generator=gen, device=device, dtype=torch.float32)
+        return t.to(torch.bfloat16).requires_grad_()
     q, k, v = leaf(w.heads), leaf(w.kv_heads), leaf(w.kv_heads)
     if not w.packed:
         return (q, k, v), None
