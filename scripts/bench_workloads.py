@@ -203,9 +203,12 @@ def run(args) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     ours = args.ours or ("triton" if cuda else "reference")
     peers = [p for p in args.peers.split(",") if p and p != ours]
-    versions = dict(torch=torch.__version__)
-    if cuda and (fa4 := fa4_version(peers)):
-        versions["flash_attn_4"] = fa4
+    versions, unavailable = dict(torch=torch.__version__), {}
+    if cuda and "fa4" in peers:     # kept as a column whose rows say why it is empty
+        if fa4 := fa4_version(list(peers)):
+            versions["flash_attn_4"] = fa4
+        else:
+            unavailable["fa4"] = "flash_attn.cute does not import here"
     sizes = TINY if args.tiny or not cuda else FULL
     families = args.families.split(",")
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name() if cuda else "cpu",
@@ -216,7 +219,8 @@ def run(args) -> dict:
     for w in workloads(sizes, args.seed):
         if w.family not in families:
             continue
-        measured = {peer: measure(w, peer, device) for peer in (ours, *peers)}
+        measured = {peer: dict(skipped=unavailable[peer]) if peer in unavailable else measure(w, peer, device)
+                    for peer in (ours, *peers)}
         row = dict(dataclasses.asdict(w), pairs=w.pairs, peers=measured, ratios=ratios(measured, ours))
         results.append(row)
         cells = " ".join(f"{p}={r['step_tflops']:.0f}" if "step_tflops" in r else f"{p}=-"
