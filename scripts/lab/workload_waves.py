@@ -12,8 +12,8 @@ scripts/bench_workloads.py (full sizes, seed 0; the short rows at d128, as if bw
 - deterministic causal: today's order (key tiles start ascending and add into each dQ tile in ascending
   order) against the causal direction (descending, FA3/FA4), by an event model of the semaphore waits.
 
-    python scripts/workload_waves.py [--exit-us 1.0] [--json out.json]
-    python scripts/workload_waves.py --measure-exit      (on a GPU: what an exiting CTA costs, from empty sequences)
+    python scripts/lab/workload_waves.py [--exit-us 1.0] [--json out.json]
+    python scripts/lab/workload_waves.py --measure-exit      (on a GPU: what an exiting CTA costs, from empty sequences)
 """
 
 from __future__ import annotations
@@ -25,18 +25,14 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_workloads import FULL, Workload, workloads
+from wave_schedule import makespan
 
 from flash_attn_ck.backends.triton import config
 from flash_attn_ck.backends.triton.varlen_schedule import TileWalk, item_steps, schedule_bound, schedule_model
-
-try:
-    from wave_schedule import makespan
-except ImportError:    # the wave model may live under scripts/lab/
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))
-    from wave_schedule import makespan
 
 MiB = 2 ** 20
 
@@ -94,7 +90,7 @@ def scheduled(lengths, walk: TileWalk, per_item: float, fixed: float, heads: int
 
 
 def masked_share(w: Workload, walk: TileWalk) -> float:
-    """Share of the forward's (query tile, key tile) steps that need the mask (gluon_common.tile_needs_mask)."""
+    """Share of the forward's (query tile, key tile) steps that need the mask (gluon_common.Mask.tile_needs_mask)."""
     masked = total = 0
     left, right = walk.left, walk.right
     for n in set(w.lengths):
