@@ -114,6 +114,9 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
     operands = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse))
     for name, t in operands:
         check_tensor(name, t)
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv), ("rng_state", rng_state)):     # the op's schema takes
+        if t is not None:                                                               # tensors or None only
+            check_tensor(name, t)
     check_real_devices((("q", q), *operands, ("dq", dq), ("dk", dk), ("dv", dv), ("cu_seqlens_q", cu_seqlens_q),
                         ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes), ("rng_state", rng_state)))
     if dq is None and dk is None and dv is None:

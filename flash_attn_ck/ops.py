@@ -246,7 +246,7 @@ class _Attention(torch.autograd.Function):
             # create_graph=True: the gradients are not differentiable (flash-attn's backward is not either).
             # Rather than returning dq/dk/dv without a graph (a silent zero second-order term), they carry a
             # node that raises when anything differentiates through them.
-            dq, dk, dv = _not_twice_differentiable(dq, dk, dv)
+            dq, dk, dv = _not_twice_differentiable((dq, dk, dv), (q, k, v, dout))
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
@@ -255,16 +255,19 @@ DOUBLE_BACKWARD_MESSAGE = (
     "through create_graph=True, is not supported; flash-attn's is not either)")
 
 
-def _not_twice_differentiable(*grads):
+def _not_twice_differentiable(grads, sources):
     """`grads` behind torch's DelayedError node (what `once_differentiable` uses): backpropagating through
-    them raises DOUBLE_BACKWARD_MESSAGE; using their values is fine."""
-    error = torch._C._functions.DelayedError(DOUBLE_BACKWARD_MESSAGE, len(grads))
+    them raises DOUBLE_BACKWARD_MESSAGE; using their values is fine. The node also takes `sources` (what the
+    gradients depend on: q, k, v, dout), so it lies on every path from a gradient to them: an
+    `autograd.grad(..., inputs)` reaches it and raises too, rather than finding no path and answering None
+    (`allow_unused`) or zero (gradgradcheck), as it would with the gradients' detached copies alone."""
+    error = torch._C._functions.DelayedError(DOUBLE_BACKWARD_MESSAGE, len(grads) + len(sources))
     detached = []
     for g in grads:
         g = g.detach()
         g.requires_grad_(True)
         detached.append(g)
-    return error(*detached)
+    return error(*detached, *sources)[:len(grads)]
 
 
 def backward(dout, q, k, v, out, softmax_lse, options: AttentionOptions, rng_state):

@@ -159,12 +159,12 @@ def _heads(h: int, h_k: int) -> str:
 
 def inputs(w: Workload, device: torch.device, seed: int = 0):
     """(q, k, v) leaves and the runner's varlen argument (None for a dense batch)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     rows = (sum(w.lengths),) if w.packed else (len(w.lengths), w.lengths[0])
 
     def leaf(heads):
-        t = torch.randn(*rows, heads, w.head_dim, generator=gen, dtype=torch.float32)
-        return t.to(device=device, dtype=torch.bfloat16).requires_grad_()
+        t = torch.randn(*rows, heads, w.head_dim, generator=gen, device=device, dtype=torch.float32)
+        return t.to(torch.bfloat16).requires_grad_()
     q, k, v = leaf(w.heads), leaf(w.kv_heads), leaf(w.kv_heads)
     if not w.packed:
         return (q, k, v), None
@@ -203,9 +203,12 @@ def run(args) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     ours = args.ours or ("triton" if cuda else "reference")
     peers = [p for p in args.peers.split(",") if p and p != ours]
-    versions = dict(torch=torch.__version__)
-    if cuda and (fa4 := fa4_version(peers)):
-        versions["flash_attn_4"] = fa4
+    versions, unavailable = dict(torch=torch.__version__), {}
+    if cuda and "fa4" in peers:     # kept as a column whose rows say why it is empty
+        if fa4 := fa4_version(list(peers)):
+            versions["flash_attn_4"] = fa4
+        else:
+            unavailable["fa4"] = "flash_attn.cute does not import here"
     sizes = TINY if args.tiny or not cuda else FULL
     families = args.families.split(",")
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name() if cuda else "cpu",
@@ -216,7 +219,8 @@ def run(args) -> dict:
     for w in workloads(sizes, args.seed):
         if w.family not in families:
             continue
-        measured = {peer: measure(w, peer, device) for peer in (ours, *peers)}
+        measured = {peer: dict(skipped=unavailable[peer]) if peer in unavailable else measure(w, peer, device)
+                    for peer in (ours, *peers)}
         row = dict(dataclasses.asdict(w), pairs=w.pairs, peers=measured, ratios=ratios(measured, ours))
         results.append(row)
         cells = " ".join(f"{p}={r['step_tflops']:.0f}" if "step_tflops" in r else f"{p}=-"

@@ -141,3 +141,16 @@ def test_a_cpu_run_writes_json_markdown_and_plot(cpu_run):
         assert cells[:2] == [row["family"], row["name"]]
         assert float(cells[2]) == pytest.approx(row["peers"]["reference"]["step_tflops"], rel=0.06)
     assert stem.with_suffix(".png").stat().st_size > 1000
+
+
+def test_fa4_that_does_not_import_stays_a_column_that_says_why(tmp_path, monkeypatch):
+    """On a CUDA machine without flash_attn.cute every row records FA4 as skipped with the reason, and the
+    markdown says so once for all rows (the kernels themselves are not run here)."""
+    monkeypatch.setattr(bw.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bw.torch.cuda, "get_device_name", lambda: "Fake GPU")
+    monkeypatch.setattr(bw, "fa4_version", lambda names: None)
+    monkeypatch.setattr(bw, "measure", lambda w, peer, device: dict(step_tflops=1.0, fwd_tflops=1.0, bwd_tflops=1.0))
+    report = bw.main(["--out", str(tmp_path), "--families", "packed,long"])
+    assert report["meta"]["peers"] == ["triton", "fa4", "sdpa_cudnn"]
+    assert all(r["peers"]["fa4"] == {"skipped": "flash_attn.cute does not import here"} for r in report["results"])
+    assert "- FA4: flash_attn.cute does not import here (all rows)" in bw.markdown(report)

@@ -38,7 +38,16 @@ import triton.language as tl
 
 from .bwd_dq import query_tile_dq
 from .bwd_epilogue import accumulate_kv
-from .scores import LOG2E, block_needs_mask, dropout_keep, keep_positions, query_range, scores_log2, sequence_bounds
+from .scores import (
+    LOG2E,
+    block_needs_mask,
+    diagonal_shift,
+    dropout_keep,
+    keep_positions,
+    query_range,
+    scores_log2,
+    sequence_bounds,
+)
 from .tiles import add_rows, head_rows, load_rows, row_tiles, store_rows
 
 
@@ -102,7 +111,7 @@ def key_tile_dkdv(
     n0 = n_block * BLOCK_N
     if n0 >= len_k:
         return
-    shift = 0 if F.TOP_LEFT else len_k - len_q
+    shift = diagonal_shift(len_q, len_k, F)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     b64 = b.to(tl.int64)

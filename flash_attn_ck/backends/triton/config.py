@@ -187,8 +187,8 @@ class FwdWsTile:
 
     @classmethod
     def parse(cls, text: str) -> FwdWsTile:
-        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG[xLONGEST_FIRST]]]]' (flags 0 or 1), as scripts/fwd_ws_check.py takes it;
-        BM 192 means three consumer warpgroups."""
+        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG[xLONGEST_FIRST]]]]' (flags 0 or 1), as scripts/lab/fwd_ws_check.py
+        takes it; BM 192 means three consumer warpgroups."""
         names = ("block_m", "block_n", "num_stages", "overlap", "pingpong", "longest_first")
         values = list(map(int, text.split("x")))
         values[3:] = map(bool, values[3:])

@@ -37,12 +37,17 @@ def sequence_bounds(cu_seqlens_ptr, b, max_len, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def diagonal_shift(len_q, len_k, F: tl.constexpr):
+    """Row i's diagonal key is i + shift: the sequence's bottom-right corner, or 0 with F.TOP_LEFT."""
+    return 0 if F.TOP_LEFT else len_k - len_q
+
+
+@triton.jit
 def query_tile_bounds(m_block, b, cu_seqlens_q, cu_seqlens_k, D, BLOCK_M: tl.constexpr, F: tl.constexpr):
     """Query tile m_block of sequence b: (first row m0, q start, q length, k start, k length, diagonal shift)."""
     q_start, len_q = sequence_bounds(cu_seqlens_q, b, D.max_seqlen_q, F.VARLEN)
     k_start, len_k = sequence_bounds(cu_seqlens_k, b, D.max_seqlen_k, F.VARLEN)
-    shift = 0 if F.TOP_LEFT else len_k - len_q
-    return m_block * BLOCK_M, q_start, len_q, k_start, len_k, shift
+    return m_block * BLOCK_M, q_start, len_q, k_start, len_k, diagonal_shift(len_q, len_k, F)
 
 
 @triton.jit
