@@ -416,3 +416,22 @@ def test_compile_fullgraph_captures_the_call():
     """torch.compile(fullgraph=True) traces context_parallel_attn as one custom op (process group by name), and
     the compiled forward and gradients equal eager ones."""
     spawn(_compile_worker, 2)
+
+
+def test_flash_attn_fwd_draws_the_given_rng_state():
+    """The ring's per-call keep patterns rest on `flash_attn_fwd(rng_state=)`: a given state draws one pattern
+    (the same again, another without it), the backward given that state drops the same elements (out is linear
+    in v, so <dout, out> = <dv, v>), and a bad state is refused."""
+    from flash_attn_ck import flash_attn_bwd, flash_attn_fwd
+    q, k, v, dout = _full_inputs(12, 2, 1, b=1)
+    state = torch.tensor([123, 456])
+    out, lse, returned = flash_attn_fwd(q, k, v, dropout_p=0.3, rng_state=state, backend="reference")
+    assert torch.equal(returned, state)
+    assert torch.equal(flash_attn_fwd(q, k, v, dropout_p=0.3, rng_state=state.clone(), backend="reference")[0], out)
+    assert not torch.equal(flash_attn_fwd(q, k, v, dropout_p=0.3, backend="reference")[0], out)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    dq, dk, dv, _ = flash_attn_bwd(dout, q, k, v, out, lse, dropout_p=0.3, rng_state=state, backend="reference")
+    assert (dv * v).sum().item() == pytest.approx((dout * out).sum().item(), rel=1e-10)
+    for bad in ([1, 2], torch.tensor([1, 2, 3]), torch.tensor([1.0, 2.0])):
+        with pytest.raises(ArgumentError, match="rng_state"):
+            flash_attn_fwd(*leaves, dropout_p=0.3, rng_state=bad, backend="reference")

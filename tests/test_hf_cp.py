@@ -1,5 +1,5 @@
 """A Hugging Face model with context-parallel attention by name (flash_attn_ck/integrations/hf.py), on CPU: a
-small randomly initialised Llama (GQA 4/2, float64, no downloaded weights), gloo at world 2 and 3. Its loss and
+small randomly initialised Llama (GQA 4/2, float64, no downloaded weights), gloo at world 2. Its loss and
 every parameter's gradient with CP (each rank its shard; loss and gradients summed over the group) equal the
 same model's with SDPA on the full sequence (to fp32 rounding: transformers takes the loss of fp32 logits)."""
 
@@ -49,6 +49,6 @@ def _worker(rank, world, port):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_llama_loss_and_gradients_equal_with_and_without_cp(world):
-    spawn(_worker, world)
+def test_llama_loss_and_gradients_equal_with_and_without_cp():
+    """World 2 (world 3 passes too; left out to keep the CPU suite short: the attention itself is tested at 2-4)."""
+    spawn(_worker, 2)
