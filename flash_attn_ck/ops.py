@@ -32,6 +32,7 @@ from dataclasses import fields
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .backends.base import Backend
 from .backends.registry import backend_from_key, backend_key
 from .core.options import AttentionOptions
 from .core.problem import pad_head_dim, row_stats_shape
@@ -117,11 +118,11 @@ def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
 # ---- forward -------------------------------------------------------------------------------------
 
 def _forward(q, k, v, options: AttentionOptions):
-    """`fwd`'s results, then the call's AttentionProblem (for the Function's direct backward)."""
-    out, lse, rng_state, probs, problem = attention_forward(q, k, v, options)
+    """`fwd`'s results, then the call's PreparedCall (for the Function's direct backward)."""
+    out, lse, rng_state, probs, prepared = attention_forward(q, k, v, options)
     rng_state = torch.empty(0, dtype=torch.int64, device=q.device) if rng_state is None else rng_state
     # An absent `probs` keeps the dtype a present one has (fp32/fp64, like lse), so the fake matches.
-    return out, lse, rng_state, lse.new_empty(0) if probs is None else probs, problem
+    return out, lse, rng_state, lse.new_empty(0) if probs is None else probs, prepared
 
 
 def _fwd(q, k, v, *options):
@@ -198,16 +199,18 @@ class _Attention(torch.autograd.Function):
     """`fwd` with `out` differentiable; its backward is the `bwd` op (or, eagerly, its implementation).
 
     It takes the flattened options (`_flatten(options, _FWD)`), as dynamo traces a Function's
-    arguments; ctx keeps them as one `AttentionOptions`."""
+    arguments, or eagerly (`_direct`) the validated `AttentionOptions` itself, which saves flattening
+    and unflattening them; ctx keeps them as one `AttentionOptions`."""
 
     @staticmethod
     def forward(ctx, q, k, v, *flat):
-        options = _unflatten(flat, _FWD, checked=True)   # `attention` flattened validated options
+        # `attention` passes validated options, whole or flattened
+        options = flat[0] if len(flat) == 1 else _unflatten(flat, _FWD, checked=True)
         if _direct(q):   # Function.forward runs under no_grad already
-            out, lse, rng_state, probs, ctx.problem = _forward(q, k, v, options)
+            out, lse, rng_state, probs, ctx.prepared = _forward(q, k, v, options)
         else:
-            out, lse, rng_state, probs = _fwd_op(q, k, v, *flat)
-            ctx.problem = None
+            out, lse, rng_state, probs = _fwd_op(q, k, v, *(_flatten(options, _FWD) if len(flat) == 1 else flat))
+            ctx.prepared = None
         # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
         # non-differentiable instead of having their gradients silently dropped.
         ctx.mark_non_differentiable(lse, rng_state, probs)
@@ -230,10 +233,10 @@ class _Attention(torch.autograd.Function):
         # The saved tensors, not ctx.options' own: autograd checks that they were not modified in place.
         options = ctx.options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                               alibi_slopes=alibi_slopes)
-        if ctx.problem is not None and _direct(q) and not torch.is_grad_enabled():   # create_graph: the op
+        if ctx.prepared is not None and _direct(q) and not torch.is_grad_enabled():   # create_graph: the op
             rng = rng_state if rng_state.numel() else None
             dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, rng,
-                                               problem=ctx.problem)
+                                               prepared=ctx.prepared)
         else:
             dq, dk, dv, _ = _bwd_op(dout, q, k, v, out, lse, *_flatten(options, _COMMON), rng_state,
                                     *_flatten(options, _BWD_TAIL[:1]))
@@ -276,6 +279,12 @@ def backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options: Attentio
 
 def attention(q, k, v, options: AttentionOptions):
     """The forward -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out`."""
+    if _direct(q):
+        if not (options.backend is None or isinstance(options.backend, (str, Backend))):
+            backend_key(options.backend)     # raises the error the flattening would: naming `backend`
+        if not torch.is_grad_enabled():    # nothing to differentiate: the Function would add only its cost
+            return _forward(q, k, v, options)[:4]
+        return _Attention.apply(q, k, v, options)
     # Dynamo cannot trace a Function given one tensor twice (self-attention on one tensor, shared
     # cu_seqlens): repeats become views, which change nothing else (gradients flow through them).
     q, k, v, cu_seqlens_q, cu_seqlens_k = _distinct(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k)

@@ -11,6 +11,7 @@ allocated during one backward minus what was allocated before it.
 Writes bench/<gpu>-<date>.{json,md,png}. `--warm-only` runs each forward and backward once and times
 nothing: run in another process beforehand, it fills the on-disk compile caches of FlexAttention
 (Inductor) and Triton, so that the timed run does not spend its device minutes compiling.
+Its runners (varlen, windows, deterministic) and timing (`time_passes`) also serve scripts/bench_workloads.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import math
 import platform
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,15 +47,43 @@ def flops(b, h, s, d, causal, backward):
 
 
 # ---- runners: each returns a forward callable producing an output that backward can use ----------
-def make_runner(name, q, k, v, causal):
-    """q, k, v: (b, s, h, d) leaves with requires_grad. Returns fwd() -> out (any layout)."""
-    h, h_k = q.shape[2], k.shape[2]
-    if name == "triton":
-        return lambda: fa.flash_attn_func(q, k, v, causal=causal, backend="triton")
-    if name in VARIANTS:   # the backend instance is swapped by measure()
-        return lambda: fa.flash_attn_func(q, k, v, causal=causal, backend="triton")
-    if name == "triton-det":
-        return lambda: fa.flash_attn_func(q, k, v, causal=causal, deterministic=True, backend="triton")
+class Unsupported(Exception):
+    """A peer that cannot run this call (the message says why); reported as skipped, not as an error."""
+
+
+def make_runner(name, q, k, v, causal, *, window=None, deterministic=False, varlen=None):
+    """q, k, v: (b, s, h, d) leaves with requires_grad, or (total, h, d) with `varlen` = (cu_seqlens int32
+    (b + 1,), max_seqlen), the same lengths for queries and keys. `window`: the left window size (bottom-right,
+    right = 0 under causal; None: unbounded). Returns fwd() -> out (any layout). Raises Unsupported."""
+    h, h_k = q.shape[-2], k.shape[-2]
+    window_size = (-1, -1) if window is None else (window, 0 if causal else -1)
+    if name in ("triton", "reference", "triton-det") or name in VARIANTS:   # a variant's backend is set by measure()
+        backend = "reference" if name == "reference" else "triton"
+        deterministic = deterministic or name == "triton-det"
+        if varlen is not None:
+            cu, longest = varlen
+            return lambda: fa.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal,
+                                                     window_size=window_size, deterministic=deterministic,
+                                                     backend=backend)
+        return lambda: fa.flash_attn_func(q, k, v, causal=causal, window_size=window_size,
+                                          deterministic=deterministic, backend=backend)
+    if name == "fa4":
+        from flash_attn.cute.interface import flash_attn_func as fa4
+        from flash_attn.cute.interface import flash_attn_varlen_func as fa4_varlen
+        fa4_window = (window, 0 if causal else None) if window is not None else (None, None)
+
+        def first(o):
+            return o[0] if isinstance(o, tuple) else o
+        if varlen is not None:
+            cu, longest = varlen
+            return lambda: first(fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                            max_seqlen_k=longest, causal=causal, window_size=fa4_window,
+                                            deterministic=deterministic))
+        return lambda: first(fa4(q, k, v, causal=causal, window_size=fa4_window, deterministic=deterministic))
+    if varlen is not None or window is not None:
+        raise Unsupported(f"{name}: no varlen or sliding-window call through this runner")
+    if deterministic:
+        raise Unsupported(f"{name}: no deterministic mode through this runner")
     if name.startswith("sdpa_"):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         kind = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -72,13 +102,6 @@ def make_runner(name, q, k, v, causal):
         mask = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
         return lambda: compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
                                 enable_gqa=h != h_k)
-    if name == "fa4":
-        from flash_attn.cute.interface import flash_attn_func as fa4
-
-        def run():
-            o = fa4(q, k, v, causal=causal)
-            return o[0] if isinstance(o, tuple) else o
-        return run
     raise ValueError(name)
 
 
@@ -117,25 +140,78 @@ def _measure(name, b, h, h_k, s, d, causal, warm_only):
     q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(b, s, h_k, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(b, s, h_k, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    fwd = make_runner(name, q, k, v, causal)
-    out = fwd()
-    dout = torch.randn_like(out)
-    bwd = lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-    bwd()
-    torch.cuda.synchronize()
+    timed = time_passes(make_runner(name, q, k, v, causal), (q, k, v), warm_only=warm_only)
     if warm_only:
-        return dict(warm_only=True)
+        return timed
+    return dict(timed, fwd_tflops=flops(b, h, s, d, causal, False) / timed["fwd_ms"] / 1e9,
+                bwd_tflops=flops(b, h, s, d, causal, True) / timed["bwd_ms"] / 1e9)
+
+
+def time_ms(fn, device: torch.device) -> float:
+    """Median milliseconds of fn(): triton's do_bench on CUDA, the wall clock of one run elsewhere (CPU runs
+    check the benchmark's bookkeeping, not speed)."""
+    if device.type == "cuda":
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def peak_extra_mib(fn, device: torch.device) -> float | None:
+    """Peak memory allocated while fn() runs (its result included) beyond what was allocated before it, MiB;
+    None where the allocator keeps no statistics (CPU)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    grads = bwd()
+    result = fn()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / MiB
-    del grads
+    del result
+    return peak
+
+
+def time_passes(fwd, leaves, *, step=False, warm_only=False) -> dict:
+    """Times fwd() (no autograd), the backward of one forward's graph (its peak extra memory too) and, with
+    `step`, one forward + backward step and its peak extra memory. Each is run once first (compiles)."""
+    device = leaves[0].device
+    out = fwd()
+    dout = torch.randn_like(out)
+    bwd = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    step_fn = lambda: torch.autograd.grad(fwd(), leaves, dout)
+    bwd()
+    if step:
+        step_fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if warm_only:
+        return dict(warm_only=True)
+    timed = dict(bwd_peak_mib=peak_extra_mib(bwd, device))
+    if step:
+        timed["step_peak_mib"] = peak_extra_mib(step_fn, device)
     with torch.no_grad():
-        t_fwd = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-    t_bwd = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
-    return dict(fwd_ms=t_fwd, bwd_ms=t_bwd, fwd_tflops=flops(b, h, s, d, causal, False) / t_fwd / 1e9,
-                bwd_tflops=flops(b, h, s, d, causal, True) / t_bwd / 1e9, bwd_peak_mib=peak)
+        timed["fwd_ms"] = time_ms(fwd, device)
+    timed["bwd_ms"] = time_ms(bwd, device)
+    if step:
+        timed["step_ms"] = time_ms(step_fn, device)
+    return timed
+
+
+def fa4_version(names: list[str]) -> str | None:
+    """flash-attn-4's version when "fa4" is asked for and importable; otherwise "fa4" is removed from `names`
+    (a note says why)."""
+    if "fa4" not in names:
+        return None
+    try:
+        from importlib.metadata import version
+
+        import flash_attn.cute.interface  # noqa: F401
+        return version("flash-attn-4")
+    except Exception as e:
+        print(f"FA4 not importable ({type(e).__name__}: {e}); skipped")
+        names.remove("fa4")
+        return None
 
 
 def main():
@@ -163,15 +239,8 @@ def main():
         return
     names = args.peers.split(",")
     versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
-    if "fa4" in names:
-        try:
-            from importlib.metadata import version
-
-            import flash_attn.cute.interface  # noqa: F401
-            versions["flash_attn_4"] = version("flash-attn-4")
-        except Exception as e:
-            print(f"FA4 not importable ({type(e).__name__}: {e}); skipped")
-            names.remove("fa4")
+    if fa4 := fa4_version(names):
+        versions["flash_attn_4"] = fa4
     tuned = json.loads(Path(args.tuned).read_text()) if args.tuned and Path(args.tuned).exists() else {}
     shapes = [tuple(int(x) for x in spec.split(":")) for spec in args.shapes.split(",")] if args.shapes \
         else grid(args.quick)

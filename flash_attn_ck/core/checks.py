@@ -88,6 +88,8 @@ def _as_int(value) -> int | None:
 
 def check_number(name: str, value) -> float:
     """A real number (not a bool, string, tensor or None) that is finite; returned as a float."""
+    if type(value) is float and value - value == 0.0:     # the common case, first: runs on every call
+        return value
     if isinstance(value, torch.SymFloat):      # traced by torch.compile: checked when it is concrete
         return value
     if isinstance(value, (bool, str, bytes, torch.Tensor)) or value is None:
@@ -103,6 +105,8 @@ def check_number(name: str, value) -> float:
 
 def check_flag(name: str, value) -> bool:
     """A bool (or an integer 0/1, numpy's bool): `causal`, `deterministic`, `return_attn_probs`."""
+    if value is True or value is False:
+        return value
     if isinstance(value, bool) or type(value).__name__ in ("bool_", "bool"):
         return bool(value)
     if isinstance(value, int) and value in (0, 1):
@@ -138,6 +142,10 @@ MAX_WINDOW_SIDE = 2 ** 31 - 1
 
 def check_window(window_size) -> tuple[int, int]:
     """(left, right), each -1 (unbounded) or an integer in [0, 2**31 - 1]; returned as ints."""
+    if type(window_size) is tuple and len(window_size) == 2 and type(window_size[0]) is int \
+            and type(window_size[1]) is int and -1 <= window_size[0] <= MAX_WINDOW_SIDE \
+            and -1 <= window_size[1] <= MAX_WINDOW_SIDE:       # the common case, first: runs on every call
+        return window_size
     expected = "expected (left, right) with each side an integer, -1 (unbounded) or in [0, 2**31 - 1]"
     try:
         sides = tuple(window_size)
@@ -306,6 +314,11 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, batch: int, total: int, max_se
     if not cu.is_contiguous():
         # Kernels read cu_seqlens as a plain int32 array (CK's seqstart[b]): a strided view would be misread.
         raise ArgumentError(f"{name}: must be contiguous, got stride {cu.stride()}")
+    check_cu_seqlens_values(name, cu, total, max_seqlen)
+
+
+def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_seqlen: int) -> None:
+    """The offsets themselves: read on the CPU only (reading them from a GPU would sync)."""
     if cu.device.type == "cpu":
         values = cu.tolist()
         lengths = [b - a for a, b in itertools.pairwise(values)]

@@ -4,6 +4,11 @@
 was not already run when the options were built, canonicalises causal/window into a `MaskInfo`,
 and returns an `AttentionProblem`. `kernel_params`
 pads the head dim to a multiple of 8 for the kernels (zeros, so scores and outputs are unchanged).
+
+`call_signature` is everything `describe_call` reads, as a hashable key: two calls with equal
+signatures pass the same checks and get equal problems, except for the checks on values
+(`check_values`: cu_seqlens offsets on the CPU), which run on every call. The pipeline memoises
+problems by it (pipeline/prepare.py). A new read in `describe_call` needs its field in the signature.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     checks.check_positive_heads(heads_q)
     checks.check_head_counts(heads_q, heads_k)
     if varlen:
-        if o.cu_seqlens_q is None or o.cu_seqlens_k is None or o.max_seqlen_q is None or o.max_seqlen_k is None:
-            raise ArgumentError("cu_seqlens_q, cu_seqlens_k, max_seqlen_q and max_seqlen_k: "
-                                "varlen calls need all four")
+        missing = [name for name in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+                   if getattr(o, name) is None]
+        if missing:
+            raise ArgumentError(f"{missing[0]}: varlen calls need cu_seqlens_q, cu_seqlens_k, max_seqlen_q and "
+                                f"max_seqlen_k (missing: {', '.join(missing)})")
         checks.check_tensor("cu_seqlens_q", o.cu_seqlens_q, 1)
         batch = o.cu_seqlens_q.numel() - 1
         total_q, total_k = q.shape[0], k.shape[0]
@@ -68,6 +75,31 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
         head_dim=head_dim, dtype=q.dtype, device=q.device, mask=mask, softmax_scale=o.scale_for(head_dim),
         varlen=varlen, total_q=total_q, total_k=total_k, has_alibi=o.alibi_slopes is not None,
         dropout_p=float(o.dropout_p), softcap=float(o.softcap), deterministic=bool(o.deterministic))
+
+
+def _tensor_signature(t: torch.Tensor | None):
+    """What the checks read of a tensor: shape, strides, dtype, device (not its values or address)."""
+    return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
+
+
+def call_signature(q, k, v, options: AttentionOptions) -> tuple | None:
+    """The key of `describe_call`'s result (see the module docstring); None when an operand is not a tensor
+    (describe_call raises the error). Symbolic sizes (torch.compile) make a key that cannot be hashed."""
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        return None
+    o = options
+    return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v),
+            _tensor_signature(o.cu_seqlens_q), _tensor_signature(o.cu_seqlens_k), _tensor_signature(o.alibi_slopes),
+            o.max_seqlen_q, o.max_seqlen_k, o.causal, o.window_size, o.softmax_scale, o.dropout_p, o.softcap,
+            o.deterministic)
+
+
+def check_values(problem: AttentionProblem, options: AttentionOptions) -> None:
+    """The checks of `describe_call` that read values, not signatures: a memoised problem runs them again."""
+    if problem.varlen:
+        for name, cu, total, longest in (("cu_seqlens_q", options.cu_seqlens_q, problem.total_q, options.max_seqlen_q),
+                                         ("cu_seqlens_k", options.cu_seqlens_k, problem.total_k, options.max_seqlen_k)):
+            checks.check_cu_seqlens_values(name, cu, total, longest)
 
 
 def pad_to(t: torch.Tensor, head_dim_padded: int) -> torch.Tensor:

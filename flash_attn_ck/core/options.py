@@ -59,8 +59,7 @@ class AttentionOptions:
         if self.max_workspace_bytes is not None:
             normalised["max_workspace_bytes"] = checks.check_workspace_bytes("max_workspace_bytes",
                                                                             self.max_workspace_bytes)
-        for name, value in normalised.items():
-            object.__setattr__(self, name, value)
+        vars(self).update(normalised)     # frozen: only attribute assignment is blocked
 
     def replace_checked(self, **changes) -> AttentionOptions:
         """`dataclasses.replace(self, **changes)` for changes that an AttentionOptions has already checked and

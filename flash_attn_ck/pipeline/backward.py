@@ -13,7 +13,6 @@ import torch
 
 from ..backends.base import Backend
 from ..core import checks
-from ..core.inputs import describe_call
 from ..core.options import AttentionOptions
 from ..core.plan import WorkspacePlan
 from ..core.problem import AttentionParams, AttentionProblem
@@ -26,23 +25,24 @@ from .chunking import (
     plan_chunks,
     workspace_cap,
 )
-from .rows import fill_outside_sequences
-from .select import select_backend
+from .prepare import PreparedCall, prepare, prepared_backend
+from .rows import fill_all_outside_sequences
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, softmax_lse: torch.Tensor, dq: torch.Tensor | None,
                        dk: torch.Tensor | None, dv: torch.Tensor | None, options: AttentionOptions,
-                       rng_state: torch.Tensor | None, problem: AttentionProblem | None = None):
-    """`problem`: the forward's description of this very call (attention_forward returns it), from a
+                       rng_state: torch.Tensor | None, prepared: PreparedCall | None = None):
+    """`prepared`: the forward's preparation of this very call (attention_forward returns it), from a
     caller that guarantees the operands are the forward's own (the autograd Function: saved tensors,
     and a dout that autograd has matched to out). Validation is then skipped; everyone else leaves
     it None."""
     # ---- validate: everything before any allocation, so a failing call mutates nothing ----------
-    if problem is None:
-        problem = describe_call(q, k, v, options)
-        check_backward_operands(problem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state, options)
-    chosen = select_backend(problem, options.backend)
+    if prepared is None:
+        prepared = prepare(q, k, v, options)
+        check_backward_operands(prepared.problem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state, options)
+    problem = prepared.problem
+    chosen = prepared_backend(prepared, options.backend)
     cap = workspace_cap(options.max_workspace_bytes)
 
     # ---- outputs: the caller's, else new ------------------------------------------------------
@@ -50,10 +50,8 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     params = AttentionParams(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k, options.alibi_slopes, rng_state)
     softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv, cap)
     if problem.varlen:      # rows in no sequence (after cu_seqlens[-1]): zero gradients and D, on every backend
-        fill_outside_sequences(dq, options.cu_seqlens_q, 0, 0.0)
-        fill_outside_sequences(softmax_d, options.cu_seqlens_q, 1, 0.0)
-        fill_outside_sequences(dk, options.cu_seqlens_k, 0, 0.0)
-        fill_outside_sequences(dv, options.cu_seqlens_k, 0, 0.0)
+        fill_all_outside_sequences(options.cu_seqlens_q, (dq, 0, 0.0), (softmax_d, 1, 0.0))
+        fill_all_outside_sequences(options.cu_seqlens_k, (dk, 0, 0.0), (dv, 0, 0.0))
     return dq, dk, dv, softmax_d
 
 

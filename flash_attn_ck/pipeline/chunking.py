@@ -19,7 +19,6 @@ instead; if that does not fit either, `WorkspaceError` says how much it needs.
 from __future__ import annotations
 
 import collections.abc
-import functools
 import itertools
 import math
 import os
@@ -211,17 +210,23 @@ def plan_chunks(problem: AttentionProblem, backend, cap: int | None,
                 params: AttentionParams | None = None) -> ChunkPlan:
     """Pick the largest chunks whose workspace fits under `cap` (see the module docstring).
 
-    Varlen offsets are read to the host (a device sync) only when the call must be chunked. Dense
-    plans depend on sizes only and are memoised: planning runs on every call, and small calls are
+    Varlen offsets are read to the host (a device sync) only when the call must be chunked. Plans that
+    read no offsets (every dense plan, and a varlen call that fits unchunked) depend on the problem, the
+    backend and the cap alone and are memoised: planning runs on every backward, and small calls are
     host-bound."""
-    if problem.varlen:
-        return _plan_chunks(problem, backend, cap, params)
-    return _plan_chunks_dense(problem, backend, cap)
+    key = (problem, backend, cap)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _plan_chunks(problem, backend, cap, params if problem.varlen else None)
+        if plan.cu_seqlens_q is None:
+            if len(_PLANS) >= _MAX_PLANS:
+                del _PLANS[next(iter(_PLANS))]
+            _PLANS[key] = plan
+    return plan
 
 
-@functools.lru_cache(maxsize=256)
-def _plan_chunks_dense(problem: AttentionProblem, backend, cap: int | None) -> ChunkPlan:
-    return _plan_chunks(problem, backend, cap, None)
+_PLANS: dict[tuple, ChunkPlan] = {}
+_MAX_PLANS = 256
 
 
 class _Planner:

@@ -1,7 +1,8 @@
 """The forward pipeline: validate -> select backend -> kernel -> unpad.
 
-Returns `(out, softmax_lse, rng_state, probs, problem)`; lse is fp32 `(b, h, s_q)` (varlen `(h, total_q)`);
-`problem` is the validated description of the call, which the backward of the same call may reuse.
+Returns `(out, softmax_lse, rng_state, probs, prepared)`; lse is fp32 `(b, h, s_q)` (varlen `(h, total_q)`);
+`prepared` holds the validated description of the call (pipeline/prepare.py), which the backward of the
+same call may reuse.
 Empty calls run no kernel: without query rows there is nothing to write; without key rows out is zero
 and lse is +inf (flash-attn's convention for empty rows). Varlen rows in no sequence (after
 `cu_seqlens_q[-1]`) get the same: out 0, lse +inf.
@@ -13,17 +14,18 @@ import torch
 
 from ..core.dropout import new_rng_state
 from ..core.errors import ArgumentError
-from ..core.inputs import describe_call, kernel_params
+from ..core.inputs import kernel_params
 from ..core.options import AttentionOptions
 from ..core.scores import attention_probs
-from .rows import fill_outside_sequences
-from .select import select_backend
+from .prepare import prepare, prepared_backend
+from .rows import fill_all_outside_sequences
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions):
     # ---- validate and choose the backend before allocating anything ------------------------------
-    problem = describe_call(q, k, v, options)
-    chosen = select_backend(problem, options.backend)
+    call = prepare(q, k, v, options)
+    problem = call.problem
+    chosen = prepared_backend(call, options.backend)
     if options.return_attn_probs and problem.dropout_p > 0 and not chosen.draws_reference_keep_pattern:
         raise ArgumentError(f"return_attn_probs: backend {chosen.name!r} draws its own dropout pattern, which "
                             f"flash_attn_ck cannot materialise (use backend='reference' or 'triton', or dropout_p=0)")
@@ -41,9 +43,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
     elif problem.rows_q > 0:
         chosen.forward(problem, params, out, lse)
     if problem.varlen:      # rows after cu_seqlens_q[-1] belong to no sequence: out 0, lse +inf (every backend)
-        fill_outside_sequences(out, options.cu_seqlens_q, 0, 0.0)
-        fill_outside_sequences(lse, options.cu_seqlens_q, 1, float("inf"))
+        fill_all_outside_sequences(options.cu_seqlens_q, (out, 0, 0.0), (lse, 1, float("inf")))
 
     out = out[..., :problem.head_dim] if problem.head_dim_padded != problem.head_dim else out
     probs = attention_probs(problem, params, lse) if options.return_attn_probs else None
-    return out, lse, rng_state, probs, problem
+    return out, lse, rng_state, probs, call

@@ -13,18 +13,24 @@ from ..core.problem import AttentionProblem
 BACKEND_ENV = "FLASH_ATTN_CK_BACKEND"
 
 
-def select_backend(problem: AttentionProblem, requested: str | Backend | None = None) -> Backend:
+def select_backend(problem: AttentionProblem, requested: str | Backend | None = None,
+                   choices: dict | None = None) -> Backend:
     """`requested` (a name or an instance), else `$FLASH_ATTN_CK_BACKEND`, else the highest-priority
     backend that fits. A name resolves to the instance `use_backend` installed, else the default one.
+    `choices`: the names chosen before for this problem, by request (pipeline/prepare.py keeps one per
+    call signature); read and filled here.
 
     Raises:
         NoBackendError: the requested backend, or every backend, refuses the call (with the reasons).
         ValueError: an unknown backend name.
     """
-    if isinstance(requested, Backend):
-        _choose(problem, type(requested))      # raises with its reasons when it cannot run
-        return requested
-    return backend_instance(_choose(problem, requested or backend_from_env()))
+    request = type(requested) if isinstance(requested, Backend) else requested or backend_from_env()
+    name = None if choices is None else choices.get(request)
+    if name is None:
+        name = _choose(problem, request)        # raises with the reasons when nothing fits
+        if choices is not None:
+            choices[request] = name
+    return requested if isinstance(requested, Backend) else backend_instance(name)
 
 
 def backend_from_env() -> str | None:

@@ -161,8 +161,8 @@ class LaunchSpec:
     options: dict[str, Any] = field(default_factory=dict)
 
     def launch(self) -> None:
-        self.kernel[self.grid](*self.args.values(), num_warps=self.num_warps, num_stages=self.num_stages,
-                               **self.options)
+        launch_kernel(self.kernel, self.grid, tuple(self.args.values()), self.num_warps, self.num_stages,
+                      self.options)
 
     def signature(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(signature, constexprs) for triton.compiler.ASTSource, from the kernel's parameters."""
@@ -177,6 +177,80 @@ class LaunchSpec:
             else:
                 sig[param.name] = _type_of(value)
         return sig, constexprs
+
+
+# ---- launching: the compiled kernel looked up once per specialisation ---------------------------------
+
+def specialisation(value: Any) -> Any:
+    """What Triton 3.6 compiles a runtime argument's variant on (`native_specialize_impl`), as a hashable key
+    at least as fine as Triton's: a tensor's dtype and 16-byte alignment, an int's width (i32/i64/u64), == 1
+    and divisibility by 16, each element of a tuple; bools and floats by type. None: an argument this key does
+    not describe (a tensor descriptor, a string), which `launch_kernel` leaves to Triton."""
+    kind = type(value)
+    if kind is int:
+        width = 0 if -2 ** 31 <= value < 2 ** 31 else 1 if -2 ** 63 <= value < 2 ** 63 else 2
+        return width, value == 1, value % 16 == 0
+    if kind is bool or kind is float:
+        return kind
+    if isinstance(value, torch.Tensor):
+        return value.dtype, value.data_ptr() % 16 == 0
+    if isinstance(value, tuple):
+        inner = tuple(specialisation(v) for v in value)
+        return None if None in inner else (kind, inner)
+    return None
+
+
+def _runtime_value(value: Any) -> Any:
+    """An argument as the launcher takes it: tensors as their addresses (the launcher would ask the driver
+    about each tensor's pointer again), tuples element-wise."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr()
+    if isinstance(value, tuple):
+        return tuple(_runtime_value(v) for v in value)
+    return value
+
+
+# (kernel, num_warps, num_stages, device, key of every argument) -> the CompiledKernel Triton chose for it
+_COMPILED: dict[tuple, Any] = {}
+_CONSTEXPR: dict[Any, tuple[bool, ...]] = {}      # kernel -> which of its parameters are constexpr
+
+
+def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, num_stages: int,
+                  options: dict[str, Any] | None = None) -> None:
+    """`kernel[grid](*args, num_warps=, num_stages=, **options)`, through the compiled kernel's launcher
+    directly once Triton has compiled this specialisation (its `run` re-binds and re-specialises every
+    argument, builds a cache key string and launch metadata on every call; the first launch of each key goes
+    through it, so Triton decides what compiles). Compile options (maxnreg) and constexprs are keyed by value,
+    runtime arguments by `specialisation`; launch hooks (profilers), the interpreter and arguments the key does
+    not describe take Triton's path."""
+    from triton import knobs
+    from triton.runtime import driver
+    options = options or {}
+    constexpr = _CONSTEXPR.get(kernel)
+    if constexpr is None:
+        params = getattr(kernel, "params", None)     # None: the interpreter's kernels (TRITON_INTERPRET=1)
+        constexpr = _CONSTEXPR.setdefault(kernel, () if params is None else tuple(p.is_constexpr for p in params))
+    if not constexpr or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
+        return
+    runtime = [specialisation(a) for a, is_constexpr in zip(args, constexpr) if not is_constexpr]
+    device = driver.active.get_current_device()
+    key = (kernel, num_warps, num_stages, *sorted(options.items()), device, *runtime,
+           *(a for a, is_constexpr in zip(args, constexpr) if is_constexpr))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
+        if None not in runtime:
+            _COMPILED[key] = compiled
+        return
+    stream = driver.active.get_current_stream(device)
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata, None, None, None, *map(_runtime_value, args))
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook (a profiler's) is installed: Triton 3.6 keeps an empty HookChain when none is."""
+    return hook is not None and bool(getattr(hook, "calls", True))
 
 
 # ---- the kernels' specs --------------------------------------------------------------------------

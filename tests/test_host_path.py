@@ -1,0 +1,291 @@
+"""The host path's memo (pipeline/prepare.py, pipeline/chunking.py's plans): a repeated call recomputes
+nothing that depends on its signature alone, a call whose signature differs in any one field recomputes
+(a wrong key would be a silent wrong answer), and the checks on values still run on every call.
+
+CPU, reference backend. The GPU half (no host-device sync on the Triton path) is at the end (skips
+without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flash_attn_ck as fa
+from flash_attn_ck.core.errors import ArgumentError, NoBackendError
+from flash_attn_ck.core.inputs import describe_call
+from flash_attn_ck.core.options import AttentionOptions
+from flash_attn_ck.pipeline import chunking, prepare, select
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts of the signature-only work: describing (validating) a call, choosing its backend, planning."""
+    counts = dict(describe=0, choose=0, plan=0)
+
+    def counting(name, fn):
+        def wrapper(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(prepare, "describe_call", counting("describe", prepare.describe_call))
+    monkeypatch.setattr(select, "_choose", counting("choose", select._choose))
+    monkeypatch.setattr(chunking, "_plan_chunks", counting("plan", chunking._plan_chunks))
+    monkeypatch.delenv(select.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(chunking.WORKSPACE_ENV, raising=False)
+    prepare.CALLS.clear()
+    chunking._PLANS.clear()
+    return counts
+
+
+def _qkv(b=2, s=9, h=2, d=16, dtype=torch.float32, requires_grad=True):
+    return [torch.randn(b, s, h, d, dtype=dtype, requires_grad=requires_grad) for _ in range(3)]
+
+
+def _step(q, k, v, **options):
+    out = fa.flash_attn_func(q, k, v, **options)
+    return out, torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_a_repeated_call_recomputes_nothing(counted, varlen):
+    """Forward + backward twice with the same signature (new tensors, new values): the second describes,
+    chooses and plans nothing, and its results are its own (not the first call's)."""
+    def step(seed):
+        torch.manual_seed(seed)
+        if not varlen:
+            return _step(*_qkv(), causal=True)
+        q, k, v = (torch.randn(12, 2, 16, requires_grad=True) for _ in range(3))
+        cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+        out = fa.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True)
+        return out, torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    first = step(0)
+    after_first = dict(counted)
+    assert after_first["describe"] == 1 and after_first["choose"] == 1 and after_first["plan"] == 1
+    second = step(1)
+    assert counted == after_first, "the second call of one signature recomputed signature-only work"
+    assert prepare.CALLS.hits >= 1
+    assert not torch.equal(first[0], second[0])
+
+
+# ---- each field of the signature, changed alone, misses ---------------------------------------------
+
+def _base(b, s, h, d):
+    torch.manual_seed(b * 100 + s)
+    return dict(q=torch.randn(b, s, h, d), k=torch.randn(b, s, h, d), v=torch.randn(b, s, h, d), options={})
+
+
+def _varlen_base(s, h, d):
+    cu = torch.tensor([0, s, 2 * s], dtype=torch.int32)
+    total = 2 * s
+    return dict(q=torch.randn(total, h, d), k=torch.randn(total, h, d), v=torch.randn(total, h, d),
+                options=dict(cu_seqlens_q=cu, cu_seqlens_k=cu.clone(), max_seqlen_q=s, max_seqlen_k=s))
+
+
+def _strided_like(t):
+    """t's values and shape with other strides (a permuted dense buffer), last dim still contiguous."""
+    return t.transpose(-2, -3).contiguous().transpose(-2, -3)
+
+
+def _change(call: dict, field: str) -> dict:
+    """`call` with exactly one field of its signature changed (values of unchanged tensors are kept)."""
+    c = dict(call, options=dict(call["options"]))
+    q, k, v, o = c["q"], c["k"], c["v"], c["options"]
+    varlen = "cu_seqlens_q" in o
+    if field == "seqlen_k":
+        grow = lambda t: torch.cat([t, t.narrow(-3, 0, 1)], dim=-3)
+        c["k"], c["v"] = grow(k), grow(v)
+        if varlen:
+            o["cu_seqlens_k"] = o["cu_seqlens_k"].clone()
+            o["cu_seqlens_k"][-1] += 1
+    elif field == "heads_k":
+        c["k"], c["v"] = k.narrow(-2, 0, 1), v.narrow(-2, 0, 1)
+    elif field == "head_dim":
+        c["q"], c["k"], c["v"] = (t[..., :-1] for t in (q, k, v))
+    elif field in ("stride_q", "stride_k", "stride_v"):
+        name = field[-1]
+        c[name] = _strided_like(c[name])
+    elif field == "dtype":
+        c["q"], c["k"], c["v"] = (t.double() for t in (q, k, v))
+    elif field == "device":
+        c["q"], c["k"], c["v"] = (t.to("meta") for t in (q, k, v))
+        for name in ("cu_seqlens_q", "cu_seqlens_k"):
+            if name in o:
+                o[name] = o[name].to("meta")
+    elif field == "causal":
+        o["causal"] = True
+    elif field == "window_size":
+        o["window_size"] = (1, 0)
+    elif field == "softcap":
+        o["softcap"] = 3.0
+    elif field == "dropout_p":
+        o["dropout_p"] = 0.25
+    elif field == "softmax_scale":
+        o["softmax_scale"] = 0.3
+    elif field == "deterministic":
+        o["deterministic"] = True
+    elif field == "alibi":
+        o["alibi_slopes"] = torch.rand(q.shape[-2])
+    elif field == "max_seqlen_q":
+        o["max_seqlen_q"] = o["max_seqlen_q"] - 1 if varlen else None
+    elif field == "cu_seqlens_stride":
+        o["cu_seqlens_q"] = torch.stack([o["cu_seqlens_q"]] * 2, dim=1)[:, 0]      # same values, stride 2
+    else:
+        raise AssertionError(field)
+    return c
+
+
+DENSE_FIELDS = ("seqlen_k", "heads_k", "head_dim", "stride_q", "stride_k", "stride_v", "dtype", "device", "causal",
+                "window_size", "softcap", "dropout_p", "softmax_scale", "deterministic", "alibi")
+VARLEN_FIELDS = (*DENSE_FIELDS, "max_seqlen_q", "cu_seqlens_stride")
+
+
+def _prepared(call: dict):
+    """(problem or the error's message, whether the memo missed)."""
+    misses = prepare.CALLS.misses
+    try:
+        problem = prepare.prepare(call["q"], call["k"], call["v"], AttentionOptions(**call["options"])).problem
+    except ArgumentError as error:
+        problem = f"ArgumentError: {error}"
+    return problem, prepare.CALLS.misses == misses + 1
+
+
+def _fresh(call: dict):
+    try:
+        return describe_call(call["q"], call["k"], call["v"], AttentionOptions(**call["options"]))
+    except ArgumentError as error:
+        return f"ArgumentError: {error}"
+
+
+@pytest.mark.parametrize("varlen, field", [(False, f) for f in DENSE_FIELDS] + [(True, f) for f in VARLEN_FIELDS])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(b=st.integers(1, 3), s=st.integers(2, 9), h=st.sampled_from([2, 4]), d=st.sampled_from([8, 16]))
+def test_each_signature_field_changed_alone_misses(counted, varlen, field, b, s, h, d):
+    """After a call is memoised, the same call with any one signature field changed misses, and what it gets
+    (a problem, or the error a bad signature raises) is what a fresh description gives."""
+    prepare.CALLS.clear()       # hypothesis runs every example in one fixture
+    base = _varlen_base(s, h, d) if varlen else _base(b, s, h, d)
+    problem, missed = _prepared(base)
+    assert problem == _fresh(base)
+    _, missed_again = _prepared(base)
+    assert not missed_again, "the same signature missed"
+    variant = _change(base, field)
+    problem, missed = _prepared(variant)
+    assert missed, f"{field} changed alone hit the memo of another signature"
+    assert problem == _fresh(variant)
+
+
+def test_values_are_checked_on_every_call(counted):
+    """cu_seqlens offsets are values, not signature: bad ones (same shape, dtype, device) after good ones raise."""
+    q, k, v = (torch.randn(12, 2, 16) for _ in range(3))
+    good = torch.tensor([0, 5, 12], dtype=torch.int32)
+    fa.flash_attn_varlen_func(q, k, v, good, good, 7, 7)
+    for bad, match in ((torch.tensor([0, 9, 5], dtype=torch.int32), "non-decreasing"),
+                       (torch.tensor([0, 1, 12], dtype=torch.int32), "max_seqlen_q")):
+        with pytest.raises(ArgumentError, match=match):
+            fa.flash_attn_varlen_func(q, k, v, bad, good, 7, 7)
+    with pytest.raises(ArgumentError, match="softcap"):
+        fa.flash_attn_varlen_func(q, k, v, good, good, 7, 7, softcap=float("nan"))
+    assert counted["describe"] == 1
+
+
+def test_the_environment_is_read_on_every_call(counted, monkeypatch):
+    """$FLASH_ATTN_CK_BACKEND and $FLASH_ATTN_CK_MAX_WORKSPACE_BYTES are part of what a memoised call decides."""
+    q, k, v = _qkv()
+    _step(q, k, v)
+    monkeypatch.setenv(select.BACKEND_ENV, "ck")
+    with pytest.raises(NoBackendError, match="backend 'ck' cannot run"):
+        fa.flash_attn_func(q, k, v)
+    monkeypatch.setenv(select.BACKEND_ENV, "reference")
+    unchunked = _step(q, k, v)[1]
+    peak = fa.backward_workspace(q, k, v, backends=("reference",))["reference"].peak_bytes
+    monkeypatch.setenv(chunking.WORKSPACE_ENV, str(peak - 1))      # just below this call's workspace: chunks
+    assert len(fa.backward_workspace(q, k, v, backends=("reference",))["reference"].chunks) > 1
+    plans = counted["plan"]
+    chunked = _step(q, k, v)[1]
+    assert counted["plan"] == plans + 1
+    for a, b in zip(unchunked, chunked):
+        torch.testing.assert_close(a, b)
+
+
+def test_use_backend_applies_to_memoised_calls(counted):
+    """The backend instance is looked up per call: a `use_backend` block after a memoised call runs its instance."""
+    from flash_attn_ck.backends.reference import ReferenceBackend
+    ran = []
+
+    class Spy(ReferenceBackend):
+        def forward(self, *args):
+            ran.append("forward")
+            super().forward(*args)
+    q, k, v = _qkv(requires_grad=False)
+    fa.flash_attn_func(q, k, v)
+    with fa.use_backend(Spy()):
+        fa.flash_attn_func(q, k, v)
+    assert ran == ["forward"] and counted["choose"] == 1
+
+
+# ---- GPU: no host-device synchronisation anywhere on the Triton path ---------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("seqlen", [128, 512, 2048])
+def test_triton_forward_backward_never_syncs(varlen, seqlen):
+    """Forward + backward (and a no-grad forward) on the Triton backend under set_sync_debug_mode("error"):
+    any host-device synchronisation (a .item(), a D2H copy, a value read of cu_seqlens) raises. The first call
+    compiles outside the mode; the second, memoised one is the one checked, then a third of a new signature."""
+    torch.manual_seed(0)
+    h, d = 4, 64
+    if varlen:
+        cu = torch.tensor([0, seqlen // 2, seqlen + 3], dtype=torch.int32, device="cuda")
+        shape = (seqlen + 3, h, d)
+    else:
+        shape = (2, seqlen, h, d)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+    def step(causal):
+        if varlen:
+            out = fa.flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=causal, backend="triton")
+        else:
+            out = fa.flash_attn_func(q, k, v, causal=causal, backend="triton")
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        with torch.no_grad():
+            fa.flash_attn_func(q, k, v, backend="triton") if not varlen else \
+                fa.flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, backend="triton")
+        return out, grads
+    step(True)
+    step(False)
+    torch.cuda.synchronize()
+    expected = step(True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = step(True)
+        step(False)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for a, b in zip((got[0], *got[1]), (expected[0], *expected[1])):
+        assert torch.equal(a, b)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 2)), min_size=1, max_size=4),
+       end=st.integers(0, 9))
+def test_one_mask_fills_every_tensor_as_the_cpu_form_does(rows, end):
+    """pipeline/rows.py's device form shares a mask between tensors with as many rows (along any dim): each is
+    filled exactly as the CPU form fills it alone."""
+    from flash_attn_ck.pipeline.rows import fill_all_outside_sequences, fill_by_masks
+    cu = torch.tensor([0, end], dtype=torch.int32)
+    fills, expected = [], []
+    for index, (total, dim) in enumerate(rows):
+        shape = [2, 3, 2]
+        shape[dim] = total
+        t = torch.randn(shape)
+        alone = t.clone()
+        fill_all_outside_sequences(cu, (alone, dim, float(index)))
+        fills.append((t, dim, float(index)))
+        expected.append(alone)
+    fill_by_masks(cu, *fills)
+    for (t, _, _), alone in zip(fills, expected):
+        assert torch.equal(t, alone)
