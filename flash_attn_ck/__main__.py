@@ -7,6 +7,11 @@ It compares out/dq/dk/dv with torch's scaled_dot_product_attention run in fp32 (
 implementation), reports the same-precision error that the 2x rule (docs/semantics.md) is measured against,
 times forward and backward (median), and prints the backward's workspace plan (buffers, chunks
 under the workspace cap, peak) and a one-line plan for every other backend.
+
+--heads-k defaults to --heads (multi-head attention); give fewer for GQA/MQA (it must divide --heads).
+Sizes are positive (an empty call has nothing to time or compare). A bad argument, or an error the
+library raises on purpose (ArgumentError, NoBackendError, WorkspaceError), is one line on stderr,
+`python -m flash_attn_ck: error: ...`, and exit status 2, as argparse reports usage errors.
 """
 
 from __future__ import annotations
@@ -20,32 +25,91 @@ import torch
 import torch.nn.functional as F
 
 from . import backward_workspace, flash_attn_bwd, flash_attn_func, flash_attn_fwd
+from .backends.registry import BACKEND_NAMES
+from .core.checks import MAX_HEAD_DIM, MAX_INT64, MAX_WINDOW_SIDE, WORKSPACE_EXPECTED
+from .core.errors import ArgumentError, NoBackendError, WorkspaceError
 from .core.inputs import describe_call
 from .core.options import AttentionOptions
 from .pipeline.select import select_backend
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PROG = "python -m flash_attn_ck"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its error as one line (no usage block): `prog: error: argument --x: expected ...`."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _integer(low: int, high: int | None = None, expected: str = ""):
+    """An argparse type: an integer in [low, high]; the error says what was expected."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
+        return value
+    return parse
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a probability in [0, 1), got {text!r}")
+    return value
+
+
+def _device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:      # an unknown name; a device this machine lacks
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise argparse.ArgumentTypeError(f"expected a device this machine has (cpu, cuda, cuda:1, ...), got "
+                                         f"{text!r}: {reason}") from None
+    return device
+
+
+_POSITIVE = _integer(1, expected="a positive integer")
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m flash_attn_ck", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default=None, help="triton, ck or reference (default: best available)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seqlen", type=int, default=1024, help="query length (and key length unless --seqlen-k)")
-    parser.add_argument("--seqlen-k", type=int, default=None)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--heads-k", type=int, default=2, help="key/value heads (GQA when fewer than --heads)")
-    parser.add_argument("--head-dim", type=int, default=64)
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default=None, choices=BACKEND_NAMES,
+                        help="triton, ck or reference (default: best available)")
+    parser.add_argument("--device", type=_device, default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=_POSITIVE, default=2)
+    parser.add_argument("--seqlen", type=_POSITIVE, default=1024,
+                        help="query length (and key length unless --seqlen-k)")
+    parser.add_argument("--seqlen-k", type=_POSITIVE, default=None)
+    parser.add_argument("--heads", type=_POSITIVE, default=8)
+    parser.add_argument("--heads-k", type=_POSITIVE, default=None,
+                        help="key/value heads, a divisor of --heads (default: --heads; fewer: GQA/MQA)")
+    parser.add_argument("--head-dim", type=_integer(1, MAX_HEAD_DIM, f"an integer in 1..{MAX_HEAD_DIM}"), default=64)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"))
+    parser.add_argument("--window", type=_integer(-1, MAX_WINDOW_SIDE, "-1 (unbounded) or an integer >= 0"),
+                        nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--deterministic", action="store_true")
-    parser.add_argument("--dropout", type=float, default=0.0, help="dropout is timed but not compared")
-    parser.add_argument("--max-workspace-bytes", type=int, default=None,
+    parser.add_argument("--dropout", type=_probability, default=0.0, help="dropout is timed but not compared")
+    parser.add_argument("--max-workspace-bytes", type=_integer(-1, MAX_INT64, WORKSPACE_EXPECTED),
+                        default=None,
                         help="cap on the backward workspace (default: $FLASH_ATTN_CK_MAX_WORKSPACE_BYTES or 4 GiB)")
-    parser.add_argument("--repeats", type=int, default=3)
-    return parser.parse_args(argv)
+    parser.add_argument("--repeats", type=_POSITIVE, default=3, help="timed calls per direction (median)")
+    args = parser.parse_args(argv)
+    if args.heads_k is None:
+        args.heads_k = args.heads
+    elif args.heads % args.heads_k:
+        parser.error(f"argument --heads-k: expected a divisor of --heads ({args.heads}), got {args.heads_k}")
+    args.seqlen_k = args.seqlen if args.seqlen_k is None else args.seqlen_k
+    return args
 
 
 def sdpa_reference(q, k, v, dout, causal, window, dtype):
@@ -83,8 +147,17 @@ def timed(fn, device, repeats):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    s_k = args.seqlen_k or args.seqlen
+    try:
+        return run(args)
+    except (ArgumentError, NoBackendError, WorkspaceError) as error:     # raised on purpose, naming the fix
+        message = " ".join(str(error).split())
+        _Parser(prog=PROG).error(message)
+
+
+def run(args) -> int:
+    """The main job on parsed arguments."""
+    device, dtype = args.device, DTYPES[args.dtype]
+    s_k = args.seqlen_k
     gen = torch.Generator(device="cpu").manual_seed(0)
 
     def rand(*shape):

@@ -16,7 +16,7 @@ import re
 
 from . import ops
 from .backends.registry import backend_class
-from .core.checks import check_packed_slots, check_real_devices, check_tensor
+from .core.checks import check_packed_slots, check_real_devices, check_rng_state, check_tensor
 from .core.errors import ArgumentError, WorkspaceError
 from .core.inputs import describe_call
 from .core.options import AttentionOptions
@@ -46,7 +46,7 @@ def _documented(fn):
 @_documented
 def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                   alibi_slopes=None, deterministic=False, return_attn_probs=False, backend=None):
+                   alibi_slopes=None, deterministic=False, return_attn_probs=False, rng_state=None, backend=None):
     """The forward alone, returning what a backward (or a context-parallel merge) needs.
 
     Args:
@@ -54,7 +54,9 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         k, v: (b, s_k, h_k, d), or varlen (total_k, h_k, d); q's dtype and device.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: varlen offsets and longest lengths
             (all four, or none for the batch layout).
-        return_attn_probs: also return the probabilities (testing only).{common}
+        return_attn_probs: also return the probabilities (testing only).
+        rng_state: with dropout, draw the keep pattern of this int64 `[seed, offset]` (one per block of a
+            context-parallel ring) instead of a fresh one from torch's generator; ignored without dropout.{common}
 
     Returns:
         `(out, softmax_lse, rng_state)`, plus `probs` with `return_attn_probs`: out like q; lse fp32
@@ -74,8 +76,10 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
     check_real_devices((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                        ("alibi_slopes", alibi_slopes)))
-    out, lse, rng_state, probs = ops.attention(q, k, v, options)
+                        ("alibi_slopes", alibi_slopes), ("rng_state", rng_state)))
+    if rng_state is not None:
+        check_rng_state(rng_state, q.device)
+    out, lse, rng_state, probs = ops.attention(q, k, v, options, rng_state)
     rng_state = rng_state if rng_state.numel() else None
     return (out, lse, rng_state, probs) if return_attn_probs else (out, lse, rng_state)
 
@@ -110,6 +114,9 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
     operands = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse))
     for name, t in operands:
         check_tensor(name, t)
+    for name, t in (("dq", dq), ("dk", dk), ("dv", dv), ("rng_state", rng_state)):     # the op's schema takes
+        if t is not None:                                                               # tensors or None only
+            check_tensor(name, t)
     check_real_devices((("q", q), *operands, ("dq", dq), ("dk", dk), ("dv", dv), ("cu_seqlens_q", cu_seqlens_q),
                         ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes), ("rng_state", rng_state)))
     if dq is None and dk is None and dv is None:

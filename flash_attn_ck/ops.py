@@ -10,7 +10,8 @@ Function calls the ops' implementations itself (`_direct`) and its backward reus
 validated problem. Ops cannot return None:
 absent optional results are empty tensors (`rng_state` without dropout, `probs` unless requested).
 
-- `fwd(q, k, v, ...) -> (out, softmax_lse, rng_state, probs)`; not differentiable by itself:
+- `fwd(q, k, v, ..., *, rng_state=None) -> (out, softmax_lse, rng_state, probs)` (a given rng_state: its keep
+  pattern; none: a fresh draw); not differentiable by itself:
   `attention(...)` (the Function) makes `out` differentiable.
 - `bwd(dout, q, k, v, out, softmax_lse, ...) -> (dq, dk, dv, softmax_d)`
 - `bwd_out(...)`: the same, writing into caller-provided dq/dk/dv (declared as mutated).
@@ -93,8 +94,8 @@ def _unflatten(args: tuple, names: tuple[str, ...], checked: bool = False) -> At
     return _DEFAULT_OPTIONS.replace_checked(**values) if checked else AttentionOptions(**values)
 
 
-torch.library.define("flash_attn_ck::fwd", f"(Tensor q, Tensor k, Tensor v, {_schema(_FWD)}) "
-                     "-> (Tensor, Tensor, Tensor, Tensor)")
+torch.library.define("flash_attn_ck::fwd", f"(Tensor q, Tensor k, Tensor v, {_schema(_FWD)}, *, "
+                     "Tensor? rng_state=None) -> (Tensor, Tensor, Tensor, Tensor)")
 torch.library.define("flash_attn_ck::bwd", f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                      f"Tensor softmax_lse, {_schema(_COMMON)}, Tensor? rng_state, {_schema(_BWD_TAIL)}) "
                      "-> (Tensor, Tensor, Tensor, Tensor)")
@@ -117,16 +118,16 @@ def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
 
 # ---- forward -------------------------------------------------------------------------------------
 
-def _forward(q, k, v, options: AttentionOptions):
+def _forward(q, k, v, options: AttentionOptions, rng_state=None):
     """`fwd`'s results, then the call's PreparedCall (for the Function's direct backward)."""
-    out, lse, rng_state, probs, prepared = attention_forward(q, k, v, options)
+    out, lse, rng_state, probs, prepared = attention_forward(q, k, v, options, rng_state)
     rng_state = torch.empty(0, dtype=torch.int64, device=q.device) if rng_state is None else rng_state
     # An absent `probs` keeps the dtype a present one has (fp32/fp64, like lse), so the fake matches.
     return out, lse, rng_state, lse.new_empty(0) if probs is None else probs, prepared
 
 
-def _fwd(q, k, v, *options):
-    return _forward(q, k, v, _unflatten(options, _FWD))[:4]
+def _fwd(q, k, v, *options, rng_state=None):
+    return _forward(q, k, v, _unflatten(options, _FWD), rng_state)[:4]
 
 
 # The kernels run under no_grad: the Autograd fallthrough does not exclude autograd from the ops they call.
@@ -134,7 +135,7 @@ torch.library.impl("flash_attn_ck::fwd", "CompositeExplicitAutograd", torch.no_g
 
 
 @torch.library.register_fake("flash_attn_ck::fwd")
-def _(q, k, v, *flat):
+def _(q, k, v, *flat, rng_state=None):
     options = _unflatten(flat, _FWD)
     d = q.shape[-1]
     # out is a view of a buffer padded to a multiple of 8, exactly as the real op returns it.
@@ -203,13 +204,14 @@ class _Attention(torch.autograd.Function):
     and unflattening them; ctx keeps them as one `AttentionOptions`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, *flat):
-        # `attention` passes validated options, whole or flattened
+    def forward(ctx, q, k, v, given_rng_state, *flat):
+        # `attention` passes validated options, whole or flattened, after the rng_state to draw (None: fresh)
         options = flat[0] if len(flat) == 1 else _unflatten(flat, _FWD, checked=True)
         if _direct(q):   # Function.forward runs under no_grad already
-            out, lse, rng_state, probs, ctx.prepared = _forward(q, k, v, options)
+            out, lse, rng_state, probs, ctx.prepared = _forward(q, k, v, options, given_rng_state)
         else:
-            out, lse, rng_state, probs = _fwd_op(q, k, v, *(_flatten(options, _FWD) if len(flat) == 1 else flat))
+            out, lse, rng_state, probs = _fwd_op(q, k, v, *(_flatten(options, _FWD) if len(flat) == 1 else flat),
+                                                 rng_state=given_rng_state)
             ctx.prepared = None
         # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
         # non-differentiable instead of having their gradients silently dropped.
@@ -220,7 +222,7 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, options.cu_seqlens_q, options.cu_seqlens_k, options.alibi_slopes,
                               rng_state)
         ctx.options = options
-        ctx.num_inputs = 3 + len(flat)
+        ctx.num_inputs = 4 + len(flat)
         return out, lse, rng_state, probs
 
     @staticmethod
@@ -244,7 +246,7 @@ class _Attention(torch.autograd.Function):
             # create_graph=True: the gradients are not differentiable (flash-attn's backward is not either).
             # Rather than returning dq/dk/dv without a graph (a silent zero second-order term), they carry a
             # node that raises when anything differentiates through them.
-            dq, dk, dv = _not_twice_differentiable(dq, dk, dv)
+            dq, dk, dv = _not_twice_differentiable((dq, dk, dv), (q, k, v, dout))
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
@@ -253,16 +255,19 @@ DOUBLE_BACKWARD_MESSAGE = (
     "through create_graph=True, is not supported; flash-attn's is not either)")
 
 
-def _not_twice_differentiable(*grads):
+def _not_twice_differentiable(grads, sources):
     """`grads` behind torch's DelayedError node (what `once_differentiable` uses): backpropagating through
-    them raises DOUBLE_BACKWARD_MESSAGE; using their values is fine."""
-    error = torch._C._functions.DelayedError(DOUBLE_BACKWARD_MESSAGE, len(grads))
+    them raises DOUBLE_BACKWARD_MESSAGE; using their values is fine. The node also takes `sources` (what the
+    gradients depend on: q, k, v, dout), so it lies on every path from a gradient to them: an
+    `autograd.grad(..., inputs)` reaches it and raises too, rather than finding no path and answering None
+    (`allow_unused`) or zero (gradgradcheck), as it would with the gradients' detached copies alone."""
+    error = torch._C._functions.DelayedError(DOUBLE_BACKWARD_MESSAGE, len(grads) + len(sources))
     detached = []
     for g in grads:
         g = g.detach()
         g.requires_grad_(True)
         detached.append(g)
-    return error(*detached)
+    return error(*detached, *sources)[:len(grads)]
 
 
 def backward(dout, q, k, v, out, softmax_lse, options: AttentionOptions, rng_state):
@@ -277,20 +282,21 @@ def backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options: Attentio
                                            rng_state, *_flatten(options, _BWD_TAIL))
 
 
-def attention(q, k, v, options: AttentionOptions):
-    """The forward -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out`."""
+def attention(q, k, v, options: AttentionOptions, rng_state=None):
+    """The forward -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out`; `rng_state`: the dropout
+    keep pattern to draw (None: a fresh one)."""
     if _direct(q):
         if not (options.backend is None or isinstance(options.backend, (str, Backend))):
             backend_key(options.backend)     # raises the error the flattening would: naming `backend`
         if not torch.is_grad_enabled():    # nothing to differentiate: the Function would add only its cost
-            return _forward(q, k, v, options)[:4]
-        return _Attention.apply(q, k, v, options)
+            return _forward(q, k, v, options, rng_state)[:4]
+        return _Attention.apply(q, k, v, rng_state, options)
     # Dynamo cannot trace a Function given one tensor twice (self-attention on one tensor, shared
     # cu_seqlens): repeats become views, which change nothing else (gradients flow through them).
     q, k, v, cu_seqlens_q, cu_seqlens_k = _distinct(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k)
     if cu_seqlens_q is not options.cu_seqlens_q or cu_seqlens_k is not options.cu_seqlens_k:
         options = options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    return _Attention.apply(q, k, v, *_flatten(options, _FWD))
+    return _Attention.apply(q, k, v, rng_state, *_flatten(options, _FWD))
 
 
 def _distinct(*tensors):

@@ -25,10 +25,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch  # noqa: E402
+import torch
 
-from flash_attn_ck.backends.triton import config, launch  # noqa: E402
-from flash_attn_ck.backends.triton.launch import Features  # noqa: E402
+from flash_attn_ck.backends.triton import config, launch
+from flash_attn_ck.backends.triton.launch import Features
 
 
 def compile_one(spec: launch.LaunchSpec):
@@ -97,7 +97,7 @@ def main():
                         wgmma = ptx.count("wgmma.mma_async")
                         print(f"{label} regs={r['regs']} stack={r['stack']} "
                               f"smem={r['shared']} wgmma={wgmma} tma={tma} ({r['secs']:.1f}s)", flush=True)
-                    except Exception as e:  # noqa: BLE001
+                    except Exception as e:
                         print(f"d{block_d} {tag} varlen={varlen} {name}: FAILED {type(e).__name__}: {str(e)[:400]}")
     t = _Tensors(128, False)
     pre = compile_one(launch.bwd_preprocess(t.q, t.q, t.lse, t.seq.cu_seqlens_q, (t.acc, t.acc, t.acc, t.sems),

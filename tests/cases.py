@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import pytest
 import torch
 
 import flash_attn_ck as fa
+from flash_attn_ck.core.inputs import describe_call, kernel_params
+from flash_attn_ck.core.mask import MaskInfo, MaskKind
+from flash_attn_ck.core.options import AttentionOptions
+from flash_attn_ck.core.problem import AttentionParams
+from flash_attn_ck.pipeline.backward import run_backward
 from oracle import Config, assert_close_2x, naive_attention
 
 # The head-dim grid of the GPU backends' tests: any d <= 256 (multiples of 8 and not).
@@ -102,7 +111,8 @@ def run_oracle(cfg: Config, q, k, v, dout, slopes, rng_state, compute_dtype):
         pieces = [(b, q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]], v[cu_k[b]:cu_k[b + 1]])
                   for b in range(len(cfg.seqlens))]
     for b, qb, kb, vb in pieces:
-        o, lse = naive_attention(qb, kb, vb, causal=cfg.causal, window=cfg.window, softcap=cfg.softcap,
+        o, lse = naive_attention(qb, kb, vb, causal=cfg.causal, window=cfg.window, diagonal=cfg.diagonal,
+                                 softcap=cfg.softcap,
                                  alibi_slopes=None if slopes is None else slopes[b], dropout_p=cfg.dropout_p,
                                  rng_state=rng_state, batch_index=b, heads=cfg.heads_q, max_seqlen_q=max_q,
                                  max_seqlen_k=max_k, compute_dtype=compute_dtype)
@@ -117,6 +127,14 @@ def run_oracle(cfg: Config, q, k, v, dout, slopes, rng_state, compute_dtype):
 def check_case(cfg: Config, backend="reference", device="cpu", seed=0):
     q, k, v, dout, slopes = make_inputs(cfg, device, seed)
     out, lse, rng_state, (dq, dk, dv) = run_ours(cfg, q, k, v, dout, slopes, backend)
+    return judge(cfg, (q, k, v, dout, slopes), out, lse, rng_state, (dq, dk, dv))
+
+
+def judge(cfg: Config, inputs, out, lse, rng_state, grads):
+    """Our outputs against the float64 oracle under the 2x rule (the same-precision oracle is the yardstick),
+    lse exactly +inf on the rows that see no key; returns out and the gradients."""
+    q, k, v, dout, slopes = inputs
+    dq, dk, dv = grads
     cpu = [t.cpu() for t in (q, k, v, dout)]
     slopes_cpu = None if slopes is None else slopes.cpu()
     rng_cpu = None if rng_state is None else rng_state.cpu()
@@ -134,3 +152,52 @@ def check_case(cfg: Config, backend="reference", device="cpu", seed=0):
     assert (lse.cpu()[~finite] == float("inf")).all()
     assert torch.allclose(lse.cpu()[finite].double(), ref[1][finite], atol=1e-4, rtol=1e-5), "lse"
     return out, (dq, dk, dv)
+
+
+# ---- one mask of each kind (core/mask.py MaskKind): the test grids are each backend's declared kinds ----
+
+@dataclass(frozen=True)
+class MaskCase:
+    """A mask of one kind as the package builds it (from the lengths), and the same keep rule as the
+    oracle's arguments (Config's causal / window / diagonal)."""
+    build: Callable[[int, int], MaskInfo]
+    oracle: dict
+
+
+MASK_KIND_CASES = {
+    MaskKind.NONE: MaskCase(MaskInfo.no_mask, {}),
+    MaskKind.CAUSAL: MaskCase(lambda s_q, s_k: MaskInfo.from_flash_args(True, (-1, -1), s_q, s_k), dict(causal=True)),
+    MaskKind.CAUSAL_TOP_LEFT: MaskCase(lambda s_q, s_k: MaskInfo.top_left(-1, 0, s_q, s_k),
+                                       dict(causal=True, diagonal=0)),
+    MaskKind.WINDOW: MaskCase(lambda s_q, s_k: MaskInfo.from_flash_args(False, (9, 4), s_q, s_k), dict(window=(9, 4))),
+    MaskKind.WINDOW_TOP_LEFT: MaskCase(lambda s_q, s_k: MaskInfo.top_left(9, 4, s_q, s_k),
+                                       dict(window=(9, 4), diagonal=0)),
+    # Row i keeps keys i + 3 .. i + 11: no top-left or bottom-right window is that (its left side is
+    # past the diagonal), and the last rows see no key.
+    MaskKind.GENERIC: MaskCase(lambda s_q, s_k: MaskInfo.generic(-2, 12, s_q, s_k), dict(window=(0, 8), diagonal=3)),
+}
+# Lengths the mask cases run on: the two alignments differ only where s_q != s_k.
+MASK_KIND_SHAPES = {"sq<sk": (37, 61), "sq>sk": (61, 37)}
+
+
+def mask_kind_grid(kinds) -> list:
+    """pytest parameters (kind, lengths): every kind of `kinds` (a backend's declaration) on both shapes."""
+    return [pytest.param(kind, shape, id=f"{kind.name.lower()}-{name}")
+            for kind in MaskKind if kind in kinds for name, shape in MASK_KIND_SHAPES.items()]
+
+
+def check_mask_kind(backend, kind: MaskKind, seqlens: tuple[int, int], device="cpu", dtype=torch.bfloat16,
+                    head_dim=32, seed=0):
+    """Forward and backward of `backend` itself (an instance, below the public API, which makes only
+    flash-attn's kinds) on one mask of `kind`, judged against the oracle."""
+    case = MASK_KIND_CASES[kind]
+    cfg = Config(seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim, dtype=dtype, **case.oracle)
+    q, k, v, dout, slopes = make_inputs(cfg, device, seed)
+    problem = replace(describe_call(q, k, v, AttentionOptions()), mask=case.build(*seqlens))
+    assert problem.mask.kind == kind and not backend.not_supported_reasons(problem)
+    out = torch.empty_like(q)
+    lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=device)
+    backend.forward(problem, kernel_params(problem, q, k, v, AttentionOptions(), None), out, lse)
+    grads = tuple(torch.empty_like(t) for t in (q, k, v))
+    run_backward(backend, problem, AttentionParams(q, k, v), out, lse, dout, *grads, None)
+    return judge(cfg, (q, k, v, dout, slopes), out, lse, None, grads)

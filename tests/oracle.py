@@ -21,6 +21,7 @@ class Config:
     head_dim: int = 40
     causal: bool = False
     window: tuple[int, int] = (-1, -1)
+    diagonal: int | None = None     # naive_attention's: None is flash-attn's bottom-right alignment
     alibi: bool = False
     softcap: float = 0.0
     dropout_p: float = 0.0
@@ -29,13 +30,15 @@ class Config:
     seqlens: list[tuple[int, int]] | None = field(default=None)  # varlen: (s_q, s_k) per sequence
 
 
-def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                    rng_state=None, batch_index=0, heads=None, max_seqlen_q=None, max_seqlen_k=None,
+def naive_attention(q, k, v, *, causal=False, window=(-1, -1), diagonal=None, softcap=0.0, alibi_slopes=None,
+                    dropout_p=0.0, rng_state=None, batch_index=0, heads=None, max_seqlen_q=None, max_seqlen_k=None,
                     softmax_scale=None, compute_dtype=torch.float64):
     """One sequence: q (s_q, h, d), k/v (s_k, h_k, d) -> out (s_q, h, d), lse (h, s_q).
 
-    Bottom-right aligned window: row i keeps keys j with i + s_k - s_q - left <= j <= i + s_k - s_q + right,
-    -1 unbounded: flash-attn's documented interval exactly (no normalisation; docs/semantics.md §Masks)."""
+    Row i keeps keys j with i + c - left <= j <= i + c + right, -1 unbounded, causal: right = 0, where
+    c = `diagonal` (row 0's diagonal key; 0 is top-left alignment), by default s_k - s_q: flash-attn's
+    bottom-right interval exactly (no normalisation; docs/semantics.md §Masks). ALiBi's distance is always
+    taken from the bottom-right diagonal."""
     s_q, h, d = q.shape
     s_k, h_k = k.shape[0], k.shape[1]
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
@@ -53,11 +56,12 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, alib
     left, right = window
     if causal:
         right = 0
+    kept_diag = diag if diagonal is None else i + diagonal
     allowed = torch.ones(s_q, s_k, dtype=torch.bool)
     if left >= 0:
-        allowed &= j >= diag - left
+        allowed &= j >= kept_diag - left
     if right >= 0:
-        allowed &= j <= diag + right
+        allowed &= j <= kept_diag + right
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import tracemalloc
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,6 +13,7 @@ from hypothesis import strategies as st
 import flash_attn_ck as fa
 from cases import check_case, make_inputs, varlen_meta
 from flash_attn_ck.backends.reference import ReferenceBackend
+from flash_attn_ck.backends.registry import backend_class
 from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.options import AttentionOptions
 from flash_attn_ck.core.problem import AttentionParams
@@ -151,6 +155,31 @@ def test_cap_from_environment(monkeypatch):
     assert workspace_cap(None) == 4 << 30 and workspace_cap(77) == 77
 
 
+@settings(max_examples=60, deadline=None)
+@given(value=st.one_of(st.integers(), st.sampled_from([-2, -1, 0, 2 ** 63 - 1, 2 ** 63, 2 ** 64, 2 ** 70, -2 ** 63])))
+def test_cap_from_environment_and_argument_agree(value):
+    """One rule for `max_workspace_bytes` and the variable: a backward given either runs alike (same gradients,
+    or the same WorkspaceError), or both are refused by name; never a raw error from the op's schema."""
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    out, lse, _ = fa.flash_attn_fwd(q, q, q, backend="reference")
+    outcomes = []
+    for given_as in ("argument", "environment"):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv(WORKSPACE_ENV, str(value))
+            try:
+                cap = value if given_as == "argument" else None
+                outcomes.append(fa.flash_attn_bwd(q, q, q, q, out, lse, backend="reference", max_workspace_bytes=cap))
+            except fa.WorkspaceError:
+                outcomes.append("over the cap")
+            except fa.ArgumentError as error:
+                assert str(error).startswith("max_workspace_bytes" if given_as == "argument" else WORKSPACE_ENV)
+                outcomes.append("refused")
+    if isinstance(outcomes[0], str) or isinstance(outcomes[1], str):
+        assert outcomes[0] == outcomes[1], (value, outcomes)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(*outcomes))
+
+
 def _coverage(chunks, batch, heads_k, group, seqlen_q):
     """How many chunks cover each (sequence, kv head, query head in group, query row)."""
     count = torch.zeros(batch, heads_k, group, seqlen_q, dtype=torch.int32)
@@ -241,3 +270,57 @@ def test_a_cap_below_the_default_setup_runs_the_leaner_one(seed, cap_mib):
     assert _BallastReference.ran == 0
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
+
+
+class _OverBudget(Exception):
+    pass
+
+
+# Python events (calls, lines, returns) planning may take: its binary searches and the stage-2 search over
+# halving row sizes x group-head slices cost O(G log s) chunk plans, some 2 * 10**5 events at G = 16, s = 2**24;
+# a walk over the query rows costs at least two per row, over 4 * 10**6 from s = 2**21.
+PLANNING_EVENTS = 10 ** 6
+
+
+def _planning_work(problem, backend, cap) -> tuple[int, int]:
+    """(Python events, peak bytes Python allocated) of planning `problem` from scratch: the events a trace
+    function counts, stopping just past PLANNING_EVENTS, and tracemalloc's peak (which an O(s) structure built
+    in C, without Python events, would show)."""
+    events = 0
+
+    def count(frame, event, arg):
+        nonlocal events
+        events += 1
+        if events > PLANNING_EVENTS:
+            raise _OverBudget
+        return count
+    previous = sys.gettrace()
+    tracemalloc.start()
+    sys.settrace(count)
+    try:
+        plan_chunks(problem, backend, cap)
+    except (fa.WorkspaceError, _OverBudget):
+        pass
+    finally:
+        sys.settrace(previous)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return events, peak
+
+
+@settings(max_examples=30, deadline=None)
+@given(log_s=st.integers(21, 24), heads=st.sampled_from([(32, 8), (8, 8), (16, 1)]), d=st.sampled_from([64, 256]),
+       deterministic=st.booleans(), causal=st.booleans(), cap_fraction=st.sampled_from([None, 0.5, 0.01, 1e-4]),
+       backend=st.sampled_from(["reference", "ck", "triton"]))
+def test_planning_work_does_not_grow_with_the_sequence(log_s, heads, d, deterministic, causal, cap_fraction,
+                                                       backend):
+    """Planning a call of millions of tokens (meta tensors) never walks or builds its chunks or query-row ranges
+    (row slices go down to one row): work is counted, not timed, as Python events (PLANNING_EVENTS) and the
+    memory planning allocates, on every backend and under caps that force each chunking stage."""
+    backend = backend_class(backend)()
+    q = torch.empty(1, 2 ** log_s, heads[0], d, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 2 ** log_s, heads[1], d, dtype=torch.bfloat16, device="meta")
+    problem = describe_call(q, k, k, AttentionOptions(causal=causal, deterministic=deterministic))
+    cap = None if cap_fraction is None else int(plan_chunks(problem, backend, None).peak_bytes * cap_fraction)
+    events, peak = _planning_work(problem, backend, cap)
+    assert events <= PLANNING_EVENTS and peak < 1 << 20, (events, peak)

@@ -1,4 +1,4 @@
-"""On a CUDA GPU: the measured peak of a capped backward stays under the cap (issue 4)."""
+"""On a CUDA GPU: the measured peak of a capped backward stays under the cap."""
 
 from __future__ import annotations
 

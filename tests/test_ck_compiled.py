@@ -67,7 +67,7 @@ def test_dispatch_without_a_device_reports_no_instance(lib):
     message = lib.fack_last_error().decode()
     assert "fmha_bwd: no CK kernel instance" in message and "bottom-right mask" in message
     assert "deterministic" in message and "library targets gfx942" in message
-    # The forward's device query fails first: a HIP error, not "no instance" (issue 17, finding 7).
+    # The forward's device query fails first: a HIP error, not "no instance" (docs/ck.md, finding 7).
     assert lib.fack_fwd(ctypes.byref(c.fwd), None) == 3
     assert lib.fack_last_error().startswith(b"querying the current HIP device failed")
     assert lib.fack_last_hip_error() != 0

@@ -16,9 +16,12 @@ import dataclasses
 import pytest
 import torch
 from ck_emulator import EmulatedCkLibrary, Memory, OutOfBounds, TrackAllocations
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_edge_cases import EMPTY_SEQUENCE_LAYOUTS, SETTINGS, check_rows_outside_sequences
 
 import flash_attn_ck as fa
-from cases import check_case, make_inputs
+from cases import check_case, check_mask_kind, make_inputs, mask_kind_grid
 from flash_attn_ck.backends.ck import backend as ck
 from flash_attn_ck.backends.ck.backend import CkBackend, CkError
 from flash_attn_ck.backends.ck.plan import ck_backward_plan
@@ -113,6 +116,21 @@ def test_varlen_grid(name):
     check_case(Config(**{**BASE, **VARLEN[name]}), backend=emulated())
 
 
+@pytest.mark.parametrize("kind,seqlens", mask_kind_grid(CkBackend.mask_kinds))
+def test_every_declared_mask_kind_matches_the_oracle(kind, seqlens):
+    """Each mask kind the CK backend declares, as the emulated kernels read it from mask_type/left/right."""
+    check_mask_kind(emulated(), kind, seqlens)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(**EMPTY_SEQUENCE_LAYOUTS, cap_fraction=st.sampled_from([None, 0.5, 0.3]))
+def test_varlen_layouts_with_empty_sequences(lengths, extra_q, extra_k, heads, causal, exact_max, cap_fraction):
+    # Whole calls and chunks under a cap: a side with no rows launches nothing (an empty grid is an invalid
+    # launch; a chunk of query-empty sequences would hand CK NULL q/dout pointers), and every output is written.
+    check_rows_outside_sequences(emulated(), torch.float16, lengths, extra_q, extra_k, heads, causal, exact_max,
+                                 cap_fraction)
+
+
 def test_deterministic_is_bit_identical():
     cfg = Config(**{**BASE, "deterministic": True, "seqlens": [(30, 300), (0, 5), (60, 129)]})
     first = check_case(cfg, backend=emulated())[1]
@@ -165,7 +183,7 @@ def test_an_unregistered_pointer_is_detected():
         fa.flash_attn_func(q, k, v, backend=backend)
 
 
-# ---- the issue's findings --------------------------------------------------------------------
+# ---- the findings of docs/ck.md, one test each (numbered as there) --------------------------
 
 def test_finding1_dk_dv_rows_of_empty_query_sequences_are_zero():
     # CK's group-mode dq_dk_dv returns before its dK/dV epilogue for s_q == 0: MHA (dk/dv) and GQA
@@ -263,7 +281,7 @@ def test_finding5_no_library_plans_with_the_gfx942_table():
 
 
 def test_finding7_launch_failure_is_reported_as_such():
-    # An invalid grid (what s_k = 0 did before finding 3): CK's launch throws a HIP error.
+    # An invalid grid (what s_k = 0 did before finding 3 was fixed): CK's launch throws a HIP error.
     memory = Memory()
     library = EmulatedCkLibrary(memory)
     backend = CkBackend.on_library(library, {"cpu"}, lambda d: "gfx942")

@@ -27,9 +27,11 @@ from cases import (  # noqa: E402
     FEATURE_BASE,
     HEAD_DIMS,
     check_case,
+    check_mask_kind,
     feature_case,
     head_dim_case,
     make_inputs,
+    mask_kind_grid,
     run_ours,
 )
 from oracle import Config  # noqa: E402
@@ -58,6 +60,12 @@ FEATURES = {
 @pytest.mark.parametrize("name", sorted(FEATURES))
 def test_features(name, head_dim):
     _check(feature_case(FEATURES[name], head_dim))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind,seqlens", mask_kind_grid(CkBackend.mask_kinds))
+def test_every_declared_mask_kind_matches_the_oracle(kind, seqlens, head_dim):
+    check_mask_kind(CkBackend(), kind, seqlens, device="cuda", head_dim=head_dim)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -1,22 +1,32 @@
-"""Context parallelism (flash_attn_ck/integrations/context_parallel.py) on CPU: gloo, 2 and 4 processes on
+"""Context parallelism (flash_attn_ck/integrations/context_parallel.py) on CPU: gloo, 2, 3 and 4 processes on
 localhost (torch.multiprocessing.spawn), reference backend, float64. Every rank checks its shard of the
 output and of dq/dk/dv against single-process `flash_attn_func` on the full sequence, for each case, and the
-varlen cases (ring, one cu_seqlens, an empty sequence among them) against `flash_attn_varlen_func`.
-One spawn per world size runs all cases (a spawn costs seconds of imports)."""
+varlen cases (ring, one cu_seqlens, an empty sequence among them) against `flash_attn_varlen_func`; dropout
+(each kernel call its own keep pattern) by the directional derivative of the group's loss with the rng fixed;
+bf16/fp16 at one-row chunks under the 2x rule; the SDPA-shaped front end on (b, h, s, d) shards cut by torch's
+own head-tail load balancer. One spawn per world size runs all cases (a spawn costs seconds of imports).
+Also: an argument error raised on every rank leaves the group usable, empty shards, and the options accepted
+exactly when `flash_attn_func` accepts them (hypothesis, a one-process group)."""
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import socket
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flash_attn_ck import ArgumentError, flash_attn_func, flash_attn_varlen_func
-from flash_attn_ck.integrations.context_parallel import context_parallel_attn, shard, unshard
+from flash_attn_ck.integrations.context_parallel import context_parallel_attn, context_parallel_sdpa, shard, unshard
+from tests.oracle import assert_close_2x
 
 # (kv_exchange, layout, causal, window, h, h_k)
 CASES = [
@@ -28,9 +38,15 @@ CASES = [
     ("allgather", "contiguous", False, (-1, 4), 2, 2),
     ("allgather", "zigzag", False, (0, 0), 2, 1),
 ]
+# all-to-all over heads: heads in units of W (h, h_k multiples of the world size)
+A2A_CASES = [("a2a", "zigzag", True, (-1, -1), 2, 1), ("a2a", "contiguous", False, (-1, -1), 2, 2),
+             ("a2a", "zigzag", False, (5, 2), 2, 1)]
 # varlen (ring): (layout, causal, h, h_k); sequence lengths in units of 2W, one of them empty
 VARLEN_CASES = list(itertools.product(("zigzag", "contiguous"), (False, True), ((4, 4), (4, 2))))
 VARLEN_UNITS = (3, 1, 0, 2)
+# dropout: (kv_exchange, layout, causal, window)
+DROPOUT_CASES = [("ring", "zigzag", True, (-1, -1)), ("ring", "contiguous", False, (-1, -1)),
+                 ("allgather", "zigzag", True, (3, -1)), ("a2a", "zigzag", True, (-1, -1))]
 
 
 def _free_port() -> int:
@@ -39,11 +55,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _full_inputs(seq, h, h_k, d=16, b=2):
-    g = torch.Generator().manual_seed(seq * 31 + h * 7 + h_k)
-    q = torch.randn(b, seq, h, d, dtype=torch.float64, generator=g)
-    k, v = (torch.randn(b, seq, h_k, d, dtype=torch.float64, generator=g) for _ in range(2))
-    return q, k, v, torch.randn(b, seq, h, d, dtype=torch.float64, generator=g)
+def spawn(worker, world: int, *args, timeout: float = 300.0) -> None:
+    """Run `worker(rank, world, port, *args)` on `world` processes; a hang (a collective never matched) fails
+    the test after `timeout` seconds instead of blocking the suite."""
+    context = mp.spawn(worker, args=(world, _free_port(), *args), nprocs=world, join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{worker.__name__} at world {world} did not finish in {timeout:.0f} s (a hung collective)")
+
+
+def init(rank: int, world: int, port: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def _full_inputs(seq, h, h_k, d=16, b=2, dtype=torch.float64, seed=None):
+    g = torch.Generator().manual_seed(seq * 31 + h * 7 + h_k if seed is None else seed)
+    q = torch.randn(b, seq, h, d, generator=g).to(dtype)
+    k, v = (torch.randn(b, seq, h_k, d, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, torch.randn(b, seq, h, d, generator=g).to(dtype)
 
 
 def _check_case(case, world):
@@ -86,28 +120,219 @@ def _check_varlen_case(case, world):
     torch.testing.assert_close(unshard(out.detach(), **cut), ref.detach(), atol=1e-12, rtol=1e-10)
 
 
+def _group_sum(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _check_dropout_case(case, world):
+    """With the rng fixed (the same torch seed before every forward), the group's loss L = sum <dout, out> is a
+    function of q, k, v; its directional derivative must equal sum <grads, direction> (a backward that dropped
+    other elements than the forward, as torch's own ring does, fails this), the forward must be reproducible,
+    and dropout must change the output."""
+    exchange, layout, causal, window = case
+    q, k, v, dout = (shard(t, layout=layout) for t in _full_inputs(4 * world, 2 * world, world, seed=world))
+    directions = [torch.randn_like(t) for t in (q, k, v)]
+    run = dict(causal=causal, window_size=window, layout=layout, kv_exchange=exchange, backend="reference")
+
+    def loss(shift, dropout_p=0.3):
+        torch.manual_seed(1234)
+        out = context_parallel_attn(*(t + shift * d for t, d in zip((q, k, v), directions)), dropout_p=dropout_p, **run)
+        return _group_sum((out * dout).sum().item()), out
+
+    torch.manual_seed(1234)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attn(*leaves, dropout_p=0.3, **run)
+    grads = torch.autograd.grad(out, leaves, dout)
+    predicted = _group_sum(sum((g * d).sum().item() for g, d in zip(grads, directions)))
+    eps = 1e-6
+    measured = (loss(eps)[0] - loss(-eps)[0]) / (2 * eps)
+    assert math.isclose(measured, predicted, rel_tol=1e-6, abs_tol=1e-6), (case, measured, predicted)
+    assert torch.equal(loss(0.0)[1], out.detach()), "the same seed draws the same patterns"
+    assert not torch.allclose(loss(0.0, dropout_p=0.0)[1], out.detach()), "dropout dropped nothing"
+
+
+def _check_one_row_chunks(world):
+    """bf16/fp16 with one row per chunk (s = 2W), every exchange and layout, causal or not, GQA: out and every
+    gradient within 2x of the same-precision math SDPA's error against float64 (the merge runs in fp32)."""
+    for seed, dtype, exchange, causal in itertools.product(range(3), (torch.bfloat16, torch.float16),
+                                                           ("ring", "allgather", "a2a"), (False, True)):
+        q, k, v, dout = _full_inputs(2 * world, 2 * world, world, d=32, b=1, dtype=torch.float32, seed=seed)
+
+        def run(fn, dtype, q, k, v, dout):
+            leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves)
+            return (out, *torch.autograd.grad(out, leaves, dout.to(dtype)))
+
+        def sdpa(*t):
+            return F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in t), is_causal=causal,
+                                                  enable_gqa=True).transpose(1, 2)
+
+        ref, same = run(sdpa, torch.float64, q, k, v, dout), run(sdpa, dtype, q, k, v, dout)
+        ours = run(lambda *t: context_parallel_attn(*t, causal=causal, kv_exchange=exchange, backend="reference"),
+                   dtype, *(shard(t) for t in (q, k, v, dout)))
+        for name, o, r, p in zip(("out", "dq", "dk", "dv"), ours, ref, same, strict=True):
+            assert_close_2x(f"{name} ({dtype}, {exchange}, causal={causal}, seed {seed})", o, shard(r), shard(p))
+
+
+def _check_sdpa_front_end(world):
+    """(b, h, s, d) shards cut by torch's `_HeadTailLoadBalancer` (torch's CP sharding) are our zigzag shards, and
+    context_parallel_sdpa on them equals SDPA on the full sequence (causal, GQA with enable_gqa)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental._context_parallel._attention import _context_parallel_shard
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+
+    mesh = init_device_mesh("cpu", (world,))
+    seq = 4 * world
+    q, k, v, dout = (t.transpose(1, 2).contiguous() for t in _full_inputs(seq, 2 * world, world))
+    balancer = _HeadTailLoadBalancer(seq, world, torch.device("cpu"))
+    local = _context_parallel_shard(mesh, [q, k, v, dout], [2, 2, 2, 2], load_balancer=balancer)
+    for ours, theirs in zip((shard(t, mesh, seq_dim=2) for t in (q, k, v, dout)), local, strict=True):
+        assert torch.equal(ours, theirs), "torch's head-tail shard is our zigzag shard"
+    for exchange in ("ring", "allgather", "a2a"):
+        leaves = [t.clone().requires_grad_() for t in local[:3]]
+        out = context_parallel_sdpa(*leaves, mesh, is_causal=True, scale=0.3, enable_gqa=True, kv_exchange=exchange,
+                                    backend="reference")
+        grads = torch.autograd.grad(out, leaves, local[3])
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=0.3, enable_gqa=True)
+        ref_grads = torch.autograd.grad(ref, full, dout)
+        for name, o, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
+            torch.testing.assert_close(o, shard(r.detach(), mesh, seq_dim=2), atol=1e-12, rtol=1e-10,
+                                       msg=lambda m, name=name: f"sdpa front end {exchange} {name}: {m}")
+    with pytest.raises(ArgumentError, match="enable_gqa"):
+        context_parallel_sdpa(*local[:3], mesh, is_causal=True)
+
+
+def _check_hybrid(world):
+    """a2a+ring over a 2-D mesh (2 ring groups x world/2 a2a ranks): every rank's shard of out, dq, dk, dv equals
+    single-process attention (causal zigzag GQA, non-causal contiguous), and dropout's gradients belong to its
+    forward (the directional derivative)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ring", "a2a"))
+    for layout, causal, h, h_k in (("zigzag", True, 4, 2), ("contiguous", False, 2, 2)):
+        q, k, v, dout = _full_inputs(4 * world, h * world // 2, h_k * world // 2)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = flash_attn_func(*full, causal=causal, softmax_scale=0.4, backend="reference")
+        ref_grads = torch.autograd.grad(ref, full, dout)
+        local = [shard(t, mesh, layout=layout).requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attn(*local, mesh, causal=causal, softmax_scale=0.4, layout=layout,
+                                    kv_exchange="a2a+ring", backend="reference")
+        grads = torch.autograd.grad(out, local, shard(dout, mesh, layout=layout))
+        for name, o, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
+            torch.testing.assert_close(o, shard(r.detach(), mesh, layout=layout), atol=1e-12, rtol=1e-10,
+                                       msg=lambda m, name=name: f"a2a+ring {layout} {name}: {m}")
+    q, k, v, dout = (shard(t, mesh) for t in _full_inputs(4 * world, world, world))
+    directions = [torch.randn_like(t) for t in (q, k, v)]
+
+    def loss(shift):
+        torch.manual_seed(5)
+        out = context_parallel_attn(*(t + shift * d for t, d in zip((q, k, v), directions)), mesh, causal=True,
+                                    dropout_p=0.3, kv_exchange="a2a+ring", backend="reference")
+        return _group_sum((out * dout).sum().item())
+
+    torch.manual_seed(5)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attn(*leaves, mesh, causal=True, dropout_p=0.3, kv_exchange="a2a+ring", backend="reference")
+    predicted = _group_sum(sum((g * d).sum().item() for g, d in zip(torch.autograd.grad(out, leaves, dout),
+                                                                    directions)))
+    measured = (loss(1e-6) - loss(-1e-6)) / 2e-6
+    assert math.isclose(measured, predicted, rel_tol=1e-6, abs_tol=1e-6), (measured, predicted)
+
+
 def _worker(rank, world, port):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init(rank, world, port)
     try:
         for case in CASES:
             _check_case(case, world)
+        for exchange, layout, causal, window, h, h_k in A2A_CASES:
+            _check_case((exchange, layout, causal, window, h * world, h_k * world), world)
         for case in VARLEN_CASES:
             _check_varlen_case(case, world)
+        for case in DROPOUT_CASES:
+            _check_dropout_case(case, world)
+        _check_one_row_chunks(world)
+        _check_sdpa_front_end(world)
+        if world % 2 == 0:
+            _check_hybrid(world)
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_context_parallel_matches_single_process(world):
-    mp.spawn(_worker, args=(world, _free_port()), nprocs=world, join=True)
+    spawn(_worker, world)
+
+
+def _bad_calls(q, k, v):
+    """Calls that every rank makes with the same wrong argument; each must raise before communicating."""
+    yield "softmax_scale", dict(softmax_scale=-1.0)
+    yield "window_size", dict(window_size=(1.5, 0), kv_exchange="allgather")
+    yield "causal", dict(causal="yes")
+    yield "dropout_p", dict(dropout_p=1.5)
+    yield "k: expected the dtype", dict(k=k.float())
+    yield "head dim", dict(q=torch.zeros(*q.shape[:-1], 300, dtype=q.dtype), k=torch.zeros(*k.shape[:-1], 300,
+                                                                                          dtype=k.dtype))
+    yield "number of key/value heads", dict(k=k[:, :, :3], v=v[:, :, :3])
+    yield "backend", dict(backend="no such backend")
+
+
+def _error_worker(rank, world, port):
+    init(rank, world, port)
+    try:
+        q, k, v, _ = (shard(t) for t in _full_inputs(4 * world, 4, 4))
+        for expected, change in _bad_calls(q, k, v):
+            args = dict(q=q, k=k, v=v, causal=True, backend="reference") | change
+            with pytest.raises((ArgumentError, ValueError, RuntimeError), match=expected):
+                context_parallel_attn(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+            total = torch.ones(1)
+            dist.all_reduce(total)
+            assert total.item() == world, f"the group is unusable after the {expected} error"
+        out = context_parallel_attn(q, k, v, causal=True, backend="reference")
+        ref = flash_attn_func(*(unshard(t) for t in (q, k, v)), causal=True, backend="reference")
+        torch.testing.assert_close(out, shard(ref), atol=1e-12, rtol=1e-10)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_error_on_every_rank_leaves_the_group_usable():
+    spawn(_error_worker, 2, timeout=120)
+
+
+def _empty_worker(rank, world, port):
+    init(rank, world, port)
+    try:
+        for exchange, (h, h_k) in itertools.product(("ring", "allgather"), ((4, 4), (4, 2))):
+            q, k, v, dout = (shard(t) for t in _full_inputs(0, h, h_k))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out, lse = context_parallel_attn(*leaves, causal=True, kv_exchange=exchange, backend="reference",
+                                             return_lse=True)
+            grads = torch.autograd.grad(out, leaves, dout)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref, ref_lse, _ = flash_attn_func(*full, causal=True, backend="reference", return_attn_probs=True)
+            ref_grads = torch.autograd.grad(ref, full, dout)
+            for ours, expected in zip((out, lse, *grads), (ref, ref_lse, *ref_grads), strict=True):
+                assert ours.shape == expected.shape and ours.dtype == expected.dtype
+            out = context_parallel_attn(*leaves, causal=True, kv_exchange=exchange, backend="reference")
+            out.sum().backward()        # autograd hands the backward an expanded (stride 0) dout
+            assert all(t.grad.shape == t.shape and not t.grad.any() for t in leaves)
+        q, k, v, _ = (shard(t) for t in _full_inputs(0, 2, 2))
+        cu = torch.zeros(3, dtype=torch.int32)
+        leaves = [t[0].clone().requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attn(*leaves, cu_seqlens=cu, backend="reference")
+        assert all(g.shape == t.shape for g, t in zip(torch.autograd.grad(out.sum(), leaves), leaves))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_empty_shards_forward_and_backward():
+    """s = 0 (every shard empty), dense and varlen: shapes as flash_attn_func gives, no exchange, no error."""
+    spawn(_empty_worker, 2, timeout=120)
 
 
 def test_refusals_without_a_process_group():
     q = torch.randn(1, 8, 2, 16, dtype=torch.float64)
-    with pytest.raises(ArgumentError, match="dropout_p"):
-        context_parallel_attn(q, q, q, dropout_p=0.1)
     with pytest.raises(ArgumentError, match="cu_seqlens_q"):
         context_parallel_attn(q, q, q, cu_seqlens_q=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ArgumentError, match="allgather"):
@@ -117,38 +342,77 @@ def test_refusals_without_a_process_group():
                               kv_exchange="allgather")
 
 
-def _torch_template_worker(rank, world, port):
-    """torch's own ring template (`_templated_ring_attention`, head-tail load balancing) on the SDPA op that the
-    provider overrides: it runs our kernels per step and merges their lse. The full `context_parallel()` path
-    cannot run on CPU (docs/integrations.md): CPU SDPA calls `_scaled_dot_product_flash_attention_for_cpu`,
-    which has no DTensor sharding strategy in torch 2.13."""
-    from functools import partial
-    from unittest import mock
+@pytest.fixture(scope="module")
+def one_process_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
 
-    import torch.nn.attention as attention
-    import torch.nn.functional as F
-    from torch.distributed.tensor.experimental._context_parallel._attention import _templated_ring_attention
 
-    import flash_attn_ck.integrations.sdpa as provider
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    attention.register_flash_attention_impl("CP_CPU_TEST", register_fn=partial(provider.register, device_type="cpu"))
-    attention.activate_flash_attention_impl("CP_CPU_TEST")
+def _outcome(fn):
     try:
-        g = torch.Generator().manual_seed(0)
-        q, k, v = (torch.randn(2, 4, 8 * world, 16, generator=g) for _ in range(3))
-        local = [shard(t, seq_dim=2, layout="zigzag") for t in (q, k, v)]
-        with mock.patch.object(provider, "flash_attn_fwd", wraps=provider.flash_attn_fwd) as spy:
-            out = _templated_ring_attention(dist.group.WORLD, 2, torch.ops.aten._scaled_dot_product_flash_attention,
-                                            *local, is_causal=True)[0]
-        assert spy.call_count == world
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            ref = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
-        torch.testing.assert_close(out.double(), shard(ref, seq_dim=2, layout="zigzag"), atol=2e-6, rtol=1e-5)
+        return "accepted", fn()
+    except ArgumentError as error:
+        return "refused", error
+
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True, allow_infinity=True),
+                 st.sampled_from(["1", "yes", (1,), 1.5]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(softmax_scale=st.one_of(st.none(), st.floats(-2, 2), _ANY),
+       causal=st.one_of(st.booleans(), _ANY),
+       window_size=st.one_of(st.tuples(st.integers(-8, 8), st.integers(-8, 8)),
+                             st.tuples(st.one_of(st.integers(-3, 3), _ANY), st.one_of(st.integers(-3, 3), _ANY)),
+                             st.lists(st.integers(-1, 3), max_size=3), _ANY),
+       dropout_p=st.one_of(st.just(0.0), st.floats(-0.5, 1.5), _ANY),
+       deterministic=st.one_of(st.booleans(), _ANY))
+def test_options_accepted_exactly_when_flash_attn_func_accepts_them(one_process_group, softmax_scale, causal,
+                                                                    window_size, dropout_p, deterministic):
+    """One validation for both: every option value is refused by context_parallel_attn (ArgumentError, before any
+    communication) exactly when flash_attn_func refuses it, and an accepted call without dropout gives the
+    same result (a one-process group)."""
+    q, k, v, _ = _full_inputs(4, 2, 1, d=8, b=1)
+    options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, dropout_p=dropout_p,
+                   deterministic=deterministic)
+    single = _outcome(lambda: flash_attn_func(q, k, v, backend="reference", **options))
+    ours = _outcome(lambda: context_parallel_attn(q, k, v, kv_exchange="allgather", backend="reference", **options))
+    assert ours[0] == single[0], (options, single, ours)
+    if ours[0] == "accepted" and dropout_p == 0:
+        torch.testing.assert_close(ours[1], single[1], atol=1e-12, rtol=1e-10)
+
+
+def _compile_worker(rank, world, port):
+    init(rank, world, port)
+    try:
+        captured = []
+
+        def recording_backend(graph_module, example_inputs):
+            captured.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+            return graph_module.forward
+
+        for exchange, causal, h_k in (("ring", True, 2), ("allgather", False, 4)):
+            q, k, v, dout = (shard(t) for t in _full_inputs(4 * world, 4, h_k))
+
+            def attend(q, k, v):
+                return context_parallel_attn(q, k, v, causal=causal, softmax_scale=0.3, kv_exchange=exchange,
+                                             backend="reference") * 2
+
+            results = []
+            for fn in (attend, torch.compile(attend, fullgraph=True, backend=recording_backend)):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = fn(*leaves)
+                results.append((out, *torch.autograd.grad(out, leaves, dout)))
+            for eager, compiled in zip(*results, strict=True):
+                torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+            assert any("flash_attn_ck_cp.forward" in target for target in captured), captured
+            torch._dynamo.reset()
     finally:
-        attention.restore_flash_attention_impl()
         dist.destroy_process_group()
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_torch_ring_template_runs_the_provider():
-    mp.spawn(_torch_template_worker, args=(2, _free_port()), nprocs=2, join=True)
+def test_compile_fullgraph_captures_the_call():
+    """torch.compile(fullgraph=True) traces context_parallel_attn as one custom op (process group by name), and
+    the compiled forward and gradients equal eager ones."""
+    spawn(_compile_worker, 2)

@@ -1,4 +1,4 @@
-"""Issue 16: the classes of edge inputs, drawn by hypothesis rather than listed as instances.
+"""The classes of edge inputs, drawn by hypothesis rather than listed as instances.
 
 - Bad values for every argument of every public function (type, range, non-finite, device incl. meta,
   shape, slot count, aliasing, stride 0): `ArgumentError` naming the argument, and no input or
@@ -13,6 +13,8 @@ kernels run the same functions under TRITON_INTERPRET=1 in one subprocess (`test
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import os
 import re
@@ -20,13 +22,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_attn_ck as fa
+from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.mask import MaskInfo
+from flash_attn_ck.core.options import AttentionOptions
+from flash_attn_ck.core.problem import AttentionParams
+from flash_attn_ck.pipeline.chunking import plan_chunks
+from flash_attn_ck.pipeline.select import select_backend
 from oracle import naive_attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,9 +281,11 @@ def _oracle(q, k, v, dout, causal, window, mask_keep=None):
 
 
 def check_rows_outside_sequences(backend="reference", dtype=torch.float64, lengths=((3, 5), (0, 2), (4, 1)),
-                                 extra_q=3, extra_k=2, heads=(4, 2), causal=True):
+                                 extra_q=3, extra_k=2, heads=(4, 2), causal=True, exact_max=False, cap_fraction=None):
     """cu_seqlens[-1] < total: rows after it are in no sequence. out/dq/dk/dv 0, lse +inf; the sequences'
-    rows as the oracle (preallocated outputs filled with NaN first: everything is written)."""
+    rows as the oracle (preallocated outputs filled with NaN first: everything is written). `exact_max`:
+    max_seqlen is the longest length (0 when every sequence is empty on a side), else one more;
+    `cap_fraction`: the backward runs under that fraction of its unchunked peak workspace."""
     gen = torch.Generator().manual_seed(1)
     total_q = sum(s for s, _ in lengths) + extra_q
     total_k = sum(s for _, s in lengths) + extra_k
@@ -283,11 +294,13 @@ def check_rows_outside_sequences(backend="reference", dtype=torch.float64, lengt
     k, v = (torch.randn(total_k, h_k, 16, generator=gen).to(dtype) for _ in range(2))
     cu_q = torch.tensor([0, *torch.tensor([s for s, _ in lengths]).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor([s for _, s in lengths]).cumsum(0).tolist()], dtype=torch.int32)
-    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(s for s, _ in lengths) + 1,
-                  max_seqlen_k=max(s for _, s in lengths) + 1, causal=causal, backend=backend)
+    bound = 0 if exact_max else 1
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(s for s, _ in lengths) + bound,
+                  max_seqlen_k=max(s for _, s in lengths) + bound, causal=causal, backend=backend)
     out, lse, _ = fa.flash_attn_fwd(q, k, v, **varlen)
     grads = [torch.full_like(t, NAN) for t in (q, k, v)]
-    fa.flash_attn_bwd(dout, q, k, v, out, lse, *grads, **varlen)
+    cap = None if cap_fraction is None else _cap(q, k, v, varlen, cap_fraction)
+    fa.flash_attn_bwd(dout, q, k, v, out, lse, *grads, **varlen, max_workspace_bytes=cap)
     dq, dk, dv = grads
     end_q, end_k = int(cu_q[-1]), int(cu_k[-1])
     assert (out[end_q:] == 0).all() and (dq[end_q:] == 0).all(), "query rows in no sequence: out and dq are 0"
@@ -301,6 +314,31 @@ def check_rows_outside_sequences(backend="reference", dtype=torch.float64, lengt
             torch.testing.assert_close(ours.double(), expected, **_tol(dtype), msg=name)
         finite = torch.isfinite(ref[1])
         assert torch.equal(torch.isfinite(lse[:, rq]), finite)
+
+
+def _cap(q, k, v, options, fraction: float) -> int:
+    """The smallest cap of at least `fraction` of the backward's unchunked peak workspace that its smallest chunk
+    fits, on the backend `options` name or hold."""
+    options = AttentionOptions(**options)
+    problem = describe_call(q, k, v, options)
+    backend = select_backend(problem, options.backend)
+    params = AttentionParams(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k)
+    peak = plan_chunks(problem, backend, None).peak_bytes
+    for cap in range(int(peak * fraction), peak, max(1, peak // 64)):
+        try:
+            plan_chunks(problem, backend, cap, params)
+            return cap
+        except fa.WorkspaceError:
+            continue
+    return peak
+
+
+# Varlen layouts with empty sequences on either side, rows after the last sequence, exact or generous
+# max_seqlen (exact 0 when every sequence is query-empty), MHA/GQA/MQA and group sizes that split unevenly.
+EMPTY_SEQUENCE_LAYOUTS = dict(
+    lengths=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=3),
+    extra_q=st.integers(0, 3), extra_k=st.integers(0, 3), heads=st.sampled_from([(2, 2), (4, 2), (2, 1), (3, 1)]),
+    causal=st.booleans(), exact_max=st.booleans())
 
 
 @settings(max_examples=30, deadline=None)
@@ -319,12 +357,11 @@ def test_device_form_of_the_outside_rows_fill(total, end, dim):
     assert torch.equal(a, b) and (a.narrow(dim, end, total - end) == INF).all()
 
 
-@settings(max_examples=25, **SETTINGS)
-@given(lengths=st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=3),
-       extra_q=st.integers(0, 3), extra_k=st.integers(0, 3), heads=st.sampled_from([(2, 2), (4, 2), (2, 1)]),
-       causal=st.booleans())
-def test_rows_outside_sequences(lengths, extra_q, extra_k, heads, causal):
-    check_rows_outside_sequences("reference", torch.float64, lengths, extra_q, extra_k, heads, causal)
+@settings(max_examples=30, **SETTINGS)
+@given(**EMPTY_SEQUENCE_LAYOUTS, cap_fraction=st.sampled_from([None, 0.5, 0.3]))
+def test_rows_outside_sequences(lengths, extra_q, extra_k, heads, causal, exact_max, cap_fraction):
+    check_rows_outside_sequences("reference", torch.float64, lengths, extra_q, extra_k, heads, causal, exact_max,
+                                 cap_fraction)
 
 
 def check_window(backend="reference", dtype=torch.float64, s_q=10, s_k=3, window=(1, 5), causal=False, seqlens=None):
@@ -485,7 +522,7 @@ def test_dropout_independent_of_max_seqlen():
 
 
 def test_generous_max_seqlen_plans_from_real_lengths():
-    """Issue 16 item 14: 4-token sequences with max_seqlen 2**20 fit the default cap, on the real lengths."""
+    """4-token sequences with max_seqlen 2**20 fit the default cap, on the real lengths."""
     cu = torch.tensor([0, 4, 8], dtype=torch.int32)
     q = torch.randn(8, 2, 16, dtype=torch.float64)
     results = []
@@ -502,18 +539,125 @@ def test_generous_max_seqlen_plans_from_real_lengths():
         assert torch.equal(a, b)
 
 
+# ---- any value of any option: checked before it reaches an op's schema ----------------------------------
+
+class _ThroughTheOps(TorchDispatchMode):
+    """Changes nothing, but under a dispatch mode the forward runs the `fwd` op (ops.py's `_direct`), so its options
+    pass through the op's schema as the backward's always do."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _fresh(make):
+    return st.builds(make)
+
+
+# Values of every type and range an option could be given: beyond int64 (the schemas' ints), beyond any float,
+# non-finite, containers, strings, numpy scalars, tensors of several dtypes and shapes.
+ANY_VALUE = st.one_of(
+    st.sampled_from([0, 1, 3, -1, -2, 2 ** 31 - 1, 2 ** 31, 2 ** 63 - 1, 2 ** 63, 2 ** 64, 2 ** 70, -2 ** 63 - 1,
+                     10 ** 400, -10 ** 400]),
+    st.integers(), st.floats(),
+    st.sampled_from([None, True, False, "x", "", b"1", [1, 2], [0.5], (), (1,), {}, 1j, object(), np.int64(3),
+                     np.float32(0.5), np.bool_(True)]),
+    _fresh(lambda: torch.tensor(1)), _fresh(lambda: torch.tensor(0.5)), _fresh(lambda: torch.tensor(True)),
+    _fresh(lambda: torch.tensor([0, 3, 5], dtype=torch.int32)), _fresh(lambda: torch.tensor([0, 3, 5])),
+    _fresh(lambda: torch.zeros(2, dtype=torch.int64)), _fresh(lambda: torch.ones(2, dtype=torch.float32)),
+    _fresh(lambda: torch.zeros(5, 2, 8, dtype=torch.float32)))
+OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+           "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(direction=st.sampled_from(["fwd", "bwd", "bwd_out"]), data=st.data(), through_ops=st.booleans())
+def test_any_option_value_is_checked_before_the_schema(direction, data, through_ops, monkeypatch):
+    """flash_attn_fwd/bwd given any value for one option (or optional tensor) either run or raise ArgumentError
+    naming it (WorkspaceError for a cap too small): never the dispatcher's raw schema error, an OverflowError
+    or another exception."""
+    monkeypatch.delenv("FLASH_ATTN_CK_MAX_WORKSPACE_BYTES", raising=False)
+    names = OPTIONS + {"fwd": ("return_attn_probs",), "bwd": ("rng_state", "max_workspace_bytes"),
+                       "bwd_out": ("rng_state", "max_workspace_bytes", "dq", "dk", "dv")}[direction]
+    name = data.draw(st.sampled_from(names), label="argument")
+    value = data.draw(st.one_of(ANY_VALUE, st.tuples(ANY_VALUE, ANY_VALUE)) if name == "window_size" else ANY_VALUE,
+                      label="value")
+    gen = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(5, 2, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(7, 1, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    options = dict(cu_seqlens_q=torch.tensor([0, 2, 5], dtype=torch.int32),
+                   cu_seqlens_k=torch.tensor([0, 4, 7], dtype=torch.int32), max_seqlen_q=3, max_seqlen_k=4,
+                   backend="reference")
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, **options)
+    if direction == "fwd":
+        call = functools.partial(fa.flash_attn_fwd, q, k, v, **options)
+    else:
+        grads = {} if direction == "bwd" else dict(zip(("dq", "dk", "dv"), map(torch.empty_like, (q, k, v))))
+        call = functools.partial(fa.flash_attn_bwd, dout, q, k, v, out, lse, **grads, **options,
+                                 rng_state=torch.tensor([1, 2]))
+    try:
+        with _ThroughTheOps() if through_ops else contextlib.nullcontext():
+            call(**{name: value})
+    except fa.ArgumentError as error:
+        assert re.match(rf"^{name}\b", str(error)), f"expected the message to name {name!r}: {error}"
+    except fa.WorkspaceError:
+        assert name == "max_workspace_bytes"
+
+
 # ---- double backward ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("through", ["q", "k", "v"])
-def test_double_backward_raises(through):
-    q, k, v = (torch.randn(1, 6, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    out = fa.flash_attn_func(q, k, v, causal=True, backend="reference")
-    grads = dict(zip("qkv", torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)))
-    with pytest.raises(RuntimeError, match="not differentiable"):
-        grads[through].square().sum().backward()
+def _shared_inputs(sharing: str):
+    """(leaves, f): leaves requiring grad and a function of them calling the API with them shared as named."""
+    gen = torch.Generator().manual_seed(0)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+    opts = dict(causal=True, backend="reference")
+    b, s, h, d = 1, 3, 1, 4       # small: gradgradcheck differentiates numerically element by element
+    if sharing == "varlen q=k=v":
+        cu = torch.tensor([0, 1, 3], dtype=torch.int32)
+        return [leaf(s, h, d)], lambda x: fa.flash_attn_varlen_func(x, x, x, cu, cu, 2, 2, **opts)
+    if sharing == "qkvpacked":
+        return [leaf(b, s, 3, h, d)], lambda qkv: fa.flash_attn_qkvpacked_func(qkv, **opts)
+    if sharing == "kvpacked":
+        return [leaf(b, s, h, d), leaf(b, s, 2, h, d)], lambda q, kv: fa.flash_attn_kvpacked_func(q, kv, **opts)
+    slots = {"distinct": "qkv", "q=k": "xxv", "k=v": "qxx", "q=v": "xkx", "q=k=v": "xxx"}[sharing]
+    names = sorted(set(slots))
+    leaves = [leaf(b, s, h, d) for _ in names]
+
+    def f(*tensors):
+        given = dict(zip(names, tensors))
+        return fa.flash_attn_func(*(given[slot] for slot in slots), **opts)
+    return leaves, f
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(sharing=st.sampled_from(["distinct", "q=k", "k=v", "q=v", "q=k=v", "qkvpacked", "kvpacked", "varlen q=k=v"]),
+       route=st.sampled_from(["backward", "grad", "grad allow_unused", "gradgradcheck"]), data=st.data())
+def test_double_backward_raises(sharing, route, data):
+    """Differentiating a gradient raises the README's error whatever the inputs share and however the second
+    derivative is asked for (a graph's own backward, autograd.grad of one input, with allow_unused,
+    gradgradcheck): never a None, a zero or a "not used in the graph"."""
+    leaves, f = _shared_inputs(sharing)
+    if route == "gradgradcheck":
+        with pytest.raises(RuntimeError, match="the attention backward is not differentiable"):
+            torch.autograd.gradgradcheck(f, leaves)
+        return
+    grads = torch.autograd.grad(f(*leaves).square().sum(), leaves, create_graph=True)
+    penalty = grads[data.draw(st.integers(0, len(grads) - 1), label="gradient")].square().sum()
+    wrt = leaves[data.draw(st.integers(0, len(leaves) - 1), label="with respect to")]
+    differentiate = penalty.backward if route == "backward" else functools.partial(
+        torch.autograd.grad, penalty, wrt, allow_unused=route == "grad allow_unused")
+    with pytest.raises(RuntimeError, match="the attention backward is not differentiable"):
+        differentiate()
+
+
+def test_first_order_gradients_unchanged_by_create_graph():
+    leaves, f = _shared_inputs("q=k=v")
+    plain = torch.autograd.grad(f(*leaves).square().sum(), leaves)
+    graphed = torch.autograd.grad(f(*leaves).square().sum(), leaves, create_graph=True)
+    assert torch.equal(plain[0], graphed[0]) and graphed[0].requires_grad
     # Without create_graph nothing changes: plain gradients, no graph.
-    out = fa.flash_attn_func(q, k, v, causal=True, backend="reference")
-    assert not torch.autograd.grad(out.sum(), q)[0].requires_grad
+    assert not plain[0].requires_grad
 
 
 # ---- the same checks on the Triton kernels, interpreted ---------------------------------------------------
@@ -535,6 +679,14 @@ half = torch.float16
 tile = (config.INTERPRETER.forward.block_m, config.INTERPRETER.forward.block_n)
 assert tile == (16, 16), tile
 t.check_rows_outside_sequences("triton", half)
+t.check_rows_outside_sequences("triton", half, ((0, 4), (0, 3)), 2, 1, (2, 2), True, exact_max=True)
+t.check_rows_outside_sequences("triton", half, ((0, 9), (6, 9)), 0, 0, (3, 1), False, cap_fraction=0.5)
+from hypothesis import given, settings, strategies as st
+@settings(max_examples=6, database=None, **t.SETTINGS)
+@given(**t.EMPTY_SEQUENCE_LAYOUTS, cap_fraction=st.sampled_from([None, 0.5, 0.3]))
+def empty_sequence_layouts(**layout):
+    t.check_rows_outside_sequences("triton", half, **layout)
+empty_sequence_layouts()
 t.check_window("triton", half, 10, 3, (1, 5))
 t.check_window("triton", half, 40, 9, (3, 20))
 t.check_window("triton", half, seqlens=[(20, 5), (7, 12), (0, 3), (15, 15)], window=(2, 9))

@@ -265,8 +265,11 @@ def test_triton_forward_backward_never_syncs(varlen, seqlen):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    for a, b in zip((got[0], *got[1]), (expected[0], *expected[1])):
-        assert torch.equal(a, b)
+    # The forward is deterministic; the backward's fp32 dQ adds (TMA reduce-adds from every key tile) are not
+    # ordered, so a repeat may round a gradient element to the neighbouring bf16 value.
+    assert torch.equal(got[0], expected[0])
+    for a, b in zip(got[1], expected[1]):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
 @settings(max_examples=30, deadline=None)

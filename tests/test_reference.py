@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flash_attn_ck as fa
-from cases import check_case, make_inputs, run_ours
+from cases import check_case, check_mask_kind, make_inputs, mask_kind_grid, run_ours
+from flash_attn_ck.backends.reference import ReferenceBackend
 from oracle import Config, assert_close_2x
 
 GRID = {
@@ -42,6 +43,11 @@ GRID = {
 @pytest.mark.parametrize("name", GRID)
 def test_reference_against_naive(name):
     check_case(GRID[name])
+
+
+@pytest.mark.parametrize("kind,seqlens", mask_kind_grid(ReferenceBackend.mask_kinds))
+def test_every_declared_mask_kind_matches_the_oracle(kind, seqlens):
+    check_mask_kind(ReferenceBackend(), kind, seqlens)
 
 
 def test_gqa_gradients_rounded_per_head_meet_the_rule():

@@ -18,10 +18,12 @@ import pytest
 import torch
 import torch.nn.attention as attention
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ck.integrations.sdpa as provider
-from flash_attn_ck import flash_attn_varlen_func
+from flash_attn_ck import flash_attn_func, flash_attn_varlen_func
 from tests.oracle import assert_close_2x, naive_attention
 from tests.sdpa_support import TinyAttention, activated, forward_spy
 
@@ -264,3 +266,38 @@ def test_restore_really_restores(spy):
     assert spy.call_count == 1
     for a, b in zip(math_again, restored, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(scale=st.one_of(st.sampled_from([0.0, -0.0, -0.5]), st.floats(-2.0, 2.0, allow_subnormal=False)),
+       causal=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_every_finite_scale_sdpa_accepts_runs_on_the_provider(scale, causal, seed):
+    """SDPA takes any finite scale (0 and negative included): the provider runs them on our kernels, exactly
+    rewritten (`positive_scale`), forward and gradients within the 2x rule of math SDPA."""
+    q, k, v, dout = inputs(1, 4, 2, 12, 12, 16, torch.bfloat16, seed=seed)
+    kwargs = dict(is_causal=causal, scale=scale, enable_gqa=True)
+    with activated(CPU_PROVIDER), forward_spy() as spy, sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ours = sdpa_with_grads(q, k, v, dout, **kwargs)
+    assert spy.call_count == 1
+    assert_2x(ours, math_sdpa(q, k, v, dout, torch.float64, **kwargs), math_sdpa(q, k, v, dout, torch.bfloat16,
+                                                                                 **kwargs))
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.7])
+def test_fa2_op_takes_any_finite_scale(active, scale):
+    """aten::_flash_attention_forward (varlen_attn's op) with a zero or negative scale: forward and backward equal
+    the same call on the exactly rewritten query (-q with |scale|, or 0 with scale 1; dq times the sign)."""
+    g = torch.Generator().manual_seed(7)
+    q, dout = (torch.randn(2, 9, 4, 16, generator=g) for _ in range(2))
+    k, v = (torch.randn(2, 11, 2, 16, generator=g) for _ in range(2))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out = torch.ops.aten._flash_attention_forward(qg, kg, vg, None, None, 9, 11, 0.0, True, False, scale=scale)[0]
+    grads = torch.autograd.grad(out, (qg, kg, vg), dout)
+    sign = -1.0 if scale < 0 else 0.0
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q * sign, k, v))
+    ref = flash_attn_func(qr, kr, vr, causal=True, softmax_scale=abs(scale) or 1.0, backend="reference")
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(grads[0], sign * ref_grads[0], atol=0, rtol=0)
+    for ours, expected in zip(grads[1:], ref_grads[1:], strict=True):
+        torch.testing.assert_close(ours, expected, atol=0, rtol=0)

@@ -7,7 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cases import COMMON_FEATURES, HEAD_DIMS, check_case, feature_case, head_dim_case, make_inputs, run_ours
+from cases import (
+    COMMON_FEATURES,
+    HEAD_DIMS,
+    check_case,
+    check_mask_kind,
+    feature_case,
+    head_dim_case,
+    make_inputs,
+    mask_kind_grid,
+    run_ours,
+)
 from oracle import Config
 
 pytestmark = pytest.mark.gpu
@@ -40,8 +50,11 @@ def _check(cfg: Config, seed: int = 0):
 # warp-specialised one wherever it can run (bwd_ws up to head dim 128, bwd_ws_split above; no dropout/ALiBi/
 # softcap; other cases fall back); fwd_ws=True the warp-specialised forward wherever it can run (no
 # dropout/ALiBi/softcap), fwd_ws=False the current forward.
-@pytest.fixture(params=[dict(ws=False, fwd_ws=False), dict(ws=True, fwd_ws=False), dict(ws=False, fwd_ws=True)],
-                ids=["one-launch", "ws", "fwd_ws"])
+KERNELS = {"one-launch": dict(ws=False, fwd_ws=False), "ws": dict(ws=True, fwd_ws=False),
+           "fwd_ws": dict(ws=False, fwd_ws=True)}
+
+
+@pytest.fixture(params=list(KERNELS.values()), ids=list(KERNELS))
 def kernel(request):
     with use_backend(TritonBackend(**request.param)):
         yield request.param
@@ -51,6 +64,15 @@ def kernel(request):
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_head_dims(head_dim, dtype, kernel):
     _check(head_dim_case(head_dim, dtype))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("kind,seqlens", mask_kind_grid(TritonBackend.mask_kinds))
+@pytest.mark.parametrize("kernel_name", list(KERNELS))
+def test_every_declared_mask_kind_matches_the_oracle(kernel_name, kind, seqlens, head_dim):
+    """Each mask kind TritonBackend declares, on each of its kernels, called below the public API (which
+    makes only flash-attn's kinds)."""
+    check_mask_kind(TritonBackend(**KERNELS[kernel_name]), kind, seqlens, device="cuda", head_dim=head_dim)
 
 
 FEATURES = {

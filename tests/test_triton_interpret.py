@@ -23,6 +23,9 @@ import pytest
 
 pytest.importorskip("triton")
 
+from flash_attn_ck.backends.triton import TritonBackend
+from flash_attn_ck.core.mask import API_MASK_KINDS, MaskKind
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Each case: oracle Config fields, plus backend options (gqa_epilogue, dq_mode, use_tma; dp_first:
@@ -48,8 +51,7 @@ CASES = {
     "dp_first": dict(cfg=dict(causal=True, softcap=5.0, dropout_p=0.25), opts=dict(dp_first=True)),
 }
 
-_RUNNER = r"""
-import json, sys
+_INTERPRETER_PATCH = r"""
 import numpy as np
 import triton.runtime.interpreter as interp
 
@@ -60,7 +62,10 @@ def _patched(tensor, scope):
     _patch_tensor(tensor, scope)
     scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
 interp._patch_lang_tensor = _patched
+"""
 
+_RUNNER = _INTERPRETER_PATCH + r"""
+import json, sys
 import torch
 import flash_attn_ck.api  # noqa: F401
 from flash_attn_ck import use_backend
@@ -85,11 +90,37 @@ with use_backend(TritonBackend(**opts)):
 print("PASS")
 """
 
+# A mask kind below the public API (which makes only flash-attn's kinds), on both shapes of cases.py.
+_MASK_KIND_RUNNER = _INTERPRETER_PATCH + r"""
+import sys
+import torch
+import flash_attn_ck.api  # noqa: F401
+from flash_attn_ck.backends.triton import TritonBackend
+from flash_attn_ck.core.mask import MaskKind
+from cases import MASK_KIND_SHAPES, check_mask_kind
+
+TritonBackend.device_types = frozenset({"cuda", "cpu"})   # the interpreter runs on CPU tensors
+for seqlens in MASK_KIND_SHAPES.values():
+    check_mask_kind(TritonBackend(), MaskKind[sys.argv[1]], seqlens, dtype=torch.float16)
+print("PASS")
+"""
+
+
+def _interpret(runner: str, argument: str) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+    env.pop("FLASH_ATTN_CK_BACKEND", None)
+    proc = subprocess.run([sys.executable, "-c", runner, argument], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_interpreted_kernels(name):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    env.pop("FLASH_ATTN_CK_BACKEND", None)
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(CASES[name])], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _interpret(_RUNNER, json.dumps(CASES[name]))
+
+
+# The kinds TritonBackend declares beyond flash-attn's own (those run in CASES through the API).
+@pytest.mark.parametrize("kind", [kind for kind in MaskKind if kind in TritonBackend.mask_kinds - API_MASK_KINDS],
+                         ids=lambda kind: kind.name.lower())
+def test_interpreted_mask_kinds(kind):
+    _interpret(_MASK_KIND_RUNNER, kind.name)

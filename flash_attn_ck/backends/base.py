@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from ..core.mask import API_MASK_KINDS, MaskKind, describe_kinds
 from ..core.plan import WorkspacePlan
 from ..core.problem import AttentionParams, AttentionProblem
 
@@ -25,6 +26,8 @@ class Backend(abc.ABC):
     device_types: ClassVar[frozenset[str]] = frozenset()
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
     max_head_dim: ClassVar[int] = 256
+    # The mask kinds the kernels run (core/mask.py); a call with another kind is refused in the kind's words.
+    mask_kinds: ClassVar[frozenset[MaskKind]] = API_MASK_KINDS
     supports_alibi: ClassVar[bool] = True
     supports_softcap: ClassVar[bool] = True
     supports_dropout: ClassVar[bool] = True
@@ -63,6 +66,8 @@ class Backend(abc.ABC):
             reasons.append(f"dtype {str(problem.dtype).removeprefix('torch.')} not in {names}")
         if problem.head_dim > cls.max_head_dim:
             reasons.append(f"head dim {problem.head_dim} > {cls.max_head_dim}")
+        if problem.mask.kind not in cls.mask_kinds:
+            reasons.append(f"mask: {problem.mask.kind.value} is not supported (runs: {describe_kinds(cls.mask_kinds)})")
         features = [("ALiBi", problem.has_alibi, cls.supports_alibi),
                     ("softcap", problem.softcap != 0.0, cls.supports_softcap),
                     ("dropout", problem.dropout_p > 0.0, cls.supports_dropout),
@@ -99,4 +104,4 @@ class Backend(abc.ABC):
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
         """Fill `workspace['softmax_d']` and dq; dk/dv, or the expanded buffers when the plan says
         `reduce_expanded_kv` (then `dk`/`dv` are left for the pipeline's group sum). The pipeline
-        calls it only when the call has query rows."""
+        calls it only when the call (or chunk) has query rows and key rows."""

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import torch
 
+from ..core.mask import MaskKind
 from ..core.plan import BufferSpec, WorkspacePlan
 from ..core.problem import AttentionParams, AttentionProblem
 from ..core.scores import ScoreTile, heads_first, kept_matmul, sequences
@@ -26,6 +27,7 @@ class ReferenceBackend(Backend):
     priority = 0
     device_types = frozenset({"cpu", "cuda", "mps", "xpu"})
     auto_select_devices = frozenset({"cpu"})     # a slow oracle on accelerators: only when asked for
+    mask_kinds = frozenset(MaskKind)     # any keep rule core/mask.py states, so any query-row chunk of one
     supports_chunks = True
     supports_row_chunks = True
     supports_chunked_dropout = True

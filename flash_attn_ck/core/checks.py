@@ -16,6 +16,10 @@ from .errors import ArgumentError
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
+# Integer options reach the ops' schemas (ops.py) as int64: larger values are refused here, naming the
+# argument, rather than by the dispatcher.
+MAX_INT64 = 2 ** 63 - 1
+WORKSPACE_EXPECTED = "an integer number of bytes in [0, 2**63 - 1], or -1 for no cap"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -96,7 +100,7 @@ def check_number(name: str, value) -> float:
         raise ArgumentError(f"{name}: expected a finite real number, got {type(value).__name__} {value!r}")
     try:
         number = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):      # OverflowError: an int beyond any float
         raise ArgumentError(f"{name}: expected a finite real number, got {type(value).__name__} {value!r}") from None
     if not number - number == 0.0:     # inf and nan (math.isfinite would break torch.compile's graph)
         raise ArgumentError(f"{name}: expected a finite real number, got {value!r}")
@@ -167,28 +171,28 @@ def check_window(window_size) -> tuple[int, int]:
 
 
 def check_max_seqlen(name: str, value) -> int:
-    """A varlen bound: a non-negative integer."""
+    """A varlen bound: an integer in [0, 2**63 - 1]."""
     if isinstance(value, torch.SymInt):        # traced by torch.compile
         return value
+    expected = "expected a non-negative integer below 2**63"
     if isinstance(value, (bool, float, str, bytes)) or value is None:
-        raise ArgumentError(f"{name}: expected a non-negative integer, got {type(value).__name__} {value!r}")
+        raise ArgumentError(f"{name}: {expected}, got {type(value).__name__} {value!r}")
     number = value if isinstance(value, int) else _as_int(value)    # ints as they are: SymInts under compile
     if number is None:
-        raise ArgumentError(f"{name}: expected a non-negative integer, got {type(value).__name__} {value!r}")
-    if number < 0:
-        raise ArgumentError(f"{name}: expected a non-negative integer, got {number}")
+        raise ArgumentError(f"{name}: {expected}, got {type(value).__name__} {value!r}")
+    if not 0 <= number <= MAX_INT64:
+        raise ArgumentError(f"{name}: {expected}, got {number}")
     return number
 
 
 def check_workspace_bytes(name: str, value) -> int:
-    """A workspace cap: bytes >= 0, or -1 for none (other negative values are refused, not "no cap")."""
+    """A workspace cap: bytes in [0, 2**63 - 1], or -1 for none (other negative values are refused, not
+    "no cap"; larger ones too, as the environment variable's and the argument's rule is one)."""
     if isinstance(value, (bool, float, str, bytes)) or value is None:
-        raise ArgumentError(f"{name}: expected an integer number of bytes (-1: no cap), got {value!r}")
+        raise ArgumentError(f"{name}: expected {WORKSPACE_EXPECTED}, got {value!r}")
     number = value if isinstance(value, int) else _as_int(value)
-    if number is None:
-        raise ArgumentError(f"{name}: expected an integer number of bytes (-1: no cap), got {value!r}")
-    if number < -1:
-        raise ArgumentError(f"{name}: expected an integer number of bytes >= 0, or -1 for no cap, got {number}")
+    if number is None or not -1 <= number <= MAX_INT64:
+        raise ArgumentError(f"{name}: expected {WORKSPACE_EXPECTED}, got {value!r}")
     return number
 
 

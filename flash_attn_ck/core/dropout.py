@@ -9,7 +9,7 @@ Philox-4x32-10 with the 64-bit seed as key and the 128-bit counter
 (`triton.language.philox(seed, c0, c1, c2, c3)`, first output word), so the Triton kernels and this
 PyTorch version draw the same bits. It is kept iff `(bits >> 8) * 2**-24 >= p` in fp32 (24-bit
 uniforms are exact in both). The pattern depends on the element's coordinates only, never on
-launch bounds: varlen calls with different `max_seqlen` draw the same pattern (issue 16 item 5).
+launch bounds: varlen calls with different `max_seqlen` draw the same pattern.
 
 The CK kernels draw their own pattern from the same `[seed, offset]` (CK's Philox layout).
 """

@@ -1,9 +1,13 @@
-"""CK's attention mask, and the one place where causal/window arguments are canonicalised.
+"""CK's attention mask, the mask kinds backends declare, and the one place where causal/window arguments
+are canonicalised.
 
 `MaskInfo` mirrors CK's `mask_info` (example/ck_tile/01_fmha/mask.hpp): a type, the user-facing
 `left`/`right` window sizes, and CK's generic coordinates `(y, x)`. Element `(i, j)` is kept iff
 `i + 1 - y <= j < min(i + x, s_k)`. Only `type`, `left` and `right` reach a kernel, which rebuilds
 `(y, x)` from the real per-sequence lengths (so varlen gets per-sequence bottom-right alignment).
+
+`MaskKind` names the shape of a mask apart from its sizes; each backend declares the kinds its kernels
+run (`Backend.mask_kinds`), and a call with any other kind is refused in the kind's own words.
 """
 
 from __future__ import annotations
@@ -15,10 +19,31 @@ import torch
 
 
 class MaskType(enum.IntEnum):
+    """CK's `mask_enum` (and the C ABI's `fack_mask_type`): how a kernel reads `left`/`right`."""
     NO_MASK = 0
     TOP_LEFT = 1
     BOTTOM_RIGHT = 2
     WINDOW_GENERIC = 3
+
+
+class MaskKind(enum.Enum):
+    """A mask's shape without its sizes: what a backend declares it runs. The value is the kind in words."""
+    NONE = "no mask"
+    CAUSAL = "causal (bottom-right)"
+    CAUSAL_TOP_LEFT = "causal aligned top-left"
+    WINDOW = "local window (bottom-right)"
+    WINDOW_TOP_LEFT = "local window aligned top-left"
+    GENERIC = "generic (y, x) window"
+
+
+# What flash-attn's arguments (causal, window_size) make; the other kinds come from the SDPA-style
+# top-left alignment and from query-row chunks of a masked call (pipeline/chunking.py).
+API_MASK_KINDS = frozenset({MaskKind.NONE, MaskKind.CAUSAL, MaskKind.WINDOW})
+
+
+def describe_kinds(kinds: frozenset[MaskKind]) -> str:
+    """The kinds in words, in MaskKind's order."""
+    return ", ".join(kind.value for kind in MaskKind if kind in kinds)
 
 
 def generic_coordinates(left: int, right: int, seqlen_q: int, seqlen_k: int, top_left: bool) -> tuple[int, int]:
@@ -55,6 +80,18 @@ class MaskInfo:
         return cls(MaskType.BOTTOM_RIGHT, left, right, y, x, seqlen_q, seqlen_k)
 
     @classmethod
+    def top_left(cls, left: int, right: int, seqlen_q: int, seqlen_k: int) -> MaskInfo:
+        """A window aligned to the top-left corner (SDPA's causal alignment); a negative side is unbounded."""
+        y, x = generic_coordinates(left, right, seqlen_q, seqlen_k, top_left=True)
+        return cls(MaskType.TOP_LEFT, left, right, y, x, seqlen_q, seqlen_k)
+
+    @classmethod
+    def generic(cls, y: int, x: int, seqlen_q: int, seqlen_k: int) -> MaskInfo:
+        """CK's generic window in its own coordinates, kept as given for every length: row i keeps keys
+        `i + 1 - y <= j < i + x` (a query-row chunk of another mask, in the chunk's row numbering)."""
+        return cls(MaskType.WINDOW_GENERIC, y, x, y, x, seqlen_q, seqlen_k)
+
+    @classmethod
     def from_flash_args(cls, causal: bool, window_size: tuple[int, int], seqlen_q: int, seqlen_k: int) -> MaskInfo:
         """flash-attn's arguments -> CK mask: flash-attn's documented interval, exactly (docs/semantics.md §Masks).
 
@@ -89,15 +126,24 @@ class MaskInfo:
     def is_causal(self) -> bool:
         return self.type in (MaskType.TOP_LEFT, MaskType.BOTTOM_RIGHT) and self.left < 0 and self.right == 0
 
+    @property
+    def kind(self) -> MaskKind:
+        if self.type == MaskType.NO_MASK:
+            return MaskKind.NONE
+        if self.type == MaskType.WINDOW_GENERIC:
+            return MaskKind.GENERIC
+        if self.type == MaskType.TOP_LEFT:
+            return MaskKind.CAUSAL_TOP_LEFT if self.is_causal else MaskKind.WINDOW_TOP_LEFT
+        return MaskKind.CAUSAL if self.is_causal else MaskKind.WINDOW
+
     def for_lengths(self, seqlen_q: int, seqlen_k: int) -> MaskInfo:
         """The same left/right window rebuilt for other lengths, as a CK kernel does per sequence."""
         if self.type == MaskType.NO_MASK:
-            return MaskInfo(MaskType.NO_MASK, -1, -1, seqlen_q, seqlen_k, seqlen_q, seqlen_k)
+            return MaskInfo.no_mask(seqlen_q, seqlen_k)
         if self.type == MaskType.WINDOW_GENERIC:
-            return MaskInfo(self.type, self.left, self.right, self.y, self.x, seqlen_q, seqlen_k)
-        top_left = self.type == MaskType.TOP_LEFT
-        y, x = generic_coordinates(self.left, self.right, seqlen_q, seqlen_k, top_left)
-        return MaskInfo(self.type, self.left, self.right, y, x, seqlen_q, seqlen_k)
+            return MaskInfo.generic(self.y, self.x, seqlen_q, seqlen_k)
+        align = MaskInfo.top_left if self.type == MaskType.TOP_LEFT else MaskInfo.bottom_right
+        return align(self.left, self.right, seqlen_q, seqlen_k)
 
     def key_bounds(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Half-open key range `[lo, hi)` kept for each query row (clamped to `[0, s_k]`)."""

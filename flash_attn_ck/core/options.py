@@ -59,7 +59,9 @@ class AttentionOptions:
         if self.max_workspace_bytes is not None:
             normalised["max_workspace_bytes"] = checks.check_workspace_bytes("max_workspace_bytes",
                                                                             self.max_workspace_bytes)
-        vars(self).update(normalised)     # frozen: only attribute assignment is blocked
+        # object.__setattr__, not a vars() update: the constructor is what dynamo (torch 2.11) traces under compile.
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
 
     def replace_checked(self, **changes) -> AttentionOptions:
         """`dataclasses.replace(self, **changes)` for changes that an AttentionOptions has already checked and

@@ -86,6 +86,17 @@ class AttentionProblem:
         return self.total_k if self.varlen else self.batch * self.seqlen_k
 
     @property
+    def has_queries(self) -> bool:
+        """Whether some sequence has a query row. Kernels size their grids from the (max) length, so a varlen
+        call with max_seqlen_q = 0 has none even when q holds rows (after cu_seqlens_q[-1], in no sequence)."""
+        return self.rows_q > 0 and self.seqlen_q > 0
+
+    @property
+    def has_keys(self) -> bool:
+        """Whether some sequence has a key row (as `has_queries`)."""
+        return self.rows_k > 0 and self.seqlen_k > 0
+
+    @property
     def q_rows_shape(self) -> tuple[int, ...]:
         """The leading dims of q (and out, dout, dq): `(b, s_q)`, or varlen `(total_q,)`."""
         return (self.total_q,) if self.varlen else (self.batch, self.seqlen_q)

@@ -22,12 +22,17 @@ Semantics (docs/integrations.md):
   s_q >= s_k is the bottom-right window (-1, s_q - s_k); s_q < s_k is causal on the first s_q keys
   (no row sees the others; their dK/dV are 0). The FA2-style `_flash_attention_*` ops keep FA2's
   bottom-right causal and windows, which is what flash_attn_ck implements natively.
+- Scale: SDPA accepts any finite `scale`; our kernels take a positive one. `scale * q.k = |scale| * (sign q).k`
+  exactly, so a negative scale runs on -q with |scale| and 0 on a zero query with scale 1 (uniform attention),
+  and dq is multiplied by the sign: every finite scale SDPA accepts runs on our kernels (`positive_scale`).
 - GQA: K/V arrive with h_k heads (SDPA's `enable_gqa`) and run as our MQA/GQA.
 - Dropout: our forward draws `rng_state = [seed, offset]` (int64) from torch's generator. It is returned
   in the slots torch's meta functions declare: `philox_seed` = the same 16 bytes as uint64 (2,) and
   `philox_offset` = uint64 0 on CUDA builds (FA2's layout since torch 2.5); on ROCm builds int64 scalars
   seed and offset. The backward rebuilds `[seed, offset]` from what torch hands back, so it drops exactly
   the forward's elements (torch passes the forward's outputs unchanged to the backward op).
+- Dropout while torch's own context-parallel ring is on (`torch_ring_active`): refused, naming
+  `torch_cp.install_torch_cp_handlers()` (torch's ring hands every backward step the last step's rng state).
 - Refused with a RuntimeError that names the reason (never a silent fallback): `return_debug_mask`,
   float64 (torch's meta declares an fp32 lse), `alibi_slopes` (torch's `_flash_attention_backward` has no
   slopes argument, so its gradients would be wrong), `seqused_k`, `block_table`, `num_splits > 1`. Errors of
@@ -36,6 +41,7 @@ Semantics (docs/integrations.md):
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +70,27 @@ def _check_dtype(query: torch.Tensor, allow_fp64: bool = False) -> None:
     if query.dtype not in allowed:
         _refuse(f"query dtype {query.dtype} is not supported here (torch's meta function declares an fp32 "
                 "logsumexp; use fp16/bf16, or fp32 with the reference backend)")
+
+
+_TORCH_CP = "torch.distributed.tensor.experimental._context_parallel._attention"
+
+
+def torch_ring_active() -> bool:
+    """Whether torch's CP dispatcher is on with torch's own ring for the flash op (not our installed one)."""
+    module = sys.modules.get(_TORCH_CP)
+    if module is None:         # never imported: torch's CP was never turned on
+        return False
+    from torch.distributed.tensor import DTensor
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    return DTensor._op_dispatcher._custom_op_handlers.get(flash) is module._sdpa_handler
+
+
+def _check_dropout_outside_torch_ring(dropout_p: float) -> None:
+    if dropout_p and torch_ring_active():
+        _refuse("dropout under torch's context parallelism: torch's ring gives every backward step the last forward "
+                "step's rng state, so the gradients would not match the forward's dropout. Call "
+                "flash_attn_ck.integrations.torch_cp.install_torch_cp_handlers() first (our ring keeps a state per "
+                "step), or use dropout_p=0")
 
 
 def sdpa_causal(is_causal: bool, seqlen_q: int, seqlen_k: int) -> tuple[int, bool, tuple[int, int]]:
@@ -102,6 +129,16 @@ def rng_input(dropout_p: float, philox_seed: torch.Tensor, philox_offset: torch.
     return torch.stack([philox_seed.reshape(()), philox_offset.reshape(())]).to(torch.int64)
 
 
+def positive_scale(query: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, float | None, float]:
+    """SDPA accepts any finite scale, our kernels a positive one: `scale * q.k = |scale| * (sign * q).k` exactly
+    (negation and zeroing are exact), so a negative scale runs on -q with |scale| and a zero scale on zeros with
+    scale 1 (uniform attention). Returns (the query to run, the scale to run, sign); dq = sign * the run's dq."""
+    if scale is None or not scale <= 0:       # None (1 / sqrt(d)), positive, or nan/inf (our checks refuse them)
+        return query, scale, 1.0
+    sign = -1.0 if scale < 0 else 0.0
+    return query * sign, (-scale if scale < 0 else 1.0), sign
+
+
 def _bshd(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.transpose(1, 2) for t in tensors)
 
@@ -121,6 +158,7 @@ class Adapters:
     def sdpa_forward(self, query, key, value, dropout_p, is_causal, scale, out):
         """Writes `out` (b, h, s_q, d); returns lse (b, h, s_q) and rng_state (None without dropout)."""
         q, k, v = _bshd(query, key, value)
+        q, scale, _ = positive_scale(q, scale)
         keys, causal, window = sdpa_causal(is_causal, q.shape[1], k.shape[1])
         result, lse, rng_state = flash_attn_fwd(q, k[:, :keys], v[:, :keys], dropout_p=dropout_p, softmax_scale=scale,
                                                 causal=causal, window_size=window, backend=self.backend)
@@ -131,6 +169,7 @@ class Adapters:
                       grads):
         """Writes dq, dk, dv (`grads`, (b, h, s, d) like the inputs)."""
         q, k, v, o, do = _bshd(query, key, value, out, _unit_last_stride(grad_out))
+        q, scale, sign = positive_scale(q, scale)
         dq, dk, dv = _bshd(*grads)
         keys, causal, window = sdpa_causal(is_causal, q.shape[1], k.shape[1])
         if keys < k.shape[1]:
@@ -140,12 +179,15 @@ class Adapters:
                        dq, dk[:, :keys], dv[:, :keys], dropout_p=dropout_p, softmax_scale=scale, causal=causal,
                        window_size=window, deterministic=torch.are_deterministic_algorithms_enabled(),
                        rng_state=rng_state, backend=self.backend)
+        if sign != 1.0:
+            dq.mul_(sign)
 
     # ---- aten::_scaled_dot_product_flash_attention (+ backward) ---------------------------------------
     def sdpa_flash(self, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
         _check_dtype(query)
         if return_debug_mask:
             _refuse("return_debug_mask=True (FA2's debug mask layout) is not supported")
+        _check_dropout_outside_torch_ring(dropout_p)
         out = torch.empty_like(query)
         lse, rng_state = self.sdpa_forward(query, key, value, dropout_p, is_causal, scale, out)
         seed, offset = rng_outputs(rng_state, query.device)
@@ -154,8 +196,9 @@ class Adapters:
 
     def sdpa_flash_backward(self, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
                             dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
-        # max_q/max_k are ignored: torch's context-parallel ring passes its last step's (issue 18 notes).
+        # max_q/max_k are ignored: torch's context-parallel ring passes its last step's.
         _check_dtype(query)
+        _check_dropout_outside_torch_ring(dropout_p)
         grads = (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value))
         self.sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale,
                            rng_input(dropout_p, philox_seed, philox_offset), grads)
@@ -201,6 +244,7 @@ class Adapters:
                                                      max_seqlen_q=max_q, max_seqlen_k=max_k)
         window = (-1 if window_size_left is None else window_size_left,
                   -1 if window_size_right is None else window_size_right)
+        query, scale, _ = positive_scale(query, scale)
         result, lse, rng_state = flash_attn_fwd(query, key, value, **varlen, dropout_p=dropout_p, softmax_scale=scale,
                                                 causal=is_causal, window_size=window, backend=self.backend)
         out = torch.empty_like(query) if out is None else out
@@ -235,10 +279,13 @@ class Adapters:
         window = (-1 if window_size_left is None else window_size_left,
                   -1 if window_size_right is None else window_size_right)
         grads = (torch.empty_like(query), torch.empty_like(key), torch.empty_like(value))
+        query, scale, sign = positive_scale(query, scale)
         flash_attn_bwd(_unit_last_stride(grad_out), query, key, value, _unit_last_stride(out), logsumexp.contiguous(),
                        *grads, **varlen, dropout_p=dropout_p, softmax_scale=scale, causal=is_causal,
                        window_size=window, deterministic=torch.are_deterministic_algorithms_enabled(),
                        rng_state=rng_input(dropout_p, rng_state, unused), backend=self.backend)
+        if sign != 1.0:
+            grads[0].mul_(sign)
         return grads
 
 

@@ -2,7 +2,7 @@
 backend kernel -> reduce (GQA group sum, fp32 sums of split-group partials) -> unpad.
 
 Shaped like flash-attention's `mha_bwd`: returns `(dq, dk, dv, softmax_d)`, accepts preallocated
-dq/dk/dv, and without query rows runs no kernel (dK, dV and D are zero).
+dq/dk/dv, and a call or chunk without query or key rows runs no kernel (`_without_kernel`).
 """
 
 from __future__ import annotations
@@ -101,22 +101,6 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
     backend = chunking.runner       # the leaner setup when the asked-for one does not fit the cap
     shared = {b.name: b.allocate(p.device) for b in chunking.shared}
     softmax_d = shared["softmax_d"]
-    if p.rows_q == 0:
-        # No query rows: no kernel runs; dK, dV and D are zero (docs/semantics.md §The CK fmha_bwd workspace contract).
-        dk.zero_()
-        dv.zero_()
-        softmax_d.zero_()
-        return softmax_d
-    if p.rows_k == 0 or p.seqlen_k == 0:
-        # No key rows (dense s_k = 0, or varlen with max_seqlen_k = 0): no kernel runs (CK's dq_dk_dv grid
-        # would have ceil(0 / kN0) = 0 blocks, an invalid launch). Every row sees no key: dQ is zero,
-        # D = rowsum(dO * O) as the reference's dot_do_o computes it.
-        dq.zero_()
-        dk.zero_()
-        dv.zero_()
-        d_rows = (dout.to(p.accum_dtype) * out.to(p.accum_dtype)).sum(-1)      # (b, s_q, h) / (total_q, h)
-        softmax_d.copy_(d_rows.movedim(-1, -2) if not p.varlen else d_rows.transpose(0, 1))
-        return softmax_d
 
     # ---- one chunk (the call fits under the cap): the call's own tensors, no views ---------------
     chunks = chunking.chunks
@@ -160,6 +144,9 @@ def run_chunk(backend: Backend, problem: AttentionProblem, params: AttentionPara
     """One backward over views: plan -> pad -> kernel -> GQA group sum -> unpad. `plan`: this
     problem's backward_plan when the caller has it already."""
     p = problem
+    if not (p.has_queries and p.has_keys):
+        _without_kernel(p, out, dout, dq, dk, dv, softmax_d)
+        return
     # ---- workspace: exactly the plan's named buffers (softmax_d is the caller's view) -----------
     plan = backward_plan(backend, p) if plan is None else plan
     workspace = plan.allocate(p.device, skip=("softmax_d",))
@@ -188,3 +175,20 @@ def run_chunk(backend: Backend, problem: AttentionProblem, params: AttentionPara
     if p.head_dim_padded != p.head_dim:
         for user, computed in zip(user_grads, (dq, dk, dv)):
             user.copy_(computed[..., :p.head_dim])
+
+
+def _without_kernel(problem: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,
+                    dk: torch.Tensor, dv: torch.Tensor, softmax_d: torch.Tensor) -> None:
+    """The backward of a call or chunk with an empty side, which launches nothing: CK sizes its grids from the
+    (max) lengths, and ceil(0 / tile) blocks is an invalid launch; a chunk of query-empty sequences would hand
+    it NULL q/dout pointers. No query rows: dK, dV, D (and dQ of rows in no sequence) are zero
+    (docs/semantics.md §The CK fmha_bwd workspace contract). No key rows: every row sees no key, so dQ, dK and
+    dV are zero and D = rowsum(dO * O), as the reference's dot_do_o computes it."""
+    p = problem
+    for grad in (dq, dk, dv):
+        grad.zero_()
+    if not p.has_queries:
+        softmax_d.zero_()
+        return
+    d_rows = (dout.to(p.accum_dtype) * out.to(p.accum_dtype)).sum(-1)      # (b, s_q, h) / (total_q, h)
+    softmax_d.copy_(d_rows.movedim(-1, -2) if not p.varlen else d_rows.transpose(0, 1))

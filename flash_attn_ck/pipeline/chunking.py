@@ -8,7 +8,8 @@ chunks, each on views of the inputs and outputs (no copies of q/k/v/out/dout):
    result is bit-identical to the unchunked call;
 2. if one group of one sequence is still too large: slices of the group's query heads and/or of
    the query rows (batch mode, no ALiBi). Their dK/dV are partial sums, written in the input dtype
-   (as CK's expanded buffers are) and added in fp32 in a fixed order, so runs stay deterministic.
+   (as CK's expanded buffers are) and added in fp32 (fp64 for fp64 inputs) in a fixed order, so runs stay
+   deterministic.
 
 Chunks carry a `Placement` (global batch/head/row offsets), so dropout draws the same keep pattern
 and masks keep their alignment. If even the smallest chunk does not fit, the backend's leaner setup
@@ -70,7 +71,41 @@ class Chunk:
         return self.group_heads != (0, problem.group_size) or self.rows != (0, problem.seqlen_q)
 
 
-Ranges = tuple[tuple[int, int], ...]
+class Ranges(collections.abc.Sequence):
+    """[0, total) cut into ranges [start, end) of `size` (the last one shorter), made on demand: the row axis
+    of a long call sliced into single rows has as many ranges as rows, and planning must not build them
+    (its cost stays independent of the sequence length). Compares equal to any sequence of the same ranges."""
+
+    def __init__(self, total: int, size: int):
+        self.total, self.size = total, size
+
+    def __len__(self) -> int:
+        return -(-self.total // self.size)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start = index * self.size
+        return start, min(start + self.size, self.total)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((start, min(start + self.size, self.total)) for start in range(0, self.total, self.size))
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Ranges):     # one range: any size at least the total cuts the same
+            return (self.total, len(self)) == (other.total, len(other)) and (len(self) < 2 or self.size == other.size)
+        if isinstance(other, collections.abc.Sequence):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Ranges(total={self.total}, size={self.size})"
 
 
 class ChunkGrid(collections.abc.Sequence):
@@ -78,8 +113,10 @@ class ChunkGrid(collections.abc.Sequence):
     in that nesting order, made on demand (a row-sliced plan of a long call has millions of chunks, and
     planning must not build them). Compares equal to any sequence of the same chunks."""
 
-    def __init__(self, batch: Ranges, kv_heads: Ranges, group_heads: Ranges, rows: Ranges):
-        self.axes = (tuple(batch), tuple(kv_heads), tuple(group_heads), tuple(rows))
+    def __init__(self, batch, kv_heads, group_heads, rows):
+        """Each axis: `Ranges`, or any sequence of (start, end) pairs."""
+        self.axes = tuple(axis if isinstance(axis, Ranges) else tuple(axis)
+                          for axis in (batch, kv_heads, group_heads, rows))
 
     def __len__(self) -> int:
         return math.prod(len(axis) for axis in self.axes)
@@ -165,8 +202,7 @@ def chunk_problem(problem: AttentionProblem, chunk: Chunk, rows_q: int, rows_k: 
     if (r0, r1) != (0, p.seqlen_q) and mask.type != MaskType.NO_MASK:
         # Rows [r0, r1): the same keep rule in the chunk's own row numbering, as generic (y, x).
         full = mask.for_lengths(p.seqlen_q, p.seqlen_k)
-        mask = MaskInfo(MaskType.WINDOW_GENERIC, full.y - r0, full.x + r0, full.y - r0, full.x + r0,
-                        r1 - r0, p.seqlen_k)
+        mask = MaskInfo.generic(full.y - r0, full.x + r0, r1 - r0, p.seqlen_k)
     placement = Placement(batch_offset=b0, head_offset=g0 * p.group_size + a, row_offset=r0,
                           heads=p.heads_q, seqlen_q=p.seqlen_q)
     if p.varlen:
@@ -176,16 +212,13 @@ def chunk_problem(problem: AttentionProblem, chunk: Chunk, rows_q: int, rows_k: 
                    placement=placement)
 
 
-def _ranges(total: int, size: int) -> tuple[tuple[int, int], ...]:
-    return tuple((start, min(start + size, total)) for start in range(0, total, size))
-
-
 def _partial_sums(problem: AttentionProblem, batch_rows_k: int, heads_k: int) -> tuple[BufferSpec, ...]:
-    """fp32 sums of dK/dV partials, and the chunk's own dK/dV in the input dtype (the user's head dim:
-    a chunk unpads its result before it is added)."""
+    """Sums of dK/dV partials in the accumulation dtype, and the chunk's own dK/dV in the input dtype (the
+    user's head dim: a chunk unpads its result before it is added)."""
     p, d = problem, problem.head_dim
     rows = (batch_rows_k,) if p.varlen else (batch_rows_k // max(p.seqlen_k, 1), p.seqlen_k)
-    return tuple([BufferSpec(f"{g}_sum", (*rows, heads_k, d), torch.float32, True, f"fp32 sum of {g} partials")
+    accum = str(p.accum_dtype).removeprefix("torch.")
+    return tuple([BufferSpec(f"{g}_sum", (*rows, heads_k, d), p.accum_dtype, True, f"{accum} sum of {g} partials")
                   for g in ("dk", "dv")] +
                  [BufferSpec(f"{g}_partial", (*rows, heads_k, d), p.dtype, False, f"one chunk's {g} partial")
                   for g in ("dk", "dv")])
@@ -340,8 +373,8 @@ def _plan_chunks(problem: AttentionProblem, backend, cap: int | None,
 
 def _grid(p: AttentionProblem, nb: int, ng: int, heads: int, rows: int) -> ChunkGrid:
     """Chunks of `nb` sequences x `ng` kv heads x `heads` query heads of a group x `rows` query rows."""
-    return ChunkGrid(_ranges(p.batch, nb), _ranges(p.heads_k, ng), _ranges(p.group_size, heads),
-                     _ranges(p.seqlen_q, rows) if p.seqlen_q else ((0, 0),))
+    return ChunkGrid(Ranges(p.batch, nb), Ranges(p.heads_k, ng), Ranges(p.group_size, heads),
+                     Ranges(p.seqlen_q, rows) if p.seqlen_q else ((0, 0),))
 
 
 def _row_sizes(problem: AttentionProblem, backend) -> list[int]:

@@ -3,8 +3,8 @@
 Returns `(out, softmax_lse, rng_state, probs, prepared)`; lse is fp32 `(b, h, s_q)` (varlen `(h, total_q)`);
 `prepared` holds the validated description of the call (pipeline/prepare.py), which the backward of the
 same call may reuse.
-Empty calls run no kernel: without query rows there is nothing to write; without key rows out is zero
-and lse is +inf (flash-attn's convention for empty rows). Varlen rows in no sequence (after
+Empty calls run no kernel: without query rows (none in any sequence) or without key rows, out is zero and
+lse is +inf (flash-attn's convention for empty rows). Varlen rows in no sequence (after
 `cu_seqlens_q[-1]`) get the same: out 0, lse +inf.
 """
 
@@ -21,7 +21,9 @@ from .prepare import prepare, prepared_backend
 from .rows import fill_all_outside_sequences
 
 
-def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions):
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
+                      rng_state: torch.Tensor | None = None):
+    """`rng_state`: with dropout, the keep pattern of this `[seed, offset]` (checked by the caller); None draws one."""
     # ---- validate and choose the backend before allocating anything ------------------------------
     call = prepare(q, k, v, options)
     problem = call.problem
@@ -31,17 +33,20 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
                             f"flash_attn_ck cannot materialise (use backend='reference' or 'triton', or dropout_p=0)")
 
     # ---- outputs -------------------------------------------------------------------------------
-    rng_state = new_rng_state(q.device) if problem.dropout_p > 0 else None
+    if problem.dropout_p == 0:
+        rng_state = None
+    elif rng_state is None:
+        rng_state = new_rng_state(q.device)
     params = kernel_params(problem, q, k, v, options, rng_state)
     out = torch.empty(params.q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(problem.lse_shape, dtype=problem.accum_dtype, device=q.device)
 
     # ---- kernel --------------------------------------------------------------------------------
-    if problem.rows_k == 0 or problem.seqlen_k == 0:
+    if problem.has_queries and problem.has_keys:
+        chosen.forward(problem, params, out, lse)
+    else:       # an empty grid is an invalid launch: no kernel; every row sees no key
         out.zero_()
         lse.fill_(float("inf"))
-    elif problem.rows_q > 0:
-        chosen.forward(problem, params, out, lse)
     if problem.varlen:      # rows after cu_seqlens_q[-1] belong to no sequence: out 0, lse +inf (every backend)
         fill_all_outside_sequences(options.cu_seqlens_q, (out, 0, 0.0), (lse, 1, float("inf")))
 

@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from ...core.mask import MaskType
+from ...core.mask import MaskKind, MaskType
 from ...core.plan import BufferSpec, WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
@@ -79,6 +79,9 @@ class TritonBackend(Backend):
     # instead of failing. Not query rows, and not with dropout: the kernels draw the keep pattern at
     # launch-local (batch, head) coordinates.
     supports_chunks = True
+    # Every kernel, the warp-specialised ones included, rebuilds its diagonal per sequence from the
+    # alignment and left/right; none takes CK's generic (y, x).
+    mask_kinds = frozenset(MaskKind) - {MaskKind.GENERIC}
 
     def __init__(self, gqa_epilogue: str | None = None, dq_mode: str | None = None,
                  use_tma: bool | None = None, configs: config.Configs | None = None,
@@ -121,12 +124,6 @@ class TritonBackend(Backend):
         if not _INTERPRETING and not torch.cuda.is_available():
             return "no CUDA device"
         return None
-
-    @classmethod
-    def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
-        if problem.mask.type == MaskType.WINDOW_GENERIC:
-            return ["generic (y, x) window masks are not supported"]
-        return []
 
     # ---- configuration -------------------------------------------------------------------------
     def _configs(self, p: AttentionProblem) -> config.Configs:

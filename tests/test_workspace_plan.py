@@ -1,16 +1,26 @@
-"""Workspace plans: the dq_accum split rule, expanded dK/dV for MQA/GQA, the group sum, padding."""
+"""The backward's workspace plan: CK's buffers (the dq_accum split rule, expanded dK/dV for MQA/GQA, the
+group sum, padding), and the chunk planner under a cap: fast for any shape, and the chunking an exhaustive
+search in the planner's order picks (small dense shapes). Chunked backwards against whole ones:
+tests/test_chunking.py; planning times: scripts/lab/plan_time.py."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flash_attn_ck as fa
+from flash_attn_ck.backends.ck.backend import CkBackend
 from flash_attn_ck.backends.ck.plan import CkBwdTile, ck_backward_plan, dq_accum_splits
 from flash_attn_ck.backends.reference import ReferenceBackend
+from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.mask import MaskInfo
+from flash_attn_ck.core.options import AttentionOptions
 from flash_attn_ck.core.problem import AttentionProblem
-from flash_attn_ck.pipeline.chunking import backward_plan
+from flash_attn_ck.pipeline.chunking import _grid, _Planner, _row_sizes, backward_plan, plan_chunks
 
 
 def problem(s_q=8192, s_k=8192, h=32, h_k=32, d=128, deterministic=False, batch=1, **kw):
@@ -85,3 +95,76 @@ def test_gqa_sum_of_expanded_buffers_equals_per_group_sum():
     _, dk_exp, dv_exp, _ = fa.flash_attn_bwd(dout, q, k_exp, v_exp, out_exp, lse_exp)
     assert torch.allclose(dk, dk_exp.unflatten(2, (2, 3)).sum(3), atol=1e-12)
     assert torch.allclose(dv, dv_exp.unflatten(2, (2, 3)).sum(3), atol=1e-12)
+
+
+# ---- the chunk planner under a workspace cap ------------------------------------------------------
+
+def meta_problem(b, s, h, h_k, d=128, deterministic=True, causal=True):
+    q = torch.empty(b, s, h, d, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(b, s, h_k, d, dtype=torch.bfloat16, device="meta")
+    return describe_call(q, k, k, AttentionOptions(causal=causal, deterministic=deterministic))
+
+
+def _exhaustive(problem, backend, cap):
+    """The first fitting chunking in the planner's preference order, by trying every one."""
+    p = problem
+    planner = _Planner(p, backend, cap)
+    whole = planner.cost(_grid(p, p.batch, p.heads_k, p.group_size, p.seqlen_q))
+    if whole.peak_bytes <= cap:
+        return whole.chunks
+    sizes = sorted(itertools.product(range(1, p.batch + 1), range(1, p.heads_k + 1)),
+                   key=lambda s: (s[0] * s[1], s[1]), reverse=True)
+    candidates = [(nb, ng, p.group_size, p.seqlen_q) for nb, ng in sizes]
+    candidates += [(1, 1, heads, rows) for rows in _row_sizes(p, backend) for heads in range(p.group_size, 0, -1)
+                   if (rows, heads) != (p.seqlen_q, p.group_size)]
+    for c in candidates:
+        plan = planner.cost(_grid(p, *c))
+        if plan.peak_bytes <= cap:
+            return plan.chunks
+    return None
+
+
+def _covers_once(plan, p):
+    count = torch.zeros(p.batch, p.heads_k, p.group_size, p.seqlen_q, dtype=torch.int32)
+    for c in plan.chunks:
+        count[c.batch[0]:c.batch[1], c.kv_heads[0]:c.kv_heads[1], c.group_heads[0]:c.group_heads[1],
+              c.rows[0]:c.rows[1]] += 1
+    return bool((count == 1).all())
+
+
+@settings(max_examples=60, deadline=None)
+@given(b=st.integers(1, 4), s=st.integers(1, 200), heads=st.sampled_from([(4, 4), (4, 2), (8, 1), (6, 3)]),
+       d=st.sampled_from([32, 128, 256]), deterministic=st.booleans(), fraction=st.floats(0.0005, 1.0),
+       ck=st.booleans())
+def test_plan_matches_exhaustive_search(b, s, heads, d, deterministic, fraction, ck):
+    p = meta_problem(b, s, *heads, d, deterministic)
+    backend = CkBackend() if ck else ReferenceBackend()
+    cap = int(plan_chunks(p, backend, None).peak_bytes * fraction)
+    expected = _exhaustive(p, backend, cap)
+    try:
+        plan = plan_chunks(p, backend, cap)
+    except fa.WorkspaceError:
+        assert expected is None
+        return
+    assert plan.peak_bytes <= cap and plan.chunks == expected and _covers_once(plan, p)
+
+
+# Long-context shapes: b up to 8, s up to 32768, h=32/8 and 64/1, d=128, deterministic, causal, caps down to 1 MiB.
+GRID = [(b, s, h, h_k, cap) for b in (1, 2, 8) for s in (1024, 8192, 32768) for h, h_k in ((32, 8), (64, 1))
+        for cap in (1 << 20, 4 << 20, 64 << 20, 1 << 30)]
+
+
+@pytest.mark.parametrize("b, s, h, h_k, cap", GRID)
+def test_planning_finishes_on_large_shapes(b, s, h, h_k, cap):
+    p = meta_problem(b, s, h, h_k)
+    for backend in (ReferenceBackend(), CkBackend()):
+        try:
+            plan = plan_chunks(p, backend, cap)
+        except fa.WorkspaceError as error:
+            assert "needs at least" in str(error) or "cannot" in str(error)
+            continue
+        assert plan.peak_bytes <= cap
+        first, last = plan.chunks[0], plan.chunks[-1]
+        assert first.batch[0] == first.kv_heads[0] == first.group_heads[0] == first.rows[0] == 0
+        assert (last.batch[1], last.kv_heads[1], last.group_heads[1], last.rows[1]) == \
+            (p.batch, p.heads_k, p.group_size, p.seqlen_q)

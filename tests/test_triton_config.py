@@ -1,95 +1,19 @@
-"""Backend declarations, refusals and selection."""
+"""The Triton backend's configuration on CPU: the dq_mode="auto" rule, EVEN_K, and invariants of every tile
+table config.select can return (not their values, which retuning changes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import flash_attn_ck as fa
-from flash_attn_ck.backends.registry import all_backend_classes, backend_class
 from flash_attn_ck.core.mask import MaskInfo
 from flash_attn_ck.core.problem import AttentionProblem
-from flash_attn_ck.pipeline.select import BACKEND_ENV, select_backend
 
 
-def problem(device="cpu", dtype=torch.bfloat16, **kw):
-    return AttentionProblem(batch=1, seqlen_q=16, seqlen_k=16, heads_q=2, heads_k=2, head_dim=64, dtype=dtype,
+def problem(device="cpu", **kw):
+    return AttentionProblem(batch=1, seqlen_q=16, seqlen_k=16, heads_q=2, heads_k=2, head_dim=64, dtype=torch.bfloat16,
                             device=torch.device(device), mask=MaskInfo.from_flash_args(False, (-1, -1), 16, 16),
                             softmax_scale=0.125, **kw)
-
-
-# Each declared capability, a problem that needs it, and the sentence a backend without it must give.
-FEATURES = [("supports_alibi", dict(has_alibi=True), "ALiBi is not supported"),
-            ("supports_softcap", dict(softcap=3.0), "softcap is not supported"),
-            ("supports_dropout", dict(dropout_p=0.1), "dropout is not supported"),
-            ("supports_varlen", dict(varlen=True, total_q=16, total_k=16), "varlen is not supported"),
-            ("supports_deterministic", dict(deterministic=True), "deterministic mode is not supported")]
-
-
-def test_every_backend_declares_capabilities():
-    """Every registered backend loads, declares its capabilities as data (its own device types and dtypes,
-    a boolean per feature), and each declaration decides a refusal: a feature declared unsupported gives
-    its reason, a supported one none; a device type or dtype outside the declared sets gives a reason."""
-    classes = all_backend_classes()
-    assert sorted(cls.name for cls in classes) == ["ck", "reference", "triton"]
-    for cls in classes:
-        assert cls.device_types and cls.dtypes, f"{cls.name}: no device types or dtypes declared (module failed?)"
-        device = sorted(cls.device_types)[0]
-        for flag, features, sentence in FEATURES:
-            declared = getattr(cls, flag)
-            assert isinstance(declared, bool), (cls.name, flag)
-            reasons = cls.not_supported_reasons(problem(device=device, **features))
-            assert (sentence in reasons) is (not declared), (cls.name, flag, reasons)
-        outside = next(t for t in ("meta", "cpu", "cuda") if t not in cls.device_types)
-        assert any(f"device type {outside!r}" in r for r in cls.not_supported_reasons(problem(device=outside)))
-        if torch.float64 not in cls.dtypes:
-            assert any("dtype float64" in r for r in cls.not_supported_reasons(problem(device=device,
-                                                                                       dtype=torch.float64)))
-
-
-def test_cpu_default_is_reference(monkeypatch):
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
-    assert select_backend(problem()).name == "reference"
-
-
-def test_environment_variable_selects_backend(monkeypatch):
-    monkeypatch.setenv(BACKEND_ENV, "ck")
-    with pytest.raises(fa.NoBackendError, match=r"backend 'ck' cannot run"):
-        select_backend(problem())
-    monkeypatch.setenv(BACKEND_ENV, "reference")
-    assert select_backend(problem()).name == "reference"
-
-
-def test_reference_is_not_chosen_automatically_on_accelerators(monkeypatch):
-    """On a CUDA problem the reference backend can run (no capability refuses it, and asking for it
-    works), yet automatic selection never picks the slow oracle: without a GPU backend that fits, the
-    error names the rule; with one, that backend is chosen."""
-    monkeypatch.delenv(BACKEND_ENV, raising=False)
-    cuda = problem(device="cuda")
-    assert backend_class("reference").not_supported_reasons(cuda) == []
-    assert select_backend(cuda, "reference").name == "reference"
-    gpu_backend_fits = any(not backend_class(name).not_supported_reasons(cuda) for name in ("triton", "ck"))
-    if gpu_backend_fits:
-        assert select_backend(cuda).name != "reference"
-    else:
-        with pytest.raises(fa.NoBackendError, match=r"\n  reference: not chosen automatically on cuda \(pass"):
-            select_backend(cuda)
-
-
-def test_declared_features_become_reasons():
-    ck = backend_class("ck")
-    reasons = ck.not_supported_reasons(problem(softcap=3.0))
-    assert any("softcap is not supported" in r for r in reasons)
-    reasons = ck.not_supported_reasons(problem(dtype=torch.float32))
-    assert any("dtype float32" in r for r in reasons)
-
-
-def test_fp32_runs_only_on_reference():
-    q = torch.randn(1, 4, 2, 8)
-    out = fa.flash_attn_func(q, q, q)
-    assert out.dtype == torch.float32
-    with pytest.raises(fa.NoBackendError, match=r"triton: .*dtype float32"):
-        fa.flash_attn_func(q, q, q, backend="triton")
 
 
 @pytest.mark.parametrize("capability, head_dim, heads_k, varlen, deterministic, seqlen, atomic", [

@@ -1,7 +1,8 @@
 """Time the backward's chunk planning (pipeline/chunking.py) over a grid of shapes and caps, on meta
-tensors (no compute): issue 16 item 15. Prints one row per case: backend, shape, cap, chunks, time.
+tensors (no compute). Prints one row per case: backend, shape, cap, chunks, time. The result is in
+README.md (§A cap on the backward workspace); tests/test_workspace_plan.py checks the plans themselves.
 
-    python3 scripts/plan_time.py
+    PYTHONPATH=. python3 scripts/lab/plan_time.py
 """
 
 from __future__ import annotations
