@@ -55,7 +55,7 @@ def _call(head_dim: int, varlen: bool, masks, heads: int = 4, rows: int = 512):
     tensors = dict(q=torch.empty(shape, dtype=torch.bfloat16), lse=torch.empty(lse_shape),
                    cu_seqlens=torch.tensor([0, rows], dtype=torch.int32))
     return shape, tensors, dict(varlen=varlen, batch=1, seqlen_q=rows, seqlen_k=rows, scale=0.125,
-                                mask=GluonMask(0, 0, MaskFlags(*masks)))
+                                mask=GluonMask((0, 0), MaskFlags(*masks)))
 
 
 def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False)):

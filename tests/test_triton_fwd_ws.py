@@ -238,7 +238,7 @@ def test_the_grid_is_query_major_when_asked(batch, seqlen, heads, longest_first)
     q = torch.zeros(batch, seqlen, heads, 64, dtype=torch.bfloat16)
     spec, _ = fwd_ws.launch_spec(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(batch, heads, seqlen), None,
                                  None, varlen=False, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, scale=0.1,
-                                 mask=GluonMask(0, 0, MaskFlags(HAS_RIGHT=True)), tile=tile)
+                                 mask=GluonMask((0, 0), MaskFlags(HAS_RIGHT=True)), tile=tile)
     tiles = -(-seqlen // tile.block_m)
     assert spec.grid == ((heads, batch, tiles) if longest_first else (tiles, batch, heads))
     assert spec.args["C"].QUERY_MAJOR is longest_first

@@ -194,7 +194,7 @@ def test_the_grid_is_key_major_when_asked(batch, seqlen, heads_k, group, split, 
     rows = torch.zeros(batch, heads_k * group, seqlen)
     spec = bwd_ws.launch_spec(q, k, k.clone(), q.clone(), rows, rows.clone(), q.float(), k.clone(), k.clone(), None,
                               None, varlen=False, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, scale=0.1,
-                              mask=GluonMask(0, 0, MaskFlags(HAS_RIGHT=True)), tile=tile)
+                              mask=GluonMask((0, 0), MaskFlags(HAS_RIGHT=True)), tile=tile)
     key_tiles = -(-seqlen // tile.block_n)
     assert spec.kernel is (bwd_ws.attn_bwd_ws_split_kernel if split else bwd_ws.attn_bwd_ws_kernel)
     assert spec.grid == ((heads_k, batch, key_tiles) if longest_first else (key_tiles, batch, heads_k))

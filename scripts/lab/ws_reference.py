@@ -67,7 +67,7 @@ def mask_args(causal, window):
     left, right = window
     if causal:
         right = 0
-    return GluonMask(max(left, 0), max(right, 0), MaskFlags(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0))
+    return GluonMask((max(left, 0), max(right, 0)), MaskFlags(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0))
 
 
 def attention(q, k, v, causal, window, dtype):

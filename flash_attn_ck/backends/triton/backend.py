@@ -235,7 +235,7 @@ class TritonBackend(Backend):
     def _gluon_mask(p: AttentionProblem) -> launch.GluonMask:
         """The mask as the warp-specialised kernels' launch functions (fwd_ws.launch, bwd_ws.launch) take it."""
         m = TritonBackend._mask_args(p)
-        return launch.GluonMask(m["window_left"], m["window_right"],
+        return launch.GluonMask((m["window_left"], m["window_right"]),
                                 launch.MaskFlags(m["TOP_LEFT"], m["HAS_LEFT"], m["HAS_RIGHT"]))
 
     @staticmethod

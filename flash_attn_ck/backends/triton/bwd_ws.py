@@ -191,7 +191,7 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
         Lse=lse, Delta=delta, dK=dk, dV=dv, Sem=semaphores if semaphores is not None else lse,
         cu_seqlens_q=cu_seqlens_q if varlen else lse, cu_seqlens_k=cu_seqlens_k if varlen else lse,
         stride_lse=lse_strides, stride_dk=dk_strides, stride_dv=dv_strides,
-        sizes=(seqlen_q, seqlen_k, d, group, scale), window=(mask.window_left, mask.window_right),
+        sizes=(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
         sem_m_tiles=semaphore_tiles(seqlen_q, tile), C=constants, MASK=mask.flags),
         tile.num_warps, options={"maxnreg": tile.max_registers} if tile.max_registers else {})
 

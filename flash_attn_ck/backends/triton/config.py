@@ -208,7 +208,6 @@ FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, 
 # Where it measured faster than the previous forward (same section), from s1024, the shortest length measured.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = 1024
-# The running max is taken on raw scores, so the softmax scale must be positive.
 
 
 def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile | None:
@@ -217,6 +216,7 @@ def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile |
     return tiles[causal] if tiles else None
 
 
+# The running max is taken on raw scores, so the softmax scale must be positive.
 FWD_WS_RULE = GluonRule("fwd_ws", FWD_WS_SM90, fwd_ws_tile, FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_MIN_SEQLEN,
                         slower_head_dim="not measured faster than the previous forward (TritonBackend(fwd_ws=True) "
                                         "runs it)",

@@ -384,7 +384,7 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
         q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=out_desc, Out=target, Lse=lse,
         cu_seqlens_q=cu_seqlens_q if varlen else lse, cu_seqlens_k=cu_seqlens_k if varlen else lse,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
-        sizes=(seqlen_q, seqlen_k, d, group, scale), window=(mask.window_left, mask.window_right),
+        sizes=(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
         C=constants, MASK=mask.flags), CONSUMER_WARPS.value), target
 
 

@@ -71,8 +71,10 @@ def sequence(cu_seqlens, b, max_len, VARLEN: gl.constexpr):
 
 @aggregate
 class Mask:
-    """The call's mask (the module docstring's conventions): the window bounds `left`/`right` (runtime, >= 0) and
-    its compile-time flags, `flags` of the host's MaskFlags. A new mask kind is a flag there and a rule here."""
+    """The call's mask (the module docstring's conventions), from the host's launch.GluonMask: its runtime values
+    (`window`: the bounds left, right >= 0) and its compile-time flags (`flags`, the kernels' constexpr MASK). A new
+    mask kind is a flag of launch.MaskFlags (a value of GluonMask.window if it has one), its rule in the methods
+    here, and its value where backend.TritonBackend._gluon_mask reads the problem: no kernel changes."""
     left: gl.tensor
     right: gl.tensor
     TOP_LEFT: gl.constexpr

@@ -56,9 +56,9 @@ class MaskFlags(NamedTuple):
 
 
 class GluonMask(NamedTuple):
-    """A call's mask for the Gluon kernels: the window bounds (>= 0; `flags` says which apply) and the flags."""
-    window_left: int
-    window_right: int
+    """A call's mask for the Gluon kernels (gluon_common.Mask): its runtime values, the window bounds (left, right),
+    >= 0 (`flags` says which apply), and its compile-time flags."""
+    window: tuple[int, int]
     flags: MaskFlags
 
 
