@@ -10,8 +10,8 @@
 #                                                 breakdown of a small backward. PYTEST ARGS go to both (e.g. -k 256).
 #                                                 WARM_FLEX=1: also fill FlexAttention's compile caches for a grid
 #                                                 run in the next call (two bench_bwd.py --warm-only shards).
-#   bash scripts/device.sh gpu-tests             every GPU test (tests/test_triton.py and the -m gpu tests of the ops /
-#                                                 compile / graphs / chunking files), 14 workers, spread over calls: the
+#   bash scripts/device.sh gpu-tests             every test of the files with GPU tests (host path, SDPA, ops, compile,
+#                                                 graphs, chunking, the Triton and Gluon kernels), 14 workers, spread over calls: the
 #                                                 node ids listed in .devrun/gpu-passed.txt are left out (540 s) ->
 #                                                 gpu-tests.log, gpu-passed.txt (those ids plus this call's passes; to
 #                                                 resume on a fresh machine, copy it into .devrun/ here and carry .devrun;
@@ -86,9 +86,11 @@ case $cmd in
     # replaces the one there)
     mkdir -p .devrun && touch .devrun/gpu-passed.txt /root/gpu-passed.txt
     sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt /root/gpu-passed.txt
-    { python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_triton.py
-      python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_ops.py tests/test_compile.py \
-        tests/test_cuda_graphs.py tests/test_chunking_gpu.py; } 2>/dev/null | grep '::' > .devrun/gpu-all.txt
+    # the files with GPU tests, riskiest (host path, ops, compile) first; their CPU tests come along
+    python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_host_path.py tests/test_sdpa_gpu.py \
+      tests/test_ops.py tests/test_cuda_graphs.py tests/test_compile.py tests/test_chunking_gpu.py \
+      tests/test_triton_ws.py tests/test_triton_fwd_ws.py tests/test_triton_launch.py tests/test_varlen_schedule.py \
+      tests/test_triton.py 2>/dev/null | grep '::' > .devrun/gpu-all.txt
     grep -vxF -f .devrun/gpu-passed.txt .devrun/gpu-all.txt > .devrun/gpu-todo.txt
     echo "collected $(wc -l < .devrun/gpu-all.txt), passed earlier $(wc -l < .devrun/gpu-passed.txt), running $(wc -l < .devrun/gpu-todo.txt)"
     [ -s .devrun/gpu-todo.txt ] || { echo "nothing left to run"; exit 0; }
@@ -98,7 +100,8 @@ case $cmd in
       export PYTHONPATH=$PYTHONPATH:/tmp/test-wheels
       per_test=(--timeout 300 --timeout-method thread)
     fi
-    limit 540 python3 -m pytest -v -n 14 -p no:cacheprovider -rf "${per_test[@]}" $(cat .devrun/gpu-todo.txt) \
+    mapfile -t todo < .devrun/gpu-todo.txt    # one node id a line, kept whole: some ids hold spaces
+    limit 540 python3 -m pytest -v -n 14 -p no:cacheprovider -rf "${per_test[@]}" "${todo[@]}" \
       > "$OUT/gpu-tests.log" 2>&1
     echo "pytest rc=$?"
     grep -oE "PASSED tests/[^ ]+" "$OUT/gpu-tests.log" | cut -d' ' -f2 | sort -u >> .devrun/gpu-passed.txt
