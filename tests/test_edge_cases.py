@@ -344,8 +344,8 @@ EMPTY_SEQUENCE_LAYOUTS = dict(
 @settings(max_examples=30, deadline=None)
 @given(total=st.integers(1, 12), end=st.integers(0, 12), dim=st.integers(0, 2))
 def test_device_form_of_the_outside_rows_fill(total, end, dim):
-    """pipeline/rows.py's sync-free form (used off the CPU) fills exactly what the CPU form fills."""
-    from flash_attn_ck.pipeline.rows import fill_by_mask, fill_outside_sequences
+    """core/rows.py's sync-free form (used off the CPU) fills exactly what the CPU form fills."""
+    from flash_attn_ck.core.rows import fill_by_mask, fill_outside_sequences
     end = min(end, total)
     shape = [3, 3, 3]
     shape[dim] = total

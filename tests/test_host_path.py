@@ -277,9 +277,9 @@ def test_triton_forward_backward_never_syncs(varlen, seqlen):
 @given(rows=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 2)), min_size=1, max_size=4),
        end=st.integers(0, 9))
 def test_one_mask_fills_every_tensor_as_the_cpu_form_does(rows, end):
-    """pipeline/rows.py's device form shares a mask between tensors with as many rows (along any dim): each is
+    """core/rows.py's device form shares a mask between tensors with as many rows (along any dim): each is
     filled exactly as the CPU form fills it alone."""
-    from flash_attn_ck.pipeline.rows import fill_all_outside_sequences, fill_by_masks
+    from flash_attn_ck.core.rows import fill_all_outside_sequences, fill_by_masks
     cu = torch.tensor([0, end], dtype=torch.int32)
     fills, expected = [], []
     for index, (total, dim) in enumerate(rows):

@@ -15,6 +15,7 @@ import torch
 
 from ..core.mask import API_MASK_KINDS, MaskKind, describe_kinds
 from ..core.plan import WorkspacePlan
+from ..core.rows import fill_all_outside_sequences
 from ..core.problem import AttentionParams, AttentionProblem
 
 
@@ -105,3 +106,13 @@ class Backend(abc.ABC):
         """Fill `workspace['softmax_d']` and dq; dk/dv, or the expanded buffers when the plan says
         `reduce_expanded_kv` (then `dk`/`dv` are left for the pipeline's group sum). The pipeline
         calls it only when the call (or chunk) has query rows and key rows."""
+
+    def fill_outside_sequences(self, *fills: tuple[torch.Tensor, torch.Tensor, int, float]) -> None:
+        """Varlen rows in no sequence: for each `(cu_seqlens, t, dim, value)`, the entries of `t` whose index
+        along `dim` is `>= cu_seqlens[-1]` become `value` (core/rows.py; a backend may do it in fewer launches).
+        Never syncs with a device: the offset is read on the host only for CPU tensors."""
+        by_offsets: dict[int, tuple] = {}
+        for cu_seqlens, t, dim, value in fills:
+            by_offsets.setdefault(id(cu_seqlens), (cu_seqlens, []))[1].append((t, dim, value))
+        for cu_seqlens, same in by_offsets.values():
+            fill_all_outside_sequences(cu_seqlens, *same)

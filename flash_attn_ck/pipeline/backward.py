@@ -26,7 +26,6 @@ from .chunking import (
     workspace_cap,
 )
 from .prepare import PreparedCall, prepare, prepared_backend
-from .rows import fill_all_outside_sequences
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -50,8 +49,9 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     params = AttentionParams(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k, options.alibi_slopes, rng_state)
     softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv, cap)
     if problem.varlen:      # rows in no sequence (after cu_seqlens[-1]): zero gradients and D, on every backend
-        fill_all_outside_sequences(options.cu_seqlens_q, (dq, 0, 0.0), (softmax_d, 1, 0.0))
-        fill_all_outside_sequences(options.cu_seqlens_k, (dk, 0, 0.0), (dv, 0, 0.0))
+        cu_q, cu_k = options.cu_seqlens_q, options.cu_seqlens_k
+        chosen.fill_outside_sequences((cu_q, dq, 0, 0.0), (cu_q, softmax_d, 1, 0.0), (cu_k, dk, 0, 0.0),
+                                      (cu_k, dv, 0, 0.0))
     return dq, dk, dv, softmax_d
 
 

@@ -18,7 +18,6 @@ from ..core.inputs import kernel_params
 from ..core.options import AttentionOptions
 from ..core.scores import attention_probs
 from .prepare import prepare, prepared_backend
-from .rows import fill_all_outside_sequences
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
@@ -48,7 +47,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
         out.zero_()
         lse.fill_(float("inf"))
     if problem.varlen:      # rows after cu_seqlens_q[-1] belong to no sequence: out 0, lse +inf (every backend)
-        fill_all_outside_sequences(options.cu_seqlens_q, (out, 0, 0.0), (lse, 1, float("inf")))
+        chosen.fill_outside_sequences((options.cu_seqlens_q, out, 0, 0.0), (options.cu_seqlens_q, lse, 1, float("inf")))
 
     out = out[..., :problem.head_dim] if problem.head_dim_padded != problem.head_dim else out
     probs = attention_probs(problem, params, lse) if options.return_attn_probs else None

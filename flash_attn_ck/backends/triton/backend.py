@@ -259,6 +259,17 @@ class TritonBackend(Backend):
         sizes = launch.Sizes(p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, params.q.shape[-1])
         return seq, sizes, dict(named, **self._mask_args(p))
 
+    def fill_outside_sequences(self, *fills: tuple[torch.Tensor, torch.Tensor, int, float]) -> None:
+        """Every fill of the call in one launch (outside_rows.py) on a GPU: the generic form costs two launches
+        per offset tensor and one per tensor, which a small varlen call pays in host time."""
+        if _INTERPRETING or fills[0][0].device.type != "cuda":
+            super().fill_outside_sequences(*fills)
+            return
+        spec = launch.fill_outside(fills)
+        if spec is not None:
+            _prepare_launch()
+            spec.launch()
+
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, problem: AttentionProblem, params: AttentionParams,
                 out: torch.Tensor, lse: torch.Tensor) -> None:

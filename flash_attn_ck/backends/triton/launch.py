@@ -301,3 +301,22 @@ def cast_rows(src, dst, src_bhr, dst_bhr, heads: int, batch: int, rows: int, blo
     return LaunchSpec(cast_rows_kernel, (-(-rows // 64), heads, batch), dict(
         Src=src, Dst=dst, stride_src=tuple(src_bhr), stride_dst=tuple(dst_bhr), n_rows=rows, head_dim=head_dim,
         BLOCK_R=64, BLOCK_D=block_d, ZERO_SRC=zero_src), 4, 1)
+
+
+def fill_outside(fills: tuple[tuple[torch.Tensor, torch.Tensor, int, float], ...]) -> LaunchSpec | None:
+    """Every `(cu_seqlens, t, dim, value)` fill of a call (Backend.fill_outside_sequences) in one launch of
+    outside_rows.fill_outside_kernel (at most two offset tensors: the call's cu_seqlens_q and _k); None when
+    no tensor has rows."""
+    from .outside_rows import BLOCK_I, BLOCK_R, fill_outside_kernel, target
+    cu_q = fills[0][0]
+    cu_k = next((cu for cu, *_ in fills if cu is not cu_q), cu_q)
+    assert all(cu is cu_q or cu is cu_k for cu, *_ in fills), "at most two offset tensors per launch"
+    chosen = [(cu is not cu_q, target(t, dim, value)) for cu, t, dim, value in fills if t.numel()]
+    if not chosen:
+        return None
+    rows = max(t.rows for _, t in chosen)
+    inner = max(t.inner_a * t.inner_b for _, t in chosen)
+    return LaunchSpec(fill_outside_kernel, (-(-rows // BLOCK_R), len(chosen), -(-inner // BLOCK_I)), dict(
+        targets=tuple(t for _, t in chosen), cu_seqlens_q=cu_q, last_q=cu_q.shape[0] - 1, cu_seqlens_k=cu_k,
+        last_k=cu_k.shape[0] - 1, USES_K=tuple(uses_k for uses_k, _ in chosen), BLOCK_R=BLOCK_R,
+        BLOCK_I=BLOCK_I), 4, 1)

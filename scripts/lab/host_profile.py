@@ -1,0 +1,103 @@
+"""cProfile of repeated eager calls: where the host microseconds of one call go, function by function.
+
+On a GPU the Triton backend runs for real; on the CPU the backend's host code runs without launches
+(host_cost.null_backend). Prints, per call kind, the top functions by own time and by cumulative time,
+per call (µs), and writes the pstats dumps to --out.
+
+    python scripts/lab/host_profile.py [--shape 1:128:16:128] [--calls 300] [--varlen] [--out /tmp/prof]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import flash_attn_ck as fa
+from host_cost import inputs, null_backend
+
+
+def table(profile: cProfile.Profile, calls: int, sort: str, top: int) -> str:
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats(sort).print_stats(top)
+    lines = []
+    for line in text.getvalue().splitlines():
+        parts = line.split(None, 5)
+        # ncalls tottime percall cumtime percall location: rescale the times to µs per call
+        if len(parts) == 6 and parts[1].replace(".", "").isdigit():
+            tot, cum = float(parts[1]) * 1e6 / calls, float(parts[3]) * 1e6 / calls
+            lines.append(f"{parts[0]:>10s} {tot:8.2f} {cum:8.2f}  {parts[5]}")
+    return f"{'ncalls':>10s} {'own µs':>8s} {'cum µs':>8s}  function (per call of the loop)\n" + "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="1:128:16:128", help="b:s:h:d")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--varlen", action="store_true")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--top", type=int, default=35)
+    ap.add_argument("--out", default="/tmp/host-profile")
+    args = ap.parse_args()
+    b, s, h, d = map(int, args.shape.split(":"))
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    backend = "triton" if cuda else null_backend("triton")
+    q, k, v, offsets = inputs(b, s, h, d, args.varlen, device, torch.bfloat16)
+    extra = dict(cu_seqlens_q=offsets["cu"], cu_seqlens_k=offsets["cu"], max_seqlen_q=s, max_seqlen_k=s) \
+        if args.varlen else {}
+
+    def forward():
+        if args.varlen:
+            return fa.flash_attn_varlen_func(q, k, v, causal=args.causal, backend=backend, **extra)
+        return fa.flash_attn_func(q, k, v, causal=args.causal, backend=backend)
+
+    dout = torch.randn_like(forward())
+
+    def fwd_nograd():
+        with torch.no_grad():
+            forward()
+
+    def fwd_bwd():
+        torch.autograd.grad(forward(), (q, k, v), dout)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with fa.use_backend(backend) if not cuda else _nothing():
+        for name, call in (("fwd_nograd", fwd_nograd), ("fwd_bwd", fwd_bwd)):
+            for _ in range(20):
+                call()
+            if cuda:
+                torch.cuda.synchronize()
+            profile = cProfile.Profile(time.perf_counter_ns, 1e-9)
+            profile.enable()
+            for _ in range(args.calls):
+                call()
+            profile.disable()
+            if cuda:
+                torch.cuda.synchronize()
+            profile.dump_stats(out / f"{name}.pstats")
+            for sort in ("tottime", "cumulative"):
+                print(f"\n==== {name}, {args.shape}{' varlen' if args.varlen else ''}, sorted by {sort} ====")
+                print(table(profile, args.calls, sort, args.top))
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    main()
