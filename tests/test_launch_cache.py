@@ -53,7 +53,7 @@ def fake_driver(monkeypatch):
     import triton.runtime as runtime
     active = types.SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234)
     monkeypatch.setattr(runtime, "driver", types.SimpleNamespace(active=active))
-    monkeypatch.setattr(launch, "_COMPILED", {})
+    monkeypatch.setattr(launch, "_KERNELS", {})
 
 
 @needs_cuda_backend

@@ -56,6 +56,10 @@ class AttentionProblem:
     deterministic: bool = False
     head_dim_padded: int = field(default=0)
     placement: Placement = field(default=None)
+    # What is derived from this problem alone, kept by whoever derives it (a backend's kernel choice and launch
+    # constants, under a key of its own): a problem is immutable, and the pipeline reuses one per call signature
+    # (pipeline/prepare.py), so a repeated call finds its decisions here. Not part of the problem's value.
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.head_dim_padded == 0:

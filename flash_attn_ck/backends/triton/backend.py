@@ -70,6 +70,26 @@ def _prepare_launch() -> None:
         triton.set_allocator(_scratch)
 
 
+def _per_problem(method):
+    """A TritonBackend method whose result follows from the problem and the method's other (hashable) arguments
+    alone, computed once per problem: kept in `problem.memo` under (backend, method, arguments). The pipeline reuses
+    a problem per call signature, so a repeated call decides nothing again; a backend's settings are fixed once
+    it is made (TritonBackend.__setattr__). Results are immutable (tuples, named tuples, frozen dataclasses)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def memoised(self, p, *args):
+        key = (self, name, *args)
+        found = p.memo.get(key, _MISSING)
+        if found is _MISSING:
+            found = p.memo[key] = method(self, p, *args)
+        return found
+    return memoised
+
+
+_MISSING = object()
+
+
 class TritonBackend(Backend):
     name = "triton"
     priority = 100
@@ -104,6 +124,13 @@ class TritonBackend(Backend):
         self.ws_tile = ws_tile
         self.fwd_ws = fwd_ws
         self.fwd_ws_tile = fwd_ws_tile
+        self._made = True
+
+    def __setattr__(self, name, value):
+        # decisions are memoised per (backend, problem): a changed setting would leave them stale
+        if getattr(self, "_made", False):
+            raise AttributeError(f"TritonBackend settings are fixed once made ({name}); make another backend")
+        super().__setattr__(name, value)
 
     def leaner(self) -> TritonBackend | None:
         """The one-launch backward, which needs no fp32 dQ accumulator, where the warp-specialised one may run."""
@@ -126,12 +153,14 @@ class TritonBackend(Backend):
         return None
 
     # ---- configuration -------------------------------------------------------------------------
+    @_per_problem
     def _configs(self, p: AttentionProblem) -> config.Configs:
         if self.configs is not None:
             return self.configs
         cap = _capability(p.device) if p.device.type == "cuda" else None
         return config.select(p.head_dim_padded, p.mask.is_causal, cap, _INTERPRETING, max(p.seqlen_q, p.seqlen_k))
 
+    @_per_problem
     def _dq_atomic(self, p: AttentionProblem) -> bool:
         if p.deterministic:
             return False
@@ -148,14 +177,15 @@ class TritonBackend(Backend):
     def ws_reasons(self, p: AttentionProblem) -> list[str]:
         """Why the warp-specialised backward (bwd_ws.py) does not run this call; empty when it does.
         ws=None: where it measured faster (config.BWD_WS_RULE); True: wherever it can run; False: never."""
-        return self._gluon_reasons(p, config.BWD_WS_RULE)
+        return list(self._gluon_reasons(p, config.BWD_WS_RULE))
 
     def fwd_ws_reasons(self, p: AttentionProblem) -> list[str]:
         """Why the warp-specialised forward (fwd_ws.py) does not run this call; empty when it does.
         fwd_ws=None: where it measured faster (config.FWD_WS_RULE); True: wherever it can run; False: never."""
-        return self._gluon_reasons(p, config.FWD_WS_RULE)
+        return list(self._gluon_reasons(p, config.FWD_WS_RULE))
 
-    def _gluon_reasons(self, p: AttentionProblem, rule: config.GluonRule) -> list[str]:
+    @_per_problem
+    def _gluon_reasons(self, p: AttentionProblem, rule: config.GluonRule) -> tuple[str, ...]:
         setting = getattr(self, rule.option)
         if setting is False:
             return [f"turned off (TritonBackend({rule.option}=False))"]
@@ -180,7 +210,7 @@ class TritonBackend(Backend):
             reasons.append("softcap")
         if rule.positive_scale and p.softmax_scale <= 0:
             reasons.append(f"softmax scale {p.softmax_scale} (the kernel takes the running max on raw scores)")
-        return reasons
+        return tuple(reasons)
 
     def forward_kernel(self, problem: AttentionProblem) -> str:
         reasons = self.fwd_ws_reasons(problem)
@@ -188,9 +218,15 @@ class TritonBackend(Backend):
             return "fwd_ws (warp-specialised Gluon, sm_90)"
         return "forward (one program per query tile); fwd_ws not used: " + ", ".join(reasons)
 
+    @_per_problem
+    def _fwd_ws_tile(self, p: AttentionProblem) -> config.FwdWsTile:
+        return config.fwd_ws_tile(p.head_dim_padded, p.mask.is_causal)
+
+    @_per_problem
     def _ws_tile(self, p: AttentionProblem) -> config.WsTile:
         return self.ws_tile or config.bwd_ws_tile(p.head_dim_padded, p.mask.is_causal, p.group_size)
 
+    @_per_problem
     def _ws_kv_heads_per_launch(self, p: AttentionProblem) -> int:
         """KV heads per launch of the warp-specialised kernel: its fp32 dQ accumulator (a launch's query
         heads) stays under config.BWD_WS_DQ_ACCUM_BYTES."""
@@ -205,18 +241,23 @@ class TritonBackend(Backend):
         (loads and stores), "stores" (loads by pointers) or "none". TMA needs sm_90+ and dense tensors
         with 16-byte aligned bases and row strides; `tensors` are checked when given (at launch),
         before that the plan is what the problem and the configs tell."""
+        mode = self._tma_mode(p, role)
+        if mode == "none" or all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0
+                                                                for s in t.stride()[:-1]) for t in tensors):
+            return mode
+        return "none"
+
+    @_per_problem
+    def _tma_mode(self, p: AttentionProblem, role: str) -> str:
+        """`_tma_plan` before the tensors are seen."""
         if self.use_tma is False or p.varlen:
             return "none"
         if self.use_tma is True:
-            mode = "all"     # forced: every tile, forward and backward, where the tensors allow
-        elif _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] < 9:
+            return "all"     # forced: every tile, forward and backward, where the tensors allow
+        if _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] < 9:
             return "none"
-        else:
-            cfg = self._configs(p)
-            mode = cfg.bwd_tma if role == "backward" else "all" if cfg.fwd_tma else "none"
-        aligned = all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
-                      for t in tensors)
-        return mode if aligned else "none"
+        cfg = self._configs(p)
+        return cfg.bwd_tma if role == "backward" else "all" if cfg.fwd_tma else "none"
 
     @staticmethod
     def _even_keys(p: AttentionProblem, *key_blocks: int) -> bool:
@@ -231,33 +272,34 @@ class TritonBackend(Backend):
                     TOP_LEFT=m.type == MaskType.TOP_LEFT, HAS_LEFT=masked and m.left >= 0,
                     HAS_RIGHT=masked and m.right >= 0)
 
-    @staticmethod
-    def _gluon_mask(p: AttentionProblem) -> launch.GluonMask:
+    @_per_problem
+    def _gluon_mask(self, p: AttentionProblem) -> launch.GluonMask:
         """The mask as the warp-specialised kernels' launch functions (fwd_ws.launch, bwd_ws.launch) take it."""
         m = TritonBackend._mask_args(p)
         return launch.GluonMask((m["window_left"], m["window_right"]),
                                 launch.MaskFlags(m["TOP_LEFT"], m["HAS_LEFT"], m["HAS_RIGHT"]))
 
     @staticmethod
-    def _feature_args(p: AttentionProblem, params: AttentionParams, dummy: torch.Tensor) -> tuple[list, dict]:
+    def _sequence_args(p: AttentionProblem, params: AttentionParams, dummy: torch.Tensor) -> launch.SequenceArgs:
+        """The per-call pointers of the score features (`dummy` where a feature is off)."""
         slopes = params.alibi_slopes
         if slopes is not None:
             slopes = slopes.to(torch.float32).contiguous()
-        pointers = [params.cu_seqlens_q if p.varlen else dummy, params.cu_seqlens_k if p.varlen else dummy,
-                    slopes if slopes is not None else dummy,
-                    params.rng_state if p.dropout_p > 0 else dummy]
-        stride_slope_b = slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0
-        flags = dict(HAS_ALIBI=slopes is not None, HAS_SOFTCAP=p.softcap != 0.0, HAS_DROPOUT=p.dropout_p > 0)
-        scalars = dict(scale=p.softmax_scale, softcap=p.softcap, dropout_p=p.dropout_p)
-        return pointers, dict(stride_slope_b=stride_slope_b, **flags, **scalars)
+        return launch.SequenceArgs(params.cu_seqlens_q if p.varlen else dummy, params.cu_seqlens_k if p.varlen else dummy,
+                                   slopes if slopes is not None else dummy, params.rng_state if p.dropout_p > 0 else dummy,
+                                   slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0)
 
-    def _launch_args(self, p: AttentionProblem, params: AttentionParams,
-                     dummy: torch.Tensor) -> tuple[launch.SequenceArgs, launch.Sizes, dict]:
-        """The pointers, sizes and named values (ScoreArgs and Features fields) of a kernel call."""
-        pointers, named = self._feature_args(p, params, dummy)
-        seq = launch.SequenceArgs(*pointers, named.pop("stride_slope_b"))
-        sizes = launch.Sizes(p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, params.q.shape[-1])
-        return seq, sizes, dict(named, **self._mask_args(p))
+    @_per_problem
+    def _sizes(self, p: AttentionProblem, head_dim: int) -> launch.Sizes:
+        return launch.Sizes(p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, head_dim)
+
+    @_per_problem
+    def _scores_features(self, p: AttentionProblem, *flags: tuple[str, bool]) -> tuple[launch.ScoreArgs, launch.Features]:
+        """The ScoreArgs and Features of a launch: the problem's score features and mask, plus `flags`
+        ((Features field, value) pairs: the launch's own)."""
+        named = dict(HAS_ALIBI=p.has_alibi, HAS_SOFTCAP=p.softcap != 0.0, HAS_DROPOUT=p.dropout_p > 0,
+                     scale=p.softmax_scale, softcap=p.softcap, dropout_p=p.dropout_p, **self._mask_args(p))
+        return launch.split_named(named, **dict(flags))
 
     def fill_outside_sequences(self, *fills: tuple[torch.Tensor, torch.Tensor, int, float]) -> None:
         """Every fill of the call in one launch (outside_rows.py) on a GPU: the generic form costs two launches
@@ -275,29 +317,30 @@ class TritonBackend(Backend):
                 out: torch.Tensor, lse: torch.Tensor) -> None:
         p = problem
         _prepare_launch()
-        if not self.fwd_ws_reasons(p):
+        if not self._gluon_reasons(p, config.FWD_WS_RULE):
             self._forward_ws(p, params, out, lse)
             return
         cfg = self._configs(p)
         tile = cfg.forward
-        seq, sizes, named = self._launch_args(p, params, lse)
         use_tma = self._tma_plan(p, "forward", params.q, params.k, params.v, out) == "all"
-        scores, features = launch.split_named(named, VARLEN=p.varlen, USE_TMA=use_tma, TMA_LOADS=use_tma,
-                                              EVEN_K=self._even_keys(p, tile.block_n))
-        launch.forward(params.q, params.k, params.v, out, lse, seq, sizes, scores, features, tile,
-                       config.head_block(sizes.head_dim), (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)
-                       ).launch()
+        scores, features = self._scores_features(p, ("VARLEN", p.varlen), ("USE_TMA", use_tma), ("TMA_LOADS", use_tma),
+                                                 ("EVEN_K", self._even_keys(p, tile.block_n)))
+        sizes = self._sizes(p, params.q.shape[-1])
+        launch.forward(params.q, params.k, params.v, out, lse, self._sequence_args(p, params, lse), sizes, scores,
+                       features, tile, config.head_block(sizes.head_dim),
+                       (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)).launch()
 
     def _forward_ws(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                     lse: torch.Tensor) -> None:
         """The warp-specialised forward: one launch of fwd_ws."""
         from . import fwd_ws
-        tile = self.fwd_ws_tile or config.fwd_ws_tile(p.head_dim_padded, p.mask.is_causal)
+        tile = self.fwd_ws_tile or self._fwd_ws_tile(p)
         fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
                       tile=tile, mask=self._gluon_mask(p))
 
     # ---- backward ------------------------------------------------------------------------------
+    @_per_problem
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
         p, d = problem, problem.head_dim_padded
         buffers = [BufferSpec("softmax_d", p.lse_shape, torch.float32, False, "D = rowsum(dO * O), strided like lse")]
@@ -342,7 +385,7 @@ class TritonBackend(Backend):
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
         _prepare_launch()
-        run = self._backward_ws if not self.ws_reasons(problem) else self._backward_one_launch
+        run = self._backward_ws if not self._gluon_reasons(problem, config.BWD_WS_RULE) else self._backward_one_launch
         run(problem, params, out, lse, dout, dq, dk, dv, workspace)
 
     def _backward_one_launch(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor,
@@ -355,7 +398,7 @@ class TritonBackend(Backend):
         dk_acc, dv_acc = workspace.get("dk_accum"), workspace.get("dv_accum")
         sems = workspace.get("dkv_semaphore")
         assert (dq_acc is not None) == self._dq_atomic(p) and (dk_acc is not None) == self._accumulate_kv(p)
-        seq, sizes, named = self._launch_args(p, params, delta)
+        seq, sizes = self._sequence_args(p, params, delta), self._sizes(p, params.q.shape[-1])
         d = sizes.head_dim
         block_d = config.head_block(d)
         assert launch.lse_strides(delta, p.varlen) == launch.lse_strides(lse, p.varlen), \
@@ -377,10 +420,10 @@ class TritonBackend(Backend):
         query_programs = 0 if dq_acc is not None else (p.heads_q // prog_heads) * query_tiles
         programs = triton_cdiv(p.seqlen_k, kv.block_n) + query_programs
         if programs > 0:
-            scores, features = launch.split_named(
-                named, VARLEN=p.varlen, LOOP_GROUP=loop_group, DQ_ATOMIC=dq_acc is not None,
-                DETERMINISTIC=p.deterministic, USE_TMA=use_tma, TMA_LOADS=use_tma and tma_mode == "all",
-                DP_FIRST=cfg.bwd_dp_first, EVEN_K=cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n))
+            scores, features = self._scores_features(
+                p, ("VARLEN", p.varlen), ("LOOP_GROUP", loop_group), ("DQ_ATOMIC", dq_acc is not None),
+                ("DETERMINISTIC", p.deterministic), ("USE_TMA", use_tma), ("TMA_LOADS", use_tma and tma_mode == "all"),
+                ("DP_FIRST", cfg.bwd_dp_first), ("EVEN_K", cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n)))
             launch.bwd_main(params.q, params.k, params.v, dout, lse, delta, dq_target, dk, dv, dk_acc, dv_acc, sems,
                             seq, p.batch, sizes, scores, features, kv, dq_tile, block_d,
                             (programs, p.batch * prog_heads)).launch()
@@ -419,7 +462,7 @@ class TritonBackend(Backend):
         tile = self._ws_tile(p)
         delta, dq_acc, sems = workspace["softmax_d"], workspace["dq_accum"], workspace.get("dq_semaphore")
         cu_q = params.cu_seqlens_q if p.varlen else delta
-        sizes = launch.Sizes(p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, d)
+        sizes = self._sizes(p, d)
         self._preprocess(p, out, dout, delta, cu_q, (dq_acc, None, None, sems), sizes)
         q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
         dout = gluon_common.uniform_rows(dout, p.varlen)

@@ -77,7 +77,7 @@ class WsTile:
         return text
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)     # hashed by identity: a rule is a module constant (a key of problem.memo)
 class GluonRule:
     """Where a warp-specialised Gluon kernel runs (`TritonBackend.ws_reasons`, `fwd_ws_reasons`): the
     TritonBackend option that forces it (True) or turns it off (False), its tile table (keyed by head_block) and

@@ -14,7 +14,7 @@ specialised like a scalar argument, so grouping costs no register and no instruc
   as `F.HAS_ALIBI`, ... and handed whole to the helpers of scores.py.
 
 Adding a feature flag: a field of `Features` (default off, so every spec and the compile check
-keep compiling), its value where backend.py names the call's flags (`_feature_args`,
+keep compiling), its value where backend.py names the call's flags (`_scores_features`,
 `_mask_args`), and its use in the kernels. A new runtime value of the scores: a field of
 `ScoreArgs`, likewise.
 """
@@ -114,7 +114,7 @@ _NAMED = frozenset(ScoreArgs._fields) | frozenset(Features._fields)
 
 
 def split_named(named: dict, **flags: bool) -> tuple[ScoreArgs, Features]:
-    """The ScoreArgs and Features of a call from backend.py's named values (`_feature_args`,
+    """The ScoreArgs and Features of a call from backend.py's named values (`_scores_features`,
     `_mask_args`) plus `flags`; names that are neither are an error, so no flag is dropped."""
     assert _NAMED.issuperset(named), f"not a ScoreArgs or Features field: {sorted(set(named) - _NAMED)}"
     assert _NAMED.issuperset(flags), f"not a Features field: {sorted(set(flags) - _NAMED)}"
@@ -181,20 +181,33 @@ class LaunchSpec:
 
 # ---- launching: the compiled kernel looked up once per specialisation ---------------------------------
 
-# (kernel, warps, stages, compile options, debug knobs, device, each argument's specialisation) -> CompiledKernel
-_COMPILED: dict[tuple, Any] = {}
-# kernel -> per parameter (constexpr, then `native_specialize_impl`'s flags: is_const, specialise, align)
-_PARAMS: dict[Any, tuple | None] = {}
+class _Kernel:
+    """What launches of one kernel share: its parameters' specialisation flags (per parameter: constexpr, then
+    `native_specialize_impl`'s is_const, specialise, align) and its compiled variants by key."""
+    __slots__ = ("kernel", "params", "compiled")
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.params = tuple((p.is_constexpr, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
+                            for p in kernel.params)
+        # (warps, stages, compile options, debug knobs, device, each argument's specialisation) -> CompiledKernel
+        self.compiled: dict[tuple, Any] = {}
 
 
-def _params(kernel) -> tuple | None:
-    found = _PARAMS.get(kernel, False)
-    if found is False:
-        params = getattr(kernel, "params", None)     # None: the interpreter's kernels (TRITON_INTERPRET=1)
-        found = _PARAMS.setdefault(kernel, None if params is None else tuple(
-            (p.is_constexpr, p.is_const, not p.do_not_specialize, not p.do_not_specialize_on_alignment)
-            for p in params))
-    return found
+# id(kernel) -> _Kernel (which holds the kernel, so the id is not reused); an int hashes in C, while a JITFunction
+# hashes in Python under a lock
+_KERNELS: dict[int, _Kernel] = {}
+_TRITON = None      # (knobs, triton.runtime, native_specialize_impl), imported on the first launch
+
+
+def _triton():
+    global _TRITON
+    if _TRITON is None:
+        import triton.runtime
+        from triton import knobs
+        from triton.runtime.jit import native_specialize_impl
+        _TRITON = knobs, triton.runtime, native_specialize_impl
+    return _TRITON
 
 
 def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, num_stages: int,
@@ -208,32 +221,36 @@ def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, nu
     key goes through `run` (so Triton compiles what it would). Launch hooks (profilers), the interpreter and
     unhashable arguments take Triton's path. Not re-checked on a hit: the kernel's globals (constants
     of the modules, fixed once imported)."""
-    from triton import knobs
-    from triton.runtime import driver
-    from triton.runtime.jit import native_specialize_impl
-    options = options or {}
-    params = _params(kernel)
-    if params is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
+    knobs, runtime_module, specialize = _triton()
+    entry = _KERNELS.get(id(kernel))
+    if entry is None:
+        if getattr(kernel, "params", None) is None:     # the interpreter's kernels (TRITON_INTERPRET=1)
+            kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
+            return
+        entry = _KERNELS[id(kernel)] = _Kernel(kernel)
+    runtime = knobs.runtime
+    if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
         return
-    device = driver.active.get_current_device()
+    driver = runtime_module.driver.active
+    device = driver.get_current_device()
     backend = kernel.device_caches[device][3]
-    key = (kernel, num_warps, num_stages, *sorted(options.items()), knobs.runtime.debug,
+    key = (num_warps, num_stages, tuple(options.items()) if options else (), runtime.debug,
            knobs.compilation.instrumentation_mode, device,
-           *(a if constexpr else native_specialize_impl(backend, a, is_const, specialise, align)
-             for a, (constexpr, is_const, specialise, align) in zip(args, params)))
+           *[a if constexpr else specialize(backend, a, is_const, specialise, align)
+             for a, (constexpr, is_const, specialise, align) in zip(args, entry.params)])
     try:
-        compiled = _COMPILED.get(key)
+        compiled = entry.compiled.get(key)
     except TypeError:       # an unhashable constexpr: nothing to keep
         compiled = key = None
     if compiled is None:
-        compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
+        compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
         if key is not None:
-            _COMPILED[key] = compiled
+            entry.compiled[key] = compiled
         return
-    stream = driver.active.get_current_stream(device)
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, None, None, None, *args)
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                 driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                 None, None, None, *args)
 
 
 def _hooked(hook) -> bool:
