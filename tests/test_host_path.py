@@ -35,7 +35,6 @@ def counted(monkeypatch):
     monkeypatch.delenv(select.BACKEND_ENV, raising=False)
     monkeypatch.delenv(chunking.WORKSPACE_ENV, raising=False)
     prepare.CALLS.clear()
-    chunking._PLANS.clear()
     return counts
 
 

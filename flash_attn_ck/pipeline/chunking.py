@@ -247,19 +247,13 @@ def plan_chunks(problem: AttentionProblem, backend, cap: int | None,
     read no offsets (every dense plan, and a varlen call that fits unchunked) depend on the problem, the
     backend and the cap alone and are memoised: planning runs on every backward, and small calls are
     host-bound."""
-    key = (problem, backend, cap)
-    plan = _PLANS.get(key)
+    key = ("chunk plan", backend, cap)       # in problem.memo: hashing the problem by value costs microseconds
+    plan = problem.memo.get(key)
     if plan is None:
         plan = _plan_chunks(problem, backend, cap, params if problem.varlen else None)
         if plan.cu_seqlens_q is None:
-            if len(_PLANS) >= _MAX_PLANS:
-                del _PLANS[next(iter(_PLANS))]
-            _PLANS[key] = plan
+            problem.memo[key] = plan
     return plan
-
-
-_PLANS: dict[tuple, ChunkPlan] = {}
-_MAX_PLANS = 256
 
 
 class _Planner:
