@@ -15,8 +15,8 @@ import torch
 
 from ..core.mask import API_MASK_KINDS, MaskKind, describe_kinds
 from ..core.plan import WorkspacePlan
-from ..core.rows import fill_all_outside_sequences
 from ..core.problem import AttentionParams, AttentionProblem
+from ..core.rows import fill_all_outside_sequences
 
 
 class Backend(abc.ABC):

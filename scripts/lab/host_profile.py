@@ -21,8 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import flash_attn_ck as fa
 from host_cost import inputs, null_backend
+
+import flash_attn_ck as fa
 
 
 def table(profile: cProfile.Profile, calls: int, sort: str, top: int) -> str:

@@ -285,16 +285,18 @@ class TritonBackend(Backend):
         slopes = params.alibi_slopes
         if slopes is not None:
             slopes = slopes.to(torch.float32).contiguous()
-        return launch.SequenceArgs(params.cu_seqlens_q if p.varlen else dummy, params.cu_seqlens_k if p.varlen else dummy,
-                                   slopes if slopes is not None else dummy, params.rng_state if p.dropout_p > 0 else dummy,
-                                   slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0)
+        return launch.SequenceArgs(
+            params.cu_seqlens_q if p.varlen else dummy, params.cu_seqlens_k if p.varlen else dummy,
+            slopes if slopes is not None else dummy, params.rng_state if p.dropout_p > 0 else dummy,
+            slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0)
 
     @_per_problem
     def _sizes(self, p: AttentionProblem, head_dim: int) -> launch.Sizes:
         return launch.Sizes(p.heads_q, p.group_size, p.seqlen_q, p.seqlen_k, head_dim)
 
     @_per_problem
-    def _scores_features(self, p: AttentionProblem, *flags: tuple[str, bool]) -> tuple[launch.ScoreArgs, launch.Features]:
+    def _scores_features(self, p: AttentionProblem,
+                         *flags: tuple[str, bool]) -> tuple[launch.ScoreArgs, launch.Features]:
         """The ScoreArgs and Features of a launch: the problem's score features and mask, plus `flags`
         ((Features field, value) pairs: the launch's own)."""
         named = dict(HAS_ALIBI=p.has_alibi, HAS_SOFTCAP=p.softcap != 0.0, HAS_DROPOUT=p.dropout_p > 0,
@@ -422,8 +424,9 @@ class TritonBackend(Backend):
         if programs > 0:
             scores, features = self._scores_features(
                 p, ("VARLEN", p.varlen), ("LOOP_GROUP", loop_group), ("DQ_ATOMIC", dq_acc is not None),
-                ("DETERMINISTIC", p.deterministic), ("USE_TMA", use_tma), ("TMA_LOADS", use_tma and tma_mode == "all"),
-                ("DP_FIRST", cfg.bwd_dp_first), ("EVEN_K", cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n)))
+                ("DETERMINISTIC", p.deterministic), ("USE_TMA", use_tma),
+                ("TMA_LOADS", use_tma and tma_mode == "all"), ("DP_FIRST", cfg.bwd_dp_first),
+                ("EVEN_K", cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n)))
             launch.bwd_main(params.q, params.k, params.v, dout, lse, delta, dq_target, dk, dv, dk_acc, dv_acc, sems,
                             seq, p.batch, sizes, scores, features, kv, dq_tile, block_d,
                             (programs, p.batch * prog_heads)).launch()

@@ -184,7 +184,7 @@ class LaunchSpec:
 class _Kernel:
     """What launches of one kernel share: its parameters' specialisation flags (per parameter: constexpr, then
     `native_specialize_impl`'s is_const, specialise, align) and its compiled variants by key."""
-    __slots__ = ("kernel", "params", "compiled")
+    __slots__ = ("compiled", "kernel", "params")
 
     def __init__(self, kernel):
         self.kernel = kernel
