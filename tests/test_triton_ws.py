@@ -250,17 +250,19 @@ def test_split_kernel_compiles_to_the_designed_instructions(head_dim, varlen, ma
 @settings(max_examples=40, deadline=None)
 @given(head_dim=st.sampled_from(sorted({d * f // 4 for d in config.BWD_WS_SM90 for f in (3, 4)})),
        heads_k=st.integers(1, 8), group=st.integers(1, 8),
-       causal=st.booleans())
-def test_causal_gqa_at_d128_starts_the_longest_key_tiles_first(head_dim, heads_k, group, causal):
-    """config.bwd_ws_tile: the key-major grid (measured faster on causal GQA 32/8, slower on causal MHA and on every
-    non-causal call) for causal calls with 4+ query heads per kv head on the d128 tile; the plan says so."""
-    p = problem(head_dim=head_dim, heads=(heads_k * group, heads_k), causal=causal)
+       causal=st.booleans(), deterministic=st.booleans())
+def test_causal_gqa_or_deterministic_at_d128_starts_the_longest_key_tiles_first(head_dim, heads_k, group, causal,
+                                                                              deterministic):
+    """config.bwd_ws_tile: the key-major grid (measured faster on causal GQA 32/8 and on every deterministic causal
+    call, slower on causal MHA and on every non-causal call) for causal calls with 4+ query heads per kv head, or
+    deterministic, on the d128 tile; the plan says so."""
+    p = problem(head_dim=head_dim, heads=(heads_k * group, heads_k), causal=causal, deterministic=deterministic)
     with pretend_capability():
         tile, plan = TritonBackend()._ws_tile(p), TritonBackend().backward_plan(p)
-    expected = causal and group >= 4 and config.head_block(head_dim) == 128
+    expected = causal and (group >= 4 or deterministic) and config.head_block(head_dim) == 128
     assert tile.longest_first is expected
     assert tile == replace(config.BWD_WS_SM90[config.head_block(head_dim)], longest_first=expected)
-    assert tile == config.bwd_ws_tile(head_dim, causal, group)
+    assert tile == config.bwd_ws_tile(head_dim, causal, group, deterministic)
     assert ("key-major grid" in plan.kernel) is expected
 
 

@@ -120,7 +120,7 @@ def model(w: Workload, costs: Costs) -> dict:
     per_kv_head = rows * group * 128 * 4
     kv_per_launch = max(1, min(w.kv_heads, config.BWD_WS_DQ_ACCUM_BYTES // per_kv_head))
     launches = -(-w.kv_heads // kv_per_launch)
-    key_major = config.bwd_ws_tile(128, w.causal, group).longest_first
+    key_major = config.bwd_ws_tile(128, w.causal, group, w.deterministic).longest_first
     per_cta = costs.bwd_step_us * group
     fixed = costs.bwd_cta_us
     bwd_now = launches * makespan(grid_order(lengths, bwd_walk, per_cta, fixed, kv_per_launch, costs, not key_major,

@@ -224,7 +224,7 @@ class TritonBackend(Backend):
 
     @_per_problem
     def _ws_tile(self, p: AttentionProblem) -> config.WsTile:
-        return self.ws_tile or config.bwd_ws_tile(p.head_dim_padded, p.mask.is_causal, p.group_size)
+        return self.ws_tile or config.bwd_ws_tile(p.head_dim_padded, p.mask.is_causal, p.group_size, p.deterministic)
 
     @_per_problem
     def _ws_kv_heads_per_launch(self, p: AttentionProblem) -> int:

@@ -131,15 +131,17 @@ SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items(
 BWD_WS_SM90 = {64: WsTile(64, 64, num_stages=2, dq_stages=1, num_warps=4, max_registers=128),
                128: WsTile(64, 128, num_stages=2, dq_stages=1),
                256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
-# Key-major grid for causal calls with 4+ query heads per kv head at d128 (same section, "Longest first").
+# Key-major grid for causal calls at d128 with 4+ query heads per kv head (same section, "Longest first"), and for
+# every deterministic causal call (docs/workloads.md §Deterministic: 244 -> 384 TF/s MHA s8192, 258 -> 398 GQA 32/8).
 BWD_WS_LONGEST_FIRST = {128: replace(BWD_WS_SM90[128], longest_first=True)}
 BWD_WS_LONGEST_FIRST_MIN_GROUP = 4
 
 
-def bwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> WsTile | None:
+def bwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1, deterministic: bool = False) -> WsTile | None:
     """The warp-specialised backward's tile for a call (the tables above; None: no tile for the head dim)."""
     key = head_block(head_dim)
-    if causal and group_size >= BWD_WS_LONGEST_FIRST_MIN_GROUP and key in BWD_WS_LONGEST_FIRST:
+    key_major = deterministic or group_size >= BWD_WS_LONGEST_FIRST_MIN_GROUP
+    if causal and key_major and key in BWD_WS_LONGEST_FIRST:
         return BWD_WS_LONGEST_FIRST[key]
     return BWD_WS_SM90.get(key)
 
