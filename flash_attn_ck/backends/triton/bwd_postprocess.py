@@ -23,7 +23,10 @@ def cast_rows_kernel(Src, Dst, stride_src, stride_dst, n_rows, head_dim, BLOCK_R
     r64 = rows[:, None].to(tl.int64)
     src = Src + b * stride_src[0] + h * stride_src[1] + r64 * stride_src[2] + cols[None, :]
     x = tl.load(src, mask=mask)
-    if ZERO_SRC:      # the accumulator is reused by the next launch: zeroed here, not by a fill of its own
-        tl.store(src, tl.zeros_like(x), mask=mask)
     tl.store(Dst + b * stride_dst[0] + h * stride_dst[1] + r64 * stride_dst[2] + cols[None, :],
              x.to(Dst.dtype.element_ty), mask=mask)
+    if ZERO_SRC:
+        # The accumulator is reused by the next launch: zeroed here, not by a fill of its own. Only after the
+        # output's store: Triton may re-issue the load of `x` in the output's layout (a rematerialised load is
+        # cheaper than a layout conversion) next to that store, and it must not read zeros written before it.
+        tl.store(src, tl.zeros_like(x), mask=mask)
