@@ -352,8 +352,8 @@ class TritonBackend(Backend):
             tile = self._ws_tile(p)
             buffers.append(BufferSpec("dq_accum", (*p.q_rows_shape, heads, d), torch.float32, False,
                                       f"fp32 dQ of {heads} query heads per launch "
-                                      "(TMA reduce-adds; zeroed by bwd_preprocess, then by each dQ cast "
-                                      "that another launch follows)"))
+                                      "(TMA reduce-adds; zeroed by bwd_preprocess, then by a fill "
+                                      "before each later launch)"))
             if p.deterministic:
                 tiles = bwd_ws_semaphore_tiles(p.seqlen_q, tile)
                 buffers.append(BufferSpec("dq_semaphore", (p.batch, heads, tiles), torch.int32, False,
@@ -459,7 +459,7 @@ class TritonBackend(Backend):
                      dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                      workspace: dict[str, torch.Tensor]) -> None:
         """The warp-specialised backward: D (zeroing dq_accum and the semaphores), then per group of kv heads:
-        bwd_ws, the dQ cast (zeroing dq_accum again where another group follows; semaphores by a fill)."""
+        bwd_ws, the dQ cast, and a fill of dq_accum (and the semaphores) where another group follows."""
         from . import bwd_ws, gluon_common
         d = params.q.shape[-1]
         tile = self._ws_tile(p)
@@ -489,7 +489,9 @@ class TritonBackend(Backend):
                           semaphores=sem)
             dq_h = _heads(dq, -2, hq)
             _cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
-                  p.rows_q // batch, d, zero_src=kv.stop < p.heads_k)
+                  p.rows_q // batch, d)
+            if kv.stop < p.heads_k:     # the next launch adds into it
+                acc.zero_()
 
 
 def _heads(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:
@@ -500,11 +502,10 @@ def _heads(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:
     return t.narrow(dim, heads.start, heads.stop - heads.start)
 
 
-def _cast(src: torch.Tensor, dst: torch.Tensor, src_bhr, dst_bhr, heads: int, batch: int, rows: int, d: int,
-          zero_src: bool = False) -> None:
+def _cast(src: torch.Tensor, dst: torch.Tensor, src_bhr, dst_bhr, heads: int, batch: int, rows: int, d: int) -> None:
     if rows == 0:
         return
-    launch.cast_rows(src, dst, src_bhr, dst_bhr, heads, batch, rows, config.head_block(d), d, zero_src).launch()
+    launch.cast_rows(src, dst, src_bhr, dst_bhr, heads, batch, rows, config.head_block(d), d).launch()
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -4,8 +4,8 @@ Used for dK/dV of the GQA accumulator epilogue (`(b, h_k, s_k, d)` or varlen `(h
 -> `(b, s_k, h_k, d)` / `(total_k, h_k, d)`) and for dQ in the atomic dQ mode (fp32 buffer laid
 out like q). Grid: (row blocks, heads, batch); rows are sequence positions (varlen: packed rows,
 with batch = 1 and zero batch strides). Strides are (batch, head, row) tuples (launch.cast_rows).
-ZERO_SRC: the source is zeroed as it is read (the warp-specialised backward's dQ accumulator, reused by the
-next group of heads).
+It never writes its source: a zeroing store in the same kernel let the compiled code read back zeros (Triton
+may re-issue a load next to a later use), so the accumulator reused by the next launch is zeroed by a fill.
 """
 
 import triton
@@ -13,8 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def cast_rows_kernel(Src, Dst, stride_src, stride_dst, n_rows, head_dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     ZERO_SRC: tl.constexpr):
+def cast_rows_kernel(Src, Dst, stride_src, stride_dst, n_rows, head_dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
     h = tl.program_id(1)
@@ -25,8 +24,3 @@ def cast_rows_kernel(Src, Dst, stride_src, stride_dst, n_rows, head_dim, BLOCK_R
     x = tl.load(src, mask=mask)
     tl.store(Dst + b * stride_dst[0] + h * stride_dst[1] + r64 * stride_dst[2] + cols[None, :],
              x.to(Dst.dtype.element_ty), mask=mask)
-    if ZERO_SRC:
-        # The accumulator is reused by the next launch: zeroed here, not by a fill of its own. Only after the
-        # output's store: Triton may re-issue the load of `x` in the output's layout (a rematerialised load is
-        # cheaper than a layout conversion) next to that store, and it must not read zeros written before it.
-        tl.store(src, tl.zeros_like(x), mask=mask)

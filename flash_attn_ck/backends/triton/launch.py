@@ -312,12 +312,12 @@ def bwd_main(q, k, v, dout, lse, delta, dq, dk, dv, dk_acc, dv_acc, sems, seq: S
 
 
 def cast_rows(src, dst, src_bhr, dst_bhr, heads: int, batch: int, rows: int, block_d: int,
-              head_dim: int, zero_src: bool = False) -> LaunchSpec:
-    """fp32 accumulator -> output dtype (bwd_postprocess.cast_rows_kernel); `zero_src`: zero what it read."""
+              head_dim: int) -> LaunchSpec:
+    """fp32 accumulator -> output dtype (bwd_postprocess.cast_rows_kernel)."""
     from .bwd_postprocess import cast_rows_kernel
     return LaunchSpec(cast_rows_kernel, (-(-rows // 64), heads, batch), dict(
         Src=src, Dst=dst, stride_src=tuple(src_bhr), stride_dst=tuple(dst_bhr), n_rows=rows, head_dim=head_dim,
-        BLOCK_R=64, BLOCK_D=block_d, ZERO_SRC=zero_src), 4, 1)
+        BLOCK_R=64, BLOCK_D=block_d), 4, 1)
 
 
 def fill_outside(fills: tuple[tuple[torch.Tensor, torch.Tensor, int, float], ...]) -> LaunchSpec | None:
