@@ -435,3 +435,51 @@ def test_flash_attn_fwd_draws_the_given_rng_state():
     for bad in ([1, 2], torch.tensor([1, 2, 3]), torch.tensor([1.0, 2.0])):
         with pytest.raises(ArgumentError, match="rng_state"):
             flash_attn_fwd(*leaves, dropout_p=0.3, rng_state=bad, backend="reference")
+
+
+@pytest.mark.parametrize("layout,causal,expected", [
+    ("zigzag", True, ["slot 0", "call", "slot 1", "call"]),        # the first half's chunk waits for slot 0 only
+    ("zigzag", False, ["slot 0", "slot 1", "call", "call"]),       # every chunk sees every key
+    ("contiguous", True, ["slot 0", "call", "slot 1", "call"]),
+])
+def test_allgather_computes_while_the_second_slot_travels(one_process_group, monkeypatch, layout, causal, expected):
+    """The all-gather exchange posts one collective per local chunk slot and a query chunk waits only for the
+    slots holding its keys: a causal chunk of the first half runs before slot 1 is waited for, in the forward and
+    the backward, and the result equals flash_attn_func's (a one-process group)."""
+    import flash_attn_ck.integrations.context_parallel as cp
+
+    events = []
+    original_gather = cp._PostedTransfers.gather
+
+    def recording_gather(self, buffer, call):
+        work, received = original_gather(self, buffer, call)
+        slot = sum(e.startswith("posted") for e in events)
+        events.append(f"posted {slot}")
+
+        class Recorded:
+            def wait(self):
+                if f"slot {slot}" not in events:
+                    events.append(f"slot {slot}")
+                return work.wait()
+        return Recorded(), received
+
+    def recording(fn):
+        def call(*args, **kwargs):
+            events.append("call")
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(cp._PostedTransfers, "gather", recording_gather)
+    monkeypatch.setattr(cp, "flash_attn_fwd", recording(cp.flash_attn_fwd))
+    monkeypatch.setattr(cp, "flash_attn_bwd", recording(cp.flash_attn_bwd))
+    q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(_full_inputs(8, 2, 1, d=8, b=1)))
+    out = context_parallel_attn(q, k, v, causal=causal, layout=layout, kv_exchange="allgather", backend="reference")
+    forward_events = [e for e in events if not e.startswith("posted")]
+    events.clear()
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    backward_events = [e for e in events if not e.startswith("posted")]
+    assert forward_events == expected and backward_events == expected, (forward_events, backward_events)
+    reference = [t.detach().requires_grad_() for t in (q, k, v)]
+    single = flash_attn_func(*reference, causal=causal, backend="reference")
+    for ours, theirs in zip((out, *grads), (single, *torch.autograd.grad(single, reference, dout)), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-10)

@@ -19,11 +19,13 @@ into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gath
   accumulate in fp32 buffers that travel around the ring and arrive back at their owner after W hops.
   Both transfers overlap compute. Causal or not; sliding windows are refused here (a window's block masks
   need a negative side).
-- kv_exchange "allgather": K/V are all-gathered once (every rank then holds the full K/V); each local query
+- kv_exchange "allgather": K/V are all-gathered (every rank then holds the full K/V) in two asynchronous
+  collectives, one per local chunk slot (`_KVGather`; with zigzag the first and the second half of the sequence),
+  so a causal query chunk of the first half computes while the second half is in flight; each local query
   chunk at global rows [q0, q0 + c) runs one call on the keys [start, end) it can see, where choosing
   `end` (q0 + c, or further for a right window) makes flash-attn's bottom-right alignment coincide with
-  the global positions, so causal and any window (left, right) are exact. Backward: dK/dV partials over
-  the full sequence, reduce-scattered back to the owners.
+  the global positions, so causal and any window (left, right) are exact. Backward: K/V gathered again the same
+  way, dK/dV partials over the full sequence, reduce-scattered back to the owners.
 - kv_exchange "a2a" (all-to-all over heads, DeepSpeed Ulysses): one all-to-all turns every rank's sequence shard
   of all heads into the whole sequence of h / W heads (h and h_k multiples of W); one kernel call on it (causal,
   windows, dropout: anything flash_attn_func does), and one all-to-all back. The backward repeats the forward's
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -353,6 +356,13 @@ class _PostedTransfers:
         self.works += dist.batch_isend_irecv(ops)
         return received
 
+    def gather(self, buffer: torch.Tensor, call: _Call) -> tuple[Any, list[torch.Tensor]]:
+        """All-gather `buffer` over the group (asynchronously): (its work, every rank's buffer in rank order)."""
+        received = [torch.empty_like(buffer) for _ in range(call.world)]
+        work = dist.all_gather(received, buffer, group=call.group, async_op=True)
+        self.works.append(work)
+        return work, received
+
     def wait(self) -> None:
         works, self.works = self.works, []
         for work in works:
@@ -451,11 +461,36 @@ def _ring_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTrans
 
 # ---- all-gather ------------------------------------------------------------------------------------
 
-def _gather_kv(k, v, call: _Call):
-    shards = [torch.empty_like(_pack(k, v)) for _ in range(call.world)]
-    dist.all_gather(shards, _pack(k, v), group=call.group)
-    per_rank = [_unpack(s, k, v) for s in shards]
-    return [_in_sequence_order([p[j] for p in per_rank], call.world, call.layout, 1) for j in (0, 1)]
+class _KVGather:
+    """K/V of the whole sequence, gathered in two asynchronous all-gathers, one per local chunk slot j (every rank's
+    j-th local chunk): with zigzag (and interleaved) slot 0 is the first half of the sequence, so a causal query
+    chunk of the first half computes while the second half is still in flight. `keys(start, end)` waits only for
+    the slots that hold chunks of [start, end) and places them in sequence order. The collectives are posted
+    through `transfers`, which completes them if an error interrupts the call."""
+
+    def __init__(self, k, v, call: _Call, transfers: _PostedTransfers):
+        self.c, self.world = k.shape[1] // 2, call.world
+        self.k = torch.empty((k.shape[0], 2 * self.c * self.world, *k.shape[2:]), dtype=k.dtype, device=k.device)
+        self.v = torch.empty((v.shape[0], *self.k.shape[1:-1], v.shape[-1]), dtype=v.dtype, device=v.device)
+        self.likes = [(k[:, j * self.c:(j + 1) * self.c], v[:, j * self.c:(j + 1) * self.c]) for j in (0, 1)]
+        self.slot_of = {chunk: j for r in range(self.world)
+                        for j, chunk in enumerate(chunk_ids(r, self.world, call.layout))}
+        self.posted = [transfers.gather(_pack(*like), call) for like in self.likes]
+        self.placed = [False, False]
+        self.layout = call.layout
+
+    def keys(self, start: int, end: int):
+        """(K, V) over the whole sequence, with at least the keys [start, end) received."""
+        for j in sorted({self.slot_of[chunk] for chunk in range(start // self.c, -(-end // self.c))}):
+            if not self.placed[j]:
+                work, buffers = self.posted[j]
+                work.wait()
+                for r, buffer in enumerate(buffers):
+                    chunk = chunk_ids(r, self.world, self.layout)[j]
+                    rows = slice(chunk * self.c, (chunk + 1) * self.c)
+                    self.k[:, rows], self.v[:, rows] = _unpack(buffer, *self.likes[j])
+                self.placed[j] = True
+        return self.k, self.v
 
 
 def _local_calls(q, call: _Call):
@@ -468,29 +503,36 @@ def _local_calls(q, call: _Call):
 
 
 def _allgather_forward(q, k, v, call: _Call, out: torch.Tensor, transfers: _PostedTransfers):
-    k_full, v_full = _gather_kv(k, v, call)
+    gathered = _KVGather(k, v, call, transfers)
     lses = []
     for i, (rows, keys, window) in enumerate(_local_calls(q, call)):
+        k_full, v_full = gathered.keys(keys.start, keys.stop)
         out_i, lse_i, _ = flash_attn_fwd(q[:, rows], k_full[:, keys], v_full[:, keys], window_size=window,
                                          **call.kernel(i))
         out[:, rows] = out_i
         lses.append(lse_i)
+    transfers.wait()        # a slot no local query chunk needed (a window) is complete too
     return torch.cat(lses, dim=-1)
 
 
 def _allgather_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTransfers):
-    k_full, v_full = _gather_kv(k, v, call)
+    """The forward's exchange again (regathering costs the all-gather; keeping the gathered K/V would cost W times
+    the K/V shard per layer until the backward), overlapped the same way."""
+    gathered = _KVGather(k, v, call, transfers)
+    k_full, v_full = gathered.k, gathered.v
     accum = _accum(q)
     dq = torch.empty_like(q)
     dk_full = torch.zeros(k_full.shape, dtype=accum, device=k.device)
     dv_full = torch.zeros(v_full.shape, dtype=accum, device=v.device)
     dk_i, dv_i = torch.empty_like(k_full), torch.empty_like(v_full)
     for i, (rows, keys, window) in enumerate(_local_calls(q, call)):
+        gathered.keys(keys.start, keys.stop)
         flash_attn_bwd(dout[:, rows], q[:, rows], k_full[:, keys], v_full[:, keys], out[:, rows], lse[..., rows],
                        dq[:, rows], dk_i[:, keys], dv_i[:, keys], window_size=window,
                        deterministic=call.options.deterministic, **call.kernel(i))
         dk_full[:, keys] += dk_i[:, keys]
         dv_full[:, keys] += dv_i[:, keys]
+    transfers.wait()
     # Each rank's chunks, in rank order, then one reduce-scatter hands every rank the sum of its own.
     local = [_shards(t, call) for t in (dk_full, dv_full)]
     stacked = torch.cat([_pack(*[t[r] for t in local]) for r in range(call.world)])
