@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.test_context_parallel import init, spawn
+from tests.test_context_parallel import init, spawn, teardown
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -46,7 +46,7 @@ def _worker(rank, world, port):
                 torch.testing.assert_close(grad, theirs.grad, atol=1e-7, rtol=1e-5,
                                            msg=lambda m, p=param_name: f"{layout} {p}: {m}")
     finally:
-        dist.destroy_process_group()
+        teardown()
 
 
 def test_llama_loss_and_gradients_equal_with_and_without_cp():

@@ -26,7 +26,7 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
 import flash_attn_ck.integrations.sdpa as provider
 from flash_attn_ck.integrations.context_parallel import shard
 from flash_attn_ck.integrations.torch_cp import install_torch_cp_handlers
-from tests.test_context_parallel import init, spawn
+from tests.test_context_parallel import init, spawn, teardown
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention
@@ -116,7 +116,7 @@ def _installed_worker(rank, world, port):
         assert torch_cp_module.custom_ops[FLASH.default] is torch_cp_module._sdpa_handler
     finally:
         torch_cp_module._disable_context_parallel_dispatcher()
-        dist.destroy_process_group()
+        teardown()
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -151,7 +151,7 @@ def _torch_ring_worker(rank, world, port):
     finally:
         torch_cp_module._disable_context_parallel_dispatcher()
         attention.restore_flash_attention_impl()
-        dist.destroy_process_group()
+        teardown()
 
 
 def test_torch_ring_template_runs_the_provider_and_refuses_dropout():
