@@ -187,17 +187,20 @@ def mask_kind_grid(kinds) -> list:
 
 
 def check_mask_kind(backend, kind: MaskKind, seqlens: tuple[int, int], device="cpu", dtype=torch.bfloat16,
-                    head_dim=32, seed=0):
+                    head_dim=32, seed=0, alibi=False):
     """Forward and backward of `backend` itself (an instance, below the public API, which makes only
-    flash-attn's kinds) on one mask of `kind`, judged against the oracle."""
+    flash-attn's kinds) on one mask of `kind`, judged against the oracle; with `alibi`, ALiBi slopes too (their
+    distance is from the bottom-right diagonal whatever the mask's alignment)."""
     case = MASK_KIND_CASES[kind]
-    cfg = Config(seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim, dtype=dtype, **case.oracle)
+    cfg = Config(seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim, dtype=dtype, alibi=alibi, **case.oracle)
     q, k, v, dout, slopes = make_inputs(cfg, device, seed)
-    problem = replace(describe_call(q, k, v, AttentionOptions()), mask=case.build(*seqlens))
+    options = AttentionOptions(alibi_slopes=slopes)
+    problem = replace(describe_call(q, k, v, options), mask=case.build(*seqlens))
     assert problem.mask.kind == kind and not backend.not_supported_reasons(problem)
     out = torch.empty_like(q)
     lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=device)
-    backend.forward(problem, kernel_params(problem, q, k, v, AttentionOptions(), None), out, lse)
+    params = kernel_params(problem, q, k, v, options, None)
+    backend.forward(problem, params, out, lse)
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
-    run_backward(backend, problem, AttentionParams(q, k, v), out, lse, dout, *grads, None)
+    run_backward(backend, problem, params, out, lse, dout, *grads, None)
     return judge(cfg, (q, k, v, dout, slopes), out, lse, None, grads)

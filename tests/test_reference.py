@@ -47,7 +47,8 @@ def test_reference_against_naive(name):
 
 @pytest.mark.parametrize("kind,seqlens", mask_kind_grid(ReferenceBackend.mask_kinds))
 def test_every_declared_mask_kind_matches_the_oracle(kind, seqlens):
-    check_mask_kind(ReferenceBackend(), kind, seqlens)
+    for alibi in (False, True):
+        check_mask_kind(ReferenceBackend(), kind, seqlens, alibi=alibi)
 
 
 def test_gqa_gradients_rounded_per_head_meet_the_rule():

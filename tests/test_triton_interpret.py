@@ -90,7 +90,8 @@ with use_backend(TritonBackend(**opts)):
 print("PASS")
 """
 
-# A mask kind below the public API (which makes only flash-attn's kinds), on both shapes of cases.py.
+# A mask kind below the public API (which makes only flash-attn's kinds), on both shapes of cases.py, with and
+# without ALiBi (a top-left mask keeps the bias's bottom-right distance).
 _MASK_KIND_RUNNER = _INTERPRETER_PATCH + r"""
 import sys
 import torch
@@ -101,7 +102,8 @@ from cases import MASK_KIND_SHAPES, check_mask_kind
 
 TritonBackend.device_types = frozenset({"cuda", "cpu"})   # the interpreter runs on CPU tensors
 for seqlens in MASK_KIND_SHAPES.values():
-    check_mask_kind(TritonBackend(), MaskKind[sys.argv[1]], seqlens, dtype=torch.float16)
+    for alibi in (False, True):
+        check_mask_kind(TritonBackend(), MaskKind[sys.argv[1]], seqlens, dtype=torch.float16, alibi=alibi)
 print("PASS")
 """
 

@@ -15,7 +15,7 @@ as bwd_main.attn_bwd_kernel's (stride tuples, D, S, F).
 import triton
 import triton.language as tl
 
-from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
+from .scores import LOG2E, alibi_shift, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
 from .tiles import head_rows, load_rows, row_tiles, store_rows
 
 
@@ -46,9 +46,11 @@ def query_tile_dq(
     # ---- walk the visible key tiles ----
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = key_range(m0, len_k, shift, S, BLOCK_M, BLOCK_N, F)
+    bias_shift = alibi_shift(len_q, len_k, shift, F)
     for n0 in range(lo, hi, BLOCK_N):
         cols, k, v, s, tanh = key_tile_scores(q, k_src, v_src, stride_k[1], stride_v[1], offs_m, n0, offs_n, m0,
-                                              len_k, D.head_dim, shift, S, slope, BLOCK_M, BLOCK_N, BLOCK_D, F)
+                                              len_k, D.head_dim, shift, bias_shift, S, slope, BLOCK_M, BLOCK_N,
+                                              BLOCK_D, F)
         if F.DP_FIRST:
             dp = tl.dot(do, tl.trans(v))
         p = tl.exp2(s - lse2[:, None])

@@ -40,6 +40,7 @@ from .bwd_dq import query_tile_dq
 from .bwd_epilogue import accumulate_kv
 from .scores import (
     LOG2E,
+    alibi_shift,
     block_needs_mask,
     diagonal_shift,
     dropout_keep,
@@ -112,6 +113,7 @@ def key_tile_dkdv(
     if n0 >= len_k:
         return
     shift = diagonal_shift(len_q, len_k, F)
+    bias_shift = alibi_shift(len_q, len_k, shift, F)
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     b64 = b.to(tl.int64)
@@ -152,7 +154,7 @@ def key_tile_dkdv(
             qkT = tl.dot(k, tl.trans(q))
             if F.DP_FIRST:
                 dpT = tl.dot(v, tl.trans(do))
-            sT, tanh = scores_log2(qkT, offs_m[None, :], offs_n[:, None], shift, S, slope, F)
+            sT, tanh = scores_log2(qkT, offs_m[None, :], offs_n[:, None], bias_shift, S, slope, F)
             if block_needs_mask(m0, n0, len_k, shift, S, BLOCK_M, BLOCK_N, F):
                 keep = keep_positions(offs_m[None, :], offs_n[:, None], len_k, shift, S, F)
                 sT = tl.where(keep, sT, float("-inf"))

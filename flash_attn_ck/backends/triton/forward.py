@@ -12,7 +12,7 @@ store and TMA_LOADS, set alike, for its loads).
 import triton
 import triton.language as tl
 
-from .scores import LOG2E, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
+from .scores import LOG2E, alibi_shift, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
 from .tiles import head_rows, store_rows
 
 
@@ -42,9 +42,10 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lo, hi = key_range(m0, len_k, shift, S, BLOCK_M, BLOCK_N, F)
+    bias_shift = alibi_shift(len_q, len_k, shift, F)
     for n0 in range(lo, hi, BLOCK_N):
         cols, k, v, s, _ = key_tile_scores(q, k_src, v_src, stride_k[1], stride_v[1], offs_m, n0, offs_n, m0, len_k,
-                                           D.head_dim, shift, S, slope, BLOCK_M, BLOCK_N, BLOCK_D, F)
+                                           D.head_dim, shift, bias_shift, S, slope, BLOCK_M, BLOCK_N, BLOCK_D, F)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])

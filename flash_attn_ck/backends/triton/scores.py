@@ -43,6 +43,13 @@ def diagonal_shift(len_q, len_k, F: tl.constexpr):
 
 
 @triton.jit
+def alibi_shift(len_q, len_k, shift, F: tl.constexpr):
+    """Row i's ALiBi distance is |i + alibi_shift - j|: from the bottom-right diagonal whatever the mask's
+    alignment (docs/semantics.md), so a top-left mask changes which keys are kept, not their bias."""
+    return len_k - len_q if F.TOP_LEFT else shift
+
+
+@triton.jit
 def query_tile_bounds(m_block, b, cu_seqlens_q, cu_seqlens_k, D, BLOCK_M: tl.constexpr, F: tl.constexpr):
     """Query tile m_block of sequence b: (first row m0, q start, q length, k start, k length, diagonal shift)."""
     q_start, len_q = sequence_bounds(cu_seqlens_q, b, D.max_seqlen_q, F.VARLEN)
@@ -134,10 +141,11 @@ def keep_positions(rows, cols, len_k, shift, S, F: tl.constexpr):
 # ---- score modifiers (softcap, ALiBi) and one key tile's scores ----
 
 @triton.jit
-def scores_log2(qk, rows, cols, shift, S, slope, F: tl.constexpr):
+def scores_log2(qk, rows, cols, bias_shift, S, slope, F: tl.constexpr):
     """Raw q.k -> (score in log2 units, tanh of the softcap argument or None).
 
-    score = softcap * tanh(scale * qk / softcap) (or scale * qk), minus slope * |i + shift - j|."""
+    score = softcap * tanh(scale * qk / softcap) (or scale * qk), minus slope * |i + bias_shift - j|
+    (bias_shift: `alibi_shift`)."""
     if F.HAS_SOFTCAP:
         x = qk * (S.scale / S.softcap)
         tanh = 1.0 - 2.0 / (tl.exp2((2.0 * LOG2E) * x) + 1.0)
@@ -146,21 +154,21 @@ def scores_log2(qk, rows, cols, shift, S, slope, F: tl.constexpr):
         tanh = qk  # unused: a placeholder of the right shape
         s2 = qk * (S.scale * LOG2E)
     if F.HAS_ALIBI:
-        distance = tl.abs(rows + shift - cols).to(tl.float32)
+        distance = tl.abs(rows + bias_shift - cols).to(tl.float32)
         s2 = s2 - (slope * LOG2E) * distance
     return s2, tanh
 
 
 @triton.jit
-def key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m0, len_k, head_dim, shift, S, slope,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
+def key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m0, len_k, head_dim, shift, bias_shift,
+                    S, slope, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
     """One key tile as a query tile sees it: (columns, K, V, scores in log2 units with softcap/ALiBi and
     -inf outside the mask, softcap tanh). k_src/v_src come from tiles.row_tiles; key rows past the
     sequence load as 0."""
     cols = n0 + offs_n
     k = load_rows(k_src, stride_ks, n0, len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
     v = load_rows(v_src, stride_vs, n0, len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
-    s, tanh = scores_log2(tl.dot(q, tl.trans(k)), offs_m[:, None], cols[None, :], shift, S, slope, F)
+    s, tanh = scores_log2(tl.dot(q, tl.trans(k)), offs_m[:, None], cols[None, :], bias_shift, S, slope, F)
     if block_needs_mask(m0, n0, len_k, shift, S, BLOCK_M, BLOCK_N, F):
         keep = keep_positions(offs_m[:, None], cols[None, :], len_k, shift, S, F)
         s = tl.where(keep, s, float("-inf"))
