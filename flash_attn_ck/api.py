@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from . import ops
 from .backends.registry import backend_class
 from .core.checks import check_packed_slots, check_real_devices, check_rng_state, check_tensor
 from .core.errors import ArgumentError, WorkspaceError
-from .core.inputs import describe_call
+from .core.inputs import describe_call, sequence_tensors
 from .core.options import AttentionOptions
 from .core.problem import AttentionParams
 from .pipeline.backward import gradient_outputs
@@ -45,8 +47,9 @@ def _documented(fn):
 
 @_documented
 def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                   dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                   alibi_slopes=None, deterministic=False, return_attn_probs=False, rng_state=None, backend=None):
+                   seqused_k=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                   alibi_slopes=None, deterministic=False, return_attn_probs=False, rng_state=None, out=None,
+                   backend=None):
     """The forward alone, returning what a backward (or a context-parallel merge) needs.
 
     Args:
@@ -54,9 +57,15 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         k, v: (b, s_k, h_k, d), or varlen (total_k, h_k, d); q's dtype and device.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: varlen offsets and longest lengths
             (all four, or none for the batch layout).
+        seqused_k: varlen only, int32 (b,) on q's device: sequence i attends only its first `seqused_k[i]`
+            keys (rows `[cu_seqlens_k[i], cu_seqlens_k[i] + seqused_k[i])`); the backward gives its other
+            keys zero gradients. Pass the same to `flash_attn_bwd`.
         return_attn_probs: also return the probabilities (testing only).
         rng_state: with dropout, draw the keep pattern of this int64 `[seed, offset]` (one per block of a
-            context-parallel ring) instead of a fresh one from torch's generator; ignored without dropout.{common}
+            context-parallel ring) instead of a fresh one from torch's generator; ignored without dropout.
+        out: written in place and returned instead of a new tensor: q's shape, dtype and device, a unit
+            last stride (any other strides), sharing no memory with an input. Not differentiable: with
+            out, q, k, v and out must not require grad while grad mode is on.{common}
 
     Returns:
         `(out, softmax_lse, rng_state)`, plus `probs` with `return_attn_probs`: out like q; lse fp32
@@ -64,35 +73,45 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         probs (b, h, s_q, s_k) with dropped entries negated.
 
     Raises:
-        ArgumentError: a bad argument (the message names it). NoBackendError: no backend can run the call.
+        ArgumentError: a bad argument (the message names it), before anything is written.
+        NoBackendError: no backend can run the call.
     """
     options = AttentionOptions(
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=window_size, softcap=softcap, deterministic=deterministic,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic,
         return_attn_probs=return_attn_probs, backend=backend)
     # Before the op: its schema would reject a non-tensor with a less helpful message, and a meta
     # tensor anywhere would route the call to the op's fake (uninitialised results, no error).
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t)
-    check_real_devices((("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                        ("alibi_slopes", alibi_slopes), ("rng_state", rng_state)))
+    if out is not None:
+        check_tensor("out", out)
+    check_real_devices((("q", q), ("k", k), ("v", v), *options.tensors(), ("rng_state", rng_state), ("out", out)))
     if rng_state is not None:
         check_rng_state(rng_state, q.device)
-    out, lse, rng_state, probs = ops.attention(q, k, v, options, rng_state)
+    if out is None:
+        out, lse, rng_state, probs = ops.attention(q, k, v, options, rng_state)
+    else:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or out.requires_grad):
+            raise ArgumentError("out: the forward into a given out is not differentiable (as torch's out= "
+                                "functions), and q, k, v or out requires grad; call it under torch.no_grad(), or "
+                                "without out")
+        lse, rng_state, probs = ops.attention_into(q, k, v, out, options, rng_state)
     rng_state = rng_state if rng_state.numel() else None
     return (out, lse, rng_state, probs) if return_attn_probs else (out, lse, rng_state)
 
 
 @_documented
 def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *, cu_seqlens_q=None,
-                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, alibi_slopes=None, dropout_p=0.0,
+                   cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, alibi_slopes=None,
+                   dropout_p=0.0,
                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False,
                    rng_state=None, backend=None, max_workspace_bytes=None):
     """The backward alone, shaped like flash-attention's `mha_bwd`.
 
     Args:
-        dout, out: like q. q, k, v and the options: as given to `flash_attn_fwd`.
+        dout, out: like q. q, k, v and the options (seqused_k included): as given to `flash_attn_fwd`.
         softmax_lse, rng_state: what `flash_attn_fwd` returned (rng_state only with dropout).
         dq, dk, dv: preallocated gradients, written in place (checked for dtype, device, last-dim
             stride, shape); missing ones are allocated.
@@ -107,9 +126,9 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
         WorkspaceError: even the smallest chunk's workspace exceeds the cap.
     """
     options = AttentionOptions(
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=window_size, softcap=softcap, deterministic=deterministic, backend=backend,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic, backend=backend,
         max_workspace_bytes=max_workspace_bytes)
     operands = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse))
     for name, t in operands:
@@ -117,8 +136,8 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
     for name, t in (("dq", dq), ("dk", dk), ("dv", dv), ("rng_state", rng_state)):     # the op's schema takes
         if t is not None:                                                               # tensors or None only
             check_tensor(name, t)
-    check_real_devices((("q", q), *operands, ("dq", dq), ("dk", dk), ("dv", dv), ("cu_seqlens_q", cu_seqlens_q),
-                        ("cu_seqlens_k", cu_seqlens_k), ("alibi_slopes", alibi_slopes), ("rng_state", rng_state)))
+    check_real_devices((("q", q), *operands, ("dq", dq), ("dk", dk), ("dv", dv), *options.tensors(),
+                        ("rng_state", rng_state)))
     if dq is None and dk is None and dv is None:
         return ops.backward(dout, q, k, v, out, softmax_lse, options, rng_state)
     dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv)
@@ -128,8 +147,8 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
 
 @_documented
 def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                       dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                       alibi_slopes=None, deterministic=False, max_workspace_bytes=None,
+                       seqused_k=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                       softcap=0.0, alibi_slopes=None, deterministic=False, max_workspace_bytes=None,
                        backends=("reference", "ck", "triton")) -> dict[str, ChunkPlan | str]:
     """The backward workspace each backend would allocate for this call. Plans depend only on shapes,
     so q/k/v may be `device="meta"` tensors of any size.
@@ -146,11 +165,12 @@ def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
         ArgumentError: a bad argument.
     """
     options = AttentionOptions(
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-        window_size=window_size, softcap=softcap, deterministic=deterministic, max_workspace_bytes=max_workspace_bytes)
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale,
+        causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic,
+        max_workspace_bytes=max_workspace_bytes)
     problem = describe_call(q, k, v, options)
-    params = AttentionParams(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    params = AttentionParams(q, k, v, *sequence_tensors(options))
     cap = workspace_cap(max_workspace_bytes)
     report = {}
     for name in backends:
@@ -245,20 +265,23 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 @_flash_documented(_VARLEN_RETURNS)
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, backend=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, seqused_k=None,
+                           backend=None):
     """`flash_attn_func` on sequences of different lengths packed along the first dim.
 
     Args:
         q: (total_q, h, d). k, v: (total_k, h_k, d).
         cu_seqlens_q, cu_seqlens_k: int32 (b + 1,) offsets of each sequence's rows, from 0.
         max_seqlen_q, max_seqlen_k: the longest query / key length.
-        block_table: must be None (paged KV caches are not supported).{common}
+        block_table: must be None (paged KV caches are not supported).
+        seqused_k: int32 (b,) on q's device, or None: sequence i attends only its first `seqused_k[i]` keys
+            (e.g. a KV cache slot longer than its sequence); its other keys get zero gradients.{common}
 {returns}
     """
     if block_table is not None:
         raise ArgumentError("block_table: paged KV caches are not supported by flash_attn_ck (pass None)")
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k)
+                  max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, backend, varlen)
 

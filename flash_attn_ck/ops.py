@@ -13,6 +13,8 @@ absent optional results are empty tensors (`rng_state` without dropout, `probs` 
 - `fwd(q, k, v, ..., *, rng_state=None) -> (out, softmax_lse, rng_state, probs)` (a given rng_state: its keep
   pattern; none: a fresh draw); not differentiable by itself:
   `attention(...)` (the Function) makes `out` differentiable.
+- `fwd_out(q, k, v, out, ...) -> (softmax_lse, rng_state, probs)`: the same, writing into a caller-provided
+  `out` (declared as mutated); not differentiable (`attention_into`).
 - `bwd(dout, q, k, v, out, softmax_lse, ...) -> (dq, dk, dv, softmax_d)`
 - `bwd_out(...)`: the same, writing into caller-provided dq/dk/dv (declared as mutated).
 
@@ -44,7 +46,7 @@ from .pipeline.forward import attention_forward
 
 # Every AttentionOptions field -> its schema arguments (schemas have no tuples: the window is two ints).
 _SCHEMA = {
-    "cu_seqlens_q": "Tensor? cu_seqlens_q", "cu_seqlens_k": "Tensor? cu_seqlens_k",
+    "cu_seqlens_q": "Tensor? cu_seqlens_q", "cu_seqlens_k": "Tensor? cu_seqlens_k", "seqused_k": "Tensor? seqused_k",
     "max_seqlen_q": "SymInt max_seqlen_q", "max_seqlen_k": "SymInt max_seqlen_k",
     "alibi_slopes": "Tensor? alibi_slopes", "dropout_p": "float dropout_p", "softmax_scale": "float? softmax_scale",
     "causal": "bool causal", "window_size": "int window_left, int window_right", "softcap": "float softcap",
@@ -53,7 +55,7 @@ _SCHEMA = {
 }
 assert set(_SCHEMA) == {f.name for f in fields(AttentionOptions)}, "every option needs its schema arguments"
 # Which options each op takes, in schema order (rng_state, an operand, sits between them in the backward).
-_COMMON = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes", "dropout_p",
+_COMMON = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes", "dropout_p",
            "softmax_scale", "causal", "window_size", "softcap", "deterministic")
 _FWD = (*_COMMON, "return_attn_probs", "backend")
 _BWD_TAIL = ("backend", "max_workspace_bytes")
@@ -96,6 +98,8 @@ def _unflatten(args: tuple, names: tuple[str, ...], checked: bool = False) -> At
 
 torch.library.define("flash_attn_ck::fwd", f"(Tensor q, Tensor k, Tensor v, {_schema(_FWD)}, *, "
                      "Tensor? rng_state=None) -> (Tensor, Tensor, Tensor, Tensor)")
+torch.library.define("flash_attn_ck::fwd_out", f"(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_schema(_FWD)}, *, "
+                     "Tensor? rng_state=None) -> (Tensor, Tensor, Tensor)")
 torch.library.define("flash_attn_ck::bwd", f"(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
                      f"Tensor softmax_lse, {_schema(_COMMON)}, Tensor? rng_state, {_schema(_BWD_TAIL)}) "
                      "-> (Tensor, Tensor, Tensor, Tensor)")
@@ -104,7 +108,7 @@ torch.library.define("flash_attn_ck::bwd_out", f"(Tensor dout, Tensor q, Tensor 
                      f"{_schema(_COMMON)}, Tensor? rng_state, {_schema(_BWD_TAIL)}) -> Tensor")
 # The ops themselves are not differentiable (the Function below is): autograd falls through to the
 # kernels, so their outputs never carry a grad_fn and no autograd bookkeeping runs per call.
-for _name in ("fwd", "bwd", "bwd_out"):
+for _name in ("fwd", "fwd_out", "bwd", "bwd_out"):
     torch.library.impl(f"flash_attn_ck::{_name}", "Autograd", torch.library.fallthrough_kernel)
 
 
@@ -118,9 +122,9 @@ def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
 
 # ---- forward -------------------------------------------------------------------------------------
 
-def _forward(q, k, v, options: AttentionOptions, rng_state=None):
-    """`fwd`'s results, then the call's PreparedCall (for the Function's direct backward)."""
-    out, lse, rng_state, probs, prepared = attention_forward(q, k, v, options, rng_state)
+def _forward(q, k, v, options: AttentionOptions, rng_state=None, out=None):
+    """`fwd`'s results, then the call's PreparedCall (for the Function's direct backward); `out`: the caller's."""
+    out, lse, rng_state, probs, prepared = attention_forward(q, k, v, options, rng_state, out)
     rng_state = torch.empty(0, dtype=torch.int64, device=q.device) if rng_state is None else rng_state
     # An absent `probs` keeps the dtype a present one has (fp32/fp64, like lse), so the fake matches.
     return out, lse, rng_state, lse.new_empty(0) if probs is None else probs, prepared
@@ -134,12 +138,28 @@ def _fwd(q, k, v, *options, rng_state=None):
 torch.library.impl("flash_attn_ck::fwd", "CompositeExplicitAutograd", torch.no_grad()(_fwd))
 
 
+def _fwd_out(q, k, v, out, *options, rng_state=None):
+    return _forward(q, k, v, _unflatten(options, _FWD), rng_state, out)[1:4]
+
+
+torch.library.impl("flash_attn_ck::fwd_out", "CompositeExplicitAutograd", torch.no_grad()(_fwd_out))
+
+
 @torch.library.register_fake("flash_attn_ck::fwd")
 def _(q, k, v, *flat, rng_state=None):
-    options = _unflatten(flat, _FWD)
     d = q.shape[-1]
     # out is a view of a buffer padded to a multiple of 8, exactly as the real op returns it.
-    out = q.new_empty((*q.shape[:-1], pad_head_dim(d)))[..., :d]
+    return q.new_empty((*q.shape[:-1], pad_head_dim(d)))[..., :d], *_fake_results(q, k, flat)
+
+
+@torch.library.register_fake("flash_attn_ck::fwd_out")
+def _(q, k, v, out, *flat, rng_state=None):
+    return _fake_results(q, k, flat)
+
+
+def _fake_results(q, k, flat: tuple) -> tuple[torch.Tensor, ...]:
+    """The fakes' lse, rng_state and probs, as the real forward allocates them."""
+    options = _unflatten(flat, _FWD)
     accum = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_empty(row_stats_shape(tuple(q.shape[:-2]), q.shape[-2]), dtype=accum)
     if options.varlen:
@@ -148,7 +168,7 @@ def _(q, k, v, *flat, rng_state=None):
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     rng_state = q.new_empty((2 if options.dropout_p > 0 else 0,), dtype=torch.int64)
     probs = lse.new_empty((batch, q.shape[-2], seqlen_q, seqlen_k) if options.return_attn_probs else (0,))
-    return out, lse, rng_state, probs
+    return lse, rng_state, probs
 
 
 # ---- backward ------------------------------------------------------------------------------------
@@ -182,6 +202,7 @@ def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
 # ---- autograd: a Function around the forward op ----------------------------------------------------
 
 _fwd_op = torch.ops.flash_attn_ck.fwd.default
+_fwd_out_op = torch.ops.flash_attn_ck.fwd_out.default
 _bwd_op = torch.ops.flash_attn_ck.bwd.default
 
 
@@ -219,8 +240,8 @@ class _Attention(torch.autograd.Function):
         # Nothing flows back into lse/rng_state/probs: without this, autograd would allocate and zero
         # an lse-sized gradient (one more fill kernel) on every backward.
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, out, lse, options.cu_seqlens_q, options.cu_seqlens_k, options.alibi_slopes,
-                              rng_state)
+        ctx.save_for_backward(q, k, v, out, lse, options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k,
+                              options.alibi_slopes, rng_state)
         ctx.options = options
         ctx.num_inputs = 4 + len(flat)
         return out, lse, rng_state, probs
@@ -229,12 +250,12 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, *_non_differentiable):
         if dout is None:   # an undefined gradient of `out` (not materialised): zero gradients, as None
             return (None,) * ctx.num_inputs
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, rng_state = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
         # The saved tensors, not ctx.options' own: autograd checks that they were not modified in place.
         options = ctx.options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                              alibi_slopes=alibi_slopes)
+                                              seqused_k=seqused_k, alibi_slopes=alibi_slopes)
         if ctx.prepared is not None and _direct(q) and not torch.is_grad_enabled():   # create_graph: the op
             rng = rng_state if rng_state.numel() else None
             dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, rng,
@@ -286,8 +307,7 @@ def attention(q, k, v, options: AttentionOptions, rng_state=None):
     """The forward -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out`; `rng_state`: the dropout
     keep pattern to draw (None: a fresh one)."""
     if _direct(q):
-        if not (options.backend is None or isinstance(options.backend, (str, Backend))):
-            backend_key(options.backend)     # raises the error the flattening would: naming `backend`
+        _check_backend(options)
         if not torch.is_grad_enabled():    # nothing to differentiate: the Function would add only its cost
             return _forward(q, k, v, options, rng_state)[:4]
         return _Attention.apply(q, k, v, rng_state, options)
@@ -297,6 +317,21 @@ def attention(q, k, v, options: AttentionOptions, rng_state=None):
     if cu_seqlens_q is not options.cu_seqlens_q or cu_seqlens_k is not options.cu_seqlens_k:
         options = options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
     return _Attention.apply(q, k, v, rng_state, *_flatten(options, _FWD))
+
+
+def attention_into(q, k, v, out, options: AttentionOptions, rng_state=None):
+    """The forward written into the caller's `out` -> `(softmax_lse, rng_state, probs)`. Not differentiable:
+    the caller makes sure nothing needs a gradient."""
+    if _direct(q):
+        _check_backend(options)
+        return _forward(q, k, v, options, rng_state, out)[1:4]
+    return _fwd_out_op(q, k, v, out, *_flatten(options, _FWD), rng_state=rng_state)
+
+
+def _check_backend(options: AttentionOptions) -> None:
+    """The direct path's stand-in for the flattening's check of `backend` (it names `backend`)."""
+    if not (options.backend is None or isinstance(options.backend, (str, Backend))):
+        backend_key(options.backend)
 
 
 def _distinct(*tensors):

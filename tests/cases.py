@@ -12,7 +12,6 @@ import flash_attn_ck as fa
 from flash_attn_ck.core.inputs import describe_call, kernel_params
 from flash_attn_ck.core.mask import MaskInfo, MaskKind
 from flash_attn_ck.core.options import AttentionOptions
-from flash_attn_ck.core.problem import AttentionParams
 from flash_attn_ck.pipeline.backward import run_backward
 from oracle import Config, assert_close_2x, naive_attention
 

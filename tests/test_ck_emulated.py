@@ -19,6 +19,7 @@ from ck_emulator import EmulatedCkLibrary, Memory, OutOfBounds, TrackAllocations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_edge_cases import EMPTY_SEQUENCE_LAYOUTS, SETTINGS, check_rows_outside_sequences
+from test_seqused_k import check_seqused_k, seqused_layouts
 
 import flash_attn_ck as fa
 from cases import check_case, check_mask_kind, make_inputs, mask_kind_grid
@@ -119,7 +120,8 @@ def test_varlen_grid(name):
 @pytest.mark.parametrize("kind,seqlens", mask_kind_grid(CkBackend.mask_kinds))
 def test_every_declared_mask_kind_matches_the_oracle(kind, seqlens):
     """Each mask kind the CK backend declares, as the emulated kernels read it from mask_type/left/right."""
-    check_mask_kind(emulated(), kind, seqlens)
+    for alibi in (False, True):
+        check_mask_kind(emulated(), kind, seqlens, alibi=alibi)
 
 
 @settings(max_examples=30, **SETTINGS)
@@ -129,6 +131,35 @@ def test_varlen_layouts_with_empty_sequences(lengths, extra_q, extra_k, heads, c
     # launch; a chunk of query-empty sequences would hand CK NULL q/dout pointers), and every output is written.
     check_rows_outside_sequences(emulated(), torch.float16, lengths, extra_q, extra_k, heads, causal, exact_max,
                                  cap_fraction)
+
+
+@settings(max_examples=25, **SETTINGS)
+@given(layout=seqused_layouts())
+def test_seqused_k_equals_truncated_keys(layout):
+    # CK's kernels run the 2b sequences as any varlen call (core/inputs.py: sequence_tensors).
+    check_seqused_k(emulated(), torch.float16, **layout)
+
+
+def test_a_bad_seqused_k_on_a_device_is_a_bad_offset_caught_there(monkeypatch):
+    # On a GPU seqused_k is not read (a sync); simulated by skipping the CPU check. A value past its sequence
+    # makes decreasing offsets, which the CK backend's device assert on cu_seqlens refuses.
+    monkeypatch.setattr(checks, "check_seqused_k_values", lambda seqused_k, cu_seqlens_k: None)
+    q, k, v, _, _ = make_inputs(Config(**{**BASE, "seqlens": [(3, 5), (4, 6)]}))
+    cu_q, cu_k = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([0, 5, 11], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="decreasing offsets"):
+        fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 6, seqused_k=torch.tensor([6, 2], dtype=torch.int32),
+                                  backend=emulated())
+
+
+def test_forward_writes_a_strided_out():
+    # CK takes out's batch, row and head strides: a view of a wider buffer is written in place, nothing else.
+    q, k, v, _, _ = make_inputs(Config(**BASE))
+    backend = emulated()
+    expected = fa.flash_attn_fwd(q, k, v, causal=True, backend=backend)[0]
+    buffer = torch.zeros(*q.shape[:2], 2 * q.shape[2], q.shape[3], dtype=q.dtype)
+    out = buffer[:, :, 1::2]
+    assert fa.flash_attn_fwd(q, k, v, causal=True, out=out, backend=backend)[0] is out
+    assert torch.equal(out, expected) and not buffer[:, :, ::2].any()
 
 
 def test_deterministic_is_bit_identical():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from flash_attn_ck import flash_attn_func, flash_attn_varlen_func
+from flash_attn_ck import flash_attn_func, flash_attn_fwd, flash_attn_varlen_func
 
 
 class Block(nn.Module):
@@ -129,6 +129,43 @@ def test_dynamic_shapes_compile_once():
         return any("flash_attn_ck.fwd" in getattr(graph, n.args[0].target).code for n in applies)
     op_graphs = [[g for g in c.graphs if calls_op(g)] for c in counters]
     assert [len(graphs) for graphs in op_graphs] == [1, 1]
+
+
+def test_forward_into_out_compiles():
+    """flash_attn_fwd(out=) under fullgraph: the fwd_out op declares `out` mutated, so the compiled function
+    writes the caller's tensor (here a strided view) with the eager call's values; seqused_k traced along."""
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 5, 5, 12], dtype=torch.int32)
+    seqused_k = torch.tensor([3, 0, 7], dtype=torch.int32)
+
+    def forward(q, k, v, out):
+        return flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7,
+                              seqused_k=seqused_k, causal=True, out=out)[1]
+
+    compiled = torch.compile(forward, backend="aot_eager", fullgraph=True)
+    q, k, v = (torch.randn(12, heads, 16) for heads in (4, 2, 2))
+    buffer = torch.zeros(12, 8, 16)
+    lse = compiled(q, k, v, buffer[:, 1::2])
+    expected = flash_attn_fwd(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7,
+                              seqused_k=seqused_k, causal=True)
+    assert torch.equal(buffer[:, 1::2], expected[0]) and torch.equal(lse, expected[1]) and not buffer[:, ::2].any()
+
+
+def test_seqused_k_gradients_compile():
+    """flash_attn_varlen_func(seqused_k=) under fullgraph: the Function saves seqused_k for the bwd op."""
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 6, 13], dtype=torch.int32)
+    seqused_k = torch.tensor([4, 7], dtype=torch.int32)
+
+    def attention(q, k, v):
+        return flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True, seqused_k=seqused_k)
+
+    q, k, v = (torch.randn(13, heads, 16, requires_grad=True) for heads in (4, 2, 2))
+    dout = torch.randn(13, 4, 16)
+    compiled = torch.compile(attention, backend="aot_eager", fullgraph=True)
+    for got, expected in zip(outputs_and_grads(compiled, q, k, v, (), dout),
+                             outputs_and_grads(attention, q, k, v, (), dout)):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
 # ---- GPU: the Triton backend ----------------------------------------------------------------------

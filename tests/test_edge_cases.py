@@ -107,6 +107,7 @@ def bad_calls(draw):
         fn, positional = fa.flash_attn_func, dict(q=q, k=k, v=v)
     elif kind == "fwd":
         fn, positional = fa.flash_attn_fwd, dict(q=q, k=k, v=v)
+        cases.append(("seqused_k", {"seqused_k": torch.zeros(b, dtype=torch.int32)}))      # a batch call
     elif kind == "qkvpacked":
         qkv = torch.stack([q, k, v], 2)
         fn, positional = fa.flash_attn_qkvpacked_func, dict(qkv=qkv)
@@ -143,6 +144,11 @@ def bad_calls(draw):
                 cases += [(name, {name: bad}) for bad in values]
         if "max_seqlen" in extra:
             cases += [("max_seqlen", {"max_seqlen": bad}) for bad in (-1, 2.5, None)]
+        if kind == "varlen":
+            cases += [("seqused_k", {"seqused_k": bad}) for bad in (
+                torch.zeros(b, dtype=torch.int64), torch.zeros(b + 1, dtype=torch.int32),
+                torch.zeros(b, dtype=torch.int32, device="meta"), [0] * b, torch.full((b,), -1, dtype=torch.int32),
+                torch.full((b,), s_k + 1, dtype=torch.int32))]
     elif kind == "bwd":
         out, lse, _ = fa.flash_attn_fwd(q, k, v, backend="reference")
         dout = rand(*q.shape)
@@ -566,7 +572,7 @@ ANY_VALUE = st.one_of(
     _fresh(lambda: torch.zeros(2, dtype=torch.int64)), _fresh(lambda: torch.ones(2, dtype=torch.float32)),
     _fresh(lambda: torch.zeros(5, 2, 8, dtype=torch.float32)))
 OPTIONS = ("dropout_p", "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
-           "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+           "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k")
 
 
 @settings(max_examples=300, **SETTINGS)
@@ -576,7 +582,7 @@ def test_any_option_value_is_checked_before_the_schema(direction, data, through_
     naming it (WorkspaceError for a cap too small): never the dispatcher's raw schema error, an OverflowError
     or another exception."""
     monkeypatch.delenv("FLASH_ATTN_CK_MAX_WORKSPACE_BYTES", raising=False)
-    names = OPTIONS + {"fwd": ("return_attn_probs",), "bwd": ("rng_state", "max_workspace_bytes"),
+    names = OPTIONS + {"fwd": ("return_attn_probs", "out"), "bwd": ("rng_state", "max_workspace_bytes"),
                        "bwd_out": ("rng_state", "max_workspace_bytes", "dq", "dk", "dv")}[direction]
     name = data.draw(st.sampled_from(names), label="argument")
     value = data.draw(st.one_of(ANY_VALUE, st.tuples(ANY_VALUE, ANY_VALUE)) if name == "window_size" else ANY_VALUE,

@@ -34,6 +34,7 @@ LAYOUTS = {
     "qkvpacked_d12": dict(seqlens=(6, 6), heads=(2, 2), d=12, views="qkv", window=(2, 1)),
     "varlen_mqa": dict(seqlens=([3, 0, 5], [4, 2, 5]), heads=(4, 1), d=16, deterministic=True),
     "varlen_kvpacked_d20": dict(seqlens=([2, 6], [5, 3]), heads=(2, 2), d=20, views="kv", softcap=5.0),
+    "varlen_seqused_k": dict(seqlens=([3, 0, 5], [4, 2, 5]), heads=(4, 2), d=16, causal=True, seqused_k=[2, 2, 0]),
 }
 BATCH = 2
 
@@ -67,6 +68,7 @@ def make_call(layout: str, dtype, device, dropout_p: float, return_probs: bool, 
     return dict(
         q=q, k=k, v=v,
         cu_seqlens_q=cu(s_q) if varlen else None, cu_seqlens_k=cu(s_k) if varlen else None,
+        seqused_k=torch.tensor(spec["seqused_k"], dtype=torch.int32, device=device) if "seqused_k" in spec else None,
         max_seqlen_q=max(s_q) if varlen else 0, max_seqlen_k=max(s_k) if varlen else 0,
         alibi_slopes=torch.rand(h, device=device) if spec.get("alibi") else None,
         dropout_p=dropout_p, softmax_scale=d ** -0.5, causal=spec.get("causal", False),
@@ -74,11 +76,11 @@ def make_call(layout: str, dtype, device, dropout_p: float, return_probs: bool, 
         deterministic=spec.get("deterministic", False), return_probs=return_probs, backend=backend)
 
 
-_FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes",
+_FWD_ARGS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes",
              "dropout_p", "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic",
              "return_probs", "backend")
-_BWD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes", "dropout_p",
-                "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic")
+_BWD_OPTIONS = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes",
+                "dropout_p", "softmax_scale", "causal", "window_left", "window_right", "softcap", "deterministic")
 
 
 def fwd_args(call: dict) -> tuple:
@@ -106,6 +108,15 @@ def run_fwd(layout, dtype, device, dropout_p, return_probs, backend):
     torch.manual_seed(0)
     call = make_call(layout, dtype, device, dropout_p, return_probs, backend, requires_grad=False)
     check_op(ops.fwd.default, fwd_args(call))
+
+
+def run_fwd_out(layout, dtype, device, dropout_p, backend):
+    torch.manual_seed(0)
+    call = make_call(layout, dtype, device, dropout_p, False, backend, requires_grad=False)
+    # laid out like q (strided views where the layout has them), garbage-filled: a missing write shows
+    out = torch.randn_like(call["q"])
+    q, k, v, *options = fwd_args(call)
+    check_op(ops.fwd_out.default, (q, k, v, out, *options))
 
 
 def run_bwd(layout, dtype, device, dropout_p, backend):
@@ -141,6 +152,12 @@ DROPOUT = [0.0, 0.25]
 def test_fwd_opcheck(layout, dtype, dropout_p):
     # probs alternates with the dtype so each layout sees it present and absent.
     run_fwd(layout, dtype, "cpu", dropout_p, return_probs=dtype == torch.float32, backend="reference")
+
+
+@pytest.mark.parametrize("dropout_p", DROPOUT)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fwd_out_opcheck(layout, dropout_p):
+    run_fwd_out(layout, torch.float32, "cpu", dropout_p, backend="reference")
 
 
 @pytest.mark.parametrize("dropout_p", DROPOUT)
@@ -200,9 +217,13 @@ def test_eager_calls_bypass_the_dispatcher(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the op ran in plain eager mode")
     monkeypatch.setattr("flash_attn_ck.ops._fwd_op", refuse)
+    monkeypatch.setattr("flash_attn_ck.ops._fwd_out_op", refuse)
     monkeypatch.setattr("flash_attn_ck.ops._bwd_op", refuse)
     grads = _attention_grads()
     assert all(g.abs().sum() > 0 for g in grads)
+    q = torch.randn(2, 5, 2, 16)
+    out = torch.empty_like(q)
+    assert flash_attn_ck.flash_attn_fwd(q, q, q, out=out)[0] is out
 
 
 def test_dispatch_modes_see_the_ops():
@@ -235,7 +256,7 @@ _VARLEN = dict(cu_seqlens_q=torch.tensor([0, 3, 5], dtype=torch.int32), cu_seqle
     dict(),
     dict(causal=1, window_size=[3, np.int64(2)], softcap=1, dropout_p=0, softmax_scale=np.float32(0.5)),
     dict(_VARLEN, max_seqlen_q=np.int64(3), max_seqlen_k=3, alibi_slopes=torch.rand(2), deterministic=1,
-         return_attn_probs=True, backend="reference"),
+         return_attn_probs=True, backend="reference", seqused_k=torch.tensor([1, 3], dtype=torch.int32)),
     dict(_VARLEN, backend=ReferenceBackend()),     # max_seqlen None: flattened as 0
 ], ids=["defaults", "normalised", "varlen", "instance"])
 @pytest.mark.parametrize("compiling", [False, True], ids=["eager", "compiling"])
@@ -271,12 +292,14 @@ GPU_DTYPES = [torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("dropout_p", DROPOUT)
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("op", ["fwd", "bwd", "bwd_out"])
+@pytest.mark.parametrize("op", ["fwd", "fwd_out", "bwd", "bwd_out"])
 @pytest.mark.gpu
 @requires_cuda
 def test_triton_opcheck(op, layout, dtype, dropout_p):
     if op == "fwd":
         run_fwd(layout, dtype, "cuda", dropout_p, return_probs=dtype == torch.float16, backend="triton")
+    elif op == "fwd_out":
+        run_fwd_out(layout, dtype, "cuda", dropout_p, "triton")
     elif op == "bwd":
         run_bwd(layout, dtype, "cuda", dropout_p, "triton")
     else:

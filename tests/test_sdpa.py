@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ck.integrations.sdpa as provider
-from flash_attn_ck import flash_attn_func, flash_attn_varlen_func
+from flash_attn_ck import ArgumentError, flash_attn_func, flash_attn_varlen_func
 from tests.oracle import assert_close_2x, naive_attention
 from tests.sdpa_support import TinyAttention, activated, forward_spy
 
@@ -200,6 +200,38 @@ def test_fa2_varlen_op(active):
             assert torch.equal(ours, expected)
 
 
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_flash_attention_forward_no_dropout_inplace"), reason="torch < 2.13")
+def test_varlen_attn_out_writes_the_given_out(active, spy):
+    """varlen_attn_out (aten::_flash_attention_forward_no_dropout_inplace): our forward is handed the caller's
+    out itself (no copy of a result of ours) and writes it, with and without seqused_k; varlen_attn with
+    seqused_k (inference) runs on the provider too. Both equal flash_attn_varlen_func."""
+    from torch.nn.attention.varlen import varlen_attn, varlen_attn_out
+    g = torch.Generator().manual_seed(6)
+    cu_q, cu_k = torch.tensor([0, 7, 20, 32], dtype=torch.int32), torch.tensor([0, 11, 20, 41], dtype=torch.int32)
+    q = torch.randn(32, 4, 16, generator=g)
+    k, v = (torch.randn(41, 2, 16, generator=g) for _ in range(2))
+    for seqused_k in (None, torch.tensor([5, 0, 21], dtype=torch.int32)):
+        expected = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 13, 21, causal=True, seqused_k=seqused_k,
+                                          backend="reference")
+        buffer = torch.zeros(32, 8, 16)
+        out = buffer[:, 1::2]           # a strided view: written where it lies
+        kwargs = dict(window_size=(-1, 0), enable_gqa=True, seqused_k=seqused_k)
+        assert varlen_attn_out(out, q, k, v, cu_q, cu_k, 13, 21, **kwargs) is out
+        assert spy.call_args.kwargs["out"] is out
+        assert torch.equal(out, expected) and not buffer[:, ::2].any()
+        with torch.no_grad():
+            assert torch.equal(varlen_attn(q, k, v, cu_q, cu_k, 13, 21, **kwargs), expected)
+
+
+def test_seqused_k_with_gradients_is_refused(active):
+    """torch's _flash_attention_backward takes no seqused_k: gradients would ignore it, so the forward refuses."""
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    q = torch.randn(9, 2, 16, requires_grad=True)
+    with pytest.raises(provider.UnsupportedCall, match="seqused_k with gradients"):
+        torch.ops.aten._flash_attention_forward(q, q, q, cu, cu, 5, 5, 0.0, False, False,
+                                                seqused_k=torch.tensor([2, 5], dtype=torch.int32))
+
+
 def test_refusals_are_clear_errors(active):
     q, k, v, _ = inputs(1, 2, 2, 8, 8, 16, torch.bfloat16)
     with pytest.raises(provider.UnsupportedCall, match="return_debug_mask"):
@@ -210,7 +242,7 @@ def test_refusals_are_clear_errors(active):
     with pytest.raises(provider.UnsupportedCall, match="alibi_slopes"):
         torch.ops.aten._flash_attention_forward(*bshd, None, None, 8, 8, 0.0, False, False,
                                                 alibi_slopes=torch.ones(2))
-    with pytest.raises(provider.UnsupportedCall, match="seqused_k"):
+    with pytest.raises(ArgumentError, match=r"^seqused_k: only varlen"):
         torch.ops.aten._flash_attention_forward(*bshd, None, None, 8, 8, 0.0, False, False,
                                                 seqused_k=torch.ones(1, dtype=torch.int32))
     with pytest.raises(provider.UnsupportedCall, match="attn_mask"), sdpa_kernel(SDPBackend.FLASH_ATTENTION):

@@ -334,6 +334,25 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_seqlen:
                                 f"({max(lengths)})")
 
 
+def check_seqused_k(seqused_k: torch.Tensor, batch: int, cu_seqlens_k: torch.Tensor, device: torch.device) -> None:
+    """Shape, dtype and device always; the values only on the CPU, as for cu_seqlens."""
+    check_tensor("seqused_k", seqused_k, 1)
+    check_dtype("seqused_k", seqused_k, torch.int32)
+    check_device("seqused_k", seqused_k, device)
+    check_shape("seqused_k", seqused_k, (batch,))
+    check_seqused_k_values(seqused_k, cu_seqlens_k)
+
+
+def check_seqused_k_values(seqused_k: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:
+    """Each sequence uses at most its keys: read on the CPU only (reading them from a GPU would sync)."""
+    if seqused_k.device.type == "cpu":
+        used, offsets = seqused_k.tolist(), cu_seqlens_k.tolist()
+        lengths = [b - a for a, b in itertools.pairwise(offsets)]
+        if any(not 0 <= n <= length for n, length in zip(used, lengths)):
+            raise ArgumentError(f"seqused_k: expected each value in [0, its sequence's keys in cu_seqlens_k] "
+                                f"(at most {lengths}), got {used}")
+
+
 def check_rng_state(rng_state: torch.Tensor, device: torch.device) -> None:
     check_tensor("rng_state", rng_state, 1)
     check_dtype("rng_state", rng_state, torch.int64)

@@ -7,8 +7,13 @@ pads the head dim to a multiple of 8 for the kernels (zeros, so scores and outpu
 
 `call_signature` is everything `describe_call` reads, as a hashable key: two calls with equal
 signatures pass the same checks and get equal problems, except for the checks on values
-(`check_values`: cu_seqlens offsets on the CPU), which run on every call. The pipeline memoises
+(`check_values`: cu_seqlens offsets and seqused_k on the CPU), which run on every call. The pipeline memoises
 problems by it (pipeline/prepare.py). A new read in `describe_call` needs its field in the signature.
+
+`seqused_k` (varlen: sequence b attends only its first `seqused_k[b]` keys) needs no kernel of its own: the
+kernels run 2b sequences (`sequence_tensors`), sequence b's queries with its used keys, then no queries
+with its other keys, whose gradients are therefore 0. The offsets are built on the device (no sync, no copy
+of K/V); a bad value on a device is a bad offset, caught where a backend checks offsets there (CK).
 """
 
 from __future__ import annotations
@@ -59,7 +64,11 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
         # problem's lengths are the tighter of the two (workspace and scratch are sized from them).
         seqlen_q, seqlen_k = min(int(o.max_seqlen_q), total_q), min(int(o.max_seqlen_k), total_k)
         checks.check_shape("k", k, (total_k, heads_k, head_dim))
+        if o.seqused_k is not None:
+            checks.check_seqused_k(o.seqused_k, batch, o.cu_seqlens_k, q.device)
     else:
+        if o.seqused_k is not None:
+            raise ArgumentError("seqused_k: only varlen calls take it (with cu_seqlens_q/k)")
         batch, seqlen_q = q.shape[0], q.shape[1]
         seqlen_k = k.shape[1]
         total_q = total_k = 0
@@ -71,7 +80,8 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
 
     mask = MaskInfo.from_flash_args(o.causal, o.window_size, seqlen_q, seqlen_k)
     return AttentionProblem(
-        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_k=heads_k,
+        batch=batch if o.seqused_k is None else 2 * batch,      # the kernels' sequences (sequence_tensors)
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_k=heads_k,
         head_dim=head_dim, dtype=q.dtype, device=q.device, mask=mask, softmax_scale=o.scale_for(head_dim),
         varlen=varlen, total_q=total_q, total_k=total_k, has_alibi=o.alibi_slopes is not None,
         dropout_p=float(o.dropout_p), softcap=float(o.softcap), deterministic=bool(o.deterministic))
@@ -89,7 +99,8 @@ def call_signature(q, k, v, options: AttentionOptions) -> tuple | None:
         return None
     o = options
     return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v),
-            _tensor_signature(o.cu_seqlens_q), _tensor_signature(o.cu_seqlens_k), _tensor_signature(o.alibi_slopes),
+            _tensor_signature(o.cu_seqlens_q), _tensor_signature(o.cu_seqlens_k), _tensor_signature(o.seqused_k),
+            _tensor_signature(o.alibi_slopes),
             o.max_seqlen_q, o.max_seqlen_k, o.causal, o.window_size, o.softmax_scale, o.dropout_p, o.softcap,
             o.deterministic)
 
@@ -100,6 +111,8 @@ def check_values(problem: AttentionProblem, options: AttentionOptions) -> None:
         for name, cu, total, longest in (("cu_seqlens_q", options.cu_seqlens_q, problem.total_q, options.max_seqlen_q),
                                          ("cu_seqlens_k", options.cu_seqlens_k, problem.total_k, options.max_seqlen_k)):
             checks.check_cu_seqlens_values(name, cu, total, longest)
+        if options.seqused_k is not None:
+            checks.check_seqused_k_values(options.seqused_k, options.cu_seqlens_k)
 
 
 def pad_to(t: torch.Tensor, head_dim_padded: int) -> torch.Tensor:
@@ -108,8 +121,24 @@ def pad_to(t: torch.Tensor, head_dim_padded: int) -> torch.Tensor:
     return t if extra == 0 else F.pad(t, (0, extra))
 
 
+def sequence_tensors(options: AttentionOptions) -> tuple[torch.Tensor | None, ...]:
+    """`(cu_seqlens_q, cu_seqlens_k, alibi_slopes)` as the kernels read them: the options' own, or with
+    `seqused_k` those of 2b sequences (module docstring): sequence 2i has sequence i's queries and keys
+    `[cu_k[i], cu_k[i] + seqused_k[i])`, sequence 2i + 1 no queries and keys up to `cu_k[i + 1]`; batch slopes
+    repeat per pair. Device ops only (no host sync)."""
+    o = options
+    if o.seqused_k is None:
+        return o.cu_seqlens_q, o.cu_seqlens_k, o.alibi_slopes
+    cu_q = o.cu_seqlens_q.repeat_interleave(2)[1:]      # q0, q1, q1, ..., qb, qb (an int repeat: no sync)
+    starts = o.cu_seqlens_k[:-1]
+    cu_k = torch.cat((torch.stack((starts, starts + o.seqused_k), 1).flatten(), o.cu_seqlens_k[-1:]))
+    slopes = o.alibi_slopes
+    if slopes is not None and slopes.dim() == 2:
+        slopes = slopes.repeat_interleave(2, dim=0)
+    return cu_q, cu_k, slopes
+
+
 def kernel_params(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   options: AttentionOptions, rng_state: torch.Tensor | None) -> AttentionParams:
     d = problem.head_dim_padded
-    return AttentionParams(q=pad_to(q, d), k=pad_to(k, d), v=pad_to(v, d), cu_seqlens_q=options.cu_seqlens_q,
-                           cu_seqlens_k=options.cu_seqlens_k, alibi_slopes=options.alibi_slopes, rng_state=rng_state)
+    return AttentionParams(pad_to(q, d), pad_to(k, d), pad_to(v, d), *sequence_tensors(options), rng_state)

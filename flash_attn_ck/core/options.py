@@ -25,6 +25,7 @@ class AttentionOptions:
     `max_workspace_bytes`: the backward's workspace cap (None: the environment's or the default)."""
     cu_seqlens_q: torch.Tensor | None = None     # int32 (b + 1,): varlen calls only
     cu_seqlens_k: torch.Tensor | None = None
+    seqused_k: torch.Tensor | None = None        # int32 (b,): varlen only, the keys each sequence uses
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
     alibi_slopes: torch.Tensor | None = None     # fp32 (h,) or (b, h)
@@ -53,7 +54,7 @@ class AttentionOptions:
         for name in ("max_seqlen_q", "max_seqlen_k"):
             if getattr(self, name) is not None:
                 normalised[name] = checks.check_max_seqlen(name, getattr(self, name))
-        for name in ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes"):
+        for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes"):
             if getattr(self, name) is not None:
                 checks.check_tensor(name, getattr(self, name))
         if self.max_workspace_bytes is not None:
@@ -75,6 +76,11 @@ class AttentionOptions:
         options = object.__new__(type(self))
         vars(options).update(vars(self), **changes)     # frozen: only attribute assignment is blocked
         return options
+
+    def tensors(self) -> tuple[tuple[str, torch.Tensor | None], ...]:
+        """The tensor options by name (inputs that a preallocated output must not alias)."""
+        return (("cu_seqlens_q", self.cu_seqlens_q), ("cu_seqlens_k", self.cu_seqlens_k), ("seqused_k", self.seqused_k),
+                ("alibi_slopes", self.alibi_slopes))
 
     @property
     def varlen(self) -> bool:

@@ -17,7 +17,9 @@ backward (what `F.scaled_dot_product_attention` calls when it picks the flash ba
 Semantics (docs/integrations.md):
 - Layout: SDPA's (b, h, s, d) as transposed views of our (b, s, h, d); outputs are allocated with the
   shapes, dtypes and strides of torch's meta functions (`out` like `query`, lse (b, h, s_q) fp32,
-  varlen (h, total_q)); the (b, s, h, d) result is copied into `out` (one copy of `out` per forward).
+  varlen (h, total_q)), and our forward writes `out` in place (`flash_attn_fwd(out=)`, no copy), the
+  caller's own `out` for `_flash_attention_forward_no_dropout_inplace`. Our forward runs under no_grad:
+  torch's autograd records the aten op, so a graph of ours inside it would serve nobody.
 - `is_causal` of the SDPA ops is top-left aligned (row i keeps keys j <= i, as SDPA's math path), exactly:
   s_q >= s_k is the bottom-right window (-1, s_q - s_k); s_q < s_k is causal on the first s_q keys
   (no row sees the others; their dK/dV are 0). The FA2-style `_flash_attention_*` ops keep FA2's
@@ -33,10 +35,14 @@ Semantics (docs/integrations.md):
   the forward's elements (torch passes the forward's outputs unchanged to the backward op).
 - Dropout while torch's own context-parallel ring is on (`torch_ring_active`): refused, naming
   `torch_cp.install_torch_cp_handlers()` (torch's ring hands every backward step the last step's rng state).
+- `seqused_k` (varlen): sequence i attends its first `seqused_k[i]` keys, as `flash_attn_varlen_func`.
+  torch's `_flash_attention_backward` has no such argument (torch's `varlen_attn` calls it inference-only), so
+  `_flash_attention_forward` refuses it while autograd records the call (grad mode on and q/k/v requiring
+  grad); under torch.compile the kernel cannot see that, and the gradients would ignore it, as torch's own.
 - Refused with a RuntimeError that names the reason (never a silent fallback): `return_debug_mask`,
   float64 (torch's meta declares an fp32 lse), `alibi_slopes` (torch's `_flash_attention_backward` has no
-  slopes argument, so its gradients would be wrong), `seqused_k`, `block_table`, `num_splits > 1`. Errors of
-  our own validation (`ArgumentError`, `NoBackendError`) propagate unchanged.
+  slopes argument, so its gradients would be wrong), `seqused_k` with gradients (above), `block_table`,
+  `num_splits > 1`. Errors of our own validation (`ArgumentError`, `NoBackendError`) propagate unchanged.
 """
 
 from __future__ import annotations
@@ -160,9 +166,10 @@ class Adapters:
         q, k, v = _bshd(query, key, value)
         q, scale, _ = positive_scale(q, scale)
         keys, causal, window = sdpa_causal(is_causal, q.shape[1], k.shape[1])
-        result, lse, rng_state = flash_attn_fwd(q, k[:, :keys], v[:, :keys], dropout_p=dropout_p, softmax_scale=scale,
-                                                causal=causal, window_size=window, backend=self.backend)
-        out.transpose(1, 2).copy_(result)
+        with torch.no_grad():
+            _, lse, rng_state = flash_attn_fwd(q, k[:, :keys], v[:, :keys], dropout_p=dropout_p, softmax_scale=scale,
+                                               causal=causal, window_size=window, out=out.transpose(1, 2),
+                                               backend=self.backend)
         return lse, rng_state
 
     def sdpa_backward(self, grad_out, query, key, value, out, lse, dropout_p, is_causal, scale, rng_state,
@@ -233,7 +240,7 @@ class Adapters:
                      return_debug_mask, scale, window_size_left, window_size_right, seqused_k, alibi_slopes,
                      block_table, num_splits, out):
         _check_dtype(query)
-        for reason, asked in (("return_debug_mask=True", return_debug_mask), ("seqused_k", seqused_k is not None),
+        for reason, asked in (("return_debug_mask=True", return_debug_mask),
                               ("alibi_slopes (torch's _flash_attention_backward has no slopes argument, so its "
                                "gradients would ignore them)", alibi_slopes is not None),
                               ("block_table (paged KV)", block_table is not None),
@@ -244,16 +251,22 @@ class Adapters:
                                                      max_seqlen_q=max_q, max_seqlen_k=max_k)
         window = (-1 if window_size_left is None else window_size_left,
                   -1 if window_size_right is None else window_size_right)
+        out = torch.empty_like(query) if out is None else out     # like the given query, as torch's meta
         query, scale, _ = positive_scale(query, scale)
-        result, lse, rng_state = flash_attn_fwd(query, key, value, **varlen, dropout_p=dropout_p, softmax_scale=scale,
-                                                causal=is_causal, window_size=window, backend=self.backend)
-        out = torch.empty_like(query) if out is None else out
-        out.copy_(result)
-        return out, lse.contiguous(), rng_state
+        with torch.no_grad():
+            _, lse, rng_state = flash_attn_fwd(query, key, value, **varlen, seqused_k=seqused_k, dropout_p=dropout_p,
+                                               softmax_scale=scale, causal=is_causal, window_size=window, out=out,
+                                               backend=self.backend)
+        return out, lse, rng_state
 
     def fa2_forward(self, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                     return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None,
                     alibi_slopes=None, block_table=None, num_splits=None):
+        if seqused_k is not None and torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                                                  or value.requires_grad):
+            _refuse("seqused_k with gradients: torch's _flash_attention_backward has no seqused_k argument, so its "
+                    "gradients would ignore it (torch's varlen_attn: inference-only); run under torch.no_grad(), or "
+                    "use flash_attn_ck.flash_attn_varlen_func(seqused_k=), whose backward takes it")
         out, lse, rng_state = self._fa2_forward(
             query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, scale,
             window_size_left, window_size_right, seqused_k, alibi_slopes, block_table, num_splits, None)

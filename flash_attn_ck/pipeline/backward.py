@@ -13,6 +13,7 @@ import torch
 
 from ..backends.base import Backend
 from ..core import checks
+from ..core.inputs import sequence_tensors
 from ..core.options import AttentionOptions
 from ..core.plan import WorkspacePlan
 from ..core.problem import AttentionParams, AttentionProblem
@@ -46,10 +47,10 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
     # ---- outputs: the caller's, else new ------------------------------------------------------
     dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv)
-    params = AttentionParams(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k, options.alibi_slopes, rng_state)
+    params = AttentionParams(q, k, v, *sequence_tensors(options), rng_state)
     softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv, cap)
     if problem.varlen:      # rows in no sequence (after cu_seqlens[-1]): zero gradients and D, on every backend
-        cu_q, cu_k = options.cu_seqlens_q, options.cu_seqlens_k
+        cu_q, cu_k = options.cu_seqlens_q, options.cu_seqlens_k      # (the kernels' offsets end where these do)
         chosen.fill_outside_sequences((cu_q, dq, 0, 0.0), (cu_q, softmax_d, 1, 0.0), (cu_k, dk, 0, 0.0),
                                       (cu_k, dv, 0, 0.0))
     return dq, dk, dv, softmax_d
@@ -80,9 +81,8 @@ def check_backward_operands(problem: AttentionProblem, q, k, v, dout, out, softm
     # read inputs while they write outputs, so an alias would corrupt the result).
     checks.check_outputs_disjoint(
         (("dq", dq), ("dk", dk), ("dv", dv)),
-        (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse),
-         ("cu_seqlens_q", options.cu_seqlens_q), ("cu_seqlens_k", options.cu_seqlens_k),
-         ("alibi_slopes", options.alibi_slopes), ("rng_state", rng_state)))
+        (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse), *options.tensors(),
+         ("rng_state", rng_state)))
     if problem.dropout_p > 0:
         if rng_state is None:
             raise checks.ArgumentError("rng_state: required when dropout_p > 0 "

@@ -2,7 +2,7 @@
 
 Returns `(out, softmax_lse, rng_state, probs, prepared)`; lse is fp32 `(b, h, s_q)` (varlen `(h, total_q)`);
 `prepared` holds the validated description of the call (pipeline/prepare.py), which the backward of the
-same call may reuse.
+same call may reuse. A caller's `out` (any strides with a unit last one) is written and returned.
 Empty calls run no kernel: without query rows (none in any sequence) or without key rows, out is zero and
 lse is +inf (flash-attn's convention for empty rows). Varlen rows in no sequence (after
 `cu_seqlens_q[-1]`) get the same: out 0, lse +inf.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core import checks
 from ..core.dropout import new_rng_state
 from ..core.errors import ArgumentError
 from ..core.inputs import kernel_params
@@ -21,8 +22,9 @@ from .prepare import prepare, prepared_backend
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
-                      rng_state: torch.Tensor | None = None):
-    """`rng_state`: with dropout, the keep pattern of this `[seed, offset]` (checked by the caller); None draws one."""
+                      rng_state: torch.Tensor | None = None, out: torch.Tensor | None = None):
+    """`rng_state`: with dropout, the keep pattern of this `[seed, offset]` (checked by the caller); None draws one.
+    `out`: the caller's output (like q), written in place; None allocates one."""
     # ---- validate and choose the backend before allocating anything ------------------------------
     call = prepare(q, k, v, options)
     problem = call.problem
@@ -30,6 +32,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
     if options.return_attn_probs and problem.dropout_p > 0 and not chosen.draws_reference_keep_pattern:
         raise ArgumentError(f"return_attn_probs: backend {chosen.name!r} draws its own dropout pattern, which "
                             f"flash_attn_ck cannot materialise (use backend='reference' or 'triton', or dropout_p=0)")
+    if out is not None:
+        check_forward_out(q, k, v, out, options, rng_state)
 
     # ---- outputs -------------------------------------------------------------------------------
     if problem.dropout_p == 0:
@@ -37,18 +41,36 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
     elif rng_state is None:
         rng_state = new_rng_state(q.device)
     params = kernel_params(problem, q, k, v, options, rng_state)
-    out = torch.empty(params.q.shape, dtype=q.dtype, device=q.device)
+    padded = problem.head_dim_padded != problem.head_dim
+    # Every backend writes any strides with a unit last one, so a caller's out is the kernel's, unless the head
+    # dim is padded: the kernels then write a padded buffer, copied into out below.
+    target = out if out is not None and not padded else torch.empty(params.q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(problem.lse_shape, dtype=problem.accum_dtype, device=q.device)
 
     # ---- kernel --------------------------------------------------------------------------------
     if problem.has_queries and problem.has_keys:
-        chosen.forward(problem, params, out, lse)
+        chosen.forward(problem, params, target, lse)
     else:       # an empty grid is an invalid launch: no kernel; every row sees no key
-        out.zero_()
+        target.zero_()
         lse.fill_(float("inf"))
     if problem.varlen:      # rows after cu_seqlens_q[-1] belong to no sequence: out 0, lse +inf (every backend)
-        chosen.fill_outside_sequences((options.cu_seqlens_q, out, 0, 0.0), (options.cu_seqlens_q, lse, 1, float("inf")))
+        chosen.fill_outside_sequences((options.cu_seqlens_q, target, 0, 0.0),
+                                      (options.cu_seqlens_q, lse, 1, float("inf")))
 
-    out = out[..., :problem.head_dim] if problem.head_dim_padded != problem.head_dim else out
+    computed = target[..., :problem.head_dim] if padded else target
+    if out is None:
+        out = computed
+    elif computed is not out:
+        out.copy_(computed)
     probs = attention_probs(problem, params, lse) if options.return_attn_probs else None
+    if probs is not None and options.seqused_k is not None:
+        probs = probs[::2].contiguous()      # the kernels' sequences 2i are the call's (core/inputs.py)
     return out, lse, rng_state, probs, call
+
+
+def check_forward_out(q, k, v, out, options: AttentionOptions, rng_state) -> None:
+    """A caller's out: q's dtype, device and shape, a unit last stride, no stride 0, and no memory shared with
+    an input (the kernels read q/k/v while they write out)."""
+    checks.check_like("out", out, q.dtype, q.device, q.shape)
+    checks.check_outputs_disjoint((("out", out),), (("q", q), ("k", k), ("v", v), *options.tensors(),
+                                                    ("rng_state", rng_state)))
