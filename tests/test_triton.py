@@ -247,18 +247,20 @@ def test_ws_kernel_under_a_workspace_cap():
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
-@pytest.mark.parametrize("batch,seqlen,group", [(1, 2048, 4), (2, 1536, 2), (2, 2048, 4)])
-def test_ws_kernel_in_several_launches_matches(monkeypatch, deterministic, batch, seqlen, group):
+@pytest.mark.parametrize("batch,seqlen,group,heads_k,per_launch",
+                         [(1, 2048, 4, 2, 1), (2, 1536, 2, 2, 1), (2, 2048, 4, 2, 1), (2, 2048, 2, 3, 2)])
+def test_ws_kernel_in_several_launches_matches(monkeypatch, deterministic, batch, seqlen, group, heads_k, per_launch):
     """A call whose fp32 dQ accumulator exceeds config.BWD_WS_DQ_ACCUM_BYTES runs one launch per group of kv heads,
     a fill zeroing the accumulator for the next: every head's gradients within the 2x rule (a cast that zeroed its
-    source read back its own zeros: the first launches' dQ came out wrong), deterministic runs bit-identical."""
+    source read back its own zeros: the first launches' dQ came out wrong), deterministic runs bit-identical, also
+    when the last launch has fewer kv heads than the others (its semaphores once kept the full head stride)."""
     from flash_attn_ck.backends.triton import config
-    monkeypatch.setattr(config, "BWD_WS_DQ_ACCUM_BYTES", seqlen * batch * group * 128 * 4)   # one kv head a launch
-    cfg = Config(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, heads_q=2 * group, heads_k=2, head_dim=128,
-                 causal=True, deterministic=deterministic)
+    monkeypatch.setattr(config, "BWD_WS_DQ_ACCUM_BYTES", per_launch * seqlen * batch * group * 128 * 4)
+    cfg = Config(batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, heads_q=heads_k * group, heads_k=heads_k,
+                 head_dim=128, causal=True, deterministic=deterministic)
     backend = TritonBackend(ws=True)
     q, k, v, _, _ = make_inputs(cfg, "cuda", seed=3)
-    assert backend._ws_kv_heads_per_launch(describe_call(q, k, v, AttentionOptions(causal=True))) == 1
+    assert backend._ws_kv_heads_per_launch(describe_call(q, k, v, AttentionOptions(causal=True))) == per_launch
     with use_backend(backend):
         check_case(cfg, backend="triton", device="cuda", seed=3)
         if deterministic:

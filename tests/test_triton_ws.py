@@ -329,3 +329,43 @@ def test_leaner_is_the_one_launch_kernel():
     assert TritonBackend(ws=False).leaner() is None
     lean = TritonBackend(dq_mode="pass", use_tma=True, ws=True).leaner()
     assert (lean.ws, lean.dq_mode, lean.use_tma) == (False, "pass", True)
+
+
+@pytest.mark.parametrize("heads_k,per_launch", [(3, 2), (5, 2), (4, 2), (3, 1)])
+def test_every_deterministic_launch_gets_zeroed_semaphores_in_the_kernels_layout(monkeypatch, heads_k, per_launch):
+    """The deterministic backward in several kv-head launches: each launch's semaphores are the dense
+    (batch, the launch's query heads, query tiles) tensor the kernel indexes (`(b * heads + head) * tiles + m`), all
+    zero when it starts, also when the last launch has fewer heads than the buffer was sized for (a narrowed view
+    kept the full head stride: the kernel read the previous launch's counts and its dQ adds waited forever)."""
+    from flash_attn_ck.backends.triton import backend as triton_backend
+    from flash_attn_ck.backends.triton import bwd_ws
+    from flash_attn_ck.core.inputs import describe_call
+    from flash_attn_ck.core.options import AttentionOptions
+    from flash_attn_ck.core.problem import AttentionParams
+
+    batch, seqlen, group, d = 2, 64, 2, 128
+    seen = []
+
+    def launch(*args, semaphores, **kwargs):
+        seen.append((semaphores.shape, semaphores.is_contiguous(), bool((semaphores == 0).all()),
+                     args[0].shape[-2]))
+        semaphores.fill_(7)             # what a kernel leaves behind: counts
+
+    monkeypatch.setattr(TritonBackend, "_preprocess", staticmethod(lambda *a: None))
+    monkeypatch.setattr(triton_backend, "_cast", lambda *a: None)
+    monkeypatch.setattr(bwd_ws, "launch", launch)
+    monkeypatch.setattr(config, "BWD_WS_DQ_ACCUM_BYTES", per_launch * batch * seqlen * group * d * 4)
+    q = torch.zeros(batch, seqlen, heads_k * group, d, dtype=torch.bfloat16)
+    k = torch.zeros(batch, seqlen, heads_k, d, dtype=torch.bfloat16)
+    p = describe_call(q, k, k, AttentionOptions(causal=True, deterministic=True))
+    backend, tiles = TritonBackend(), 3
+    assert backend._ws_kv_heads_per_launch(p) == per_launch
+    workspace = {"softmax_d": torch.zeros(batch, heads_k * group, seqlen),      # as backward_plan sizes them
+                 "dq_accum": torch.zeros(batch * seqlen, per_launch * group, d),
+                 "dq_semaphore": torch.zeros(batch, per_launch * group, tiles, dtype=torch.int32)}
+    lse = torch.zeros(batch, heads_k * group, seqlen)
+    backend._backward_ws(p, AttentionParams(q, k, k), q, lse, q, q.clone(), k.clone(), k.clone(), workspace)
+    launches = -(-heads_k // per_launch)
+    assert len(seen) == launches
+    for i, (shape, contiguous, zero, launch_heads) in enumerate(seen):
+        assert shape == (batch, launch_heads, tiles) and contiguous and zero, (i, shape, contiguous, zero)

@@ -31,6 +31,7 @@ The choice of defaults and the measurements behind it: docs/triton.md.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import torch
@@ -478,7 +479,7 @@ class TritonBackend(Backend):
             hq = slice(kv.start * group, kv.stop * group)
             launch_heads = slice(0, hq.stop - hq.start)
             acc = _heads(dq_acc, -2, launch_heads)
-            sem = None if sems is None else _heads(sems, 1, launch_heads)
+            sem = None if sems is None else _dense_prefix(sems, (sems.shape[0], launch_heads.stop, sems.shape[2]))
             if sem is not None and h0 > 0:
                 sem.zero_()
             lse_h, delta_h = (_heads(t, stats_heads_dim, hq) for t in (lse, delta))
@@ -500,6 +501,14 @@ def _heads(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:
     if heads.start == 0 and heads.stop == t.shape[dim]:
         return t
     return t.narrow(dim, heads.start, heads.stop - heads.start)
+
+
+def _dense_prefix(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The first elements of contiguous `t` as a contiguous tensor of `shape`: the warp-specialised kernel indexes its
+    semaphores densely by the launch's own head count, so a launch with fewer heads than the buffer was sized for
+    needs this layout (a narrowed view would keep the full head stride, and its zeroing would miss what the kernel
+    reads: stale counts from the previous launch, and a dQ add that waits forever)."""
+    return t if t.shape == shape else t.view(-1)[:math.prod(shape)].view(shape)
 
 
 def _cast(src: torch.Tensor, dst: torch.Tensor, src_bhr, dst_bhr, heads: int, batch: int, rows: int, d: int) -> None:
