@@ -93,10 +93,11 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     if out is None:
         out, lse, rng_state, probs = ops.attention(q, k, v, options, rng_state)
     else:
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or out.requires_grad):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (q, k, v, out, options.alibi_slopes)):
             raise ArgumentError("out: the forward into a given out is not differentiable (as torch's out= "
-                                "functions), and q, k, v or out requires grad; call it under torch.no_grad(), or "
-                                "without out")
+                                "functions), and q, k, v, alibi_slopes or out requires grad; call it under "
+                                "torch.no_grad(), or without out")
         lse, rng_state, probs = ops.attention_into(q, k, v, out, options, rng_state)
     rng_state = rng_state if rng_state.numel() else None
     return (out, lse, rng_state, probs) if return_attn_probs else (out, lse, rng_state)

@@ -324,7 +324,8 @@ def attention_into(q, k, v, out, options: AttentionOptions, rng_state=None):
     the caller makes sure nothing needs a gradient."""
     if _direct(q):
         _check_backend(options)
-        return _forward(q, k, v, options, rng_state, out)[1:4]
+        with torch.no_grad():       # as the op's implementation: `out` never records a graph
+            return _forward(q, k, v, options, rng_state, out)[1:4]
     return _fwd_out_op(q, k, v, out, *_flatten(options, _FWD), rng_state=rng_state)
 
 

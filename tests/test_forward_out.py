@@ -100,6 +100,7 @@ BAD_OUT = {
     "overlaps_rng_state": "shares memory with rng_state", "overlaps_cu_seqlens_k": "shares memory with cu_seqlens_k",
     "overlaps_seqused_k": "shares memory with seqused_k", "requires_grad": "the forward into a given out is not "
     "differentiable", "input_requires_grad": "the forward into a given out is not differentiable",
+    "alibi_requires_grad": "the forward into a given out is not differentiable",
 }
 
 
@@ -143,6 +144,8 @@ def test_a_bad_out_is_named_before_anything_is_written(data, bad):
         out.requires_grad_()
     elif bad == "input_requires_grad":
         q.requires_grad_()
+    elif bad == "alibi_requires_grad":      # the slopes would otherwise carry a graph into out
+        options["alibi_slopes"] = torch.rand(q.shape[-2]).requires_grad_()
     tensors = [t for t in (q, k, v, out, *options.values()) if torch.is_tensor(t) and t.device.type != "meta"]
     before = [t.detach().clone() for t in tensors]
     generator = torch.get_rng_state()

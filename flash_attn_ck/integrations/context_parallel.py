@@ -316,7 +316,10 @@ class _Call:
         end = total if right < 0 else min(total, q_start + c + right)
         shift = end - c - q_start           # flash-attn's bottom-right offset beyond the global diagonal
         start = 0 if left < 0 else max(0, q_start - left)
-        return start, end, (-1 if left < 0 else left + shift, -1 if right < 0 else right - shift)
+        # A left side that reaches the first key is unbounded (as flash-attn treats left >= s_k - 1): written as
+        # -1, since left + shift of a valid left near 2**31 would leave the window's int32 range on some ranks.
+        local_left = -1 if left < 0 or left + shift >= end - start - 1 else left + shift
+        return start, end, (local_left, -1 if right < 0 else right - shift)
 
 
 def _merge(out, lse, block_out, block_lse):
