@@ -101,6 +101,7 @@ BAD_OUT = {
     "overlaps_seqused_k": "shares memory with seqused_k", "requires_grad": "the forward into a given out is not "
     "differentiable", "input_requires_grad": "the forward into a given out is not differentiable",
     "alibi_requires_grad": "the forward into a given out is not differentiable",
+    "inference": "an inference tensor",
 }
 
 
@@ -144,6 +145,9 @@ def test_a_bad_out_is_named_before_anything_is_written(data, bad):
         out.requires_grad_()
     elif bad == "input_requires_grad":
         q.requires_grad_()
+    elif bad == "inference":
+        with torch.inference_mode():
+            out = torch.full_like(q, 3.0)
     elif bad == "alibi_requires_grad":      # the slopes would otherwise carry a graph into out
         options["alibi_slopes"] = torch.rand(q.shape[-2]).requires_grad_()
     tensors = [t for t in (q, k, v, out, *options.values()) if torch.is_tensor(t) and t.device.type != "meta"]

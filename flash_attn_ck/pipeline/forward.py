@@ -69,8 +69,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
 
 
 def check_forward_out(q, k, v, out, options: AttentionOptions, rng_state) -> None:
-    """A caller's out: q's dtype, device and shape, a unit last stride, no stride 0, and no memory shared with
-    an input (the kernels read q/k/v while they write out)."""
+    """A caller's out: q's dtype, device and shape, a unit last stride, no stride 0, writable here (not an inference
+    tensor outside inference_mode), and no memory shared with an input (the kernels read q/k/v while they write
+    out)."""
     checks.check_like("out", out, q.dtype, q.device, q.shape)
+    if out.is_inference() and not torch.is_inference_mode_enabled():
+        raise ArgumentError("out: an inference tensor (made under torch.inference_mode) can be written only inside "
+                            "inference_mode")
     checks.check_outputs_disjoint((("out", out),), (("q", q), ("k", k), ("v", v), *options.tensors(),
                                                     ("rng_state", rng_state)))
