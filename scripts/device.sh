@@ -90,7 +90,7 @@ case $cmd in
     python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_host_path.py tests/test_sdpa_gpu.py \
       tests/test_ops.py tests/test_cuda_graphs.py tests/test_compile.py tests/test_chunking_gpu.py \
       tests/test_triton_ws.py tests/test_triton_fwd_ws.py tests/test_triton_launch.py tests/test_varlen_schedule.py \
-      tests/test_triton.py 2>/dev/null | grep '::' > .devrun/gpu-all.txt
+      tests/test_outside_rows.py tests/test_launch_cache.py tests/test_triton.py 2>/dev/null | grep '::' > .devrun/gpu-all.txt
     grep -vxF -f .devrun/gpu-passed.txt .devrun/gpu-all.txt > .devrun/gpu-todo.txt
     echo "collected $(wc -l < .devrun/gpu-all.txt), passed earlier $(wc -l < .devrun/gpu-passed.txt), running $(wc -l < .devrun/gpu-todo.txt)"
     [ -s .devrun/gpu-todo.txt ] || { echo "nothing left to run"; exit 0; }
