@@ -64,8 +64,9 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         rng_state: with dropout, draw the keep pattern of this int64 `[seed, offset]` (one per block of a
             context-parallel ring) instead of a fresh one from torch's generator; ignored without dropout.
         out: written in place and returned instead of a new tensor: q's shape, dtype and device, a unit
-            last stride (any other strides), sharing no memory with an input. Not differentiable: with
-            out, q, k, v and out must not require grad while grad mode is on.{common}
+            last stride (any other strides), sharing no memory with an input, not an inference tensor outside
+            inference_mode. Not differentiable: with out, q, k, v, alibi_slopes and out must not require grad
+            while grad mode is on.{common}
 
     Returns:
         `(out, softmax_lse, rng_state)`, plus `probs` with `return_attn_probs`: out like q; lse fp32
@@ -106,9 +107,8 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
 @_documented
 def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *, cu_seqlens_q=None,
                    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, alibi_slopes=None,
-                   dropout_p=0.0,
-                   softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, deterministic=False,
-                   rng_state=None, backend=None, max_workspace_bytes=None):
+                   dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                   deterministic=False, rng_state=None, backend=None, max_workspace_bytes=None):
     """The backward alone, shaped like flash-attention's `mha_bwd`.
 
     Args:
