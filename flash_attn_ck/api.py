@@ -100,7 +100,7 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
                                 "functions), and q, k, v, alibi_slopes or out requires grad; call it under "
                                 "torch.no_grad(), or without out")
         lse, rng_state, probs = ops.attention_into(q, k, v, out, options, rng_state)
-    rng_state = rng_state if rng_state.numel() else None
+    rng_state = rng_state if rng_state is not None and rng_state.numel() else None
     return (out, lse, rng_state, probs) if return_attn_probs else (out, lse, rng_state)
 
 

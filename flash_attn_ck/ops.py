@@ -123,15 +123,21 @@ def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
 # ---- forward -------------------------------------------------------------------------------------
 
 def _forward(q, k, v, options: AttentionOptions, rng_state=None, out=None):
-    """`fwd`'s results, then the call's PreparedCall (for the Function's direct backward); `out`: the caller's."""
-    out, lse, rng_state, probs, prepared = attention_forward(q, k, v, options, rng_state, out)
-    rng_state = torch.empty(0, dtype=torch.int64, device=q.device) if rng_state is None else rng_state
-    # An absent `probs` keeps the dtype a present one has (fp32/fp64, like lse), so the fake matches.
-    return out, lse, rng_state, lse.new_empty(0) if probs is None else probs, prepared
+    """(out, lse, rng_state, probs, the call's PreparedCall for the Function's direct backward); rng_state and
+    probs None where the call has none (the ops' schemas return empty placeholders instead: `_op_results`).
+    `out`: the caller's."""
+    return attention_forward(q, k, v, options, rng_state, out)
+
+
+def _op_results(out, lse, rng_state, probs) -> tuple[torch.Tensor, ...]:
+    """A forward op's four tensors: an absent rng_state or probs as an empty placeholder (probs keeping the dtype a
+    present one has, fp32/fp64 like lse, so the fake matches). Only the ops allocate them: a direct call passes None."""
+    rng_state = torch.empty(0, dtype=torch.int64, device=lse.device) if rng_state is None else rng_state
+    return out, lse, rng_state, lse.new_empty(0) if probs is None else probs
 
 
 def _fwd(q, k, v, *options, rng_state=None):
-    return _forward(q, k, v, _unflatten(options, _FWD), rng_state)[:4]
+    return _op_results(*_forward(q, k, v, _unflatten(options, _FWD), rng_state)[:4])
 
 
 # The kernels run under no_grad: the Autograd fallthrough does not exclude autograd from the ops they call.
@@ -139,7 +145,7 @@ torch.library.impl("flash_attn_ck::fwd", "CompositeExplicitAutograd", torch.no_g
 
 
 def _fwd_out(q, k, v, out, *options, rng_state=None):
-    return _forward(q, k, v, _unflatten(options, _FWD), rng_state, out)[1:4]
+    return _op_results(*_forward(q, k, v, _unflatten(options, _FWD), rng_state, out)[:4])[1:]
 
 
 torch.library.impl("flash_attn_ck::fwd_out", "CompositeExplicitAutograd", torch.no_grad()(_fwd_out))
@@ -236,7 +242,7 @@ class _Attention(torch.autograd.Function):
             ctx.prepared = None
         # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
         # non-differentiable instead of having their gradients silently dropped.
-        ctx.mark_non_differentiable(lse, rng_state, probs)
+        ctx.mark_non_differentiable(*(t for t in (lse, rng_state, probs) if t is not None))
         # Nothing flows back into lse/rng_state/probs: without this, autograd would allocate and zero
         # an lse-sized gradient (one more fill kernel) on every backward.
         ctx.set_materialize_grads(False)
@@ -257,7 +263,7 @@ class _Attention(torch.autograd.Function):
         options = ctx.options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                               seqused_k=seqused_k, alibi_slopes=alibi_slopes)
         if ctx.prepared is not None and _direct(q) and not torch.is_grad_enabled():   # create_graph: the op
-            rng = rng_state if rng_state.numel() else None
+            rng = rng_state if rng_state is not None and rng_state.numel() else None
             dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, rng,
                                                prepared=ctx.prepared)
         else:
@@ -304,8 +310,8 @@ def backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options: Attentio
 
 
 def attention(q, k, v, options: AttentionOptions, rng_state=None):
-    """The forward -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out`; `rng_state`: the dropout
-    keep pattern to draw (None: a fresh one)."""
+    """The forward -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out` (rng_state and probs: None or
+    an empty tensor where the call has none); `rng_state`: the dropout keep pattern to draw (None: a fresh one)."""
     if _direct(q):
         _check_backend(options)
         if not torch.is_grad_enabled():    # nothing to differentiate: the Function would add only its cost

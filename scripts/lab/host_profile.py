@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import pstats
 import sys
 import time
@@ -27,16 +26,13 @@ import flash_attn_ck as fa
 
 
 def table(profile: cProfile.Profile, calls: int, sort: str, top: int) -> str:
-    text = io.StringIO()
-    stats = pstats.Stats(profile, stream=text)
-    stats.sort_stats(sort).print_stats(top)
-    lines = []
-    for line in text.getvalue().splitlines():
-        parts = line.split(None, 5)
-        # ncalls tottime percall cumtime percall location: rescale the times to µs per call
-        if len(parts) == 6 and parts[1].replace(".", "").isdigit():
-            tot, cum = float(parts[1]) * 1e6 / calls, float(parts[3]) * 1e6 / calls
-            lines.append(f"{parts[0]:>10s} {tot:8.2f} {cum:8.2f}  {parts[5]}")
+    """The top functions by `sort` ("tottime" or "cumulative"), µs per call of the loop (read from the stats
+    themselves: pstats prints milliseconds, too coarse for a per-call table)."""
+    stats = pstats.Stats(profile).stats    # (file, line, name) -> (primitive, all calls, own s, cum s, callers)
+    column = 2 if sort == "tottime" else 3
+    rows = sorted(stats.items(), key=lambda item: item[1][column], reverse=True)[:top]
+    lines = [f"{n:>10d} {own * 1e6 / calls:8.2f} {cum * 1e6 / calls:8.2f}  {pstats.func_std_string(where)}"
+             for where, (_, n, own, cum, _) in rows]
     return f"{'ncalls':>10s} {'own µs':>8s} {'cum µs':>8s}  function (per call of the loop)\n" + "\n".join(lines)
 
 
