@@ -40,7 +40,7 @@ from ...core.mask import MaskKind, MaskType
 from ...core.plan import BufferSpec, WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
-from . import config, launch
+from . import config, launch, replay
 from .bwd_ws_schedule import semaphore_tiles as bwd_ws_semaphore_tiles
 
 GQA_ENV = "FLASH_ATTN_CK_TRITON_GQA"
@@ -89,6 +89,39 @@ def _per_problem(method):
 
 
 _MISSING = object()
+
+# Replays kept per (backend, problem): the layouts of one call signature's tensors (alignment, a caller's strides).
+REPLAYS_PER_PROBLEM = 16
+
+
+def _replayed(method):
+    """A TritonBackend entry point (forward, backward) whose launches are recorded on the first call of a
+    (problem, layout of its tensors) and replayed on later ones (replay.py): `method(p, params, *tensors,
+    [workspace])` reads and writes only params' tensors, `tensors` and the workspace's. Interpreted and CPU calls,
+    and calls while a profiler hook is installed, run the method."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def run(self, p, params, *rest):
+        if _INTERPRETING or p.device.type != "cuda" or launch.hooked():
+            return method(self, p, params, *rest)
+        *positional, workspace = rest if isinstance(rest[-1], dict) else (*rest, {})
+        tensors = (params.q, params.k, params.v, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
+                   params.rng_state, *positional, *workspace.values())
+        replays = p.memo.get((self, name, "replays"))
+        if replays is None:
+            replays = p.memo[(self, name, "replays")] = {}
+        key = (*replay.layout_key(tensors), *workspace)     # the workspace's names: which roles its tensors hold
+        found = replays.get(key, _MISSING)
+        if found is _MISSING:
+            if len(replays) >= REPLAYS_PER_PROBLEM:
+                return method(self, p, params, *rest)
+            replays[key] = replay.record(lambda: method(self, p, params, *rest), tensors)
+        elif found is None:
+            method(self, p, params, *rest)
+        else:
+            found.run(tensors)
+    return run
 
 
 class TritonBackend(Backend):
@@ -316,6 +349,7 @@ class TritonBackend(Backend):
             spec.launch()
 
     # ---- forward -------------------------------------------------------------------------------
+    @_replayed
     def forward(self, problem: AttentionProblem, params: AttentionParams,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
         p = problem
@@ -384,6 +418,7 @@ class TritonBackend(Backend):
                                           "orders the group's adds per (key tile, batch, kv head)"))
         return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False, kernel=kernel)
 
+    @_replayed
     def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:

@@ -21,6 +21,7 @@ keep compiling), its value where backend.py names the call's flags (`_scores_fea
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -194,6 +195,10 @@ class _Kernel:
         self.compiled: dict[tuple, Any] = {}
 
 
+# While a backend method is recorded for replay (replay.py), on this thread: the list its launches are appended to,
+# `(compiled kernel, grid, args)`, or None for a launch that cannot be replayed.
+_RECORDING = threading.local()
+
 # id(kernel) -> _Kernel (which holds the kernel, so the id is not reused); an int hashes in C, while a JITFunction
 # hashes in Python under a lock
 _KERNELS: dict[int, _Kernel] = {}
@@ -222,15 +227,20 @@ def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, nu
     unhashable arguments take Triton's path. Not re-checked on a hit: the kernel's globals (constants
     of the modules, fixed once imported)."""
     knobs, runtime_module, specialize = _triton()
+    recorded = getattr(_RECORDING, "launches", None)
     entry = _KERNELS.get(id(kernel))
     if entry is None:
         if getattr(kernel, "params", None) is None:     # the interpreter's kernels (TRITON_INTERPRET=1)
             kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
+            if recorded is not None:
+                recorded.append(None)
             return
         entry = _KERNELS[id(kernel)] = _Kernel(kernel)
     runtime = knobs.runtime
-    if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+    if _installed(runtime.launch_enter_hook) or _installed(runtime.launch_exit_hook):
         kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
+        if recorded is not None:
+            recorded.append(None)
         return
     driver = runtime_module.driver.active
     device = driver.get_current_device()
@@ -247,15 +257,29 @@ def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, nu
         compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
         if key is not None:
             entry.compiled[key] = compiled
-        return
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                 driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
-                 None, None, None, *args)
+    else:
+        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+                     driver.get_current_stream(device), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args)
+    if recorded is not None:
+        recorded.append((compiled, grid, args) if key is not None else None)
 
 
-def _hooked(hook) -> bool:
-    """Whether a launch hook (a profiler's) is installed: Triton 3.6 keeps an empty HookChain when none is."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+def hooked() -> bool:
+    """Whether a launch hook (a profiler's) is installed."""
+    runtime = _triton()[0].runtime
+    return _installed(runtime.launch_enter_hook) or _installed(runtime.launch_exit_hook)
+
+
+def _installed(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))    # triton 3.6 keeps an empty HookChain
+
+
+def current_device_and_stream() -> tuple[int, int]:
+    """Triton's current device and its current stream (what launch_kernel launches on)."""
+    driver = _triton()[1].driver.active
+    device = driver.get_current_device()
+    return device, driver.get_current_stream(device)
 
 
 # ---- the kernels' specs --------------------------------------------------------------------------

@@ -1,0 +1,148 @@
+"""Replay: a call signature's kernel launches re-issued with only the call's tensors changed.
+
+A small call is host-bound (docs/host-path.md): deciding its kernels, building their launch specs and Triton's
+specialisation key of 20-40 arguments cost more host time than the launches themselves. For a given problem
+(one per call signature: shapes, strides, dtypes, devices, every option) and a given layout of the call's tensors
+(each one's shape, strides and 16-byte alignment of its address), everything a backend method launches is fixed
+except which tensors it reads and writes. So the first call of a (backend, method, problem, layout) runs the
+method as always while recording what it launches (`record`), and later calls re-issue those launches through
+the compiled kernels' launchers with their own tensors in the same roles (`Replay.run`).
+
+Recording keeps a replay only when the method did nothing but launch compiled kernels whose every tensor, direct,
+inside an argument tuple or under a TMA descriptor, is one of the call's tensors: any torch operation during the
+method (an allocation, a copy, a view, a fill: seen by a dispatch mode), a launch through Triton's own path
+with a profiler hook or the interpreter, a tensor the method made itself, or two roles held by one tensor
+leaves nothing to replay, and every call of that layout runs the method. A replay launches on the current
+stream of the device it was recorded on (another current device records anew).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import launch
+
+
+class _AnyOperation(TorchDispatchMode):
+    """Notes whether any torch operation ran (on any tensor) while it was active."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
+def layout_key(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
+    """What decides a recorded launch besides the problem: each tensor's shape, strides and address modulo 16 (TMA
+    descriptors and Triton's pointer specialisation), None where a role is empty; the current device and Triton's
+    debug knobs (launch_kernel's key holds them too)."""
+    knobs = launch._triton()[0]
+    return (launch.current_device_and_stream()[0], knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+            *[None if t is None else (t.shape, t.stride(), t.data_ptr() % 16) for t in tensors])
+
+
+def record(method, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
+    """Run `method()` (whose launches read and write `tensors`) and return its replay, or None when it cannot be
+    replayed (module docstring)."""
+    launch._RECORDING.launches = launches = []
+    watch = _AnyOperation()
+    try:
+        with watch:
+            method()
+    finally:
+        launch._RECORDING.launches = None
+    roles = {id(t): i for i, t in enumerate(tensors) if t is not None}
+    if watch.seen or len(roles) != sum(t is not None for t in tensors) or any(x is None for x in launches):
+        return None
+    try:
+        return Replay(tuple(_Launch.of(compiled, grid, args, roles) for compiled, grid, args in launches))
+    except _NotReplayable:
+        return None
+
+
+class _NotReplayable(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One recorded launch: the compiled kernel, its grid, its arguments with the call's tensors taken out
+    (`template`), and where they go back: `tensors` ((position, role)), `nested` ((position, _Args) for argument
+    tuples holding tensors) and `descriptors` ((position, role) of TMA descriptors over a role's tensor)."""
+    compiled: Any
+    grid: tuple[int, int, int]
+    args: _Args
+
+    @staticmethod
+    def of(compiled, grid, args, roles) -> _Launch:
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        return _Launch(compiled, grid, _Args.of(tuple(args), roles))
+
+    def run(self, tensors, stream) -> None:
+        c = self.compiled
+        c.run(*self.grid, stream, c.function, c.packed_metadata, None, None, None, *self.args.fill(tensors))
+
+
+@dataclass(frozen=True)
+class _Args:
+    template: tuple
+    make: Any                                  # the tuple type to rebuild (a named tuple's type, or tuple)
+    tensors: tuple[tuple[int, int], ...]
+    nested: tuple[tuple[int, _Args], ...]
+    descriptors: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def of(args: tuple, roles: dict[int, int]) -> _Args:
+        tensors, nested, descriptors = [], [], []
+        for position, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                tensors.append((position, _role(value, roles)))
+            elif isinstance(value, tuple):
+                inner = _Args.of(value, roles)
+                if inner.tensors or inner.nested or inner.descriptors:
+                    nested.append((position, inner))
+            elif hasattr(value, "base") and hasattr(value, "block_shape"):      # a host TMA descriptor
+                descriptors.append((position, _role(value.base, roles)))
+        make = type(args)._make if hasattr(args, "_fields") else tuple
+        return _Args(args, make, tuple(tensors), tuple(nested), tuple(descriptors))
+
+    def fill(self, tensors) -> tuple:
+        if not (self.tensors or self.nested or self.descriptors):
+            return self.template
+        args = list(self.template)
+        for position, role in self.tensors:
+            args[position] = tensors[role]
+        for position, inner in self.nested:
+            args[position] = inner.fill(tensors)
+        for position, role in self.descriptors:
+            # the recorded descriptor with the new base: its shape, strides and box follow from the layout, which
+            # the replay's key fixes, so the checks of its constructor (run when it was recorded) hold again
+            descriptor = object.__new__(type(args[position]))
+            vars(descriptor).update(vars(args[position]), base=tensors[role])
+            args[position] = descriptor
+        return self.make(args)
+
+
+def _role(t: torch.Tensor, roles: dict[int, int]) -> int:
+    role = roles.get(id(t))
+    if role is None:
+        raise _NotReplayable       # a tensor the method made itself
+    return role
+
+
+@dataclass(frozen=True)
+class Replay:
+    """A method's recorded launches, re-issued in order on the current stream with a call's tensors."""
+    launches: tuple[_Launch, ...]
+
+    def run(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
+        stream = launch.current_device_and_stream()[1]
+        for recorded in self.launches:
+            recorded.run(tensors, stream)

@@ -1,0 +1,199 @@
+"""backends/triton/replay.py (CPU, fake kernels): a recorded method's launches are re-issued with a later call's
+tensors in the same roles, and nothing is recorded where a replay could differ from running the method."""
+
+from __future__ import annotations
+
+import types
+from typing import NamedTuple
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from test_launch_cache import _FakeKernel, fake_driver, needs_cuda_backend  # noqa: F401 (fake_driver: a fixture)
+
+from flash_attn_ck.backends.triton import launch, replay
+
+
+class Pair(NamedTuple):
+    first: torch.Tensor
+    stride: int
+
+
+def _descriptor(t):
+    """A host TMA descriptor over a (b, s, h, d) tensor, as the warp-specialised kernels take them."""
+    from flash_attn_ck.backends.triton.gluon_common import descriptor
+    return descriptor(t, False, 16)
+
+
+def _tensors(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 32, 2, 64, generator=g, dtype=torch.bfloat16) for _ in range(n))
+
+
+@needs_cuda_backend
+@pytest.mark.usefixtures("fake_driver")
+def test_a_replay_reissues_every_launch_with_the_new_calls_tensors():
+    kernel = _FakeKernel([False, False, False, False, True])
+    other = _FakeKernel([False, False])
+
+    def method(a, b, c, d):
+        launch.launch_kernel(kernel, (3, 2), (a, Pair(b, 7), _descriptor(c), 5, 64), 4, 2)
+        launch.launch_kernel(other, (9,), (d, a), 4, 1)
+
+    first = _tensors()
+    recorded = replay.record(lambda: method(*first), first)
+    assert recorded is not None and len(recorded.launches) == 2
+    kernel.direct.clear()
+    other.direct.clear()
+    later = _tensors(seed=1)
+    recorded.run(later)
+    (run,) = kernel.direct
+    assert run[:9] == (3, 2, 1, 1234, "function", "metadata", None, None, None)
+    a, pair, desc, five, sixty_four = run[9:]
+    assert a is later[0] and isinstance(pair, Pair) and pair.first is later[1] and pair.stride == 7
+    assert desc.base is later[2] and desc.block_shape == [16, 1, 64] and (five, sixty_four) == (5, 64)
+    (run,) = other.direct
+    assert run[:3] == (9, 1, 1) and run[9] is later[3] and run[10] is later[0]
+    # the recorded call's own arguments are untouched (a replay copies what it changes)
+    recorded.run(first)
+    assert kernel.direct[-1][11].base is first[2] and desc.base is later[2]
+
+
+@needs_cuda_backend
+@pytest.mark.parametrize("why", ["a torch operation", "a tensor of its own", "one tensor in two roles",
+                                 "a launch hook", "a view"])
+@pytest.mark.usefixtures("fake_driver")
+def test_nothing_is_recorded_where_a_replay_could_differ(why):
+    from triton import knobs
+    kernel = _FakeKernel([False, False])
+    tensors = _tensors(2)
+    if why == "one tensor in two roles":
+        tensors = (tensors[0], tensors[0])
+
+    def method():
+        a, b = tensors
+        if why == "a torch operation":
+            b.zero_()
+        if why == "a tensor of its own":
+            b = torch.empty_like(b)
+        if why == "a view":
+            b = b[:32]
+        launch.launch_kernel(kernel, (1,), (a, b), 4, 1)
+
+    if why == "a launch hook":
+        knobs.runtime.launch_enter_hook.add(print)
+    try:
+        assert replay.record(method, tensors) is None
+    finally:
+        if why == "a launch hook":
+            knobs.runtime.launch_enter_hook.remove(print)
+    # without the reason, the same method records
+    if why != "one tensor in two roles":
+        why = None
+        assert replay.record(method, tensors) is not None
+
+
+def test_the_layout_key_holds_shape_strides_and_alignment(monkeypatch):
+    monkeypatch.setattr(launch, "current_device_and_stream", lambda: (0, 1234))
+    x = torch.zeros(64, 8)
+    key = replay.layout_key((x, None))
+    assert replay.layout_key((torch.ones(64, 8), None)) == key            # other values, same layout
+    for changed in ((x.t(), None),                                       # strides
+                    (x[:32], None),                                      # shape
+                    (x.view(-1)[1:].view(-1, 1), None),                 # shape, strides and alignment
+                    (x.view(-1)[2:506].view(63, 8), None),              # alignment (and shape)
+                    (x, x)):                                             # an empty role now filled
+        assert replay.layout_key(changed) != key
+    aligned, offset = x.view(-1)[:504].view(63, 8), x.view(-1)[2:506].view(63, 8)
+    assert replay.layout_key((aligned,)) != replay.layout_key((offset,))  # the address modulo 16 alone
+
+
+def test_the_backends_entry_points_run_the_method_off_the_gpu(monkeypatch):
+    """On the CPU (and interpreted) nothing is recorded: the wrapped method runs every time."""
+    from flash_attn_ck.backends.triton import backend as triton_backend
+    calls = []
+
+    class Backend:
+        @triton_backend._replayed
+        def forward(self, p, params, out, lse):
+            calls.append((out, lse))
+
+    problem = types.SimpleNamespace(device=torch.device("cpu"), memo={})
+    params = types.SimpleNamespace(q=None, k=None, v=None, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None,
+                                   rng_state=None)
+    for _ in range(3):
+        Backend().forward(problem, params, 1, 2)
+    assert calls == [(1, 2)] * 3 and not problem.memo
+
+
+# ---- on the GPU: replayed calls give what running the methods gives --------------------------------------------
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# (b, s, h, h_k, d, causal, varlen, deterministic, extra options): the one-launch kernels (short), the
+# warp-specialised ones (s >= 2048), GQA, varlen, deterministic, ALiBi, softcap, dropout
+GPU_CASES = [(2, 128, 4, 4, 128, True, False, False, {}),
+             (1, 512, 4, 2, 64, False, False, False, dict(softcap=20.0)),
+             (1, 4096, 4, 4, 128, True, False, False, {}),
+             (1, 2048, 4, 2, 128, True, False, True, {}),
+             (3, 300, 4, 2, 64, True, True, False, {}),
+             (2, 256, 4, 4, 96, False, False, False, dict(alibi=True)),
+             (2, 256, 4, 4, 64, True, False, False, dict(dropout_p=0.2))]
+
+
+def _step(backend, q, k, v, dout, causal, varlen, deterministic, extra, seed):
+    import flash_attn_ck as fa
+    extra = dict(extra)
+    if extra.pop("alibi", False):
+        extra["alibi_slopes"] = torch.linspace(0.1, 1.0, q.shape[-2], device="cuda")
+    torch.manual_seed(seed)         # the dropout pattern's draw
+    if varlen:
+        lengths = [q.shape[1] // 3, q.shape[1], 1]
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+        flat = [t.flatten(0, 1)[:cu[-1]].detach().requires_grad_() for t in (q, k, v)]
+        out = fa.flash_attn_varlen_func(*flat, cu, cu, max(lengths), max(lengths), causal=causal,
+                                        deterministic=deterministic, backend=backend, **extra)
+        grads = torch.autograd.grad(out, flat, dout.flatten(0, 1)[:cu[-1]])
+    else:
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fa.flash_attn_func(*leaves, causal=causal, deterministic=deterministic, backend=backend, **extra)
+        grads = torch.autograd.grad(out, leaves, dout)
+    return out.detach(), *grads
+
+
+@gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"b{c[0]}s{c[1]}h{c[2]}/{c[3]}d{c[4]}"
+                         f"{'-causal' if c[5] else ''}{'-varlen' if c[6] else ''}{'-det' if c[7] else ''}"
+                         f"{''.join('-' + k for k in c[8])}")
+def test_replayed_calls_match_the_methods(monkeypatch, case):
+    """Three calls of one signature with fresh tensors each (the later ones replayed where the layout allows), then
+    a misaligned q and a dout of other strides (new layouts: recorded anew): each equal to a backend that
+    replays nothing (dQ to fp32 rounding where it is added atomically)."""
+    from flash_attn_ck.backends.triton import TritonBackend
+    from flash_attn_ck.backends.triton import backend as triton_backend
+    b, s, h, h_k, d, causal, varlen, deterministic, extra = case
+    runs = []
+    real_run = replay.Replay.run
+    monkeypatch.setattr(replay.Replay, "run", lambda self, tensors: (runs.append(1), real_run(self, tensors)))
+    replaying = TritonBackend()
+    for call in range(5):
+        g = torch.Generator(device="cuda").manual_seed(call)
+        q = torch.randn(b * s * h * d + 4, device="cuda", dtype=torch.bfloat16, generator=g)
+        q = q[4 if call == 3 else 0:][:b * s * h * d].view(b, s, h, d)     # call 3: the base 8 bytes off, same strides
+        k, v = (torch.randn(b, s, h_k, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+        dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        if call == 4:
+            dout = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+        got = _step(replaying, q, k, v, dout, causal, varlen, deterministic, extra, seed=call)
+        with monkeypatch.context() as m:
+            m.setattr(triton_backend, "REPLAYS_PER_PROBLEM", 0)
+            want = _step(TritonBackend(), q, k, v, dout, causal, varlen, deterministic, extra, seed=call)
+        for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+            if name == "dq" and not deterministic:
+                torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2, msg=f"call {call}: {name}")
+            else:
+                assert torch.equal(x, y), f"call {call}: {name} differs by {(x.float() - y.float()).abs().max()}"
+    if (s, varlen, extra) == (128, False, {}):
+        assert len(runs) >= 4, f"the one-launch kernels' calls 2-3 replay forward and backward: {len(runs)} replays"
