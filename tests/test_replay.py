@@ -3,7 +3,9 @@ tensors in the same roles, and nothing is recorded where a replay could differ f
 
 from __future__ import annotations
 
+import functools
 import types
+import weakref
 from typing import NamedTuple
 
 import pytest
@@ -43,7 +45,7 @@ def test_a_replay_reissues_every_launch_with_the_new_calls_tensors():
         launch.launch_kernel(other, (9,), (d, a), 4, 1)
 
     first = _tensors()
-    recorded = replay.record(lambda: method(*first), first)
+    recorded = replay.record(functools.partial(method, *first), first)
     assert recorded is not None and len(recorded.launches) == 2
     kernel.direct.clear()
     other.direct.clear()
@@ -56,9 +58,15 @@ def test_a_replay_reissues_every_launch_with_the_new_calls_tensors():
     assert desc.base is later[2] and desc.block_shape == [16, 1, 64] and (five, sixty_four) == (5, 64)
     (run,) = other.direct
     assert run[:3] == (9, 1, 1) and run[9] is later[3] and run[10] is later[0]
-    # the recorded call's own arguments are untouched (a replay copies what it changes)
+    # a replay copies what it changes, and keeps no tensor of the recorded call alive
     recorded.run(first)
     assert kernel.direct[-1][11].base is first[2] and desc.base is later[2]
+    refs = [weakref.ref(t) for t in first]
+    del first, run, a, pair, desc
+    for fake in (kernel, other):        # what the fakes themselves keep
+        fake.direct.clear()
+        fake.jit_launches.clear()
+    assert all(ref() is None for ref in refs)
 
 
 @needs_cuda_backend

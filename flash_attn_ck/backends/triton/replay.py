@@ -100,18 +100,22 @@ class _Args:
 
     @staticmethod
     def of(args: tuple, roles: dict[int, int]) -> _Args:
-        tensors, nested, descriptors = [], [], []
+        """The template keeps no tensor of the recorded call (it would keep that call's memory alive)."""
+        template, tensors, nested, descriptors = list(args), [], [], []
         for position, value in enumerate(args):
             if isinstance(value, torch.Tensor):
                 tensors.append((position, _role(value, roles)))
+                template[position] = None
             elif isinstance(value, tuple):
                 inner = _Args.of(value, roles)
                 if inner.tensors or inner.nested or inner.descriptors:
                     nested.append((position, inner))
+                    template[position] = None
             elif hasattr(value, "base") and hasattr(value, "block_shape"):      # a host TMA descriptor
                 descriptors.append((position, _role(value.base, roles)))
+                template[position] = _with_base(value, None)
         make = type(args)._make if hasattr(args, "_fields") else tuple
-        return _Args(args, make, tuple(tensors), tuple(nested), tuple(descriptors))
+        return _Args(tuple(template), make, tuple(tensors), tuple(nested), tuple(descriptors))
 
     def fill(self, tensors) -> tuple:
         if not (self.tensors or self.nested or self.descriptors):
@@ -122,12 +126,16 @@ class _Args:
         for position, inner in self.nested:
             args[position] = inner.fill(tensors)
         for position, role in self.descriptors:
-            # the recorded descriptor with the new base: its shape, strides and box follow from the layout, which
-            # the replay's key fixes, so the checks of its constructor (run when it was recorded) hold again
-            descriptor = object.__new__(type(args[position]))
-            vars(descriptor).update(vars(args[position]), base=tensors[role])
-            args[position] = descriptor
+            args[position] = _with_base(args[position], tensors[role])
         return self.make(args)
+
+
+def _with_base(descriptor, base):
+    """A copy of a host TMA descriptor over `base`. Its shape, strides and box follow from the layout, which a
+    replay's key fixes, so the checks its constructor ran when it was recorded hold again: they are not re-run."""
+    copy = object.__new__(type(descriptor))
+    vars(copy).update(vars(descriptor), base=base)
+    return copy
 
 
 def _role(t: torch.Tensor, roles: dict[int, int]) -> int:
