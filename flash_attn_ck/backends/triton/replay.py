@@ -11,9 +11,9 @@ the compiled kernels' launchers with their own tensors in the same roles (`Repla
 Recording keeps a replay only when the method did nothing but launch compiled kernels whose every tensor, direct,
 inside an argument tuple or under a TMA descriptor, is one of the call's tensors: any torch operation during the
 method (an allocation, a copy, a view, a fill: seen by a dispatch mode), a launch through Triton's own path
-with a profiler hook or the interpreter, a tensor the method made itself, or two roles held by one tensor
-leaves nothing to replay, and every call of that layout runs the method. A replay launches on the current
-stream of the device it was recorded on (another current device records anew).
+(a profiler hook, the interpreter) or a tensor the method made itself leaves nothing to replay, and every call
+of that layout runs the method. A replay launches on the current stream of the current device, which its key
+holds.
 """
 
 from __future__ import annotations
@@ -41,11 +41,14 @@ class _AnyOperation(TorchDispatchMode):
 
 def layout_key(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
     """What decides a recorded launch besides the problem: each tensor's shape, strides and address modulo 16 (TMA
-    descriptors and Triton's pointer specialisation), None where a role is empty; the current device and Triton's
-    debug knobs (launch_kernel's key holds them too)."""
+    descriptors and Triton's pointer specialisation) and the first role the same tensor holds (self-attention's
+    shared cu_seqlens: a replay puts the tensor of that role in each), None where a role is empty; the current
+    device and Triton's debug knobs (launch_kernel's key holds them too)."""
     knobs = launch._triton()[0]
+    first_role: dict[int, int] = {}
     return (launch.current_device_and_stream()[0], knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-            *[None if t is None else (t.shape, t.stride(), t.data_ptr() % 16) for t in tensors])
+            *[None if t is None else (t.shape, t.stride(), t.data_ptr() % 16, first_role.setdefault(id(t), role))
+              for role, t in enumerate(tensors)])
 
 
 def record(method, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
@@ -58,9 +61,12 @@ def record(method, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
             method()
     finally:
         launch._RECORDING.launches = None
-    roles = {id(t): i for i, t in enumerate(tensors) if t is not None}
-    if watch.seen or len(roles) != sum(t is not None for t in tensors) or any(x is None for x in launches):
+    if watch.seen or any(x is None for x in launches):
         return None
+    roles: dict[int, int] = {}
+    for role, t in enumerate(tensors):
+        if t is not None:
+            roles.setdefault(id(t), role)     # a tensor in several roles: its first (the key holds which roles share)
     try:
         return Replay(tuple(_Launch.of(compiled, grid, args, roles) for compiled, grid, args in launches))
     except _NotReplayable:
