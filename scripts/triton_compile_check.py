@@ -155,7 +155,7 @@ class _Tensors:
         self.acc = make(*rows, heads, d, dtype=torch.float32)
         self.sems = make(4, batch, heads, dtype=torch.int32)
         cu = make(batch + 1, dtype=torch.int32)
-        self.seq = launch.SequenceArgs(cu, cu, make(heads, dtype=torch.float32), make(2, dtype=torch.int64), 0)
+        self.seq = launch.SequenceArgs(cu, cu, make(heads, dtype=torch.float32), make(2, dtype=torch.int64))
         self.batch = batch
         self.sizes = launch.Sizes(heads, group, seqlen, seqlen, d)
         self.scores = launch.ScoreArgs(0.1, 0.0, 0.0, 0, 0)
