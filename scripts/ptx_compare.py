@@ -1,14 +1,20 @@
-"""Whether this tree's default Gluon kernels compile to the same PTX as another tree's, without a GPU.
+"""Whether this tree's default kernels compile to the same PTX as another tree's, without a GPU.
 
     git archive REV flash_attn_ck scripts tests | tar -x -C /tmp/old
     python3 scripts/ptx_compare.py /tmp/old [NAME_PART]
 
-Compiles, in each tree (by that tree's own copy of this script, so each spells its kernels' arguments its own way),
-every default tile of the warp-specialised forward (fwd_ws) and backward (bwd_ws, bwd_ws_split) for sm_90a over a set
-of mask / varlen / deterministic variants (NAME_PART: only those whose names contain it, e.g. "fwd_ws" or "d128"),
-strips what only debug information carries (`.loc`, `.file`, comments, `$L__tmp` labels, the debug sections) and
-prints, per variant, IDENTICAL or the number of differing lines. Identical PTX means identical machine code: GPU
-results of OLD_TREE's kernels (tests, sanitizer, timings) hold for this tree's. Exits 1 if any variant differs.
+Compiles, in each tree (by that tree's own copy of this script, so each spells its kernels' arguments its own way;
+the two trees at once) for sm_90a:
+  - every default tile of the warp-specialised forward (fwd_ws) and backward (bwd_ws, bwd_ws_split) over a set of
+    mask / varlen / deterministic variants;
+  - the older Triton kernels (attn_fwd_kernel; attn_bwd_kernel, whose dQ pass is its query-tile role) at every head
+    block of the sm_90 table over scripts/triton_compile_check.py's variants (plain, causal, a window with ALiBi,
+    softcap and dropout, a top-left window with ALiBi; dense and varlen; the backward's modes), each specialised
+    as a launch of its arguments would be (ints equal to 1 constant, divisibility by 16);
+(NAME_PART: only the variants whose names contain it, e.g. "fwd_ws", "attn_bwd_kernel" or "d128"), strips what
+only debug information carries (`.loc`, `.file`, comments, `$L__tmp` labels, the debug sections) and prints, per
+variant, IDENTICAL or the number of differing lines. Identical PTX means identical machine code: GPU results of
+OLD_TREE's kernels (tests, sanitizer, timings) hold for this tree's. Exits 1 if any variant differs.
 """
 
 from __future__ import annotations
@@ -43,9 +49,10 @@ def strip_debug(ptx: str) -> str:
 
 def specs(names: str = ""):
     """(variant name, launch spec) of every variant whose name contains `names` (all by default) at every head dim of
-    the tile tables, built by the kernels' own launch_spec functions (through tests/gluon_compile.py) from CPU
-    tensors of the variant's layout."""
+    the tile tables: the Gluon kernels' built by their own launch_spec functions (through tests/gluon_compile.py)
+    from CPU tensors of the variant's layout, the older kernels' by triton_compile_check.variants."""
     from gluon_compile import bwd_spec, fwd_spec
+    from triton_compile_check import variants as older_variants
 
     from flash_attn_ck.backends.triton import config
 
@@ -58,22 +65,37 @@ def specs(names: str = ""):
             name = f"{spec.kernel.fn.__name__} d{d} causal={causal} varlen={varlen} det={deterministic}"
             if names in name:
                 yield name, spec
+    for d, tag, varlen, role, spec in older_variants(sorted({d for d, _ in config.SM90})):
+        name = f"{spec.kernel.fn.__name__} d{d} {tag} varlen={varlen}" + role.removeprefix("fwd").removeprefix("bwd")
+        if names in name:
+            yield name, spec
 
 
 def dump(names: str = "") -> dict[str, str]:
-    """Stripped PTX of this process's tree (flash_attn_ck and tests/ first on sys.path), keyed by variant."""
+    """Stripped PTX of this process's tree (flash_attn_ck and tests/ first on sys.path), keyed by variant: the Gluon
+    kernels compiled as their CPU tests compile them, the older kernels as launched."""
     from gluon_compile import compile_spec
-    return {name: strip_debug(compile_spec(spec).asm["ptx"]) for name, spec in specs(names)}
+    from triton_compile_check import compile_one
+
+    def ptx(spec) -> str:
+        return compile_spec(spec).asm["ptx"] if spec.kernel.is_gluon() else compile_one(spec, True)["asm"]["ptx"]
+    return {name: strip_debug(ptx(spec)) for name, spec in specs(names)}
 
 
-def tree_dump(tree: Path, *args: str) -> dict[str, str]:
-    """The tree's own dump (`--dump *args` of its scripts/ptx_compare.py)."""
-    env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{tree / 'tests'}")
-    run = subprocess.run([sys.executable, str(tree / "scripts" / "ptx_compare.py"), "--dump", *args], cwd=tree,
-                         env=env, capture_output=True, text=True)
-    if run.returncode:
-        sys.exit(f"compiling the kernels of {tree} failed:\n{run.stderr[-3000:]}")
-    return json.loads(run.stdout)
+def tree_dumps(trees: list[Path], *args: str) -> list[dict[str, str]]:
+    """Each tree's own dump (`--dump *args` of its scripts/ptx_compare.py), the trees compiling at once."""
+    runs = []
+    for tree in trees:
+        env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{tree / 'tests'}")
+        runs.append(subprocess.Popen([sys.executable, str(tree / "scripts" / "ptx_compare.py"), "--dump", *args],
+                                     cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    dumps = []
+    for tree, run in zip(trees, runs):
+        out, err = run.communicate()
+        if run.returncode:
+            sys.exit(f"compiling the kernels of {tree} failed:\n{err[-3000:]}")
+        dumps.append(json.loads(out))
+    return dumps
 
 
 def main():
@@ -83,8 +105,8 @@ def main():
     if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
     names = sys.argv[2] if len(sys.argv) == 3 else ""
-    old = {name: ptx for name, ptx in tree_dump(Path(sys.argv[1]).resolve()).items() if names in name}
-    new = tree_dump(Path(__file__).resolve().parents[1], names)
+    old, new = tree_dumps([Path(sys.argv[1]).resolve(), Path(__file__).resolve().parents[1]], names)
+    old = {name: ptx for name, ptx in old.items() if names in name}   # (an older script may dump every variant)
     differ = 0
     for name in sorted(set(old) | set(new)):
         if name not in old or name not in new:

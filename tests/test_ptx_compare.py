@@ -1,10 +1,12 @@
-"""scripts/ptx_compare.py's normalisation: PTX that differs only in debug information compares equal, PTX that
-differs in one instruction or operand does not."""
+"""scripts/ptx_compare.py: its normalisation (PTX that differs only in debug information compares equal, PTX that
+differs in one instruction or operand does not) and its variants."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from ptx_compare import strip_debug
@@ -42,3 +44,35 @@ def test_instructions_and_operands_are_compared():
     changes = (("%tid.x", "%tid.y"), ("m64n128k16", "m64n64k16"), ("$L__BB0_1:", "$L__BB0_2:"), ("ret;", "exit;"))
     for old, new in changes:
         assert strip_debug(PTX.replace(old, new)) != strip_debug(PTX), (old, new)
+
+
+def test_variants_cover_every_kernel_and_flag():
+    """The comparison covers each Gluon kernel and both older kernels, and the older kernels' variants turn each of
+    their compile-time flags (launch.Features) both on and off."""
+    pytest.importorskip("triton")
+    from ptx_compare import specs
+
+    from flash_attn_ck.backends.triton.launch import Features
+    kernels, flags = set(), set()
+    for _, spec in specs():
+        kernels.add(spec.kernel.fn.__name__)
+        if isinstance(spec.args.get("F"), Features):
+            flags |= set(spec.args["F"]._asdict().items())
+    assert kernels == {"attn_fwd_ws_kernel", "attn_bwd_ws_kernel", "attn_bwd_ws_split_kernel", "attn_fwd_kernel",
+                       "attn_bwd_kernel"}
+    assert flags == {(field, value) for field in Features._fields for value in (False, True)}
+
+
+def test_older_kernels_compile_as_launched():
+    """The older kernels compare as a launch specialises them: an int argument equal to 1 (the query heads per kv
+    head of an MHA call) is a constant, so the kernel takes fewer parameters than compiled unspecialised."""
+    pytest.importorskip("triton")
+    from ptx_compare import specs
+    from triton_compile_check import compile_one
+
+    spec = dict(specs("attn_fwd_kernel d64 causal varlen=False"))["attn_fwd_kernel d64 causal varlen=False"]
+    assert spec.args["D"].group == 1
+
+    def parameters(ptx: str) -> int:
+        return ptx.count(".param .")
+    assert parameters(compile_one(spec, as_launched=True)["asm"]["ptx"]) < parameters(compile_one(spec)["asm"]["ptx"])

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import flash_attn_ck
+
 pytest.importorskip("triton")
 
 from flash_attn_ck.backends.triton import config, launch
@@ -28,7 +30,7 @@ def test_specs_match_their_kernels(varlen):
     lse = _meta(h, b * s, dtype=torch.float32) if varlen else _meta(b, h, s, dtype=torch.float32)
     acc = _meta(*rows, h, d, dtype=torch.float32)
     cu = _meta(b + 1, dtype=torch.int32)
-    seq = launch.SequenceArgs(cu, cu, _meta(h, dtype=torch.float32), _meta(2, dtype=torch.int64), 0)
+    seq = launch.SequenceArgs(cu, cu, _meta(h, dtype=torch.float32), _meta(2, dtype=torch.int64))
     sizes, scores = Sizes(h, 1, s, s, d), ScoreArgs(0.125, 0.0, 0.0, 0, 0)
     features = Features(VARLEN=varlen, HAS_RIGHT=True, DQ_ATOMIC=True)
     tiles = config.INTERPRETER
@@ -44,10 +46,12 @@ def test_specs_match_their_kernels(varlen):
         assert list(sig) == spec.kernel.arg_names
         assert set(constexprs) == {p.name for p in spec.kernel.params if p.is_constexpr}
     fwd_sig = specs[0].signature()[0]
-    assert fwd_sig["stride_q"] == ("i32", "i32", "i32")
+    assert fwd_sig["strides"] == launch.ForwardStrides(*[("i32",) * 3] * 4, ("i32",) * 2, "i32")
     assert fwd_sig["S"] == ScoreArgs("fp32", "fp32", "fp32", "i32", "i32")
-    assert specs[2].signature()[0]["dQ"] == "*fp32"   # the atomic mode's fp32 dQ buffer
-    assert specs[2].signature()[1]["F"] is features
+    bwd_sig, bwd_constexprs = specs[2].signature()
+    assert bwd_sig["grads"] == launch.Gradients("*fp32", "*bf16", "*bf16")   # the atomic mode's fp32 dQ buffer
+    assert bwd_sig["kv_acc"] == launch.KVAccumulators("*fp32", "*fp32", "*fp32")   # none: lse (Delta) stands in
+    assert bwd_constexprs["F"] is features
 
 
 def test_split_named_refuses_unknown_names():
@@ -90,9 +94,6 @@ def test_gluon_specs_match_their_kernels(varlen):
 
 # ---- parameter lists stay short enough to read ------------------------------------------------------
 MAX_PARAMETERS = 20
-# The older Triton kernels (one program per tile) not yet grouped: their widths may only shrink.
-OLDER_WIDER = {"bwd_main.py:key_tile_dkdv": 36, "bwd_main.py:attn_bwd_kernel": 35, "bwd_dq.py:query_tile_dq": 27,
-               "scores.py:query_tile_operands": 21, "forward.py:attn_fwd_kernel": 21}
 
 
 def _is_jit(decorator) -> bool:
@@ -102,24 +103,25 @@ def _is_jit(decorator) -> bool:
 
 
 def jit_parameter_counts(package: Path) -> dict[str, int]:
-    """{"file.py:function": parameter count} of every @jit function (kernels, helpers, methods of aggregates)
-    defined in the modules of `package` (a directory), read from their source."""
+    """{"path/file.py:function": parameter count} of every @jit function (kernels, helpers, methods of aggregates)
+    defined in the modules of `package` (a directory) and its subpackages, read from their source."""
     counts = {}
-    for path in sorted(package.glob("*.py")):
+    for path in sorted(package.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and any(_is_jit(d) for d in node.decorator_list):
                 args = node.args
-                counts[f"{path.name}:{node.name}"] = (len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs)
-                                                     + (args.vararg is not None) + (args.kwarg is not None))
+                counts[f"{path.relative_to(package)}:{node.name}"] = (
+                    len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs) + (args.vararg is not None)
+                    + (args.kwarg is not None))
     return counts
 
 
 def test_no_jit_function_takes_more_than_twenty_parameters():
     """Kernels and their helpers take grouped arguments (launch specs, tuples, Gluon aggregates) instead of long flat
-    lists: none of the backend's @jit functions has more than MAX_PARAMETERS (OLDER_WIDER: the older Triton kernels
-    still above it, which may only shrink)."""
-    counts = jit_parameter_counts(Path(config.__file__).parent)
+    lists: none of the package's @jit functions has more than MAX_PARAMETERS."""
+    counts = jit_parameter_counts(Path(flash_attn_ck.__file__).parent)
     assert len(counts) > 50   # the parse found the kernels (triton.jit and gluon.jit alike)
-    assert counts["fwd_ws.py:attn_fwd_ws_kernel"] <= MAX_PARAMETERS
-    wide = {name: n for name, n in counts.items() if n > OLDER_WIDER.get(name, MAX_PARAMETERS)}
+    assert {f"backends/triton/{kernel}" for kernel in ("fwd_ws.py:attn_fwd_ws_kernel", "forward.py:attn_fwd_kernel",
+                                                      "bwd_main.py:attn_bwd_kernel")} <= set(counts)
+    wide = {name: n for name, n in counts.items() if n > MAX_PARAMETERS}
     assert not wide, f"@jit functions with more than {MAX_PARAMETERS} parameters: {wide}"

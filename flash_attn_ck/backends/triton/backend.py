@@ -317,12 +317,10 @@ class TritonBackend(Backend):
     def _sequence_args(p: AttentionProblem, params: AttentionParams, dummy: torch.Tensor) -> launch.SequenceArgs:
         """The per-call pointers of the score features (`dummy` where a feature is off)."""
         slopes = params.alibi_slopes
-        if slopes is not None:
-            slopes = slopes.to(torch.float32).contiguous()
         return launch.SequenceArgs(
             params.cu_seqlens_q if p.varlen else dummy, params.cu_seqlens_k if p.varlen else dummy,
-            slopes if slopes is not None else dummy, params.rng_state if p.dropout_p > 0 else dummy,
-            slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0)
+            slopes.to(torch.float32).contiguous() if slopes is not None else dummy,
+            params.rng_state if p.dropout_p > 0 else dummy)
 
     @_per_problem
     def _sizes(self, p: AttentionProblem, head_dim: int) -> launch.Sizes:

@@ -9,7 +9,7 @@ Per key tile: s = Q K^T -> scores; p = exp2(s - lse); dp = drop(dO V^T);
 ds = p (dp - D) [* (1 - tanh^2)]; dQ += ds K.
 
 F.USE_TMA / F.TMA_LOADS: the dQ store / the tile loads through TMA descriptors (tiles.py). Arguments
-as bwd_main.attn_bwd_kernel's (stride tuples, D, S, F).
+as bwd_main.attn_bwd_kernel's (seq, strides, D, S, F); dQ is its grads.dq.
 """
 
 import triton
@@ -20,13 +20,10 @@ from .tiles import head_rows, load_rows, row_tiles, store_rows
 
 
 @triton.jit
-def query_tile_dq(
-        m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
-        stride_q, stride_k, stride_v, stride_do, stride_dq, stride_lse, stride_slope_b, D, S,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
+def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, D, S,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
     # ---- the query tile: bounds, q / dO tiles, lse and D rows ----
-    m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(
-        m_block, b, cu_seqlens_q, cu_seqlens_k, D, BLOCK_M, F)
+    m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(m_block, b, seq, D, BLOCK_M, F)
     if m0 >= len_q:
         return
 
@@ -34,12 +31,12 @@ def query_tile_dq(
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < len_q
     q, k_src, v_src, slope, seed, offset = query_tile_operands(
-        Q, K, V, slopes, rng_state, stride_q, stride_k, stride_v, stride_slope_b, b, h, D, m0, q_start, len_q,
-        k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, F)
+        Q, K, V, seq, strides, b, h, D, m0, q_start, len_q, k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, F)
     b64 = b.to(tl.int64)
-    do = load_rows(row_tiles(head_rows(dOut, stride_do, b64, q_start, h), stride_do[1], len_q, D.head_dim, BLOCK_M,
-                             BLOCK_D, F.TMA_LOADS), stride_do[1], m0, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
-    row_base = b64 * stride_lse[0] + h.to(tl.int64) * stride_lse[1] + q_start
+    do = load_rows(row_tiles(head_rows(dOut, strides.dout, b64, q_start, h), strides.dout[1], len_q, D.head_dim,
+                             BLOCK_M, BLOCK_D, F.TMA_LOADS), strides.dout[1], m0, len_q, D.head_dim, BLOCK_M, BLOCK_D,
+                   F.TMA_LOADS)
+    row_base = b64 * strides.lse[0] + h.to(tl.int64) * strides.lse[1] + q_start
     lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
 
@@ -48,7 +45,7 @@ def query_tile_dq(
     lo, hi = key_range(m0, len_k, shift, S, BLOCK_M, BLOCK_N, F)
     bias_shift = alibi_shift(len_q, len_k, shift, F)
     for n0 in range(lo, hi, BLOCK_N):
-        cols, k, v, s, tanh = key_tile_scores(q, k_src, v_src, stride_k[1], stride_v[1], offs_m, n0, offs_n, m0,
+        cols, k, v, s, tanh = key_tile_scores(q, k_src, v_src, strides.k[1], strides.v[1], offs_m, n0, offs_n, m0,
                                               len_k, D.head_dim, shift, bias_shift, S, slope, BLOCK_M, BLOCK_N,
                                               BLOCK_D, F)
         if F.DP_FIRST:
@@ -65,5 +62,5 @@ def query_tile_dq(
         dq += tl.dot(ds.to(k.dtype), k)
 
     # ---- one store in the output dtype (TMA when dense, row-masked for varlen) ----
-    store_rows(dq * S.scale, head_rows(dQ, stride_dq, b64, q_start, h), stride_dq[1], m0, len_q, D.head_dim, BLOCK_M,
-               BLOCK_D, F.USE_TMA)
+    store_rows(dq * S.scale, head_rows(dQ, strides.dq, b64, q_start, h), strides.dq[1], m0, len_q, D.head_dim,
+               BLOCK_M, BLOCK_D, F.USE_TMA)

@@ -15,8 +15,8 @@ Key-tile programs recompute P from lse; dK/dV stay on chip. Two head modes (`LOO
   into fp32 `(b, h_k, s_k, d)` accumulators (`accumulate_kv`), ordered by semaphores when
   DETERMINISTIC; bwd_postprocess casts them.
 With DQ_ATOMIC there are no query-tile programs: the key-tile programs add dQ into an fp32 buffer
-laid out like q (not deterministic; cast by bwd_postprocess). `dQ` is that buffer in this mode and
-the output otherwise.
+laid out like q (not deterministic; cast by bwd_postprocess). `grads.dq` is that buffer in this mode
+and the output otherwise.
 
 Per (key tile, query tile), transposed so that keys are rows:
   sT = K Q^T -> scores; pT = exp2(sT - lse); dV += drop(pT) dO; dpT = drop(V dO^T);
@@ -28,9 +28,10 @@ issued right after the scores' product, before the exp2 (config.Configs.bwd_dp_f
 key tile of both roles is full (dense, s_k a multiple of BLOCK_N and DQ_BLOCK_N), so without a window
 bound no tile needs the mask (scores.block_needs_mask); config.Configs.bwd_even_k turns it off per row.
 
-Arguments (launch.bwd_main builds them): per-tensor stride tuples, batch, D (launch.Sizes), S
-(launch.ScoreArgs) and every compile-time flag above in F (launch.Features, constexpr), handed
-whole to the roles and to the helpers of scores.py.
+Arguments (launch.bwd_main builds them): the inputs, grads (launch.Gradients), kv_acc
+(launch.KVAccumulators), seq (launch.SequenceArgs), strides (launch.BackwardStrides), batch, D
+(launch.Sizes), S (launch.ScoreArgs) and every compile-time flag above in F (launch.Features,
+constexpr), handed whole to the roles and to the helpers of scores.py.
 """
 
 import triton
@@ -41,9 +42,11 @@ from .bwd_epilogue import accumulate_kv
 from .scores import (
     LOG2E,
     alibi_shift,
+    alibi_slope,
     block_needs_mask,
     diagonal_shift,
     dropout_keep,
+    dropout_seed,
     keep_positions,
     query_range,
     scores_log2,
@@ -54,9 +57,7 @@ from .tiles import add_rows, head_rows, load_rows, row_tiles, store_rows
 
 @triton.jit
 def attn_bwd_kernel(
-        Q, K, V, dOut, Lse, Delta, dQ, dK, dV, dKacc, dVacc, Sems, cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
-        stride_q, stride_k, stride_v, stride_do, stride_dq, stride_dk, stride_dv, stride_acc, stride_lse,
-        stride_slope_b, batch, D, S,
+        Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, D, S,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr, F: tl.constexpr):
     # ---- program -> role, sequence and program head ----
@@ -69,11 +70,8 @@ def attn_bwd_kernel(
     ph = tl.program_id(1) % prog_heads
     key_tiles = tl.cdiv(D.max_seqlen_k, BLOCK_N)
     if x < key_tiles:
-        key_tile_dkdv(
-            x, b, ph, Q, K, V, dOut, Lse, Delta, dQ, dK, dV, dKacc, dVacc, Sems,
-            cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
-            stride_q, stride_k, stride_v, stride_do, stride_dq, stride_dk, stride_dv, stride_acc, stride_lse,
-            stride_slope_b, batch, D, S, BLOCK_M, BLOCK_N, BLOCK_D, F)
+        key_tile_dkdv(x, b, ph, Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, D, S,
+                      BLOCK_M, BLOCK_N, BLOCK_D, F)
     elif not F.DQ_ATOMIC:
         # ---- dQ pass: query tile of one of the slot's query heads, counted from the last tile ----
         query_tiles = tl.cdiv(D.max_seqlen_q, DQ_BLOCK_M)
@@ -82,21 +80,15 @@ def attn_bwd_kernel(
             h = ph * D.group + x // query_tiles
         else:
             h = ph
-        query_tile_dq(
-            query_tiles - 1 - x % query_tiles, b, h, Q, K, V, dOut, Lse, Delta, dQ,
-            cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
-            stride_q, stride_k, stride_v, stride_do, stride_dq, stride_lse, stride_slope_b, D, S,
-            DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, F)
+        query_tile_dq(query_tiles - 1 - x % query_tiles, b, h, Q, K, V, dOut, Lse, Delta, grads.dq, seq, strides,
+                      D, S, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, F)
 
 
 @triton.jit
-def key_tile_dkdv(
-        n_block, b, ph, Q, K, V, dOut, Lse, Delta, dQacc, dK, dV, dKacc, dVacc, Sems,
-        cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
-        stride_q, stride_k, stride_v, stride_do, stride_dq, stride_dk, stride_dv, stride_acc, stride_lse,
-        stride_slope_b, batch, D, S,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
-    """One key tile of kv head hk (LOOP_GROUP: ph = hk) or query head ph (the accumulator epilogue)."""
+def key_tile_dkdv(n_block, b, ph, Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, D, S,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
+    """One key tile of kv head hk (LOOP_GROUP: ph = hk) or query head ph (the accumulator epilogue, into
+    kv_acc; `batch` places its semaphore)."""
     # ---- program -> kv head, its query heads, the key tile ----
     if F.LOOP_GROUP:
         hk = ph
@@ -107,8 +99,8 @@ def key_tile_dkdv(
         h_first = ph
         n_heads = 1
     head_dim = D.head_dim
-    q_start, len_q = sequence_bounds(cu_seqlens_q, b, D.max_seqlen_q, F.VARLEN)
-    k_start, len_k = sequence_bounds(cu_seqlens_k, b, D.max_seqlen_k, F.VARLEN)
+    q_start, len_q = sequence_bounds(seq.cu_seqlens_q, b, D.max_seqlen_q, F.VARLEN)
+    k_start, len_k = sequence_bounds(seq.cu_seqlens_k, b, D.max_seqlen_k, F.VARLEN)
     n0 = n_block * BLOCK_N
     if n0 >= len_k:
         return
@@ -117,17 +109,13 @@ def key_tile_dkdv(
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     b64 = b.to(tl.int64)
-    k_base = head_rows(K, stride_k, b64, k_start, hk)
-    v_base = head_rows(V, stride_v, b64, k_start, hk)
-    k = load_rows(row_tiles(k_base, stride_k[1], len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS), stride_k[1], n0,
+    k_base = head_rows(K, strides.k, b64, k_start, hk)
+    v_base = head_rows(V, strides.v, b64, k_start, hk)
+    k = load_rows(row_tiles(k_base, strides.k[1], len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS), strides.k[1], n0,
                   len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
-    v = load_rows(row_tiles(v_base, stride_v[1], len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS), stride_v[1], n0,
+    v = load_rows(row_tiles(v_base, strides.v[1], len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS), strides.v[1], n0,
                   len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
-    seed = 0
-    offset = 0
-    if F.HAS_DROPOUT:
-        seed = tl.load(rng_state)
-        offset = tl.load(rng_state + 1)
+    seed, offset = dropout_seed(seq, F)
     m_lo, m_hi = query_range(n0, len_q, shift, S, BLOCK_M, BLOCK_N, F)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -135,20 +123,18 @@ def key_tile_dkdv(
     for g in range(0, n_heads):
         # ---- one query head: its q / dO sources, lse and D rows, ALiBi slope ----
         h = h_first + g
-        q_src = row_tiles(head_rows(Q, stride_q, b64, q_start, h), stride_q[1], len_q, head_dim, BLOCK_M, BLOCK_D,
+        q_src = row_tiles(head_rows(Q, strides.q, b64, q_start, h), strides.q[1], len_q, head_dim, BLOCK_M, BLOCK_D,
                           F.TMA_LOADS)
-        do_src = row_tiles(head_rows(dOut, stride_do, b64, q_start, h), stride_do[1], len_q, head_dim, BLOCK_M,
+        do_src = row_tiles(head_rows(dOut, strides.dout, b64, q_start, h), strides.dout[1], len_q, head_dim, BLOCK_M,
                            BLOCK_D, F.TMA_LOADS)
-        row_base = b64 * stride_lse[0] + h.to(tl.int64) * stride_lse[1] + q_start
-        slope = 0.0
-        if F.HAS_ALIBI:
-            slope = tl.load(slopes + b * stride_slope_b + h)
+        row_base = b64 * strides.lse[0] + h.to(tl.int64) * strides.lse[1] + q_start
+        slope = alibi_slope(seq, strides, b, h, F)
         for m0 in range(m_lo, m_hi, BLOCK_M):
             # ---- recompute P^T for this query tile ----
             offs_m = m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < len_q
-            q = load_rows(q_src, stride_q[1], m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
-            do = load_rows(do_src, stride_do[1], m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
+            q = load_rows(q_src, strides.q[1], m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
+            do = load_rows(do_src, strides.dout[1], m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
             lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
             delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
             qkT = tl.dot(k, tl.trans(q))
@@ -176,18 +162,18 @@ def key_tile_dkdv(
             if F.DQ_ATOMIC:
                 # ---- atomic dQ: this tile's share into the fp32 buffer ----
                 dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k) * S.scale
-                add_rows(dq_part, head_rows(dQacc, stride_dq, b64, q_start, h), stride_dq[1], m0, len_q, head_dim,
+                add_rows(dq_part, head_rows(grads.dq, strides.dq, b64, q_start, h), strides.dq[1], m0, len_q, head_dim,
                          BLOCK_M, BLOCK_D, F.USE_TMA)
 
     if F.LOOP_GROUP:
         # ---- dK/dV complete on chip: store in the output dtype ----
-        store_rows(dk * S.scale, head_rows(dK, stride_dk, b64, k_start, hk), stride_dk[1], n0, len_k, head_dim,
+        store_rows(dk * S.scale, head_rows(grads.dk, strides.dk, b64, k_start, hk), strides.dk[1], n0, len_k, head_dim,
                    BLOCK_N, BLOCK_D, F.USE_TMA)
-        store_rows(dv, head_rows(dV, stride_dv, b64, k_start, hk), stride_dv[1], n0, len_k, head_dim,
+        store_rows(dv, head_rows(grads.dv, strides.dv, b64, k_start, hk), strides.dv[1], n0, len_k, head_dim,
                    BLOCK_N, BLOCK_D, F.USE_TMA)
     else:
         # ---- GQA accumulator epilogue: this query head's share, in rank order if deterministic ----
-        lock = Sems + (n_block * batch + b) * (D.heads // D.group) + hk
-        acc_off = b64 * stride_acc[0] + hk.to(tl.int64) * stride_acc[1] + k_start.to(tl.int64) * head_dim
-        accumulate_kv(dk * S.scale, dv, dKacc + acc_off, dVacc + acc_off, head_dim, n0, len_k, head_dim,
+        lock = kv_acc.semaphores + (n_block * batch + b) * (D.heads // D.group) + hk
+        acc_off = b64 * strides.kv_acc[0] + hk.to(tl.int64) * strides.kv_acc[1] + k_start.to(tl.int64) * head_dim
+        accumulate_kv(dk * S.scale, dv, kv_acc.dk + acc_off, kv_acc.dv + acc_off, head_dim, n0, len_k, head_dim,
                       lock, h_first % D.group, BLOCK_N, BLOCK_D, F.USE_TMA, F.DETERMINISTIC)

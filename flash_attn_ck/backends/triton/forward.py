@@ -4,9 +4,9 @@ Writes out (input dtype) and lse (fp32, natural log; +inf for a row that sees no
 is 0). MQA/GQA read K/V of head h // group directly (no expansion). Varlen tensors are packed
 `(total, h, d)` with batch stride 0 and per-sequence starts from cu_seqlens.
 
-Arguments (launch.forward builds them): per-tensor stride tuples, D (launch.Sizes), S
-(launch.ScoreArgs) and the constexpr flags F (launch.Features; the forward reads USE_TMA for its
-store and TMA_LOADS, set alike, for its loads).
+Arguments (launch.forward builds them): the tensors, seq (launch.SequenceArgs), strides
+(launch.ForwardStrides), D (launch.Sizes), S (launch.ScoreArgs) and the constexpr flags F
+(launch.Features; the forward reads USE_TMA for its store and TMA_LOADS, set alike, for its loads).
 """
 
 import triton
@@ -17,16 +17,13 @@ from .tiles import head_rows, store_rows
 
 
 @triton.jit
-def attn_fwd_kernel(
-        Q, K, V, Out, Lse, cu_seqlens_q, cu_seqlens_k, slopes, rng_state,
-        stride_q, stride_k, stride_v, stride_o, stride_lse, stride_slope_b, D, S,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
+def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, D, S,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // D.heads
     h = tl.program_id(1) % D.heads
-    m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(
-        m_block, b, cu_seqlens_q, cu_seqlens_k, D, BLOCK_M, F)
+    m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(m_block, b, seq, D, BLOCK_M, F)
     if m0 >= len_q:
         return
 
@@ -34,8 +31,7 @@ def attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < len_q
     q, k_src, v_src, slope, seed, offset = query_tile_operands(
-        Q, K, V, slopes, rng_state, stride_q, stride_k, stride_v, stride_slope_b, b, h, D, m0, q_start, len_q,
-        k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, F)
+        Q, K, V, seq, strides, b, h, D, m0, q_start, len_q, k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, F)
 
     # ---- online softmax over the visible key tiles (log2 units) ----
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -44,8 +40,9 @@ def attn_fwd_kernel(
     lo, hi = key_range(m0, len_k, shift, S, BLOCK_M, BLOCK_N, F)
     bias_shift = alibi_shift(len_q, len_k, shift, F)
     for n0 in range(lo, hi, BLOCK_N):
-        cols, k, v, s, _ = key_tile_scores(q, k_src, v_src, stride_k[1], stride_v[1], offs_m, n0, offs_n, m0, len_k,
-                                           D.head_dim, shift, bias_shift, S, slope, BLOCK_M, BLOCK_N, BLOCK_D, F)
+        cols, k, v, s, _ = key_tile_scores(q, k_src, v_src, strides.k[1], strides.v[1], offs_m, n0, offs_n, m0,
+                                           len_k, D.head_dim, shift, bias_shift, S, slope, BLOCK_M, BLOCK_N, BLOCK_D,
+                                           F)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -65,7 +62,7 @@ def attn_fwd_kernel(
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
     b64 = b.to(tl.int64)
-    store_rows(out, head_rows(Out, stride_o, b64, q_start, h), stride_o[1], m0, len_q, D.head_dim, BLOCK_M, BLOCK_D,
-               F.USE_TMA)
-    lse_base = Lse + b64 * stride_lse[0] + h.to(tl.int64) * stride_lse[1] + q_start
+    store_rows(out, head_rows(Out, strides.out, b64, q_start, h), strides.out[1], m0, len_q, D.head_dim, BLOCK_M,
+               BLOCK_D, F.USE_TMA)
+    lse_base = Lse + b64 * strides.lse[0] + h.to(tl.int64) * strides.lse[1] + q_start
     tl.store(lse_base + offs_m, lse, mask=row_ok)

@@ -4,14 +4,20 @@ backend.py builds a `LaunchSpec` per kernel call (`forward`, `bwd_preprocess`, `
 `cast_rows` below) and launches it; scripts/triton_compile_check.py builds the same specs from meta
 tensors and reads their signatures (`LaunchSpec.signature`), so the two never disagree.
 
-The kernels' arguments are grouped (Triton 3.6 kernels take tuples and named tuples; each element is
-specialised like a scalar argument, so grouping costs no register and no instruction):
-- per-tensor stride tuples: `stride_q = (batch, row, head)` strides of a (b, s, h, d) tensor, or
-  (0, row, head) of a varlen (total, h, d) one (`rows3`); `stride_lse = (batch, head)`;
+The kernels' arguments are grouped (Triton 3.6 kernels take tuples and named tuples, nested too; each element is
+specialised like a scalar argument and the kernel's parameters are the elements in order, so grouping costs no
+register and no instruction):
+- `seq`, the `SequenceArgs`: the pointers of the score features (cu_seqlens, ALiBi slopes, dropout rng_state);
+- `strides`, the `ForwardStrides` or `BackwardStrides` of the call: per tensor a stride tuple, `(batch, row,
+  head)` of a (b, s, h, d) tensor or (0, row, head) of a varlen (total, h, d) one (`rows3`), `(batch, head)` of
+  lse (`lse_strides`), and last the slopes' batch stride (`slope_batch_stride`);
+- the backward's `Gradients` (dq, dk, dv) and `KVAccumulators` (the GQA accumulator epilogue's buffers);
 - `D`, a `Sizes` (heads, group, max_seqlen_q, max_seqlen_k, head_dim) and `S`, a
   `ScoreArgs` (scale, softcap, dropout_p, window_left, window_right): runtime named tuples;
 - `F`, the `Features`: one constexpr named tuple of every compile-time flag, read in the kernels
   as `F.HAS_ALIBI`, ... and handed whole to the helpers of scores.py.
+Reordering a group's fields reorders the kernel's parameters (and moves ptxas's register allocation): the groups
+keep the order of the flat parameters they replaced, so the kernels' machine code did not change with them.
 
 Adding a feature flag: a field of `Features` (default off, so every spec and the compile check
 keep compiling), its value where backend.py names the call's flags (`_scores_features`,
@@ -36,7 +42,7 @@ class Features(NamedTuple):
     TOP_LEFT: bool = False       # mask diagonal aligned top-left (else bottom-right, per sequence)
     HAS_LEFT: bool = False       # the mask has a left (sliding window) bound: window_left
     HAS_RIGHT: bool = False      # the mask has a right bound (causal: 0): window_right
-    HAS_ALIBI: bool = False      # subtract slope * |i + shift - j| (slopes, stride_slope_b)
+    HAS_ALIBI: bool = False      # subtract slope * |i + shift - j| (seq.slopes, strides.slope_batch)
     HAS_SOFTCAP: bool = False    # score = softcap * tanh(score / softcap)
     HAS_DROPOUT: bool = False    # Philox dropout (rng_state, dropout_p)
     EVEN_K: bool = False         # every key tile is full: no mask branch without a window bound
@@ -83,12 +89,52 @@ class ScoreArgs(NamedTuple):
 
 
 class SequenceArgs(NamedTuple):
-    """Per-call pointers of the score features (a dummy tensor where a feature is off)."""
+    """Per-call pointers of the score features (runtime `seq`; a dummy tensor where a feature is off)."""
     cu_seqlens_q: torch.Tensor
     cu_seqlens_k: torch.Tensor
     slopes: torch.Tensor
     rng_state: torch.Tensor
-    stride_slope_b: int
+
+
+class ForwardStrides(NamedTuple):
+    """The forward's strides (runtime `strides`): `rows3` of q, k, v, out; `lse_strides` of lse."""
+    q: tuple[int, int, int]
+    k: tuple[int, int, int]
+    v: tuple[int, int, int]
+    out: tuple[int, int, int]
+    lse: tuple[int, int]
+    slope_batch: int    # slope_batch_stride
+
+
+class BackwardStrides(NamedTuple):
+    """The backward's strides (runtime `strides`): `rows3` of q, k, v, dO and the gradients; (batch, head) of the fp32
+    dK/dV accumulators, whose rows are head_dim apart; `lse_strides` of lse (and D, strided alike)."""
+    q: tuple[int, int, int]
+    k: tuple[int, int, int]
+    v: tuple[int, int, int]
+    dout: tuple[int, int, int]
+    dq: tuple[int, int, int]
+    dk: tuple[int, int, int]
+    dv: tuple[int, int, int]
+    kv_acc: tuple[int, int]
+    lse: tuple[int, int]
+    slope_batch: int    # slope_batch_stride
+
+
+class Gradients(NamedTuple):
+    """What the backward writes (runtime `grads`): dQ (in the atomic mode, F.DQ_ATOMIC, an fp32 buffer laid out like
+    q that bwd_postprocess casts), dK and dV."""
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+
+
+class KVAccumulators(NamedTuple):
+    """The GQA accumulator epilogue's buffers (runtime `kv_acc`, bwd_epilogue.accumulate_kv): fp32 dK and dV and the
+    deterministic mode's semaphores; a dummy tensor where the plan has none."""
+    dk: torch.Tensor
+    dv: torch.Tensor
+    semaphores: torch.Tensor
 
 
 def rows3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
@@ -103,6 +149,12 @@ def lse_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
     strides = t.stride()
     assert strides[-1] == 1
     return (0, strides[0]) if varlen else strides[:2]
+
+
+def slope_batch_stride(slopes: torch.Tensor, alibi: bool) -> int:
+    """The batch stride of ALiBi slopes: (b, h) slopes have one, (h,) slopes (shared by the batch) and a call without
+    ALiBi (`slopes` a dummy) 0."""
+    return slopes.stride(0) if alibi and slopes.dim() == 2 else 0
 
 
 def bhr(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
@@ -288,11 +340,10 @@ def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArg
             tile: Tile, block_d: int, grid: tuple[int, int]) -> LaunchSpec:
     from .forward import attn_fwd_kernel
     varlen = features.VARLEN
+    strides = ForwardStrides(rows3(q, varlen), rows3(k, varlen), rows3(v, varlen), rows3(out, varlen),
+                             lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
     return LaunchSpec(attn_fwd_kernel, grid, dict(
-        Q=q, K=k, V=v, Out=out, Lse=lse, cu_seqlens_q=seq.cu_seqlens_q, cu_seqlens_k=seq.cu_seqlens_k,
-        slopes=seq.slopes, rng_state=seq.rng_state,
-        stride_q=rows3(q, varlen), stride_k=rows3(k, varlen), stride_v=rows3(v, varlen), stride_o=rows3(out, varlen),
-        stride_lse=lse_strides(lse, varlen), stride_slope_b=seq.stride_slope_b, D=sizes, S=scores,
+        Q=q, K=k, V=v, Out=out, Lse=lse, seq=seq, strides=strides, D=sizes, S=scores,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, F=features), tile.num_warps, tile.num_stages)
 
 
@@ -322,17 +373,16 @@ def bwd_main(q, k, v, dout, lse, delta, dq, dk, dv, dk_acc, dv_acc, sems, seq: S
     total_k = dk.shape[0] if varlen else sizes.max_seqlen_k
     heads_k = sizes.heads // sizes.group
     acc_strides = (0, total_k * d) if varlen else (heads_k * sizes.max_seqlen_k * d, sizes.max_seqlen_k * d)
+    strides = BackwardStrides(rows3(q, varlen), rows3(k, varlen), rows3(v, varlen), rows3(dout, varlen),
+                              rows3(dq, varlen), rows3(dk, varlen), rows3(dv, varlen), acc_strides,
+                              lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
+    kv_acc = KVAccumulators(dk_acc if dk_acc is not None else delta, dv_acc if dv_acc is not None else delta,
+                            sems if sems is not None else delta)
     return LaunchSpec(attn_bwd_kernel, grid, dict(
-        Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta, dQ=dq, dK=dk, dV=dv,
-        dKacc=dk_acc if dk_acc is not None else delta, dVacc=dv_acc if dv_acc is not None else delta,
-        Sems=sems if sems is not None else delta, cu_seqlens_q=seq.cu_seqlens_q, cu_seqlens_k=seq.cu_seqlens_k,
-        slopes=seq.slopes, rng_state=seq.rng_state,
-        stride_q=rows3(q, varlen), stride_k=rows3(k, varlen), stride_v=rows3(v, varlen),
-        stride_do=rows3(dout, varlen), stride_dq=rows3(dq, varlen), stride_dk=rows3(dk, varlen),
-        stride_dv=rows3(dv, varlen), stride_acc=acc_strides, stride_lse=lse_strides(lse, varlen),
-        stride_slope_b=seq.stride_slope_b, batch=batch, D=sizes, S=scores,
-        BLOCK_M=kv.block_m, BLOCK_N=kv.block_n, DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n,
-        BLOCK_D=block_d, F=features), kv.num_warps, kv.num_stages)
+        Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta, grads=Gradients(dq, dk, dv), kv_acc=kv_acc, seq=seq,
+        strides=strides, batch=batch, D=sizes, S=scores, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
+        DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n, BLOCK_D=block_d, F=features),
+        kv.num_warps, kv.num_stages)
 
 
 def cast_rows(src, dst, src_bhr, dst_bhr, heads: int, batch: int, rows: int, block_d: int,

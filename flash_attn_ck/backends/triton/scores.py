@@ -10,8 +10,9 @@ Conventions (checked by the tests against core/mask.py and core/dropout.py):
   (when a right bound exists) and `j < len_k`.
 - Helpers are elementwise in `rows`/`cols`, so a caller may use (rows[:, None], cols[None, :]) or
   the transposed orientation (rows[None, :], cols[:, None]).
-- `F` is the call's launch.Features (constexpr), `S` its launch.ScoreArgs, `D` its launch.Sizes:
-  a helper reads the flags and values it needs, so a new flag changes no signature.
+- `F` is the call's launch.Features (constexpr), `S` its launch.ScoreArgs, `D` its launch.Sizes,
+  `seq` its launch.SequenceArgs, `strides` its launch.ForwardStrides or BackwardStrides: a helper
+  reads the flags and values it needs, so a new flag changes no signature.
 """
 
 import triton
@@ -50,38 +51,32 @@ def alibi_shift(len_q, len_k, shift, F: tl.constexpr):
 
 
 @triton.jit
-def query_tile_bounds(m_block, b, cu_seqlens_q, cu_seqlens_k, D, BLOCK_M: tl.constexpr, F: tl.constexpr):
+def query_tile_bounds(m_block, b, seq, D, BLOCK_M: tl.constexpr, F: tl.constexpr):
     """Query tile m_block of sequence b: (first row m0, q start, q length, k start, k length, diagonal shift)."""
-    q_start, len_q = sequence_bounds(cu_seqlens_q, b, D.max_seqlen_q, F.VARLEN)
-    k_start, len_k = sequence_bounds(cu_seqlens_k, b, D.max_seqlen_k, F.VARLEN)
+    q_start, len_q = sequence_bounds(seq.cu_seqlens_q, b, D.max_seqlen_q, F.VARLEN)
+    k_start, len_k = sequence_bounds(seq.cu_seqlens_k, b, D.max_seqlen_k, F.VARLEN)
     return m_block * BLOCK_M, q_start, len_q, k_start, len_k, diagonal_shift(len_q, len_k, F)
 
 
 @triton.jit
-def query_tile_operands(Q, K, V, slopes, rng_state, stride_q, stride_k, stride_v, stride_slope_b, b, h, D, m0,
-                        q_start, len_q, k_start, len_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_D: tl.constexpr, F: tl.constexpr):
+def query_tile_operands(Q, K, V, seq, strides, b, h, D, m0, q_start, len_q, k_start, len_k, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
     """What a query-tile program (forward, dQ pass) reads before its key loop: its q tile, the K and V
     sources of its kv head (tiles.row_tiles, for key_tile_scores), the ALiBi slope, and the dropout
-    seed and offset (0 when unused). Tiles load through TMA with F.TMA_LOADS."""
+    seed and offset (0 when unused). Tiles load through TMA with F.TMA_LOADS. `strides`: the call's
+    launch.ForwardStrides or BackwardStrides (the fields q, k, v and slope_batch of either)."""
     b64 = b.to(tl.int64)
-    q_base = head_rows(Q, stride_q, b64, q_start, h)
-    q = load_rows(row_tiles(q_base, stride_q[1], len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS), stride_q[1], m0,
-                  len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
+    q_base = head_rows(Q, strides.q, b64, q_start, h)
+    q = load_rows(row_tiles(q_base, strides.q[1], len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS), strides.q[1],
+                  m0, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
     # (the kv head's offset written out, not through head_rows: the same operation order as before keeps
     # the generated code identical)
-    k_src = row_tiles(K + b64 * stride_k[0] + k_start.to(tl.int64) * stride_k[1] + (h // D.group) * stride_k[2],
-                      stride_k[1], len_k, D.head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
-    v_src = row_tiles(V + b64 * stride_v[0] + k_start.to(tl.int64) * stride_v[1] + (h // D.group) * stride_v[2],
-                      stride_v[1], len_k, D.head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
-    slope = 0.0
-    if F.HAS_ALIBI:
-        slope = tl.load(slopes + b * stride_slope_b + h)
-    seed = 0
-    offset = 0
-    if F.HAS_DROPOUT:
-        seed = tl.load(rng_state)
-        offset = tl.load(rng_state + 1)
+    k_src = row_tiles(K + b64 * strides.k[0] + k_start.to(tl.int64) * strides.k[1] + (h // D.group) * strides.k[2],
+                      strides.k[1], len_k, D.head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
+    v_src = row_tiles(V + b64 * strides.v[0] + k_start.to(tl.int64) * strides.v[1] + (h // D.group) * strides.v[2],
+                      strides.v[1], len_k, D.head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
+    slope = alibi_slope(seq, strides, b, h, F)
+    seed, offset = dropout_seed(seq, F)
     return q, k_src, v_src, slope, seed, offset
 
 
@@ -160,6 +155,15 @@ def scores_log2(qk, rows, cols, bias_shift, S, slope, F: tl.constexpr):
 
 
 @triton.jit
+def alibi_slope(seq, strides, b, h, F: tl.constexpr):
+    """Query head h's ALiBi slope in sequence b (0 without ALiBi); `strides.slope_batch` is 0 for (h,) slopes."""
+    slope = 0.0
+    if F.HAS_ALIBI:
+        slope = tl.load(seq.slopes + b * strides.slope_batch + h)
+    return slope
+
+
+@triton.jit
 def key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m0, len_k, head_dim, shift, bias_shift,
                     S, slope, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
     """One key tile as a query tile sees it: (columns, K, V, scores in log2 units with softcap/ALiBi and
@@ -176,6 +180,17 @@ def key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m
 
 
 # ---- dropout ----
+
+@triton.jit
+def dropout_seed(seq, F: tl.constexpr):
+    """The call's (seed, offset) from rng_state (0, 0 without dropout)."""
+    seed = 0
+    offset = 0
+    if F.HAS_DROPOUT:
+        seed = tl.load(seq.rng_state)
+        offset = tl.load(seq.rng_state + 1)
+    return seed, offset
+
 
 @triton.jit
 def dropout_keep(seed, offset, plane, rows, cols, dropout_p):
