@@ -39,6 +39,10 @@ class MaskKind(enum.Enum):
 # What flash-attn's arguments (causal, window_size) make; the other kinds come from the SDPA-style
 # top-left alignment and from query-row chunks of a masked call (pipeline/chunking.py).
 API_MASK_KINDS = frozenset({MaskKind.NONE, MaskKind.CAUSAL, MaskKind.WINDOW})
+# What a kernel that rebuilds its mask per sequence from (left, right) and the alignment runs (CK's and the Triton
+# kernels'); listed, not derived from MaskKind, so a new kind is claimed only by the backends that add it.
+WINDOW_MASK_KINDS = frozenset({MaskKind.NONE, MaskKind.CAUSAL, MaskKind.CAUSAL_TOP_LEFT, MaskKind.WINDOW,
+                               MaskKind.WINDOW_TOP_LEFT})
 
 
 def describe_kinds(kinds: frozenset[MaskKind]) -> str:

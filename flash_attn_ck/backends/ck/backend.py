@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from ...core.mask import MaskKind
+from ...core.mask import WINDOW_MASK_KINDS
 from ...core.plan import WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
@@ -291,7 +291,7 @@ class CkBackend(Backend):
     supports_softcap = False            # CK's kernels have none: refuse, never ignore
     # CK's top-left and bottom-right masks (rebuilt per sequence from left/right); generic (y, x)
     # windows need CK's generic mask, which our instance set does not build.
-    mask_kinds = frozenset(MaskKind) - {MaskKind.GENERIC}
+    mask_kinds = WINDOW_MASK_KINDS
     # Chunks of whole batch entries, KV groups or query-head slices are plain views for CK. Not query
     # rows (that needs CK's generic mask, which our instance set does not build) and not with dropout
     # (CK draws its pattern from positions inside the launch).

@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from ...core.mask import MaskKind, MaskType
+from ...core.mask import WINDOW_MASK_KINDS, MaskType
 from ...core.plan import BufferSpec, WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
@@ -138,7 +138,7 @@ class TritonBackend(Backend):
     supports_chunks = True
     # Every kernel, the warp-specialised ones included, rebuilds its diagonal per sequence from the
     # alignment and left/right; none takes CK's generic (y, x).
-    mask_kinds = frozenset(MaskKind) - {MaskKind.GENERIC}
+    mask_kinds = WINDOW_MASK_KINDS
 
     def __init__(self, gqa_epilogue: str | None = None, dq_mode: str | None = None,
                  use_tma: bool | None = None, configs: config.Configs | None = None,
