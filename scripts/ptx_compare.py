@@ -5,10 +5,11 @@
 
 Compiles, in each tree (by that tree's own copy of this script, so each spells its kernels' arguments its own way),
 every default tile of the warp-specialised forward (fwd_ws) and backward (bwd_ws, bwd_ws_split) for sm_90a over a set
-of mask / varlen / deterministic variants (NAME_PART: only those whose names contain it, e.g. "fwd_ws" or "d128"),
-strips what only debug information carries (`.loc`, `.file`, comments, `$L__tmp` labels, the debug sections) and
-prints, per variant, IDENTICAL or the number of differing lines. Identical PTX means identical machine code: GPU
-results of OLD_TREE's kernels (tests, sanitizer, timings) hold for this tree's. Exits 1 if any variant differs.
+of mask / varlen / deterministic / varlen-schedule variants (NAME_PART: only those whose names contain it, e.g.
+"fwd_ws" or "d128"), strips what only debug information carries (`.loc`, `.file`, comments, `$L__tmp` labels, the
+debug sections) and prints, per variant, IDENTICAL or the number of differing lines. Identical PTX means identical
+machine code: GPU results of OLD_TREE's kernels (tests, sanitizer, timings) hold for this tree's. Exits 1 if any
+variant differs or is missing here; a variant only this tree compiles (a new kernel mode) is listed as new.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ from pathlib import Path
 
 
 def variants(head_dims):
-    """(head dim, causal, (TOP_LEFT, HAS_LEFT, HAS_RIGHT), varlen, deterministic): dense and causal calls at each
-    head dim, and the mask and mode every flag turns on (top-left window, varlen, deterministic)."""
-    return [(d, causal, (False, False, causal), False, False) for d in head_dims for causal in (False, True)] + \
-           [(d, True, (True, True, True), True, True) for d in head_dims]
+    """(head dim, causal, (TOP_LEFT, HAS_LEFT, HAS_RIGHT), varlen, deterministic, schedule): dense and causal calls at
+    each head dim, the mask and mode every flag turns on (top-left window, varlen, deterministic), and the varlen
+    schedule (backend.TritonBackend(varlen_schedule=True)) with every mask flag, and deterministic with a causal mask
+    (a deterministic call with a left window keeps the grid)."""
+    return [(d, causal, (False, False, causal), False, False, False) for d in head_dims for causal in (False, True)] + \
+           [(d, True, (True, True, True), True, True, False) for d in head_dims] + \
+           [(d, True, masks, True, det, True) for d in head_dims
+            for masks, det in (((True, True, True), False), ((False, False, True), True))]
 
 
 def strip_debug(ptx: str) -> str:
@@ -49,13 +54,15 @@ def specs(names: str = ""):
 
     from flash_attn_ck.backends.triton import config
 
-    for d, causal, masks, varlen, deterministic in variants(sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90))):
-        name = f"fwd_ws d{d} causal={causal} varlen={varlen}"
-        if d in config.FWD_WS_SM90 and names in name:
-            yield name, fwd_spec(config.FWD_WS_SM90[d][causal], d, varlen, masks)
+    for d, causal, masks, varlen, deterministic, schedule in variants(
+            sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90))):
+        scheduled = f" schedule masks={''.join(f if on else '-' for f, on in zip('TLR', masks))}" if schedule else ""
+        name = f"fwd_ws d{d} causal={causal} varlen={varlen}{scheduled}"
+        if d in config.FWD_WS_SM90 and names in name and not (schedule and deterministic):  # the same forward
+            yield name, fwd_spec(config.FWD_WS_SM90[d][causal], d, varlen, masks, schedule=schedule)
         if d in config.BWD_WS_SM90:
-            spec = bwd_spec(config.BWD_WS_SM90[d], d, varlen, masks, deterministic)
-            name = f"{spec.kernel.fn.__name__} d{d} causal={causal} varlen={varlen} det={deterministic}"
+            spec = bwd_spec(config.BWD_WS_SM90[d], d, varlen, masks, deterministic, schedule=schedule)
+            name = f"{spec.kernel.fn.__name__} d{d} causal={causal} varlen={varlen} det={deterministic}{scheduled}"
             if names in name:
                 yield name, spec
 
@@ -85,17 +92,21 @@ def main():
     names = sys.argv[2] if len(sys.argv) == 3 else ""
     old = {name: ptx for name, ptx in tree_dump(Path(sys.argv[1]).resolve()).items() if names in name}
     new = tree_dump(Path(__file__).resolve().parents[1], names)
-    differ = 0
+    differ = added = 0
     for name in sorted(set(old) | set(new)):
-        if name not in old or name not in new:
-            print(f"{name}: only in {'this tree' if name in new else 'OLD_TREE'}")
+        if name not in old:
+            print(f"{name}: new in this tree (nothing to compare)")
+            added += 1
+            continue
+        if name not in new:
+            print(f"{name}: only in OLD_TREE")
             differ += 1
             continue
         a, b = old[name].splitlines(), new[name].splitlines()
         changed = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
         print(f"{name}: " + ("IDENTICAL" if a == b else f"{changed} lines differ"), flush=True)
         differ += a != b
-    print(f"{len(new) - differ} of {len(new)} variants identical")
+    print(f"{len(old) - differ} of {len(old)} variants identical" + (f"; {added} new in this tree" if added else ""))
     sys.exit(1 if differ else 0)
 
 
