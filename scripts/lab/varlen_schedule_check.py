@@ -107,7 +107,10 @@ def row_text(w: bw.Workload, row: dict) -> str:
     diffs = " ".join(f"{k}={v:.2g}" for k, v in row["max_abs_diff"].items())
     errors = "; ".join(f"{name}: {r.get('error') or r.get('skipped')}" for name, r in t.items()
                        if "error" in r or "skipped" in r)
-    return f"| {w.family} | {w.name} | " + " | ".join(cells) + f" | {diffs} |" + (f" {errors}" if errors else "")
+    kernels = row["kernels"]["schedule"]
+    used = "+".join(role for role in ("forward", "backward") if "varlen schedule" in kernels[role]) or "none"
+    text = f"| {w.family} | {w.name} | {used} | " + " | ".join(cells) + f" | {diffs} |"
+    return text + (f" {errors}" if errors else "")
 
 
 def main(argv=None) -> None:
@@ -129,8 +132,8 @@ def main(argv=None) -> None:
     rows = []
     print("TFLOP/s of useful work (bench_workloads' count), grid -> scheduled (scheduled / grid); max |scheduled - "
           "grid| per output", flush=True)
-    print("| family | workload | fwd | bwd | step | max abs diff |", flush=True)
-    print("|---|---|---|---|---|---|", flush=True)
+    print("| family | workload | scheduled passes | fwd | bwd | step | max abs diff |", flush=True)
+    print("|---|---|---|---|---|---|---|", flush=True)
     start = time.time()
     for w in check_workloads(args.seed):
         if w.family not in families:
