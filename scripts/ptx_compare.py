@@ -6,7 +6,7 @@
 Compiles, in each tree (by that tree's own copy of this script, so each spells its kernels' arguments its own way;
 the two trees at once) for sm_90a:
   - every default tile of the warp-specialised forward (fwd_ws) and backward (bwd_ws, bwd_ws_split) over a set of
-    mask / varlen / deterministic variants;
+    mask / varlen / deterministic / varlen-schedule variants;
   - the older Triton kernels (attn_fwd_kernel; attn_bwd_kernel, whose dQ pass is its query-tile role) at every head
     block of the sm_90 table over scripts/triton_compile_check.py's variants (plain, causal, a window with ALiBi,
     softcap and dropout, a top-left window with ALiBi; dense and varlen; the backward's modes), each specialised
@@ -14,7 +14,8 @@ the two trees at once) for sm_90a:
 (NAME_PART: only the variants whose names contain it, e.g. "fwd_ws", "attn_bwd_kernel" or "d128"), strips what
 only debug information carries (`.loc`, `.file`, comments, `$L__tmp` labels, the debug sections) and prints, per
 variant, IDENTICAL or the number of differing lines. Identical PTX means identical machine code: GPU results of
-OLD_TREE's kernels (tests, sanitizer, timings) hold for this tree's. Exits 1 if any variant differs.
+OLD_TREE's kernels (tests, sanitizer, timings) hold for this tree's. Exits 1 if any variant differs or is missing
+here; a variant only this tree compiles (a new kernel mode) is listed as new.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ from pathlib import Path
 
 
 def variants(head_dims):
-    """(head dim, causal, (TOP_LEFT, HAS_LEFT, HAS_RIGHT), varlen, deterministic): dense and causal calls at each
-    head dim, and the mask and mode every flag turns on (top-left window, varlen, deterministic)."""
-    return [(d, causal, (False, False, causal), False, False) for d in head_dims for causal in (False, True)] + \
-           [(d, True, (True, True, True), True, True) for d in head_dims]
+    """(head dim, causal, (TOP_LEFT, HAS_LEFT, HAS_RIGHT), varlen, deterministic, schedule): dense and causal calls at
+    each head dim, the mask and mode every flag turns on (top-left window, varlen, deterministic), and the varlen
+    schedule (backend.TritonBackend(varlen_schedule=True)) with every mask flag, and deterministic with a causal mask
+    (a deterministic call with a left window keeps the grid)."""
+    return [(d, causal, (False, False, causal), False, False, False) for d in head_dims for causal in (False, True)] + \
+           [(d, True, (True, True, True), True, True, False) for d in head_dims] + \
+           [(d, True, masks, True, det, True) for d in head_dims
+            for masks, det in (((True, True, True), False), ((False, False, True), True))]
 
 
 def strip_debug(ptx: str) -> str:
@@ -56,13 +61,15 @@ def specs(names: str = ""):
 
     from flash_attn_ck.backends.triton import config
 
-    for d, causal, masks, varlen, deterministic in variants(sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90))):
-        name = f"fwd_ws d{d} causal={causal} varlen={varlen}"
-        if d in config.FWD_WS_SM90 and names in name:
-            yield name, fwd_spec(config.FWD_WS_SM90[d][causal], d, varlen, masks)
+    for d, causal, masks, varlen, deterministic, schedule in variants(
+            sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90))):
+        scheduled = f" schedule masks={''.join(f if on else '-' for f, on in zip('TLR', masks))}" if schedule else ""
+        name = f"fwd_ws d{d} causal={causal} varlen={varlen}{scheduled}"
+        if d in config.FWD_WS_SM90 and names in name and not (schedule and deterministic):  # the same forward
+            yield name, fwd_spec(config.FWD_WS_SM90[d][causal], d, varlen, masks, schedule=schedule)
         if d in config.BWD_WS_SM90:
-            spec = bwd_spec(config.BWD_WS_SM90[d], d, varlen, masks, deterministic)
-            name = f"{spec.kernel.fn.__name__} d{d} causal={causal} varlen={varlen} det={deterministic}"
+            spec = bwd_spec(config.BWD_WS_SM90[d], d, varlen, masks, deterministic, schedule=schedule)
+            name = f"{spec.kernel.fn.__name__} d{d} causal={causal} varlen={varlen} det={deterministic}{scheduled}"
             if names in name:
                 yield name, spec
     for d, tag, varlen, role, spec in older_variants(sorted({d for d, _ in config.SM90})):
@@ -107,17 +114,21 @@ def main():
     names = sys.argv[2] if len(sys.argv) == 3 else ""
     old, new = tree_dumps([Path(sys.argv[1]).resolve(), Path(__file__).resolve().parents[1]], names)
     old = {name: ptx for name, ptx in old.items() if names in name}   # (an older script may dump every variant)
-    differ = 0
+    differ = added = 0
     for name in sorted(set(old) | set(new)):
-        if name not in old or name not in new:
-            print(f"{name}: only in {'this tree' if name in new else 'OLD_TREE'}")
+        if name not in old:
+            print(f"{name}: new in this tree (nothing to compare)")
+            added += 1
+            continue
+        if name not in new:
+            print(f"{name}: only in OLD_TREE")
             differ += 1
             continue
         a, b = old[name].splitlines(), new[name].splitlines()
         changed = sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))
         print(f"{name}: " + ("IDENTICAL" if a == b else f"{changed} lines differ"), flush=True)
         differ += a != b
-    print(f"{len(new) - differ} of {len(new)} variants identical")
+    print(f"{len(old) - differ} of {len(old)} variants identical" + (f"; {added} new in this tree" if added else ""))
     sys.exit(1 if differ else 0)
 
 

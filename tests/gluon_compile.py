@@ -58,25 +58,38 @@ def _call(head_dim: int, varlen: bool, masks, heads: int = 4, rows: int = 512):
                                 mask=GluonMask((0, 0), MaskFlags(*masks)))
 
 
-def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False)):
+def _schedule(schedule: bool, block: int):
+    """A varlen launch's schedule (varlen_schedule.py) for the one 512-row sequence of `_call` in tiles of `block`
+    rows, or None."""
+    if not schedule:
+        return None
+    from flash_attn_ck.backends.triton import varlen_schedule
+    walk = varlen_schedule.TileWalk(block, block, owns_keys=False)
+    cu = torch.tensor([0, 512], dtype=torch.int32)
+    return varlen_schedule.build_schedule(cu, cu, walk, varlen_schedule.schedule_bound(512, 1, block))
+
+
+def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), schedule: bool = False):
     """fwd_ws.launch_spec of `tile` for a call of `head_dim` (bf16, 512 rows, 4 heads) with `masks` (TOP_LEFT,
-    HAS_LEFT, HAS_RIGHT)."""
+    HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule."""
     from flash_attn_ck.backends.triton import fwd_ws
     _, t, call = _call(head_dim, varlen, masks)
     q = t["q"]
     return fwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), t["lse"], t["cu_seqlens"], t["cu_seqlens"],
-                              tile=tile, **call)[0]
+                              tile=tile, schedule=_schedule(schedule, tile.block_m), **call)[0]
 
 
-def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False):
+def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False,
+             schedule: bool = False):
     """bwd_ws.launch_spec of `tile` (bwd_ws_split's kernel for a split_d tile) for a call like fwd_spec's, in the
-    deterministic mode or not."""
+    deterministic mode or not, with the call's varlen schedule or not."""
     from flash_attn_ck.backends.triton import bwd_ws
     shape, t, call = _call(head_dim, varlen, masks)
     q, lse = t["q"], t["lse"]
     sems = torch.zeros(1, shape[-2], 512 // tile.block_m, dtype=torch.int32) if deterministic else None
     return bwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), lse, lse.clone(), torch.empty(shape), q.clone(),
-                              q.clone(), t["cu_seqlens"], t["cu_seqlens"], tile=tile, semaphores=sems, **call)
+                              q.clone(), t["cu_seqlens"], t["cu_seqlens"], tile=tile, semaphores=sems,
+                              schedule=_schedule(schedule, tile.block_n), **call)
 
 
 def compile_spec(spec):

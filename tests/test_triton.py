@@ -4,6 +4,8 @@ epilogues, both dQ modes, varlen with empty sequences, and bit-identical determi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -27,8 +29,10 @@ if not torch.cuda.is_available():
 import flash_attn_ck  # noqa: E402
 from flash_attn_ck import use_backend  # noqa: E402
 from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
-from flash_attn_ck.core.inputs import describe_call  # noqa: E402
+from flash_attn_ck.core.inputs import describe_call, kernel_params  # noqa: E402
+from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
 from flash_attn_ck.core.options import AttentionOptions  # noqa: E402
+from flash_attn_ck.pipeline.backward import run_backward  # noqa: E402
 
 
 # The test shapes are short (config.SHORT_SEQLEN), where the defaults move tiles by pointers; the
@@ -294,3 +298,122 @@ def test_longest_first_grids_match(head_dim):
     with use_backend(backend):
         check_case(cfg, backend="triton", device="cuda", seed=7)
         _assert_bit_identical(cfg, seed=7)
+
+
+# ---- the varlen schedule (TritonBackend(varlen_schedule=True)) against the grid over every (batch, tile) -----------
+# Backend calls below the public API (top-left masks are not flash-attn's); a pack with an empty sequence, queries
+# without keys and keys without queries, a 1-token sequence and a long one.
+SCHEDULE_PACK = [(300, 300), (0, 0), (1, 1), (1600, 1500), (0, 50), (77, 0), (129, 200), (700, 700)]
+SCHEDULE_MASKS = {
+    "none": dict(),
+    "causal": dict(causal=True),
+    "window_left": dict(window_size=(96, 0)),
+    "right_only": dict(window_size=(-1, 20)),
+    "top_left_causal": lambda s_q, s_k: MaskInfo.top_left(-1, 0, s_q, s_k),
+    "top_left_window": lambda s_q, s_k: MaskInfo.top_left(80, 16, s_q, s_k),
+}
+GRID = dict(ws=True, fwd_ws=True, varlen_schedule=False)
+SCHEDULED = dict(ws=True, fwd_ws=True, varlen_schedule=True)
+
+
+def _schedule_call(mask: str, head_dim: int, heads: tuple[int, int], deterministic: bool, seed: int):
+    """(problem, params, dout) of a bf16 varlen call on SCHEDULE_PACK with `mask` (SCHEDULE_MASKS)."""
+    gen = torch.Generator().manual_seed(seed)
+    offsets = [[0], [0]]
+    for pair in SCHEDULE_PACK:
+        for side in (0, 1):
+            offsets[side].append(offsets[side][-1] + pair[side])
+    cu_q, cu_k = (torch.tensor(o, dtype=torch.int32, device="cuda") for o in offsets)
+
+    def rand(rows, h):
+        return torch.randn(rows, h, head_dim, generator=gen).to("cuda", torch.bfloat16)
+
+    q, k, v, dout = rand(offsets[0][-1], heads[0]), rand(offsets[1][-1], heads[1]), rand(offsets[1][-1], heads[1]), \
+        rand(offsets[0][-1], heads[0])
+    made = SCHEDULE_MASKS[mask]
+    max_q, max_k = max(n for n, _ in SCHEDULE_PACK), max(n for _, n in SCHEDULE_PACK)
+    options = AttentionOptions(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                               deterministic=deterministic, **(made if isinstance(made, dict) else {}))
+    p = describe_call(q, k, v, options)
+    if not isinstance(made, dict):
+        p = replace(p, mask=made(max_q, max_k))
+    return p, kernel_params(p, q, k, v, options, None), dout
+
+
+def _forward(backend, p, params):
+    out = torch.zeros_like(params.q)
+    lse = torch.zeros(p.lse_shape, dtype=torch.float32, device="cuda")
+    backend.forward(p, params, out, lse)
+    return out, lse
+
+
+def _backward(backend, p, params, out, lse, dout):
+    grads = tuple(torch.zeros_like(t) for t in (params.q, params.k, params.v))
+    run_backward(backend, p, params, out, lse, dout, *grads, None)
+    torch.cuda.synchronize()
+    return grads
+
+
+def _assert_dq_close(ours, grid):
+    """dQ of non-deterministic backwards: the same fp32 terms added in another order, rounded to bf16: within two bf16
+    roundings (2^-7 relative) of the grid's, or 1e-3 of its largest entry where the terms cancel."""
+    a, b = ours.float(), grid.float()
+    diff = (a - b).abs()
+    assert (diff <= 2 ** -7 * b.abs() + 1e-3 * b.abs().max()).all(), f"dq: max abs diff {diff.max().item()}"
+
+
+def _compare_schedule(p, params, dout, deterministic: bool, scheduled_backward: bool = True):
+    """The scheduled kernels against the grid's on one call: out and lse bit-identical, dK/dV bit-identical, dQ
+    bit-identical in the deterministic mode (and a second scheduled run bit-identical), else within _assert_dq_close.
+    Each backend says which grid it runs."""
+    grid, sched = TritonBackend(**GRID), TritonBackend(**SCHEDULED)
+    assert "varlen schedule" in sched.forward_kernel(p) and "varlen schedule" not in grid.forward_kernel(p)
+    plan = sched.backward_plan(p).kernel
+    assert plan.startswith("bwd_ws") and ("varlen schedule" in plan) == scheduled_backward, plan
+    out, lse = _forward(grid, p, params)
+    out_s, lse_s = _forward(sched, p, params)
+    assert torch.equal(out_s, out) and torch.equal(lse_s, lse)
+    dq, dk, dv = _backward(grid, p, params, out, lse, dout)
+    dq_s, dk_s, dv_s = _backward(sched, p, params, out, lse, dout)
+    assert torch.equal(dk_s, dk) and torch.equal(dv_s, dv)
+    if deterministic:
+        assert torch.equal(dq_s, dq)
+        for a, b in zip(_backward(sched, p, params, out, lse, dout), (dq_s, dk_s, dv_s)):
+            assert torch.equal(a, b)
+    else:
+        _assert_dq_close(dq_s, dq)
+    assert dq.abs().max() > 0 and dk.abs().max() > 0 and out.abs().max() > 0
+
+
+@pytest.mark.parametrize("head_dim,heads,mask", [
+    *[(128, heads, mask) for heads in ((8, 8), (8, 4)) for mask in sorted(SCHEDULE_MASKS)],
+    *[(256, (8, 2), mask) for mask in sorted(SCHEDULE_MASKS)]],
+    ids=[f"{kernel}-{mask}" for kernel in ("d128-mha", "d128-gqa", "d256-gqa") for mask in sorted(SCHEDULE_MASKS)])
+def test_varlen_schedule_matches_the_grid(head_dim, heads, mask):
+    """fwd_ws, bwd_ws (d128, MHA and GQA 8/4) and bwd_ws_split (d256, GQA 8/2) on the schedule's grid (heads, items)
+    give the grid's results: every (sequence, tile) of the pack is run once, as today's program for it runs it."""
+    p, params, dout = _schedule_call(mask, head_dim, heads, False, seed=head_dim + heads[1])
+    _compare_schedule(p, params, dout, deterministic=False)
+
+
+@pytest.mark.parametrize("mask", sorted(SCHEDULE_MASKS))
+@pytest.mark.parametrize("head_dim", [128, 256], ids=["bwd_ws", "bwd_ws_split"])
+def test_varlen_schedule_deterministic_is_the_grids_bit_for_bit(head_dim, mask):
+    """The deterministic backward on the schedule (no left window bound: each sequence's key tiles start in ascending
+    order, so the ordered dQ adds neither hang nor change order) equals the grid's bit for bit and repeats bit for bit;
+    with a left bound it keeps the grid (the plan says which)."""
+    p, params, dout = _schedule_call(mask, head_dim, (8, 2), True, seed=3)
+    _compare_schedule(p, params, dout, deterministic=True,
+                      scheduled_backward=mask not in ("window_left", "top_left_window"))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_varlen_schedule_in_several_kv_head_launches(monkeypatch, deterministic):
+    """A dQ accumulator budget (config.BWD_WS_DQ_ACCUM_BYTES) of one kv head: three launches share the call's one
+    schedule, each on grid (its kv head, items)."""
+    from flash_attn_ck.backends.triton import config
+    rows_q, heads, group, d = sum(n for n, _ in SCHEDULE_PACK), (12, 3), 4, 128
+    monkeypatch.setattr(config, "BWD_WS_DQ_ACCUM_BYTES", rows_q * group * d * 4)
+    p, params, dout = _schedule_call("causal", d, heads, deterministic, seed=11)
+    assert TritonBackend(**SCHEDULED)._ws_kv_heads_per_launch(p) == 1
+    _compare_schedule(p, params, dout, deterministic)

@@ -25,6 +25,10 @@ Options (constructor arguments, defaults from the environment):
                 aligned, for the forward when config.Configs.fwd_tma and for the backward tiles that
                 Configs.bwd_tma names (neither for short sequences); True: every tile, forward and
                 backward, where the tensors allow; False: masked pointers.
+  varlen_schedule  None = config.VARLEN_SCHEDULE; True: the warp-specialised kernels run varlen calls on a
+                grid over the call's real (sequence, tile) items, longest first (varlen_schedule.py, built on
+                the device per call; `_schedule_walk` says where); False: on the grid over every (batch,
+                tile of the longest sequence).
 The choice of defaults and the measurements behind it: docs/triton.md.
 """
 
@@ -143,7 +147,8 @@ class TritonBackend(Backend):
     def __init__(self, gqa_epilogue: str | None = None, dq_mode: str | None = None,
                  use_tma: bool | None = None, configs: config.Configs | None = None,
                  ws: bool | None = None, ws_tile: config.WsTile | None = None,
-                 fwd_ws: bool | None = None, fwd_ws_tile: config.FwdWsTile | None = None):
+                 fwd_ws: bool | None = None, fwd_ws_tile: config.FwdWsTile | None = None,
+                 varlen_schedule: bool | None = None):
         # An option given here wins; else its environment variable (empty: unset); errors name the source.
         for option, value, env, default, allowed in (
                 ("gqa_epilogue", gqa_epilogue, GQA_ENV, "loop", ("loop", "accumulate")),
@@ -161,6 +166,9 @@ class TritonBackend(Backend):
         self.ws_tile = ws_tile
         self.fwd_ws = fwd_ws
         self.fwd_ws_tile = fwd_ws_tile
+        if varlen_schedule is not None and not isinstance(varlen_schedule, bool):
+            raise ValueError(f"varlen_schedule={varlen_schedule!r}: expected None, True or False")
+        self.varlen_schedule = varlen_schedule
         self._made = True
 
     def __setattr__(self, name, value):
@@ -174,7 +182,7 @@ class TritonBackend(Backend):
         if self.ws is False:
             return None
         return TritonBackend(self.gqa_epilogue, self.dq_mode, self.use_tma, self.configs, ws=False,
-                             fwd_ws=self.fwd_ws, fwd_ws_tile=self.fwd_ws_tile)
+                             fwd_ws=self.fwd_ws, fwd_ws_tile=self.fwd_ws_tile, varlen_schedule=self.varlen_schedule)
 
     # ---- capabilities --------------------------------------------------------------------------
     @classmethod
@@ -252,7 +260,9 @@ class TritonBackend(Backend):
     def forward_kernel(self, problem: AttentionProblem) -> str:
         reasons = self.fwd_ws_reasons(problem)
         if not reasons:
-            return "fwd_ws (warp-specialised Gluon, sm_90)"
+            scheduled = "; varlen schedule: the longest query tiles first" if self._schedule_walk(problem, "forward") \
+                else ""
+            return f"fwd_ws (warp-specialised Gluon, sm_90{scheduled})"
         return "forward (one program per query tile); fwd_ws not used: " + ", ".join(reasons)
 
     @_per_problem
@@ -269,6 +279,55 @@ class TritonBackend(Backend):
         heads) stays under config.BWD_WS_DQ_ACCUM_BYTES."""
         per_kv_head = p.rows_q * p.group_size * p.head_dim_padded * 4
         return max(1, min(p.heads_k, config.BWD_WS_DQ_ACCUM_BYTES // max(per_kv_head, 1)))
+
+    @_per_problem
+    def _schedule_walk(self, p: AttentionProblem, role: str):
+        """(varlen_schedule.TileWalk, bound) of the schedule a warp-specialised `role` launch ("forward": fwd_ws,
+        "backward": bwd_ws / bwd_ws_split) of this call runs, or None where it keeps the grid over every (batch,
+        tile): varlen_schedule off (None: config.VARLEN_SCHEDULE), a dense call, more items than a grid's y dimension
+        takes, or a deterministic backward with a left window bound.
+
+        The walk is the launch's: forward CTAs own query tiles of the tile's block_m rows and walk key tiles of
+        block_n, backward CTAs own key tiles of block_n and walk query tiles of block_m; the window is the kernels'
+        own (launch.GluonMask: its bounds where its flags set them, bottom-right unless top-left). The bound is
+        known from shapes (varlen_schedule.schedule_bound of the owned axis's rows): no host sync.
+
+        Deterministic backward: the writer of key tile n adds into a query tile only after every key tile of the
+        sequence before n that sees it (from n_first) has added, so a CTA waits on CTAs of the same sequence and kv
+        head with lower key tiles. That cannot hang if each of those starts no later than the waiter (CTAs start in
+        grid order, as the key-major grid already relies on): within a kv head the schedule's order is steps
+        descending, ties in (sequence, tile) order, so it holds when a sequence's steps never increase with the key
+        tile. Without a left bound a key tile sees queries [lo(n), len_q) with lo non-decreasing in n (0 without a
+        right bound): its steps never increase, and the ordered adds keep today's order, bit for bit. With a left
+        bound the first key tiles see more query tiles as n grows (their windows are cut at query 0), so a later
+        tile would start first and wait on an earlier one behind it: those calls keep the grid."""
+        setting = config.VARLEN_SCHEDULE if self.varlen_schedule is None else self.varlen_schedule
+        if not setting or not p.varlen:
+            return None
+        from .varlen_schedule import TileWalk, schedule_bound
+        mask = self._gluon_mask(p)
+        if role == "backward":
+            if p.deterministic and mask.flags.HAS_LEFT:
+                return None
+            tile = self._ws_tile(p)
+            own, walk, rows = tile.block_n, tile.block_m, p.total_k
+        else:
+            tile = self.fwd_ws_tile or self._fwd_ws_tile(p)
+            own, walk, rows = tile.block_m, tile.block_n, p.total_q
+        bound = schedule_bound(rows, p.batch, own)
+        if bound > config.GRID_Y_MAX:
+            return None
+        left, right = mask.window
+        return TileWalk(own, walk, owns_keys=role == "backward", left=left if mask.flags.HAS_LEFT else -1,
+                        right=right if mask.flags.HAS_RIGHT else -1, top_left=mask.flags.TOP_LEFT), bound
+
+    def _schedule(self, p: AttentionProblem, params: AttentionParams, role: str) -> torch.Tensor | None:
+        """The call's schedule for a `role` launch (`_schedule_walk`), built on the device, or None."""
+        found = self._schedule_walk(p, role)
+        if found is None:
+            return None
+        from .varlen_schedule import build_schedule
+        return build_schedule(params.cu_seqlens_q, params.cu_seqlens_k, *found)
 
     def _accumulate_kv(self, p: AttentionProblem) -> bool:
         return p.is_gqa and self.gqa_epilogue == "accumulate"
@@ -389,7 +448,7 @@ class TritonBackend(Backend):
         tile = self.fwd_ws_tile or self._fwd_ws_tile(p)
         fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
-                      tile=tile, mask=self._gluon_mask(p))
+                      tile=tile, mask=self._gluon_mask(p), schedule=self._schedule(p, params, "forward"))
 
     # ---- backward ------------------------------------------------------------------------------
     @_per_problem
@@ -412,7 +471,9 @@ class TritonBackend(Backend):
             notes = ["warp-specialised Gluon, sm_90"]
             if tile.split_d:
                 notes.append("two warpgroups split the head dim")
-            if tile.longest_first:
+            if self._schedule_walk(p, "backward"):
+                notes.append("varlen schedule: the longest key tiles first")
+            elif tile.longest_first:
                 notes.append("key-major grid: the longest causal key tiles first")
             kernel = f"{'bwd_ws_split' if tile.split_d else 'bwd_ws'} ({'; '.join(notes)})"
             return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False, kernel=kernel)
@@ -521,6 +582,7 @@ class TritonBackend(Backend):
         q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
         dout = gluon_common.uniform_rows(dout, p.varlen)
         mask = self._gluon_mask(p)
+        schedule = self._schedule(p, params, "backward")     # one for every launch: the same items
         kv_per_launch, group = self._ws_kv_heads_per_launch(p), p.group_size
         batch = 1 if p.varlen else p.batch
         stats_heads_dim = 0 if p.varlen else 1      # lse/delta: (h, total_q) or (b, h, s_q)
@@ -537,7 +599,7 @@ class TritonBackend(Backend):
             bwd_ws.launch(_heads(q, -2, hq), _heads(k, -2, kv), _heads(v, -2, kv), _heads(dout, -2, hq), lse_h, delta_h,
                           acc, dk_h, dv_h, params.cu_seqlens_q, params.cu_seqlens_k, varlen=p.varlen, batch=p.batch,
                           seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale, mask=mask, tile=tile,
-                          semaphores=sem)
+                          semaphores=sem, schedule=schedule)
             dq_h = _heads(dq, -2, hq)
             _cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                   p.rows_q // batch, d)

@@ -138,24 +138,27 @@ def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
-def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem, cu_seqlens_q, cu_seqlens_k,
+def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem, cu_seqlens, schedule,
                        stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
                        C: gl.constexpr, MASK: gl.constexpr):
-    """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR (workers.cta_coords);
-    num_warps = C.NUM_WARPS. `stride_lse`: (batch, head); `stride_dk`, `stride_dv`: (batch, row, head); `sizes`:
+    """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR, or with a `schedule`
+    (varlen: int32 (rows, 2) [sequence, key tile], else a constexpr None) (kv heads, rows) (workers.cta_coords);
+    num_warps = C.NUM_WARPS. `cu_seqlens`: (q, k); `stride_lse`: (batch, head); `stride_dk`, `stride_dv`: (batch,
+    row, head); `sizes`:
     (seqlen_q, seqlen_k, head_dim, group, scale); `window`: (left, right); C: workers.Constants; MASK:
     launch.MaskFlags. See the module docstring."""
     cfg = workers.Config(C, 1)
     seqlen_q, seqlen_k, group = sizes[0], sizes[1], sizes[3]
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN, schedule)
     if C.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if workers.past_sequence(cu_seqlens_k, cfg.BLOCK_N, cfg.KEY_MAJOR):
+        if workers.past_sequence(seqs, cfg.BLOCK_N, cfg.KEY_MAJOR):
             return
     dtype: gl.constexpr = q_desc.dtype
     bufs = workers.allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, 1)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], ds_layout)
 
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN)
     mask = Mask(window, MASK)
     gl.warp_specialize([
         (_mma, (cfg, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes)),
@@ -166,11 +169,15 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
 
 # ---- host side -------------------------------------------------------------------------------
 def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int,
-                seqlen_q: int, seqlen_k: int, scale: float, mask: GluonMask, tile, semaphores=None) -> LaunchSpec:
+                seqlen_q: int, seqlen_k: int, scale: float, mask: GluonMask, tile, semaphores=None,
+                schedule=None) -> LaunchSpec:
     """The launch of attn_bwd_ws_kernel (of bwd_ws_split's kernel for a `split_d` tile). dq_accum (rows_q, heads_q,
     d) fp32 must be zero; dq_accum receives dQ already scaled. lse/delta: (b, h, s_q) or varlen (h, total_q).
     `semaphores`: zeroed int32 (batch, heads_q, semaphore_tiles(seqlen_q, tile)) for the deterministic mode, else
-    None."""
+    None. `schedule` (varlen only): the call's (sequence, key tile) items (varlen_schedule.build_schedule of a walk
+    that owns key tiles of tile.block_n rows), run on a grid (kv heads, items); None: the grid over every (batch, key
+    tile). In the deterministic mode a schedule must list each sequence's key tiles that share a query tile in
+    ascending order (TritonBackend._schedule_walk keeps the grid where it would not)."""
     d = q.shape[-1]
     heads_k = k.shape[-2]
     group = q.shape[-2] // heads_k
@@ -178,7 +185,11 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
     dk_strides = (0, dk.stride(0), dk.stride(1)) if varlen else (dk.stride(0), dk.stride(1), dk.stride(2))
     dv_strides = (0, dv.stride(0), dv.stride(1)) if varlen else (dv.stride(0), dv.stride(1), dv.stride(2))
     key_tiles = triton.cdiv(seqlen_k, tile.block_n)
-    grid = (heads_k, batch, key_tiles) if tile.longest_first else (key_tiles, batch, heads_k)
+    if schedule is not None:
+        assert varlen, "a schedule lists the items of a varlen call"
+        grid = (heads_k, schedule.shape[0])
+    else:
+        grid = (heads_k, batch, key_tiles) if tile.longest_first else (key_tiles, batch, heads_k)
     # split_d: its two MMA warpgroups hand dQ over in halves of the columns
     kernel, dq_parts = (attn_bwd_ws_split_kernel, 2) if tile.split_d else (attn_bwd_ws_kernel, 1)
     q_desc = descriptor(q, varlen, tile.block_m)
@@ -189,7 +200,7 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
         q_desc=q_desc, k_desc=descriptor(k, varlen, tile.block_n), v_desc=descriptor(v, varlen, tile.block_n),
         do_desc=descriptor(dout, varlen, tile.block_m), dq_desc=descriptor(dq_accum, varlen, tile.block_m, dq_parts),
         Lse=lse, Delta=delta, dK=dk, dV=dv, Sem=semaphores if semaphores is not None else lse,
-        cu_seqlens_q=cu_seqlens_q if varlen else lse, cu_seqlens_k=cu_seqlens_k if varlen else lse,
+        cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         stride_lse=lse_strides, stride_dk=dk_strides, stride_dv=dv_strides,
         sizes=(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
         sem_m_tiles=semaphore_tiles(seqlen_q, tile), C=constants, MASK=mask.flags),

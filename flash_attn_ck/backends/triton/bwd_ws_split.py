@@ -134,14 +134,16 @@ def _half(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem,
-                             cu_seqlens_q, cu_seqlens_k, stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
+                             cu_seqlens, schedule, stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
                              C: gl.constexpr, MASK: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
     cfg = workers.Config(C, 2)   # a half of dQ from each warpgroup
     seqlen_q, seqlen_k, group = sizes[0], sizes[1], sizes[3]
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN, schedule)
     if C.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if workers.past_sequence(cu_seqlens_k, cfg.BLOCK_N, cfg.KEY_MAJOR):
+        if workers.past_sequence(seqs, cfg.BLOCK_N, cfg.KEY_MAJOR):
             return
     dtype: gl.constexpr = q_desc.dtype
     bufs = workers.allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, 2)   # a slot is released by both
@@ -157,7 +159,6 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
     mbarrier.init(ps_free, count=2)   # both warpgroups' matmuls have read P^T and dS^T
     xchg = Exchange(pt_smem, dst_smem, p_ready, ds_ready, ps_free)
 
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN)
     mask = Mask(window, MASK)
     grads = (dK, dV, stride_dk, stride_dv)
     gl.warp_specialize(

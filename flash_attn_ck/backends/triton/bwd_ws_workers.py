@@ -90,19 +90,30 @@ def tma_reduce_add(desc, coord, src, _semantic=None):
 
 # ---- schedule: which (query head, query tile) pairs a key tile visits --------------------------
 @gluon.jit
-def cta_coords(KEY_MAJOR: gl.constexpr):
+def cta_coords(seqs, KEY_MAJOR: gl.constexpr):
     """(key tile, batch, kv head, kv heads) of this CTA. The grid is (key tiles, batch, kv heads), or with
     KEY_MAJOR (kv heads, batch, key tiles): CTAs start in grid order, x fastest, so key-major starts every head's
-    first key tiles, the longest under a causal mask, before any head's later ones (longest first)."""
-    TILE_AXIS: gl.constexpr = 2 if KEY_MAJOR else 0
-    HEAD_AXIS: gl.constexpr = 0 if KEY_MAJOR else 2
-    return gl.program_id(TILE_AXIS), gl.program_id(1), gl.program_id(HEAD_AXIS), gl.num_programs(HEAD_AXIS)
+    first key tiles, the longest under a causal mask, before any head's later ones (longest first). With a schedule
+    (`seqs.schedule`, varlen_schedule.py) the grid is (kv heads, schedule rows), heads fastest, and the row names the
+    sequence and key tile: every head's items in the schedule's order, the most query tiles first."""
+    if seqs.schedule is not None:
+        b, n_tile = seqs.scheduled_item()
+        kv_head = gl.program_id(0)
+        kv_heads = gl.num_programs(0)
+    else:
+        TILE_AXIS: gl.constexpr = 2 if KEY_MAJOR else 0
+        HEAD_AXIS: gl.constexpr = 0 if KEY_MAJOR else 2
+        n_tile = gl.program_id(TILE_AXIS)
+        b = gl.program_id(1)
+        kv_head = gl.program_id(HEAD_AXIS)
+        kv_heads = gl.num_programs(HEAD_AXIS)
+    return n_tile, b, kv_head, kv_heads
 
 
 @gluon.jit
 def tile_schedule(cfg, seqs, mask):
     """Everything every partition derives from the program id, computed the same way in each."""
-    n_tile, b, kv_head, _ = cta_coords(cfg.KEY_MAJOR)
+    n_tile, b, kv_head, _ = cta_coords(seqs, cfg.KEY_MAJOR)
     n0 = n_tile * cfg.BLOCK_N
     q_row0, len_q = seqs.query(b)
     k_row0, len_k = seqs.key(b)
@@ -114,10 +125,15 @@ def tile_schedule(cfg, seqs, mask):
 
 # ---- what every kernel allocates for its workers ------------------------------------------------
 @gluon.jit
-def past_sequence(cu_seqlens_k, BLOCK_N: gl.constexpr, KEY_MAJOR: gl.constexpr):
-    """Whether this CTA's key tile starts past its (varlen) sequence: then it has nothing to do."""
-    n_tile, b, _, _ = cta_coords(KEY_MAJOR)
-    return n_tile * BLOCK_N >= gl.load(cu_seqlens_k + b + 1) - gl.load(cu_seqlens_k + b)
+def past_sequence(seqs, BLOCK_N: gl.constexpr, KEY_MAJOR: gl.constexpr):
+    """Whether this CTA has nothing to do (varlen): its row of the schedule is padding, or without one its key tile
+    starts past its sequence."""
+    if seqs.schedule is not None:
+        past = seqs.scheduled_item()[0] < 0
+    else:
+        n_tile, b, _, _ = cta_coords(seqs, KEY_MAJOR)
+        past = n_tile * BLOCK_N >= gl.load(seqs.cu_seqlens_k + b + 1) - gl.load(seqs.cu_seqlens_k + b)
+    return past
 
 
 @gluon.jit
@@ -221,7 +237,7 @@ def dq_writer(cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
     DQ_STAGES: gl.constexpr = cfg.DQ_STAGES
     DQ_PARTS: gl.constexpr = cfg.DQ_PARTS
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(cfg, seqs, mask)
-    n_tile, _, _, kv_heads = cta_coords(cfg.KEY_MAJOR)
+    n_tile, _, _, kv_heads = cta_coords(seqs, cfg.KEY_MAJOR)
     heads = kv_heads * group
     for step in range(m_tiles * group):
         stage = step % DQ_STAGES

@@ -157,6 +157,10 @@ BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, bwd_ws_tile, BWD_WS_DEFAULT_HEAD_DIMS
 # backward memory).
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
+# ---- varlen schedule (varlen_schedule.py) of the warp-specialised kernels (TritonBackend(varlen_schedule=...)) ------
+VARLEN_SCHEDULE = False   # off until measured on the GPU (scripts/lab/varlen_schedule_check.py); modelled +10-25%
+GRID_Y_MAX = 65535   # a CUDA grid's y dimension: a schedule of more items keeps the grid over every (batch, tile)
+
 # ---- warp-specialised forward (fwd_ws.py) on sm_90 ------------------------------------------------------
 # Registers per thread of a consumer warpgroup by their count: FA3's budgets (hopper/flash_fwd_kernel.h).
 FWD_WS_CONSUMER_REGS = {2: 240, 3: 160}

@@ -2,7 +2,9 @@
 
 One CTA per (query tile of BLOCK_M rows, batch, query head); the first program of each (batch, head) takes its
 last query tile, the longest under a causal mask, and with QUERY_MAJOR the grid is (heads, batch, query tiles),
-so the last query tiles of every head start before any shorter one (`_cta_coords`). CONSUMERS (2 or 3) consumer
+so the last query tiles of every head start before any shorter one (`_cta_coords`). A varlen launch may instead
+take a schedule (varlen_schedule.py: the real (sequence, query tile) items, the most key tiles first): grid
+(heads, items), program (h, p) runs item p for head h and exits on the padding. CONSUMERS (2 or 3) consumer
 warpgroups of 64 query rows each and a loader warp share the CTA:
 
   loader      (1 warp)   TMA: the CTA's Q tiles (one per consumer) once, behind one "q_ready" mbarrier; then per
@@ -122,19 +124,39 @@ class Buffers:
 
 # ---- schedule: which query rows and key tiles a CTA covers --------------------------------------
 @gluon.jit
-def _cta_coords(BLOCK_M: gl.constexpr, QUERY_MAJOR: gl.constexpr):
+def _cta_coords(seqs, BLOCK_M: gl.constexpr, QUERY_MAJOR: gl.constexpr):
     """(first query row, batch, query head) of this CTA: the grid is (query tiles, batch, heads), or with QUERY_MAJOR
-    (heads, batch, query tiles); the first program along the tile axis takes the last query tile."""
-    TILE_AXIS: gl.constexpr = 2 if QUERY_MAJOR else 0
-    HEAD_AXIS: gl.constexpr = 0 if QUERY_MAJOR else 2
-    m0 = (gl.num_programs(TILE_AXIS) - 1 - gl.program_id(TILE_AXIS)) * BLOCK_M
-    return m0, gl.program_id(1), gl.program_id(HEAD_AXIS)
+    (heads, batch, query tiles); the first program along the tile axis takes the last query tile. With a schedule
+    (`seqs.schedule`) the grid is (heads, schedule rows) and the row names the sequence and query tile."""
+    if seqs.schedule is not None:
+        b, tile = seqs.scheduled_item()
+        m0 = tile * BLOCK_M
+        head = gl.program_id(0)
+    else:
+        TILE_AXIS: gl.constexpr = 2 if QUERY_MAJOR else 0
+        HEAD_AXIS: gl.constexpr = 0 if QUERY_MAJOR else 2
+        m0 = (gl.num_programs(TILE_AXIS) - 1 - gl.program_id(TILE_AXIS)) * BLOCK_M
+        b = gl.program_id(1)
+        head = gl.program_id(HEAD_AXIS)
+    return m0, b, head
+
+
+@gluon.jit
+def _past_sequence(seqs, cfg):
+    """Whether this CTA has nothing to do (varlen): its row of the schedule is padding, or without one its query tile
+    starts past its sequence."""
+    if seqs.schedule is not None:
+        past = seqs.scheduled_item()[0] < 0
+    else:
+        m0, b, _ = _cta_coords(seqs, cfg.BLOCK_M, cfg.QUERY_MAJOR)
+        past = m0 >= gl.load(seqs.cu_seqlens_q + b + 1) - gl.load(seqs.cu_seqlens_q + b)
+    return past
 
 
 @gluon.jit
 def _tile_schedule(cfg, seqs, mask):
     """Everything every partition derives from the program id, computed the same way in each."""
-    m0, b, head = _cta_coords(cfg.BLOCK_M, cfg.QUERY_MAJOR)
+    m0, b, head = _cta_coords(seqs, cfg.BLOCK_M, cfg.QUERY_MAJOR)
     q_row0, len_q = seqs.query(b)
     k_row0, len_k = seqs.key(b)
     shift = mask.shift(len_q, len_k)
@@ -318,17 +340,19 @@ def _consumer(cfg, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr):
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
-def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, cu_seqlens_k, strides, sizes, window,
+def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, schedule, strides, sizes, window,
                        C: gl.constexpr, MASK: gl.constexpr):
-    """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR; num_warps =
-    CONSUMER_WARPS (consumer 0). `strides`: (out row, lse batch, lse head); `sizes`: (seqlen_q, seqlen_k, head_dim,
-    group, scale); `window`: (left, right); C: Constants; MASK: launch.MaskFlags. See the module docstring."""
+    """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR, or with a
+    `schedule` (varlen: int32 (rows, 2) [sequence, query tile], else a constexpr None) (query heads, rows); num_warps =
+    CONSUMER_WARPS (consumer 0). `cu_seqlens`: (q, k); `strides`: (out row, lse batch, lse head); `sizes`: (seqlen_q,
+    seqlen_k, head_dim, group, scale); `window`: (left, right); C: Constants; MASK: launch.MaskFlags. See the module
+    docstring."""
     cfg = Config(C)
     seqlen_q, seqlen_k, group = sizes[0], sizes[1], sizes[3]
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN)
-    if C.VARLEN:
-        m0, b, _ = _cta_coords(cfg.BLOCK_M, cfg.QUERY_MAJOR)
-        if m0 >= gl.load(cu_seqlens_q + b + 1) - gl.load(cu_seqlens_q + b):
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN, schedule)
+    if C.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
+        if _past_sequence(seqs, cfg):
             return
     dtype: gl.constexpr = q_desc.dtype
     CONSUMERS: gl.constexpr = cfg.CONSUMERS
@@ -365,9 +389,11 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens_q, c
 
 # ---- host side -------------------------------------------------------------------------------
 def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int, seqlen_q: int,
-                seqlen_k: int, scale: float, mask: GluonMask, tile) -> tuple[LaunchSpec, object]:
+                seqlen_k: int, scale: float, mask: GluonMask, tile, schedule=None) -> tuple[LaunchSpec, object]:
     """The launch of attn_fwd_ws_kernel for out (layout of q) and lse ((b, h, s_q) or varlen (h, total_q)), and the
-    tensor it writes: out itself, or a copy of it that a descriptor can view (launch copies it back)."""
+    tensor it writes: out itself, or a copy of it that a descriptor can view (launch copies it back). `schedule`
+    (varlen only): the call's (sequence, query tile) items (varlen_schedule.build_schedule of a walk that owns query
+    tiles of tile.block_m rows), run on a grid (query heads, items); None: the grid over every (batch, query tile)."""
     d = q.shape[-1]
     group = q.shape[-2] // k.shape[-2]
     rows_per_consumer = tile.block_m // tile.consumers
@@ -376,13 +402,17 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
     target, out_desc = uniform_descriptor(out, varlen, rows_per_consumer)
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     query_tiles = triton.cdiv(seqlen_q, tile.block_m)
-    grid = (q.shape[-2], batch, query_tiles) if tile.longest_first else (query_tiles, batch, q.shape[-2])
+    if schedule is not None:
+        assert varlen, "a schedule lists the items of a varlen call"
+        grid = (q.shape[-2], schedule.shape[0])
+    else:
+        grid = (q.shape[-2], batch, query_tiles) if tile.longest_first else (query_tiles, batch, q.shape[-2])
     constants = Constants(tile.block_m, tile.block_n, out_desc.block_shape[-1], tile.num_stages, tile.consumers,
                           tile.overlap, tile.pingpong, tile.longest_first, varlen, tile.consumer_regs,
                           tile.loader_regs)
     return LaunchSpec(attn_fwd_ws_kernel, grid, dict(
         q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=out_desc, Out=target, Lse=lse,
-        cu_seqlens_q=cu_seqlens_q if varlen else lse, cu_seqlens_k=cu_seqlens_k if varlen else lse,
+        cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
         sizes=(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
         C=constants, MASK=mask.flags), CONSUMER_WARPS.value), target

@@ -15,7 +15,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-from triton.language.core import _aggregate
+from triton.language.core import _aggregate, base_value
 
 from . import config
 
@@ -39,12 +39,29 @@ def aggregate(cls):
 # ---- the call's sequences and mask ----------------------------------------------------------
 @aggregate
 class Sequences:
-    """Where each sequence of the call lies: packed (VARLEN: cu_seqlens) or dense (b * max rows)."""
+    """Where each sequence of the call lies: packed (VARLEN: cu_seqlens) or dense (b * max rows); and, for a varlen
+    launch that has one, its schedule (varlen_schedule.py: an int32 (rows, 2) tensor of [sequence, tile] items padded
+    with [-1, -1], run on a grid (heads, rows)), else a constexpr None, which compiles no schedule code."""
     cu_seqlens_q: gl.tensor
     cu_seqlens_k: gl.tensor
     seqlen_q: gl.tensor
     seqlen_k: gl.tensor
     VARLEN: gl.constexpr
+    schedule: base_value   # a tensor, or constexpr None
+
+    @gluon.constexpr_function
+    def __init__(self, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN, schedule):
+        self.cu_seqlens_q, self.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
+        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.VARLEN = gl.constexpr(VARLEN)
+        self.schedule = schedule if isinstance(schedule, gl.tensor) else gl.constexpr(schedule)
+
+    @gluon.jit
+    def scheduled_item(self):
+        """(sequence, tile) of this program's row of the schedule (program_id(1)); the sequence is -1 on the padding
+        past the real items."""
+        row = self.schedule + 2 * gl.program_id(1)
+        return gl.load(row), gl.load(row + 1)
 
     @gluon.jit
     def query(self, b):

@@ -224,7 +224,7 @@ class LaunchSpec:
         sig, constexprs = {}, {}
         for param in self.kernel.params:
             value = self.args[param.name]
-            if param.is_constexpr:
+            if param.is_constexpr or value is None:   # Triton specialises a None argument as a constexpr
                 sig[param.name] = "constexpr"
                 constexprs[param.name] = value
             else:
