@@ -116,7 +116,7 @@ def test_the_layout_key_holds_shape_strides_and_alignment(monkeypatch):
 
 
 def test_the_backends_entry_points_run_the_method_off_the_gpu(monkeypatch):
-    """On the CPU (and interpreted) nothing is recorded: the wrapped method runs every time."""
+    """On CPU tensors (and interpreted) nothing is recorded: the wrapped method runs every time."""
     from flash_attn_ck.backends.triton import backend as triton_backend
     calls = []
 
@@ -125,9 +125,9 @@ def test_the_backends_entry_points_run_the_method_off_the_gpu(monkeypatch):
         def forward(self, p, params, out, lse):
             calls.append((out, lse))
 
-    problem = types.SimpleNamespace(device=torch.device("cpu"), memo={})
-    params = types.SimpleNamespace(q=None, k=None, v=None, cu_seqlens_q=None, cu_seqlens_k=None, alibi_slopes=None,
-                                   rng_state=None)
+    problem = types.SimpleNamespace(device=torch.device("cuda"), memo={})      # a CUDA problem, CPU tensors
+    params = types.SimpleNamespace(q=torch.zeros(1), k=None, v=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                                   alibi_slopes=None, rng_state=None)
     for _ in range(3):
         Backend().forward(problem, params, 1, 2)
     assert calls == [(1, 2)] * 3 and not problem.memo

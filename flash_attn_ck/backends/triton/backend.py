@@ -110,7 +110,7 @@ def _replayed(method):
 
     @functools.wraps(method)
     def run(self, p, params, *rest):
-        if _INTERPRETING or p.device.type != "cuda" or launch.hooked():
+        if _INTERPRETING or not params.q.is_cuda or launch.hooked():
             return method(self, p, params, *rest)
         *positional, workspace = rest if isinstance(rest[-1], dict) else (*rest, {})
         tensors = (params.q, params.k, params.v, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
