@@ -80,7 +80,12 @@ FEATURE_SETS = {
     "causal": Features(HAS_RIGHT=True),
     "all": Features(HAS_RIGHT=True, HAS_LEFT=True, HAS_ALIBI=True, HAS_SOFTCAP=True, HAS_DROPOUT=True),
     "topleft": Features(TOP_LEFT=True, HAS_LEFT=True, HAS_RIGHT=True, HAS_ALIBI=True),
+    "ones": Features(HAS_RIGHT=True, HAS_LEFT=True, HAS_ALIBI=True, HAS_SOFTCAP=True, HAS_DROPOUT=True),
 }
+# Sequence length of a tag's tensors (default 256): "ones" is "all" at s = 1, where strides of size-1 dimensions
+# (lse's head stride) are 1 and a launch specialises them to the constant 1 (Triton 3.6 loses such a constant
+# nested two tuple levels down in an argument handed to a helper: the kernels' stride groups are flat).
+SEQLENS = {"ones": 1}
 # The backward's modes: (LOOP_GROUP, DQ_ATOMIC, DETERMINISTIC). The accumulator epilogue (not LOOP_GROUP) runs for
 # GQA calls, so its variants have two query heads per kv head.
 BWD_MODES = ((True, False, True), (False, False, True), (False, True, False))
@@ -94,14 +99,14 @@ def variants(block_ds):
         cfg = config.SM90[(block_d, True)]
         for tag, feats in FEATURE_SETS.items():
             for varlen in (False, True):
-                t = _Tensors(block_d, varlen)
+                t = _Tensors(block_d, varlen, seqlen=SEQLENS.get(tag, 256))
                 fwd_tma = cfg.fwd_tma and not varlen
                 yield block_d, tag, varlen, "fwd", launch.forward(
                     t.q, t.k, t.v, t.q, t.lse, t.seq, t.sizes, t.scores,
                     feats._replace(VARLEN=varlen, USE_TMA=fwd_tma, TMA_LOADS=fwd_tma, EVEN_K=not varlen),
                     cfg.forward, block_d, (1, 1))
                 for loop, atomic, det in BWD_MODES:
-                    t = _Tensors(block_d, varlen, group=1 if loop else 2)
+                    t = _Tensors(block_d, varlen, group=1 if loop else 2, seqlen=SEQLENS.get(tag, 256))
                     features = feats._replace(
                         VARLEN=varlen, LOOP_GROUP=loop, DQ_ATOMIC=atomic, DETERMINISTIC=det, USE_TMA=not varlen,
                         TMA_LOADS=not varlen and cfg.bwd_tma == "all", DP_FIRST=cfg.bwd_dp_first,

@@ -76,3 +76,17 @@ def test_older_kernels_compile_as_launched():
     def parameters(ptx: str) -> int:
         return ptx.count(".param .")
     assert parameters(compile_one(spec, as_launched=True)["asm"]["ptx"]) < parameters(compile_one(spec)["asm"]["ptx"])
+
+
+@pytest.mark.parametrize("kernel", ["attn_fwd_kernel", "attn_bwd_kernel"])
+def test_older_kernels_compile_with_strides_of_one(kernel):
+    """At s_q = 1 lse's head stride is 1, which a launch specialises to the constant 1: the kernels compile so (with
+    the stride tuples nested in their groups, Triton 3.6 lost that constant inside the helpers: 'NoneType' object
+    has no attribute 'type', on the H200 for every s_q = 1 call of the older kernels)."""
+    pytest.importorskip("triton")
+    from ptx_compare import specs
+    from triton_compile_check import compile_one
+
+    spec = next(spec for name, spec in specs(f"{kernel} d64 ones varlen=False"))
+    assert spec.args["strides"].lse_head == 1
+    assert compile_one(spec, as_launched=True)["asm"]["ptx"]

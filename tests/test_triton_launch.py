@@ -46,7 +46,9 @@ def test_specs_match_their_kernels(varlen):
         assert list(sig) == spec.kernel.arg_names
         assert set(constexprs) == {p.name for p in spec.kernel.params if p.is_constexpr}
     fwd_sig = specs[0].signature()[0]
-    assert fwd_sig["strides"] == launch.ForwardStrides(*[("i32",) * 3] * 4, ("i32",) * 2, "i32")
+    # flat: no int two tuple levels down (Triton 3.6 loses one specialised to 1 there: launch.ForwardStrides)
+    assert fwd_sig["strides"] == launch.ForwardStrides(*["i32"] * len(launch.ForwardStrides._fields))
+    assert specs[2].signature()[0]["strides"] == launch.BackwardStrides(*["i32"] * len(launch.BackwardStrides._fields))
     assert fwd_sig["S"] == ScoreArgs("fp32", "fp32", "fp32", "i32", "i32")
     bwd_sig, bwd_constexprs = specs[2].signature()
     assert bwd_sig["grads"] == launch.Gradients("*fp32", "*bf16", "*bf16")   # the atomic mode's fp32 dQ buffer

@@ -33,10 +33,10 @@ def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, D,
     q, k_src, v_src, slope, seed, offset = query_tile_operands(
         Q, K, V, seq, strides, b, h, D, m0, q_start, len_q, k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, F)
     b64 = b.to(tl.int64)
-    do = load_rows(row_tiles(head_rows(dOut, strides.dout, b64, q_start, h), strides.dout[1], len_q, D.head_dim,
-                             BLOCK_M, BLOCK_D, F.TMA_LOADS), strides.dout[1], m0, len_q, D.head_dim, BLOCK_M, BLOCK_D,
-                   F.TMA_LOADS)
-    row_base = b64 * strides.lse[0] + h.to(tl.int64) * strides.lse[1] + q_start
+    do_base = head_rows(dOut, strides.dout_batch, strides.dout_row, strides.dout_head, b64, q_start, h)
+    do = load_rows(row_tiles(do_base, strides.dout_row, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS),
+                   strides.dout_row, m0, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
+    row_base = b64 * strides.lse_batch + h.to(tl.int64) * strides.lse_head + q_start
     lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
 
@@ -45,7 +45,7 @@ def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, D,
     lo, hi = key_range(m0, len_k, shift, S, BLOCK_M, BLOCK_N, F)
     bias_shift = alibi_shift(len_q, len_k, shift, F)
     for n0 in range(lo, hi, BLOCK_N):
-        cols, k, v, s, tanh = key_tile_scores(q, k_src, v_src, strides.k[1], strides.v[1], offs_m, n0, offs_n, m0,
+        cols, k, v, s, tanh = key_tile_scores(q, k_src, v_src, strides.k_row, strides.v_row, offs_m, n0, offs_n, m0,
                                               len_k, D.head_dim, shift, bias_shift, S, slope, BLOCK_M, BLOCK_N,
                                               BLOCK_D, F)
         if F.DP_FIRST:
@@ -62,5 +62,6 @@ def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, D,
         dq += tl.dot(ds.to(k.dtype), k)
 
     # ---- one store in the output dtype (TMA when dense, row-masked for varlen) ----
-    store_rows(dq * S.scale, head_rows(dQ, strides.dq, b64, q_start, h), strides.dq[1], m0, len_q, D.head_dim,
-               BLOCK_M, BLOCK_D, F.USE_TMA)
+    dq = dq * S.scale       # (before the address: the order the generated code has always had)
+    dq_base = head_rows(dQ, strides.dq_batch, strides.dq_row, strides.dq_head, b64, q_start, h)
+    store_rows(dq, dq_base, strides.dq_row, m0, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.USE_TMA)

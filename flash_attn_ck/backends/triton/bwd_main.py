@@ -109,11 +109,11 @@ def key_tile_dkdv(n_block, b, ph, Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq,
 
     offs_n = n0 + tl.arange(0, BLOCK_N)
     b64 = b.to(tl.int64)
-    k_base = head_rows(K, strides.k, b64, k_start, hk)
-    v_base = head_rows(V, strides.v, b64, k_start, hk)
-    k = load_rows(row_tiles(k_base, strides.k[1], len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS), strides.k[1], n0,
+    k_base = head_rows(K, strides.k_batch, strides.k_row, strides.k_head, b64, k_start, hk)
+    v_base = head_rows(V, strides.v_batch, strides.v_row, strides.v_head, b64, k_start, hk)
+    k = load_rows(row_tiles(k_base, strides.k_row, len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS), strides.k_row, n0,
                   len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
-    v = load_rows(row_tiles(v_base, strides.v[1], len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS), strides.v[1], n0,
+    v = load_rows(row_tiles(v_base, strides.v_row, len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS), strides.v_row, n0,
                   len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
     seed, offset = dropout_seed(seq, F)
     m_lo, m_hi = query_range(n0, len_q, shift, S, BLOCK_M, BLOCK_N, F)
@@ -123,18 +123,18 @@ def key_tile_dkdv(n_block, b, ph, Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq,
     for g in range(0, n_heads):
         # ---- one query head: its q / dO sources, lse and D rows, ALiBi slope ----
         h = h_first + g
-        q_src = row_tiles(head_rows(Q, strides.q, b64, q_start, h), strides.q[1], len_q, head_dim, BLOCK_M, BLOCK_D,
-                          F.TMA_LOADS)
-        do_src = row_tiles(head_rows(dOut, strides.dout, b64, q_start, h), strides.dout[1], len_q, head_dim, BLOCK_M,
-                           BLOCK_D, F.TMA_LOADS)
-        row_base = b64 * strides.lse[0] + h.to(tl.int64) * strides.lse[1] + q_start
+        q_base = head_rows(Q, strides.q_batch, strides.q_row, strides.q_head, b64, q_start, h)
+        q_src = row_tiles(q_base, strides.q_row, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
+        do_base = head_rows(dOut, strides.dout_batch, strides.dout_row, strides.dout_head, b64, q_start, h)
+        do_src = row_tiles(do_base, strides.dout_row, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
+        row_base = b64 * strides.lse_batch + h.to(tl.int64) * strides.lse_head + q_start
         slope = alibi_slope(seq, strides, b, h, F)
         for m0 in range(m_lo, m_hi, BLOCK_M):
             # ---- recompute P^T for this query tile ----
             offs_m = m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < len_q
-            q = load_rows(q_src, strides.q[1], m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
-            do = load_rows(do_src, strides.dout[1], m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
+            q = load_rows(q_src, strides.q_row, m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
+            do = load_rows(do_src, strides.dout_row, m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
             lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
             delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
             qkT = tl.dot(k, tl.trans(q))
@@ -162,18 +162,19 @@ def key_tile_dkdv(n_block, b, ph, Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq,
             if F.DQ_ATOMIC:
                 # ---- atomic dQ: this tile's share into the fp32 buffer ----
                 dq_part = tl.dot(tl.trans(dsT.to(k.dtype)), k) * S.scale
-                add_rows(dq_part, head_rows(grads.dq, strides.dq, b64, q_start, h), strides.dq[1], m0, len_q, head_dim,
-                         BLOCK_M, BLOCK_D, F.USE_TMA)
+                dq_base = head_rows(grads.dq, strides.dq_batch, strides.dq_row, strides.dq_head, b64, q_start, h)
+                add_rows(dq_part, dq_base, strides.dq_row, m0, len_q, head_dim, BLOCK_M, BLOCK_D, F.USE_TMA)
 
     if F.LOOP_GROUP:
         # ---- dK/dV complete on chip: store in the output dtype ----
-        store_rows(dk * S.scale, head_rows(grads.dk, strides.dk, b64, k_start, hk), strides.dk[1], n0, len_k, head_dim,
-                   BLOCK_N, BLOCK_D, F.USE_TMA)
-        store_rows(dv, head_rows(grads.dv, strides.dv, b64, k_start, hk), strides.dv[1], n0, len_k, head_dim,
-                   BLOCK_N, BLOCK_D, F.USE_TMA)
+        dk = dk * S.scale       # (before the address: the order the generated code has always had)
+        dk_base = head_rows(grads.dk, strides.dk_batch, strides.dk_row, strides.dk_head, b64, k_start, hk)
+        store_rows(dk, dk_base, strides.dk_row, n0, len_k, head_dim, BLOCK_N, BLOCK_D, F.USE_TMA)
+        dv_base = head_rows(grads.dv, strides.dv_batch, strides.dv_row, strides.dv_head, b64, k_start, hk)
+        store_rows(dv, dv_base, strides.dv_row, n0, len_k, head_dim, BLOCK_N, BLOCK_D, F.USE_TMA)
     else:
         # ---- GQA accumulator epilogue: this query head's share, in rank order if deterministic ----
         lock = kv_acc.semaphores + (n_block * batch + b) * (D.heads // D.group) + hk
-        acc_off = b64 * strides.kv_acc[0] + hk.to(tl.int64) * strides.kv_acc[1] + k_start.to(tl.int64) * head_dim
+        acc_off = b64 * strides.kv_acc_batch + hk.to(tl.int64) * strides.kv_acc_head + k_start.to(tl.int64) * head_dim
         accumulate_kv(dk * S.scale, dv, kv_acc.dk + acc_off, kv_acc.dv + acc_off, head_dim, n0, len_k, head_dim,
                       lock, h_first % D.group, BLOCK_N, BLOCK_D, F.USE_TMA, F.DETERMINISTIC)

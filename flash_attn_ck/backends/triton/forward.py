@@ -40,7 +40,7 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, D, S,
     lo, hi = key_range(m0, len_k, shift, S, BLOCK_M, BLOCK_N, F)
     bias_shift = alibi_shift(len_q, len_k, shift, F)
     for n0 in range(lo, hi, BLOCK_N):
-        cols, k, v, s, _ = key_tile_scores(q, k_src, v_src, strides.k[1], strides.v[1], offs_m, n0, offs_n, m0,
+        cols, k, v, s, _ = key_tile_scores(q, k_src, v_src, strides.k_row, strides.v_row, offs_m, n0, offs_n, m0,
                                            len_k, D.head_dim, shift, bias_shift, S, slope, BLOCK_M, BLOCK_N, BLOCK_D,
                                            F)
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -62,7 +62,7 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, D, S,
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
     b64 = b.to(tl.int64)
-    store_rows(out, head_rows(Out, strides.out, b64, q_start, h), strides.out[1], m0, len_q, D.head_dim, BLOCK_M,
-               BLOCK_D, F.USE_TMA)
-    lse_base = Lse + b64 * strides.lse[0] + h.to(tl.int64) * strides.lse[1] + q_start
+    out_base = head_rows(Out, strides.out_batch, strides.out_row, strides.out_head, b64, q_start, h)
+    store_rows(out, out_base, strides.out_row, m0, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.USE_TMA)
+    lse_base = Lse + b64 * strides.lse_batch + h.to(tl.int64) * strides.lse_head + q_start
     tl.store(lse_base + offs_m, lse, mask=row_ok)

@@ -97,27 +97,61 @@ class SequenceArgs(NamedTuple):
 
 
 class ForwardStrides(NamedTuple):
-    """The forward's strides (runtime `strides`): `rows3` of q, k, v, out; `lse_strides` of lse."""
-    q: tuple[int, int, int]
-    k: tuple[int, int, int]
-    v: tuple[int, int, int]
-    out: tuple[int, int, int]
-    lse: tuple[int, int]
+    """The forward's strides (runtime `strides`), flat: `rows3` of q, k, v and out as (batch, row, head) each, then
+    `lse_strides` of lse and the slopes' batch stride. Flat, not a tuple per tensor: Triton 3.6 loses an int that
+    it specialises to the constant 1 (a stride of a size-1 dimension: lse's head stride at s_q = 1) two tuple
+    levels down once the group is handed to a helper (scripts/triton_compile_check.py's "ones" variants)."""
+    q_batch: int
+    q_row: int
+    q_head: int
+    k_batch: int
+    k_row: int
+    k_head: int
+    v_batch: int
+    v_row: int
+    v_head: int
+    out_batch: int
+    out_row: int
+    out_head: int
+    lse_batch: int
+    lse_head: int
     slope_batch: int    # slope_batch_stride
+
+    @staticmethod
+    def of(q, k, v, out, lse, slope_batch: int, varlen: bool) -> ForwardStrides:
+        return ForwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(out, varlen),
+                              *lse_strides(lse, varlen), slope_batch)
 
 
 class BackwardStrides(NamedTuple):
-    """The backward's strides (runtime `strides`): `rows3` of q, k, v, dO and the gradients; (batch, head) of the fp32
-    dK/dV accumulators, whose rows are head_dim apart; `lse_strides` of lse (and D, strided alike)."""
-    q: tuple[int, int, int]
-    k: tuple[int, int, int]
-    v: tuple[int, int, int]
-    dout: tuple[int, int, int]
-    dq: tuple[int, int, int]
-    dk: tuple[int, int, int]
-    dv: tuple[int, int, int]
-    kv_acc: tuple[int, int]
-    lse: tuple[int, int]
+    """The backward's strides (runtime `strides`), flat as ForwardStrides': `rows3` of q, k, v, dO and the gradients;
+    (batch, head) of the fp32 dK/dV accumulators, whose rows are head_dim apart; `lse_strides` of lse (and D, strided
+    alike); the slopes' batch stride."""
+    q_batch: int
+    q_row: int
+    q_head: int
+    k_batch: int
+    k_row: int
+    k_head: int
+    v_batch: int
+    v_row: int
+    v_head: int
+    dout_batch: int
+    dout_row: int
+    dout_head: int
+    dq_batch: int
+    dq_row: int
+    dq_head: int
+    dk_batch: int
+    dk_row: int
+    dk_head: int
+    dv_batch: int
+    dv_row: int
+    dv_head: int
+    kv_acc_batch: int
+    kv_acc_head: int
+    lse_batch: int
+    lse_head: int
     slope_batch: int    # slope_batch_stride
 
 
@@ -340,8 +374,7 @@ def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArg
             tile: Tile, block_d: int, grid: tuple[int, int]) -> LaunchSpec:
     from .forward import attn_fwd_kernel
     varlen = features.VARLEN
-    strides = ForwardStrides(rows3(q, varlen), rows3(k, varlen), rows3(v, varlen), rows3(out, varlen),
-                             lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
+    strides = ForwardStrides.of(q, k, v, out, lse, slope_batch_stride(seq.slopes, features.HAS_ALIBI), varlen)
     return LaunchSpec(attn_fwd_kernel, grid, dict(
         Q=q, K=k, V=v, Out=out, Lse=lse, seq=seq, strides=strides, D=sizes, S=scores,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, F=features), tile.num_warps, tile.num_stages)
@@ -373,9 +406,9 @@ def bwd_main(q, k, v, dout, lse, delta, dq, dk, dv, dk_acc, dv_acc, sems, seq: S
     total_k = dk.shape[0] if varlen else sizes.max_seqlen_k
     heads_k = sizes.heads // sizes.group
     acc_strides = (0, total_k * d) if varlen else (heads_k * sizes.max_seqlen_k * d, sizes.max_seqlen_k * d)
-    strides = BackwardStrides(rows3(q, varlen), rows3(k, varlen), rows3(v, varlen), rows3(dout, varlen),
-                              rows3(dq, varlen), rows3(dk, varlen), rows3(dv, varlen), acc_strides,
-                              lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
+    strides = BackwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(dout, varlen),
+                              *rows3(dq, varlen), *rows3(dk, varlen), *rows3(dv, varlen), *acc_strides,
+                              *lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
     kv_acc = KVAccumulators(dk_acc if dk_acc is not None else delta, dv_acc if dv_acc is not None else delta,
                             sems if sems is not None else delta)
     return LaunchSpec(attn_bwd_kernel, grid, dict(

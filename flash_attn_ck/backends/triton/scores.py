@@ -64,17 +64,19 @@ def query_tile_operands(Q, K, V, seq, strides, b, h, D, m0, q_start, len_q, k_st
     """What a query-tile program (forward, dQ pass) reads before its key loop: its q tile, the K and V
     sources of its kv head (tiles.row_tiles, for key_tile_scores), the ALiBi slope, and the dropout
     seed and offset (0 when unused). Tiles load through TMA with F.TMA_LOADS. `strides`: the call's
-    launch.ForwardStrides or BackwardStrides (the fields q, k, v and slope_batch of either)."""
+    launch.ForwardStrides or BackwardStrides (the q, k, v strides and slope_batch of either)."""
     b64 = b.to(tl.int64)
-    q_base = head_rows(Q, strides.q, b64, q_start, h)
-    q = load_rows(row_tiles(q_base, strides.q[1], len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS), strides.q[1],
+    q_base = head_rows(Q, strides.q_batch, strides.q_row, strides.q_head, b64, q_start, h)
+    q = load_rows(row_tiles(q_base, strides.q_row, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS), strides.q_row,
                   m0, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
     # (the kv head's offset written out, not through head_rows: the same operation order as before keeps
     # the generated code identical)
-    k_src = row_tiles(K + b64 * strides.k[0] + k_start.to(tl.int64) * strides.k[1] + (h // D.group) * strides.k[2],
-                      strides.k[1], len_k, D.head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
-    v_src = row_tiles(V + b64 * strides.v[0] + k_start.to(tl.int64) * strides.v[1] + (h // D.group) * strides.v[2],
-                      strides.v[1], len_k, D.head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
+    k_src = row_tiles(K + b64 * strides.k_batch + k_start.to(tl.int64) * strides.k_row
+                      + (h // D.group) * strides.k_head,
+                      strides.k_row, len_k, D.head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
+    v_src = row_tiles(V + b64 * strides.v_batch + k_start.to(tl.int64) * strides.v_row
+                      + (h // D.group) * strides.v_head,
+                      strides.v_row, len_k, D.head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
     slope = alibi_slope(seq, strides, b, h, F)
     seed, offset = dropout_seed(seq, F)
     return q, k_src, v_src, slope, seed, offset

@@ -7,7 +7,7 @@ written, no per-element masks or addresses live in registers, and Triton's pipel
 loads of the next iterations asynchronously. Otherwise (varlen, older GPUs, the interpreter by
 default) masked pointer accesses with the same semantics.
 
-Usage: `src = row_tiles(head_rows(T, stride_t, b64, start, h), ...)` once, outside the loop;
+Usage: `src = row_tiles(head_rows(T, *strides of T, b64, start, h), ...)` once, outside the loop;
 `load_rows(src, ..., row0, ...)` inside. Strides come as launch.py's per-tensor tuples.
 """
 
@@ -16,10 +16,10 @@ import triton.language as tl
 
 
 @triton.jit
-def head_rows(base, strides, b64, start, h):
+def head_rows(base, stride_batch, stride_row, stride_head, b64, start, h):
     """Row 0 of sequence b (b64, int64; packed from row `start` when varlen), head h, of a (b, s, h, d)
     or varlen (total, h, d) tensor with (batch, row, head) strides (launch.rows3)."""
-    return base + b64 * strides[0] + start.to(tl.int64) * strides[1] + h * strides[2]
+    return base + b64 * stride_batch + start.to(tl.int64) * stride_row + h * stride_head
 
 
 @triton.jit
