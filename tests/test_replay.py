@@ -98,6 +98,16 @@ def test_nothing_is_recorded_where_a_replay_could_differ(why):
     assert replay.record(method, tensors) is not None
 
 
+def test_an_argument_of_an_unknown_kind_is_not_replayed():
+    """Only scalars, tuples of them, the call's tensors and descriptors over them are known to a replay: anything else
+    (which might hold the recorded call's memory) leaves nothing to replay."""
+    x = torch.zeros(4)
+    assert replay._Args.of((x, 3, (1.5, None, "s")), {id(x): 0}).tensors == ((0, 0),)
+    for unknown in ([x], object(), torch.float32):
+        with pytest.raises(replay._NotReplayable):
+            replay._Args.of((x, unknown), {id(x): 0})
+
+
 def test_the_layout_key_holds_shape_strides_and_alignment(monkeypatch):
     monkeypatch.setattr(launch, "current_device_and_stream", lambda: (0, 1234))
     x = torch.zeros(64, 8)
@@ -111,6 +121,8 @@ def test_the_layout_key_holds_shape_strides_and_alignment(monkeypatch):
         assert replay.layout_key(changed) != key
     y = torch.ones(64, 8)
     assert replay.layout_key((x, x)) != replay.layout_key((x, y))       # one tensor in two roles, or two
+    seed = torch.zeros(2, dtype=torch.int64)       # a caller's rng_state: its dtype is not the problem's to fix
+    assert replay.layout_key((seed,)) != replay.layout_key((seed.int(),))
     aligned, offset = x.view(-1)[:504].view(63, 8), x.view(-1)[2:506].view(63, 8)
     assert replay.layout_key((aligned,)) != replay.layout_key((offset,))  # the address modulo 16 alone
 

@@ -406,7 +406,8 @@ class TritonBackend(Backend):
         # Replayed per layout (replay.py): the launch follows from the tensors' layouts, dims and values alone.
         tensors = tuple(t for cu_seqlens, t, _, _ in fills for t in (cu_seqlens, t))
         hooked = launch.hooked()
-        key = None if hooked or not FILL_REPLAYS else (*replay.layout_key(tensors), *[fill[2:] for fill in fills])
+        key = None if hooked or not FILL_REPLAYS else (*replay.layout_key(tensors),
+                                                       *[(dim, float(value).hex()) for _, _, dim, value in fills])
         found = _FILL_REPLAYS.get(key) if key is not None else None
         if found is not None:
             found.run(tensors)

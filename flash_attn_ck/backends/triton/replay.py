@@ -40,14 +40,16 @@ class _AnyOperation(TorchDispatchMode):
 
 
 def layout_key(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
-    """What decides a recorded launch besides the problem: each tensor's shape, strides and address modulo 16 (TMA
-    descriptors and Triton's pointer specialisation) and the first role the same tensor holds (self-attention's
+    """What decides a recorded launch besides the problem: each tensor's shape, strides, dtype (the problem fixes
+    most roles' dtypes, not every caller-given one's) and address modulo 16 (TMA descriptors and Triton's pointer
+    specialisation) and the first role the same tensor holds (self-attention's
     shared cu_seqlens: a replay puts the tensor of that role in each), None where a role is empty; the current
     device and Triton's debug knobs (launch_kernel's key holds them too)."""
     knobs = launch._triton()[0]
     first_role: dict[int, int] = {}
     return (launch.current_device_and_stream()[0], knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-            *[None if t is None else (t.shape, t.stride(), t.data_ptr() % 16, first_role.setdefault(id(t), role))
+            *[None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16,
+                                      first_role.setdefault(id(t), role))
               for role, t in enumerate(tensors)])
 
 
@@ -75,6 +77,10 @@ def record(method, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
 
 class _NotReplayable(Exception):
     pass
+
+
+# Arguments a replay keeps as recorded (besides tuples of them, the call's tensors and TMA descriptors over them).
+_CONSTANT_TYPES = (bool, int, float, str, type(None))
 
 
 @dataclass(frozen=True)
@@ -120,6 +126,8 @@ class _Args:
             elif hasattr(value, "base") and hasattr(value, "block_shape"):      # a host TMA descriptor
                 descriptors.append((position, _role(value.base, roles)))
                 template[position] = _with_base(value, None)
+            elif not isinstance(value, _CONSTANT_TYPES):
+                raise _NotReplayable    # what it holds cannot be told apart from a constant: never replayed
         make = type(args)._make if hasattr(args, "_fields") else tuple
         return _Args(tuple(template), make, tuple(tensors), tuple(nested), tuple(descriptors))
 

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch_kernel
+
 # Above this many items the Triton builder's one-program sort gets too large; the torch ops take over.
 TRITON_MAX_ITEMS = 8192
 
@@ -133,10 +135,11 @@ def _build_triton(cu_seqlens_q, cu_seqlens_k, walk: TileWalk, bound: int) -> tor
         return out
     if bound > TRITON_MAX_ITEMS:
         raise ValueError(f"build_schedule: {bound} items exceed the Triton builder's {TRITON_MAX_ITEMS}")
-    schedule_kernel[(1,)](
+    # through launch_kernel, as every launch of the backend (its compiled-kernel cache; a replay records it)
+    launch_kernel(schedule_kernel, (1,), (
         cu_seqlens_q, cu_seqlens_k, out, cu_seqlens_q.shape[0] - 1, bound, walk.left, walk.right,
-        OWN_BLOCK=walk.own_block, WALK_BLOCK=walk.walk_block, OWNS_KEYS=walk.owns_keys, TOP_LEFT=walk.top_left,
-        ITEMS=triton.next_power_of_2(bound), num_warps=schedule_warps(bound))
+        walk.own_block, walk.walk_block, walk.owns_keys, walk.top_left, triton.next_power_of_2(bound)),
+        schedule_warps(bound), 3)
     return out
 
 
