@@ -96,63 +96,23 @@ class SequenceArgs(NamedTuple):
     rng_state: torch.Tensor
 
 
-class ForwardStrides(NamedTuple):
-    """The forward's strides (runtime `strides`), flat: `rows3` of q, k, v and out as (batch, row, head) each, then
-    `lse_strides` of lse and the slopes' batch stride. Flat, not a tuple per tensor: Triton 3.6 loses an int that
-    it specialises to the constant 1 (a stride of a size-1 dimension: lse's head stride at s_q = 1) two tuple
-    levels down once the group is handed to a helper (scripts/triton_compile_check.py's "ones" variants)."""
-    q_batch: int
-    q_row: int
-    q_head: int
-    k_batch: int
-    k_row: int
-    k_head: int
-    v_batch: int
-    v_row: int
-    v_head: int
-    out_batch: int
-    out_row: int
-    out_head: int
-    lse_batch: int
-    lse_head: int
-    slope_batch: int    # slope_batch_stride
-
-    @staticmethod
-    def of(q, k, v, out, lse, slope_batch: int, varlen: bool) -> ForwardStrides:
-        return ForwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(out, varlen),
-                              *lse_strides(lse, varlen), slope_batch)
+def _stride_fields(tensors: tuple[str, ...], tail: tuple[str, ...]) -> list[tuple[str, type]]:
+    """`{tensor}_batch`, `_row`, `_head` per tensor (launch.rows3), then `tail`: the fields of a flat stride group."""
+    return [(f"{t}_{axis}", int) for t in tensors for axis in ("batch", "row", "head")] + [(f, int) for f in tail]
 
 
-class BackwardStrides(NamedTuple):
-    """The backward's strides (runtime `strides`), flat as ForwardStrides': `rows3` of q, k, v, dO and the gradients;
-    (batch, head) of the fp32 dK/dV accumulators, whose rows are head_dim apart; `lse_strides` of lse (and D, strided
-    alike); the slopes' batch stride."""
-    q_batch: int
-    q_row: int
-    q_head: int
-    k_batch: int
-    k_row: int
-    k_head: int
-    v_batch: int
-    v_row: int
-    v_head: int
-    dout_batch: int
-    dout_row: int
-    dout_head: int
-    dq_batch: int
-    dq_row: int
-    dq_head: int
-    dk_batch: int
-    dk_row: int
-    dk_head: int
-    dv_batch: int
-    dv_row: int
-    dv_head: int
-    kv_acc_batch: int
-    kv_acc_head: int
-    lse_batch: int
-    lse_head: int
-    slope_batch: int    # slope_batch_stride
+# The stride groups are flat named tuples of ints, not a tuple per tensor: Triton 3.6 loses an int that it
+# specialises to the constant 1 (a stride of a size-1 dimension: lse's head stride at s_q = 1) two tuple levels
+# down once the group is handed to a helper (scripts/triton_compile_check.py's "ones" variants).
+ForwardStrides = NamedTuple("ForwardStrides", _stride_fields(("q", "k", "v", "out"),
+                                                             ("lse_batch", "lse_head", "slope_batch")))
+ForwardStrides.__doc__ = """The forward's strides (runtime `strides`): `rows3` of q, k, v and out, `lse_strides` of lse,
+the slopes' batch stride (slope_batch_stride)."""
+BackwardStrides = NamedTuple("BackwardStrides", _stride_fields(
+    ("q", "k", "v", "dout", "dq", "dk", "dv"), ("kv_acc_batch", "kv_acc_head", "lse_batch", "lse_head", "slope_batch")))
+BackwardStrides.__doc__ = """The backward's strides (runtime `strides`): `rows3` of q, k, v, dO and the gradients;
+(batch, head) of the fp32 dK/dV accumulators, whose rows are head_dim apart; `lse_strides` of lse (and D, strided
+alike); the slopes' batch stride."""
 
 
 class Gradients(NamedTuple):
@@ -374,7 +334,8 @@ def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArg
             tile: Tile, block_d: int, grid: tuple[int, int]) -> LaunchSpec:
     from .forward import attn_fwd_kernel
     varlen = features.VARLEN
-    strides = ForwardStrides.of(q, k, v, out, lse, slope_batch_stride(seq.slopes, features.HAS_ALIBI), varlen)
+    strides = ForwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(out, varlen),
+                             *lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
     return LaunchSpec(attn_fwd_kernel, grid, dict(
         Q=q, K=k, V=v, Out=out, Lse=lse, seq=seq, strides=strides, D=sizes, S=scores,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, F=features), tile.num_warps, tile.num_stages)
