@@ -210,13 +210,8 @@ class TritonBackend(Backend):
         if p.deterministic:
             return False
         if self.dq_mode == "auto":
-            # docs/triton.md §Modes (CHANGELOG 2026-11-29), d128 MHA s8192: with TMA tile loads the pass wins
-            # (392 vs 341 TF/s) and needs no fp32 dQ; with pointer loads atomics won (385 vs 329).
-            # GQA keeps the pass: an fp32 dQ the size of q would break the memory target.
-            # Short sequences load by pointers but keep the pass: it measured faster there (0.610 vs 0.675 ms
-            # of GPU time at d128 s512, 1.841 vs 2.019 at s2048; config.SHORT_SEQLEN).
-            return (not p.is_gqa and config.head_block(p.head_dim_padded) == 128
-                    and self._tma_plan(p, "backward") != "all" and max(p.seqlen_q, p.seqlen_k) > config.SHORT_SEQLEN)
+            return config.auto_dq_atomic(p.head_dim_padded, p.is_gqa, self._tma_plan(p, "backward"),
+                                         max(p.seqlen_q, p.seqlen_k))
         return self.dq_mode == "atomic"
 
     def ws_reasons(self, p: AttentionProblem) -> list[str]:

@@ -121,6 +121,15 @@ SM90 = {(d, causal): Configs(_FWD_SM90[d], *_BWD_SM90[d]) for d in _BWD_SM90 for
 # costs each program a latency short walks do not amortise): docs/triton.md §Tuning rounds, "Short sequences".
 SHORT_SEQLEN = 2048
 FWD_SHORT_SEQLEN = 1024
+
+
+def auto_dq_atomic(head_dim: int, gqa: bool, bwd_tma: str, longest: int) -> bool:
+    """dq_mode "auto" of the one-launch backward: atomic dQ only for MHA at head block 128 with tiles loaded by
+    pointers, past SHORT_SEQLEN; with TMA loads and on short sequences the pass measured faster, and GQA keeps it
+    (an fp32 dQ the size of q): docs/triton.md §Modes."""
+    return not gqa and head_block(head_dim) == 128 and bwd_tma != "all" and longest > SHORT_SEQLEN
+
+
 # Made once: select is on the call path.
 SM90_SHORT = {key: replace(c, bwd_tma="none") for key, c in SM90.items()}
 SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items()}
