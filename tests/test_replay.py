@@ -216,3 +216,25 @@ def test_replayed_calls_match_the_methods(monkeypatch, case):
                 assert torch.equal(x, y), f"call {call}: {name} differs by {(x.float() - y.float()).abs().max()}"
     if s < 2048 and not extra:      # one-launch kernels (and the varlen fills): calls 2-3 replay fwd and bwd at least
         assert len(runs) >= 4, f"{len(runs)} replays"
+
+
+@needs_cuda_backend
+@pytest.mark.usefixtures("fake_driver")
+def test_run_through_records_once_then_replays_and_empties_a_full_store():
+    kernel = _FakeKernel([False, False])
+    runs = []
+
+    def method(a, b):
+        runs.append(1)
+        launch.launch_kernel(kernel, (1,), (a, b), 4, 1)
+
+    store = {}
+    first, later = _tensors(2), _tensors(2, seed=1)
+    replay.run_through(store, ("k",), functools.partial(method, *first), first, capacity=2)
+    replay.run_through(store, ("k",), functools.partial(method, *later), later, capacity=2)
+    assert len(runs) == 1 and kernel.direct[-1][9] is later[0]       # recorded once, then replayed
+    store[("none",)] = None                                             # a layout that does not replay: runs
+    replay.run_through(store, ("none",), functools.partial(method, *later), later, capacity=2)
+    assert len(runs) == 2
+    replay.run_through(store, ("new",), functools.partial(method, *later), later, capacity=2)
+    assert set(store) == {("new",)} and len(runs) == 3                 # full: emptied, then the new key recorded

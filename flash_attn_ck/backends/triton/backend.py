@@ -94,7 +94,8 @@ def _per_problem(method):
 
 _MISSING = object()
 
-# Replays kept per (backend, problem): the layouts of one call signature's tensors (alignment, a caller's strides).
+# Replays kept per (backend, problem): the layouts of one call signature's tensors (alignment, a caller's strides;
+# emptied when full; 0: none).
 REPLAYS_PER_PROBLEM = 16
 # Replays of the varlen outside-rows fill, by layout (the process's recent ones; cleared when full; 0: none).
 FILL_REPLAYS = 256
@@ -115,19 +116,13 @@ def _replayed(method):
         *positional, workspace = rest if isinstance(rest[-1], dict) else (*rest, {})
         tensors = (params.q, params.k, params.v, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
                    params.rng_state, *positional, *workspace.values())
+        if not REPLAYS_PER_PROBLEM:
+            return method(self, p, params, *rest)
         replays = p.memo.get((self, name, "replays"))
         if replays is None:
             replays = p.memo[(self, name, "replays")] = {}
         key = (*replay.layout_key(tensors), *workspace)     # the workspace's names: which roles its tensors hold
-        found = replays.get(key, _MISSING)
-        if found is _MISSING:
-            if len(replays) >= REPLAYS_PER_PROBLEM:
-                return method(self, p, params, *rest)
-            replays[key] = replay.record(lambda: method(self, p, params, *rest), tensors)
-        elif found is None:
-            method(self, p, params, *rest)
-        else:
-            found.run(tensors)
+        replay.run_through(replays, key, lambda: method(self, p, params, *rest), tensors, REPLAYS_PER_PROBLEM)
     return run
 
 
@@ -398,25 +393,20 @@ class TritonBackend(Backend):
         if _INTERPRETING or fills[0][0].device.type != "cuda":
             super().fill_outside_sequences(*fills)
             return
+        if launch.hooked() or not FILL_REPLAYS:
+            self._fill_outside(fills)
+            return
         # Replayed per layout (replay.py): the launch follows from the tensors' layouts, dims and values alone.
         tensors = tuple(t for cu_seqlens, t, _, _ in fills for t in (cu_seqlens, t))
-        hooked = launch.hooked()
-        key = None if hooked or not FILL_REPLAYS else (*replay.layout_key(tensors),
-                                                       *[(dim, float(value).hex()) for _, _, dim, value in fills])
-        found = _FILL_REPLAYS.get(key) if key is not None else None
-        if found is not None:
-            found.run(tensors)
-            return
+        key = (*replay.layout_key(tensors), *[(dim, float(value).hex()) for _, _, dim, value in fills])
+        replay.run_through(_FILL_REPLAYS, key, lambda: self._fill_outside(fills), tensors, FILL_REPLAYS)
+
+    @staticmethod
+    def _fill_outside(fills) -> None:
         spec = launch.fill_outside(fills)
-        if spec is None:
-            return
-        _prepare_launch()
-        if key is None or key in _FILL_REPLAYS:      # a profiler hook, or a layout that does not replay
+        if spec is not None:
+            _prepare_launch()
             spec.launch()
-            return
-        if len(_FILL_REPLAYS) >= FILL_REPLAYS:
-            _FILL_REPLAYS.clear()
-        _FILL_REPLAYS[key] = replay.record(spec.launch, tensors)
 
     # ---- forward -------------------------------------------------------------------------------
     @_replayed

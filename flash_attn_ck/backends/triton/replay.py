@@ -75,6 +75,23 @@ def record(method, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
         return None
 
 
+def run_through(store: dict, key: tuple, method, tensors: tuple[torch.Tensor | None, ...], capacity: int) -> None:
+    """`method()` through `store`'s replay of `key`: replayed once recorded, recorded on the key's first call
+    (`store` is emptied first when it holds `capacity` keys), run as is where it cannot be replayed."""
+    found = store.get(key, _UNSEEN)
+    if found is _UNSEEN:
+        if len(store) >= capacity:
+            store.clear()
+        store[key] = record(method, tensors)
+    elif found is None:
+        method()
+    else:
+        found.run(tensors)
+
+
+_UNSEEN = object()
+
+
 class _NotReplayable(Exception):
     pass
 
