@@ -94,7 +94,7 @@ def test_each_launch_walks_its_own_tiles_under_the_calls_window(mask, head_dim, 
         assert "varlen schedule" in backend.backward_plan(p).kernel
         assert "varlen schedule" in backend.forward_kernel(p)
         assert backend.backward_plan(p).kernel.startswith("bwd_ws_split " if head_dim > 128 else "bwd_ws ")
-        off = TritonBackend(ws=True, fwd_ws=True)
+        off = TritonBackend(ws=True, fwd_ws=True, varlen_schedule=False)
         assert "varlen schedule" not in off.backward_plan(p).kernel + off.forward_kernel(p)
 
 
@@ -139,7 +139,7 @@ def test_the_option_off_a_dense_call_or_too_many_items_keep_the_grid(monkeypatch
     p, _ = call("causal")
     dense = describe_call(*(torch.zeros(2, 300, 4, 128, dtype=torch.bfloat16) for _ in range(3)),
                           AttentionOptions(causal=True))
-    assert config.VARLEN_SCHEDULE is False
+    monkeypatch.setattr(config, "VARLEN_SCHEDULE", False)
     with pretend_capability():
         for backend in (TritonBackend(), TritonBackend(varlen_schedule=False)):
             assert backend._schedule_walk(p, "forward") is None and backend._schedule_walk(p, "backward") is None
@@ -198,7 +198,8 @@ def test_the_launches_run_the_schedule_of_the_model(lens, mask, group, heads_k, 
         monkeypatch.setattr(config, "BWD_WS_DQ_ACCUM_BYTES", per_launch * per_kv_head)
         on = TritonBackend(ws=True, fwd_ws=True, varlen_schedule=True)
         fwd, bwds = run_launches(on, p, params, monkeypatch)
-        fwd_off, bwds_off = run_launches(TritonBackend(ws=True, fwd_ws=True), p, params, monkeypatch)
+        off = TritonBackend(ws=True, fwd_ws=True, varlen_schedule=False)
+        fwd_off, bwds_off = run_launches(off, p, params, monkeypatch)
     cu_q, cu_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
     with pretend_capability():
         walks = {role: on._schedule_walk(p, role) for role in ("forward", "backward")}
@@ -263,7 +264,8 @@ def test_a_scheduled_launch_never_shares_the_grids_compiled_kernel(monkeypatch):
     monkeypatch.setattr(runtime, "driver", types.SimpleNamespace(active=active))
     monkeypatch.setattr(launch, "_KERNELS", {})
     p, params = call("causal")
-    on, off = TritonBackend(ws=True, fwd_ws=True, varlen_schedule=True), TritonBackend(ws=True, fwd_ws=True)
+    on = TritonBackend(ws=True, fwd_ws=True, varlen_schedule=True)
+    off = TritonBackend(ws=True, fwd_ws=True, varlen_schedule=False)
     specs = [run_launches(backend, p, params, monkeypatch) for backend in (on, off, on, off)]
     for role in (0, 1):
         first = [s[role] if role == 0 else s[role][0] for s in specs]
