@@ -84,22 +84,27 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         return_attn_probs=return_attn_probs, backend=backend)
     # Before the op: its schema would reject a non-tensor with a less helpful message, and a meta
     # tensor anywhere would route the call to the op's fake (uninitialised results, no error).
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t)
+    call = ops.prepared(q, k, v, options)
+    if call is None or call.problem.device.type == "meta":
+        operands = (("q", q), ("k", k), ("v", v), *options.tensors())
+        for name, t in operands[:3]:
+            check_tensor(name, t)
+    else:       # a memoised signature decided these: tensors, on q's device, a real one
+        operands = (("q", q),)
     if out is not None:
         check_tensor("out", out)
-    check_real_devices((("q", q), ("k", k), ("v", v), *options.tensors(), ("rng_state", rng_state), ("out", out)))
+    check_real_devices((*operands, ("rng_state", rng_state), ("out", out)))
     if rng_state is not None:
         check_rng_state(rng_state, q.device)
     if out is None:
-        out, lse, rng_state, probs = ops.attention(q, k, v, options, rng_state)
+        out, lse, rng_state, probs = ops.attention(q, k, v, options, rng_state, call)
     else:
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (q, k, v, out, options.alibi_slopes)):
             raise ArgumentError("out: the forward into a given out is not differentiable (as torch's out= "
                                 "functions), and q, k, v, alibi_slopes or out requires grad; call it under "
                                 "torch.no_grad(), or without out")
-        lse, rng_state, probs = ops.attention_into(q, k, v, out, options, rng_state)
+        lse, rng_state, probs = ops.attention_into(q, k, v, out, options, rng_state, call)
     rng_state = rng_state if rng_state is not None and rng_state.numel() else None
     return (out, lse, rng_state, probs) if return_attn_probs else (out, lse, rng_state)
 

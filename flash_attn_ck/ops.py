@@ -41,6 +41,7 @@ from .core.options import AttentionOptions
 from .core.problem import pad_head_dim, row_stats_shape
 from .pipeline.backward import attention_backward
 from .pipeline.forward import attention_forward
+from .pipeline.prepare import PreparedCall, memoised
 
 # ---- the options as schema arguments: one table, one flatten, one unflatten ----------------------
 
@@ -122,11 +123,11 @@ def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
 
 # ---- forward -------------------------------------------------------------------------------------
 
-def _forward(q, k, v, options: AttentionOptions, rng_state=None, out=None):
+def _forward(q, k, v, options: AttentionOptions, rng_state=None, out=None, prepared: PreparedCall | None = None):
     """(out, lse, rng_state, probs, the call's PreparedCall for the Function's direct backward); rng_state and
     probs None where the call has none (the ops' schemas return empty placeholders instead: `_op_results`).
-    `out`: the caller's."""
-    return attention_forward(q, k, v, options, rng_state, out)
+    `out`: the caller's; `prepared`: the call's memoised preparation (`prepared`), where the caller has it."""
+    return attention_forward(q, k, v, options, rng_state, out, prepared)
 
 
 def _op_results(out, lse, rng_state, probs) -> tuple[torch.Tensor, ...]:
@@ -227,18 +228,20 @@ class _Attention(torch.autograd.Function):
     """`fwd` with `out` differentiable; its backward is the `bwd` op (or, eagerly, its implementation).
 
     It takes the flattened options (`_flatten(options, _FWD)`), as dynamo traces a Function's
-    arguments, or eagerly (`_direct`) the validated `AttentionOptions` itself, which saves flattening
-    and unflattening them; ctx keeps them as one `AttentionOptions`."""
+    arguments, or eagerly (`_direct`) the validated `AttentionOptions` itself and the call's memoised
+    preparation (or None), which saves flattening and unflattening them; ctx keeps them as one
+    `AttentionOptions`."""
 
     @staticmethod
     def forward(ctx, q, k, v, given_rng_state, *flat):
-        # `attention` passes validated options, whole or flattened, after the rng_state to draw (None: fresh)
-        options = flat[0] if len(flat) == 1 else _unflatten(flat, _FWD, checked=True)
-        if _direct(q):   # Function.forward runs under no_grad already
-            out, lse, rng_state, probs, ctx.prepared = _forward(q, k, v, options, given_rng_state)
+        # `attention` passes validated options after the rng_state to draw (None: fresh): eagerly (it checked
+        # `_direct`) the options whole and the call's PreparedCall or None, else flattened
+        if type(flat[0]) is AttentionOptions:      # Function.forward runs under no_grad already
+            options = flat[0]
+            out, lse, rng_state, probs, ctx.prepared = _forward(q, k, v, options, given_rng_state, None, flat[1])
         else:
-            out, lse, rng_state, probs = _fwd_op(q, k, v, *(_flatten(options, _FWD) if len(flat) == 1 else flat),
-                                                 rng_state=given_rng_state)
+            options = _unflatten(flat, _FWD, checked=True)
+            out, lse, rng_state, probs = _fwd_op(q, k, v, *flat, rng_state=given_rng_state)
             ctx.prepared = None
         # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
         # non-differentiable instead of having their gradients silently dropped.
@@ -259,8 +262,12 @@ class _Attention(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        # The saved tensors, not ctx.options' own: autograd checks that they were not modified in place.
-        options = ctx.options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        # The saved tensors (unpacking them checked that they were not modified in place), which are ctx.options'
+        # own unless saved tensor hooks (e.g. offloading) unpacked other objects.
+        options = ctx.options
+        if not (cu_seqlens_q is options.cu_seqlens_q and cu_seqlens_k is options.cu_seqlens_k
+                and seqused_k is options.seqused_k and alibi_slopes is options.alibi_slopes):
+            options = options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                               seqused_k=seqused_k, alibi_slopes=alibi_slopes)
         if ctx.prepared is not None and _direct(q) and not torch.is_grad_enabled():   # create_graph: the op
             rng = rng_state if rng_state is not None and rng_state.numel() else None
@@ -309,14 +316,23 @@ def backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options: Attentio
                                            rng_state, *_flatten(options, _BWD_TAIL))
 
 
-def attention(q, k, v, options: AttentionOptions, rng_state=None):
+def prepared(q, k, v, options: AttentionOptions) -> PreparedCall | None:
+    """Eagerly (`_direct`: where `attention` runs the pipeline itself), the call's memoised preparation when its
+    signature was prepared before (pipeline/prepare.py; its value checks run), else None. A hit has passed
+    every check that the metadata of q, k, v and the options' tensors decides (types, dtypes, shapes, strides,
+    devices, each tensor on q's device); pass it to `attention` / `attention_into`."""
+    return memoised(q, k, v, options) if _direct(q) else None
+
+
+def attention(q, k, v, options: AttentionOptions, rng_state=None, call: PreparedCall | None = None):
     """The forward -> `(out, softmax_lse, rng_state, probs)`, differentiable in `out` (rng_state and probs: None or
-    an empty tensor where the call has none); `rng_state`: the dropout keep pattern to draw (None: a fresh one)."""
-    if _direct(q):
+    an empty tensor where the call has none); `rng_state`: the dropout keep pattern to draw (None: a fresh one);
+    `call`: `prepared(q, k, v, options)`."""
+    if call is not None or _direct(q):
         _check_backend(options)
         if not torch.is_grad_enabled():    # nothing to differentiate: the Function would add only its cost
-            return _forward(q, k, v, options, rng_state)[:4]
-        return _Attention.apply(q, k, v, rng_state, options)
+            return _forward(q, k, v, options, rng_state, None, call)[:4]
+        return _Attention.apply(q, k, v, rng_state, options, call)
     # Dynamo cannot trace a Function given one tensor twice (self-attention on one tensor, shared
     # cu_seqlens): repeats become views, which change nothing else (gradients flow through them).
     q, k, v, cu_seqlens_q, cu_seqlens_k = _distinct(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k)
@@ -325,13 +341,13 @@ def attention(q, k, v, options: AttentionOptions, rng_state=None):
     return _Attention.apply(q, k, v, rng_state, *_flatten(options, _FWD))
 
 
-def attention_into(q, k, v, out, options: AttentionOptions, rng_state=None):
+def attention_into(q, k, v, out, options: AttentionOptions, rng_state=None, call: PreparedCall | None = None):
     """The forward written into the caller's `out` -> `(softmax_lse, rng_state, probs)`. Not differentiable:
-    the caller makes sure nothing needs a gradient."""
-    if _direct(q):
+    the caller makes sure nothing needs a gradient. `call`: `prepared(q, k, v, options)`."""
+    if call is not None or _direct(q):
         _check_backend(options)
         with torch.no_grad():       # as the op's implementation: `out` never records a graph
-            return _forward(q, k, v, options, rng_state, out)[1:4]
+            return _forward(q, k, v, options, rng_state, out, call)[1:4]
     return _fwd_out_op(q, k, v, out, *_flatten(options, _FWD), rng_state=rng_state)
 
 

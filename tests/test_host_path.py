@@ -224,6 +224,146 @@ def test_use_backend_applies_to_memoised_calls(counted):
     assert ran == ["forward"] and counted["choose"] == 1
 
 
+# ---- the API on a memo hit: the checks a signature decides are skipped, every other one runs -------------
+
+def _api(call: dict, seed: int = 0):
+    """flash_attn_fwd of `call` without grad: (out, lse), or the error's type and message."""
+    torch.manual_seed(seed)     # dropout draws its pattern from torch's generator
+    try:
+        with torch.no_grad():
+            return fa.flash_attn_fwd(call["q"], call["k"], call["v"], **call["options"])[:2]
+    except (ArgumentError, NoBackendError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("varlen, field", [(False, f) for f in DENSE_FIELDS] + [(True, f) for f in VARLEN_FIELDS])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(b=st.integers(1, 3), s=st.integers(2, 9), h=st.sampled_from([2, 4]), d=st.sampled_from([8, 16]))
+def test_each_signature_field_changed_alone_misses_through_the_api(counted, varlen, field, b, s, h, d):
+    """The API looks the signature up before its own tensor checks (ops.prepared): after a memoised call, the same
+    call with any one signature field changed misses there too, and gets what it gets with an empty memo (its
+    output, or the error a bad signature raises, e.g. meta tensors)."""
+    prepare.CALLS.clear()
+    base = _varlen_base(s, h, d) if varlen else _base(b, s, h, d)
+    first = _api(base)
+    assert not isinstance(first, str)
+    hits = prepare.CALLS.hits
+    assert _same(_api(base), first) and prepare.CALLS.hits == hits + 1, "the same signature missed"
+    got = _api(_change(base, field))
+    assert prepare.CALLS.hits == hits + 1, f"{field} changed alone hit the memo of another signature"
+    prepare.CALLS.clear()
+    assert _same(got, _api(_change(base, field)))
+
+
+def _bad_calls():
+    """(what is wrong, the arguments of flash_attn_fwd of one signature with one bad argument): each good call of
+    these shapes is memoised first, so the bad one meets a memo hit wherever its signature is the good one's."""
+    def base():
+        torch.manual_seed(0)
+        return dict(q=torch.randn(2, 5, 2, 16), k=torch.randn(2, 5, 2, 16), v=torch.randn(2, 5, 2, 16), options={})
+
+    def varlen():
+        cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+        return dict(q=torch.randn(9, 2, 16), k=torch.randn(9, 2, 16), v=torch.randn(9, 2, 16),
+                    options=dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5))
+
+    def with_(make, **changes):
+        call = make()
+        options = dict(call["options"])
+        for name, value in changes.items():
+            if name in ("q", "k", "v"):
+                call[name] = value(call[name])
+            else:
+                options[name] = value
+        return dict(call, options=options)
+    def dropout():
+        return with_(base, dropout_p=0.1)
+    yield "k dtype", base, with_(base, k=lambda t: t.double())
+    yield "v device", base, with_(base, v=lambda t: t.to("meta"))
+    yield "q not a tensor", base, with_(base, q=lambda t: t.tolist())
+    yield "k last dim strided", base, with_(base, k=lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2))
+    yield "softcap nan", base, with_(base, softcap=float("nan"))
+    yield "softmax_scale inf", base, with_(base, softmax_scale=float("inf"))
+    yield "dropout_p 1", base, with_(base, dropout_p=1.0)
+    yield "window_size", base, with_(base, window_size=(-2, 0))
+    yield "rng_state device", dropout, with_(dropout, rng_state=torch.zeros(2, dtype=torch.int64, device="meta"))
+    yield "rng_state dtype", dropout, with_(dropout, rng_state=torch.zeros(2, dtype=torch.int32))
+    yield "out device", base, with_(base, out=torch.empty(2, 5, 2, 16, device="meta"))
+    yield "out dtype", base, with_(base, out=torch.empty(2, 5, 2, 16, dtype=torch.float64))
+    yield "alibi dtype", base, with_(base, alibi_slopes=torch.rand(2, dtype=torch.float64))
+    yield "cu_seqlens values", varlen, with_(varlen, cu_seqlens_q=torch.tensor([0, 6, 5], dtype=torch.int32))
+    yield "max_seqlen below a length", varlen, with_(varlen, max_seqlen_k=3)
+    yield "cu_seqlens device", varlen, with_(varlen, cu_seqlens_k=torch.tensor([0, 4, 9], dtype=torch.int32,
+                                                                               device="meta"))
+
+
+@pytest.mark.parametrize("what, good, bad", list(_bad_calls()), ids=[w for w, _, _ in _bad_calls()])
+@pytest.mark.parametrize("into", [False, True], ids=["new_out", "given_out"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_a_memo_hit_still_rejects_a_bad_call_before_writing(counted, what, good, bad, into, grad):
+    """A good call, memoised, then a bad call of the same shapes: the same ArgumentError (naming the argument) as
+    with an empty memo, raised before the caller's out is written; with grad mode on (the autograd Function's
+    path) or off."""
+    if into and (grad or "out" in bad["options"]):
+        pytest.skip("a forward into a given out is not differentiable" if grad else "the out is the bad argument")
+    out = torch.full_like(good()["q"], 7.0) if into else None
+    given = {} if out is None else dict(out=out)
+    messages = []
+    for memoised in (True, False):
+        prepare.CALLS.clear()
+        if memoised:
+            call = good()
+            fa.flash_attn_fwd(call["q"], call["k"], call["v"], **call["options"])
+            assert len(prepare.CALLS.entries) == 1
+        with torch.set_grad_enabled(grad), pytest.raises(ArgumentError) as error:
+            fa.flash_attn_fwd(bad["q"], bad["k"], bad["v"], **bad["options"], **given)
+        if out is not None:
+            assert (out == 7.0).all(), "a failing call wrote its out"
+        messages.append(str(error.value))
+    assert messages[0] == messages[1]
+    named = "max_seqlen_k" if what.startswith("max_seqlen") else "q" if what.startswith("q") else what.split()[0]
+    assert messages[0].startswith(named), messages[0]
+
+
+def test_a_memoised_meta_signature_does_not_let_meta_tensors_through(counted):
+    """The memo also holds signatures prepared by the pipeline alone (meta tensors plan workspaces): the API still
+    refuses meta tensors after one is memoised (a hit on meta decides no device check)."""
+    q, k, v = (torch.randn(1, 4, 2, 8, device="meta") for _ in range(3))
+    prepare.prepare(q, k, v, AttentionOptions())
+    with pytest.raises(ArgumentError, match=r"^q: a meta tensor has no data"):
+        fa.flash_attn_func(q, k, v)
+
+
+def test_saved_tensor_hooks_reach_the_backward(counted):
+    """The Function's backward runs on the tensors autograd unpacks (identical objects unless saved-tensor hooks
+    give others, e.g. offloading): with hooks that unpack copies, the gradients are the same."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(9, 2, 16, requires_grad=True) for _ in range(3))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    slopes = torch.rand(2)
+
+    def step():
+        out = fa.flash_attn_varlen_func(q, k, v, cu, cu, 5, 5, causal=True, alibi_slopes=slopes)
+        return torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    plain = step()
+    unpacked = []
+
+    def unpack(t):
+        unpacked.append(t)
+        return t.clone()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        hooked = step()
+    assert any(t is cu for t in unpacked) and any(t is slopes for t in unpacked)
+    for a, b in zip(plain, hooked):
+        assert torch.equal(a, b)
+
+
 # ---- GPU: no host-device synchronisation anywhere on the Triton path ---------------------------------
 
 @pytest.mark.gpu

@@ -42,27 +42,27 @@ class AttentionOptions:
     def __post_init__(self):
         # eq=False: tensors inside, so options compare by identity; everything cached is keyed on the problem.
         # Every option is checked and normalised here, once: types, ranges, finiteness (bad values name the option).
-        normalised = dict(
-            window_size=checks.check_window(self.window_size),
-            softcap=checks.check_softcap(self.softcap),
-            dropout_p=checks.check_dropout_p(self.dropout_p),
-            causal=checks.check_flag("causal", self.causal),
-            deterministic=checks.check_flag("deterministic", self.deterministic),
-            return_attn_probs=checks.check_flag("return_attn_probs", self.return_attn_probs))
-        if self.softmax_scale is not None:
-            normalised["softmax_scale"] = checks.check_softmax_scale(self.softmax_scale)
-        for name in ("max_seqlen_q", "max_seqlen_k"):
-            if getattr(self, name) is not None:
-                normalised[name] = checks.check_max_seqlen(name, getattr(self, name))
-        for name in ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "alibi_slopes"):
-            if getattr(self, name) is not None:
-                checks.check_tensor(name, getattr(self, name))
-        if self.max_workspace_bytes is not None:
-            normalised["max_workspace_bytes"] = checks.check_workspace_bytes("max_workspace_bytes",
-                                                                            self.max_workspace_bytes)
         # object.__setattr__, not a vars() update: the constructor is what dynamo (torch 2.11) traces under compile.
-        for name, value in normalised.items():
-            object.__setattr__(self, name, value)
+        # One statement per option (no table of names): this runs on every call, and small calls are host-bound.
+        setattr_ = object.__setattr__
+        setattr_(self, "window_size", checks.check_window(self.window_size))
+        setattr_(self, "softcap", checks.check_softcap(self.softcap))
+        setattr_(self, "dropout_p", checks.check_dropout_p(self.dropout_p))
+        setattr_(self, "causal", checks.check_flag("causal", self.causal))
+        setattr_(self, "deterministic", checks.check_flag("deterministic", self.deterministic))
+        setattr_(self, "return_attn_probs", checks.check_flag("return_attn_probs", self.return_attn_probs))
+        if self.softmax_scale is not None:
+            setattr_(self, "softmax_scale", checks.check_softmax_scale(self.softmax_scale))
+        if self.max_seqlen_q is not None:
+            setattr_(self, "max_seqlen_q", checks.check_max_seqlen("max_seqlen_q", self.max_seqlen_q))
+        if self.max_seqlen_k is not None:
+            setattr_(self, "max_seqlen_k", checks.check_max_seqlen("max_seqlen_k", self.max_seqlen_k))
+        for name, t in self.tensors():
+            if t is not None:
+                checks.check_tensor(name, t)
+        if self.max_workspace_bytes is not None:
+            setattr_(self, "max_workspace_bytes", checks.check_workspace_bytes("max_workspace_bytes",
+                                                                              self.max_workspace_bytes))
 
     def replace_checked(self, **changes) -> AttentionOptions:
         """`dataclasses.replace(self, **changes)` for changes that an AttentionOptions has already checked and

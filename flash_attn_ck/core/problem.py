@@ -8,6 +8,7 @@ kernel needs besides q/k/v, in the kernel layout (head dim already padded).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -58,7 +59,8 @@ class AttentionProblem:
     placement: Placement = field(default=None)
     # What is derived from this problem alone, kept by whoever derives it (a backend's kernel choice and launch
     # constants, under a key of its own): a problem is immutable, and the pipeline reuses one per call signature
-    # (pipeline/prepare.py), so a repeated call finds its decisions here. Not part of the problem's value.
+    # (pipeline/prepare.py), so a repeated call finds its decisions here. Not part of the problem's value; nor are
+    # the cached properties below (computed once per problem: the pipeline asks them on every call).
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
@@ -89,13 +91,13 @@ class AttentionProblem:
     def rows_k(self) -> int:
         return self.total_k if self.varlen else self.batch * self.seqlen_k
 
-    @property
+    @cached_property
     def has_queries(self) -> bool:
         """Whether some sequence has a query row. Kernels size their grids from the (max) length, so a varlen
         call with max_seqlen_q = 0 has none even when q holds rows (after cu_seqlens_q[-1], in no sequence)."""
         return self.rows_q > 0 and self.seqlen_q > 0
 
-    @property
+    @cached_property
     def has_keys(self) -> bool:
         """Whether some sequence has a key row (as `has_queries`)."""
         return self.rows_k > 0 and self.seqlen_k > 0
@@ -110,7 +112,7 @@ class AttentionProblem:
         """The leading dims of k (and v, dk, dv): `(b, s_k)`, or varlen `(total_k,)`."""
         return (self.total_k,) if self.varlen else (self.batch, self.seqlen_k)
 
-    @property
+    @cached_property
     def lse_shape(self) -> tuple[int, ...]:
         """softmax_lse and softmax_d: `(b, h, s_q)`, or varlen `(h, total_q)`."""
         return row_stats_shape(self.q_rows_shape, self.heads_q)

@@ -117,9 +117,10 @@ class ChunkGrid(collections.abc.Sequence):
         """Each axis: `Ranges`, or any sequence of (start, end) pairs."""
         self.axes = tuple(axis if isinstance(axis, Ranges) else tuple(axis)
                           for axis in (batch, kv_heads, group_heads, rows))
+        self.count = math.prod(len(axis) for axis in self.axes)     # once: every backward asks (run_backward)
 
     def __len__(self) -> int:
-        return math.prod(len(axis) for axis in self.axes)
+        return self.count
 
     def __getitem__(self, index):
         if isinstance(index, slice):

@@ -18,15 +18,17 @@ from ..core.errors import ArgumentError
 from ..core.inputs import kernel_params
 from ..core.options import AttentionOptions
 from ..core.scores import attention_probs
-from .prepare import prepare, prepared_backend
+from .prepare import PreparedCall, prepare, prepared_backend
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
-                      rng_state: torch.Tensor | None = None, out: torch.Tensor | None = None):
+                      rng_state: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      prepared: PreparedCall | None = None):
     """`rng_state`: with dropout, the keep pattern of this `[seed, offset]` (checked by the caller); None draws one.
-    `out`: the caller's output (like q), written in place; None allocates one."""
+    `out`: the caller's output (like q), written in place; None allocates one. `prepared`: this call's
+    `prepare(q, k, v, options)` where the caller has it already (`memoised`: a hit, value checks run)."""
     # ---- validate and choose the backend before allocating anything ------------------------------
-    call = prepare(q, k, v, options)
+    call = prepare(q, k, v, options) if prepared is None else prepared
     problem = call.problem
     chosen = prepared_backend(call, options.backend)
     if options.return_attn_probs and problem.dropout_p > 0 and not chosen.draws_reference_keep_pattern:
@@ -36,16 +38,18 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
         check_forward_out(q, k, v, out, options, rng_state)
 
     # ---- outputs -------------------------------------------------------------------------------
+    device = problem.device     # q's (the signature decides it), without making a torch.device per access
     if problem.dropout_p == 0:
         rng_state = None
     elif rng_state is None:
-        rng_state = new_rng_state(q.device)
+        rng_state = new_rng_state(device)
     params = kernel_params(problem, q, k, v, options, rng_state)
     padded = problem.head_dim_padded != problem.head_dim
     # Every backend writes any strides with a unit last one, so a caller's out is the kernel's, unless the head
     # dim is padded: the kernels then write a padded buffer, copied into out below.
-    target = out if out is not None and not padded else torch.empty(params.q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(problem.lse_shape, dtype=problem.accum_dtype, device=q.device)
+    target = out if out is not None and not padded else torch.empty(params.q.shape, dtype=problem.dtype,
+                                                                        device=device)
+    lse = torch.empty(problem.lse_shape, dtype=problem.accum_dtype, device=device)
 
     # ---- kernel --------------------------------------------------------------------------------
     if problem.has_queries and problem.has_keys:

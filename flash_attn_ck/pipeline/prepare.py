@@ -40,14 +40,6 @@ class SignatureCache:
         self.entries: dict[tuple, PreparedCall] = {}
         self.hits = self.misses = 0
 
-    def lookup(self, key: tuple) -> PreparedCall | None:
-        entry = self.entries.get(key)
-        if entry is None:
-            self.misses += 1
-        else:
-            self.hits += 1
-        return entry
-
     def store(self, key: tuple, entry: PreparedCall) -> PreparedCall:
         if len(self.entries) >= self.size:
             del self.entries[next(iter(self.entries))]
@@ -62,20 +54,35 @@ class SignatureCache:
 CALLS = SignatureCache(256)
 
 
+def _lookup(q, k, v, options: AttentionOptions) -> tuple[tuple | None, PreparedCall | None]:
+    """(the call's signature, or None where it cannot key the memo; the entry stored for it, or None). A hit
+    counts, and its value checks run (`check_values`): a hit is the whole validation of q, k, v and the options."""
+    key = call_signature(q, k, v, options)
+    try:
+        entry = CALLS.entries.get(key) if key is not None else None
+    except TypeError:       # symbolic sizes under torch.compile are not hashable: nothing to reuse
+        return None, None
+    if entry is not None:
+        CALLS.hits += 1
+        check_values(entry.problem, options)
+    return key, entry
+
+
+def memoised(q, k, v, options: AttentionOptions) -> PreparedCall | None:
+    """`prepare`'s result where this signature was prepared before (its value checks run), else None (nothing is
+    counted or stored: the caller checks the call and `prepare`s it)."""
+    return _lookup(q, k, v, options)[1]
+
+
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> PreparedCall:
     """The call's problem (validated as `describe_call` validates it), from the cache when this signature was
     prepared before (then only the value checks run)."""
-    key = call_signature(q, k, v, options)
-    try:
-        entry = CALLS.lookup(key) if key is not None else None
-    except TypeError:       # symbolic sizes under torch.compile are not hashable: nothing to reuse
-        key = entry = None
+    key, entry = _lookup(q, k, v, options)
     if entry is None:
+        CALLS.misses += 1
         entry = PreparedCall(describe_call(q, k, v, options))
         if key is not None:
             CALLS.store(key, entry)
-    else:
-        check_values(entry.problem, options)
     return entry
 
 
