@@ -12,11 +12,12 @@ into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gath
   transfer in flight while the current step computes. Per step, one kernel call (`_Call.step_calls`): with both
   layouts, causal or not, a step's mask is one call's — the own block is causal on the local order, a zigzag
   block from a lower rank is seen by both local chunks in its first chunk, one from a higher rank by the second
-  local chunk in full; the partial outputs are merged by their lse in fp32 (fp64 for fp64 inputs):
+  local chunk in full; the partial outputs, fp32 where the backend writes it (`_step_dtype`: not CK), are merged by
+  their lse in fp32 (fp64 for fp64 inputs), and rounded to the input dtype once:
   `lse = logaddexp(lse, lse_i)`, `out = out * exp(lse_old - lse) + out_i * exp(lse_i - lse)`.
   Backward: the same steps with `flash_attn_bwd` given the merged out/lse (so D = rowsum(dO * O) is the
-  global one), writing into preallocated per-step buffers; dQ accumulates locally in fp32 and dK/dV
-  accumulate in fp32 buffers that travel around the ring and arrive back at their owner after W hops.
+  global one), writing into preallocated per-step buffers (fp32 as the forward's); dQ accumulates locally in fp32
+  and dK/dV accumulate in fp32 buffers that travel around the ring and arrive back at their owner after W hops.
   Both transfers overlap compute. Causal or not; sliding windows are refused here (a window's block masks
   need a negative side).
 - kv_exchange "allgather": K/V are all-gathered (every rank then holds the full K/V) in two asynchronous
