@@ -49,7 +49,7 @@ def _documented(fn):
 def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    seqused_k=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                    alibi_slopes=None, deterministic=False, return_attn_probs=False, rng_state=None, out=None,
-                   backend=None):
+                   out_dtype=None, backend=None):
     """The forward alone, returning what a backward (or a context-parallel merge) needs.
 
     Args:
@@ -66,10 +66,14 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         out: written in place and returned instead of a new tensor: q's shape, dtype and device, a unit
             last stride (any other strides), sharing no memory with an input, not an inference tensor outside
             inference_mode. Not differentiable: with out, q, k, v, alibi_slopes and out must not require grad
-            while grad mode is on.{common}
+            while grad mode is on.
+        out_dtype: None (q's dtype), or torch.float32 for fp16/bf16 q: out in fp32, the kernel's result before
+            its rounding to q's dtype, for callers that merge partial outputs (context parallelism does). Not
+            differentiable (as `out`); backends that cannot write fp32 refuse the call with their reason (CK,
+            and the warp-specialised Triton kernels, which the Triton backend then passes over).{common}
 
     Returns:
-        `(out, softmax_lse, rng_state)`, plus `probs` with `return_attn_probs`: out like q; lse fp32
+        `(out, softmax_lse, rng_state)`, plus `probs` with `return_attn_probs`: out like q (dtype `out_dtype`); lse fp32
         (b, h, s_q) or varlen (h, total_q); rng_state int64 [seed, offset] with dropout, else None;
         probs (b, h, s_q, s_k) with dropped entries negated.
 
@@ -81,7 +85,7 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic,
-        return_attn_probs=return_attn_probs, backend=backend)
+        return_attn_probs=return_attn_probs, backend=backend, out_dtype=out_dtype)
     # Before the op: its schema would reject a non-tensor with a less helpful message, and a meta
     # tensor anywhere would route the call to the op's fake (uninitialised results, no error).
     call = ops.prepared(q, k, v, options)
@@ -96,11 +100,16 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     check_real_devices((*operands, ("rng_state", rng_state), ("out", out)))
     if rng_state is not None:
         check_rng_state(rng_state, q.device)
+    differentiated = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                     for t in (q, k, v, out, options.alibi_slopes))
+    if differentiated and out_dtype not in (None, q.dtype):
+        raise ArgumentError(f"out_dtype: results in {str(out_dtype).removeprefix('torch.')}, not q's dtype, are not "
+                            "differentiable, and q, k, v, alibi_slopes or out requires grad; call it under "
+                            "torch.no_grad(), or without out_dtype")
     if out is None:
         out, lse, rng_state, probs = ops.attention(q, k, v, options, rng_state, call)
     else:
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (q, k, v, out, options.alibi_slopes)):
+        if differentiated:
             raise ArgumentError("out: the forward into a given out is not differentiable (as torch's out= "
                                 "functions), and q, k, v, alibi_slopes or out requires grad; call it under "
                                 "torch.no_grad(), or without out")
@@ -113,7 +122,7 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
 def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *, cu_seqlens_q=None,
                    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, alibi_slopes=None,
                    dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                   deterministic=False, rng_state=None, backend=None, max_workspace_bytes=None):
+                   deterministic=False, rng_state=None, backend=None, max_workspace_bytes=None, out_dtype=None):
     """The backward alone, shaped like flash-attention's `mha_bwd`.
 
     Args:
@@ -121,11 +130,15 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
         softmax_lse, rng_state: what `flash_attn_fwd` returned (rng_state only with dropout).
         dq, dk, dv: preallocated gradients, written in place (checked for dtype, device, last-dim
             stride, shape); missing ones are allocated.
+        out_dtype: None (q's dtype), or torch.float32 for fp16/bf16 q: dq, dk, dv in fp32, the kernels' results
+            before their rounding to q's dtype, for callers that add partial gradients (context parallelism
+            does); refused as by `flash_attn_fwd`.
         max_workspace_bytes: cap on the backward's workspace (default `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES`,
             else 4 GiB; -1: no cap); larger calls run in chunks (pipeline/chunking.py).{common}
 
     Returns:
-        `(dq, dk, dv, softmax_d)`: dq like q, dk/dv like k; softmax_d = rowsum(dout * out), like lse.
+        `(dq, dk, dv, softmax_d)`: dq like q, dk/dv like k (dtype `out_dtype`); softmax_d = rowsum(dout * out),
+        like lse.
 
     Raises:
         ArgumentError: a bad argument. NoBackendError: no backend can run the call.
@@ -135,7 +148,7 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic, backend=backend,
-        max_workspace_bytes=max_workspace_bytes)
+        max_workspace_bytes=max_workspace_bytes, out_dtype=out_dtype)
     operands = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse))
     for name, t in operands:
         check_tensor(name, t)
@@ -146,7 +159,7 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
                         ("rng_state", rng_state)))
     if dq is None and dk is None and dv is None:
         return ops.backward(dout, q, k, v, out, softmax_lse, options, rng_state)
-    dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv)
+    dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, options.out_dtype)
     softmax_d = ops.backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options, rng_state)
     return dq, dk, dv, softmax_d
 

@@ -52,15 +52,17 @@ _SCHEMA = {
     "alibi_slopes": "Tensor? alibi_slopes", "dropout_p": "float dropout_p", "softmax_scale": "float? softmax_scale",
     "causal": "bool causal", "window_size": "int window_left, int window_right", "softcap": "float softcap",
     "deterministic": "bool deterministic", "return_attn_probs": "bool return_probs", "backend": "str backend",
-    "max_workspace_bytes": "int? max_workspace_bytes=None",
+    "max_workspace_bytes": "int? max_workspace_bytes=None", "out_dtype": "ScalarType? out_dtype=None",
 }
 assert set(_SCHEMA) == {f.name for f in fields(AttentionOptions)}, "every option needs its schema arguments"
 # Which options each op takes, in schema order (rng_state, an operand, sits between them in the backward).
 _COMMON = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes", "dropout_p",
            "softmax_scale", "causal", "window_size", "softcap", "deterministic")
-_FWD = (*_COMMON, "return_attn_probs", "backend")
-_BWD_TAIL = ("backend", "max_workspace_bytes")
+_FWD = (*_COMMON, "return_attn_probs", "backend", "out_dtype")
+_BWD_TAIL = ("backend", "max_workspace_bytes", "out_dtype")
 _DEFAULT_OPTIONS = AttentionOptions()
+# Schema arguments with a default (at the end of a schema): a call of the op may leave them out.
+_DEFAULTED = frozenset(name for name, schema in _SCHEMA.items() if schema.endswith("=None"))
 
 
 def _schema(names: tuple[str, ...]) -> str:
@@ -84,15 +86,16 @@ def _flatten(options: AttentionOptions, names: tuple[str, ...]) -> tuple:
 
 
 def _unflatten(args: tuple, names: tuple[str, ...], checked: bool = False) -> AttentionOptions:
-    """The inverse of `_flatten` (options not in `names` keep their defaults). `checked`: the arguments are
-    `_flatten`'s of a validated AttentionOptions, not an op's (which anyone may call with raw values)."""
+    """The inverse of `_flatten` (options not in `names`, or left out where the schema has a default, keep their
+    defaults). `checked`: the arguments are `_flatten`'s of a validated AttentionOptions, not an op's (which anyone
+    may call with raw values)."""
     values, args = {}, list(args)
     for name in names:
         if name == "window_size":
             values[name] = (args.pop(0), args.pop(0))
         elif name == "backend":
             values[name] = backend_from_key(args.pop(0))
-        else:
+        elif args or name not in _DEFAULTED:
             values[name] = args.pop(0)
     return _DEFAULT_OPTIONS.replace_checked(**values) if checked else AttentionOptions(**values)
 
@@ -116,7 +119,6 @@ for _name in ("fwd", "fwd_out", "bwd", "bwd_out"):
 def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
     """A backward op's options (the common ones, then rng_state, then _BWD_TAIL) and its rng_state."""
     common, rng_state, tail = args[:len(_COMMON) + 1], args[len(_COMMON) + 1], args[len(_COMMON) + 2:]
-    tail = tail + (None,) * (len(_BWD_TAIL) - len(tail))      # max_workspace_bytes has a default
     options = _unflatten(common + tail, _COMMON + _BWD_TAIL)
     return options, rng_state if rng_state is not None and rng_state.numel() else None
 
@@ -156,7 +158,8 @@ torch.library.impl("flash_attn_ck::fwd_out", "CompositeExplicitAutograd", torch.
 def _(q, k, v, *flat, rng_state=None):
     d = q.shape[-1]
     # out is a view of a buffer padded to a multiple of 8, exactly as the real op returns it.
-    return q.new_empty((*q.shape[:-1], pad_head_dim(d)))[..., :d], *_fake_results(q, k, flat)
+    out = q.new_empty((*q.shape[:-1], pad_head_dim(d)), dtype=_unflatten(flat, _FWD).out_dtype)[..., :d]
+    return out, *_fake_results(q, k, flat)
 
 
 @torch.library.register_fake("flash_attn_ck::fwd_out")
@@ -190,7 +193,8 @@ torch.library.impl("flash_attn_ck::bwd", "CompositeExplicitAutograd", torch.no_g
 
 @torch.library.register_fake("flash_attn_ck::bwd")
 def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), softmax_lse.new_empty(softmax_lse.shape)
+    dtype = _bwd_options(args)[0].out_dtype
+    return (*(torch.empty_like(t, dtype=dtype) for t in (q, k, v)), softmax_lse.new_empty(softmax_lse.shape))
 
 
 def _bwd_out(dout, q, k, v, out, softmax_lse, dq, dk, dv, *flat):

@@ -108,6 +108,51 @@ print("PASS")
 """
 
 
+# fp32 results (out_dtype, what context parallelism asks for): the kernels convert on store, so out, dq, dk, dv round to
+# the default call's bit for bit (GQA loop: dK/dV summed on chip; accumulate: fp32 accumulators; atomic dQ; TMA
+# stores; varlen), and are not themselves rounded to fp16.
+_FP32_RUNNER = _INTERPRETER_PATCH + r"""
+import json, sys
+import torch
+from flash_attn_ck.api import flash_attn_bwd, flash_attn_fwd
+from flash_attn_ck.backends.triton import TritonBackend
+
+TritonBackend.device_types = frozenset({"cuda", "cpu"})   # the interpreter runs on CPU tensors
+case = json.loads(sys.argv[1])
+h, h_k, d = case["heads"]
+g = torch.Generator().manual_seed(0)
+shape_q, shape_k = ((30, h, d), (37, h_k, d)) if case.get("varlen") else ((2, 15, h, d), (2, 19, h_k, d))
+q, dout = (torch.randn(shape_q, generator=g).half() for _ in range(2))
+k, v = (torch.randn(shape_k, generator=g).half() for _ in range(2))
+options = dict(causal=case.get("causal", False), backend=TritonBackend(**case.get("opts", {})))
+if case.get("varlen"):
+    options.update(cu_seqlens_q=torch.tensor([0, 12, 12, 30], dtype=torch.int32), max_seqlen_q=18,
+                   cu_seqlens_k=torch.tensor([0, 9, 20, 37], dtype=torch.int32), max_seqlen_k=17)
+out, lse, _ = flash_attn_fwd(q, k, v, **options)
+out32, lse32, _ = flash_attn_fwd(q, k, v, out_dtype=torch.float32, **options)
+grads = flash_attn_bwd(dout, q, k, v, out, lse, **options)[:3]
+grads32 = flash_attn_bwd(dout, q, k, v, out, lse, out_dtype=torch.float32, **options)[:3]
+for name, rounded, full in zip(("out", "dq", "dk", "dv"), (out, *grads), (out32, *grads32)):
+    assert full.dtype == torch.float32 and torch.equal(full.half(), rounded), name
+    assert (full.double() - rounded.double()).abs().max() > 0, name + ": the fp32 result was rounded"
+print("PASS")
+"""
+
+FP32_CASES = {
+    "mha": dict(heads=(2, 2, 16)),
+    "gqa_loop_causal": dict(heads=(4, 2, 24), causal=True),
+    "gqa_accumulate": dict(heads=(4, 1, 16), opts=dict(gqa_epilogue="accumulate")),
+    "dq_atomic": dict(heads=(2, 2, 16), causal=True, opts=dict(dq_mode="atomic")),
+    "tma_store": dict(heads=(4, 1, 32), opts=dict(use_tma=True)),
+    "varlen": dict(heads=(4, 2, 16), causal=True, varlen=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FP32_CASES))
+def test_interpreted_kernels_write_fp32_results(name):
+    _interpret(_FP32_RUNNER, json.dumps(FP32_CASES[name]))
+
+
 def _interpret(runner: str, argument: str) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
     env.pop("FLASH_ATTN_CK_BACKEND", None)

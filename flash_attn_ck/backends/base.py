@@ -42,6 +42,9 @@ class Backend(abc.ABC):
     supports_chunked_dropout: ClassVar[bool] = False
     # Whether dropout follows core/dropout.py's keep pattern (so return_attn_probs can show it).
     draws_reference_keep_pattern: ClassVar[bool] = True
+    # Why this backend cannot write fp32 results for fp16/bf16 inputs (`out_dtype`, what context parallelism
+    # merges), or None where its kernels can.
+    fp32_outputs_refusal: ClassVar[str | None] = "its kernels write out, dq, dk and dv in the input dtype"
 
     # ---- capability checks ---------------------------------------------------------------------
     @classmethod
@@ -75,6 +78,8 @@ class Backend(abc.ABC):
                     ("varlen", problem.varlen, cls.supports_varlen),
                     ("deterministic mode", problem.deterministic, cls.supports_deterministic)]
         reasons += [f"{feature} is not supported" for feature, used, supported in features if used and not supported]
+        if problem.out_dtype != problem.dtype and cls.fp32_outputs_refusal:
+            reasons.append(f"out_dtype {str(problem.out_dtype).removeprefix('torch.')}: {cls.fp32_outputs_refusal}")
         return reasons + cls.extra_reasons(problem)
 
     # ---- kernels -------------------------------------------------------------------------------
@@ -83,6 +88,12 @@ class Backend(abc.ABC):
                 out: torch.Tensor, lse: torch.Tensor) -> None:
         """Write `out` (layout of q) and fp32 `lse` ((b, h, s_q) or varlen (h, total_q)). The pipeline
         calls it only when the call has query rows and key rows (empty calls need no kernel)."""
+
+    def fp32_outputs_slower(self, problem: AttentionProblem) -> str | None:
+        """Why fp32 results (`out_dtype`) of this fp16/bf16 call would run slower kernels than its input-dtype
+        results, or None where the same kernels write both (a caller that may choose, context parallelism, then
+        takes fp32)."""
+        return None
 
     def forward_kernel(self, problem: AttentionProblem) -> str:
         """Which kernel runs the forward of this call and, when a faster one was passed over, why

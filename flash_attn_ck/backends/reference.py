@@ -32,6 +32,7 @@ class ReferenceBackend(Backend):
     supports_row_chunks = True
     supports_chunked_dropout = True
     dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+    fp32_outputs_refusal = None      # it computes in fp32: only its final copy into out, dq, dk, dv rounds
 
     # ---- forward -------------------------------------------------------------------------------
     def forward(self, problem: AttentionProblem, params: AttentionParams,

@@ -118,6 +118,31 @@ def check_flag(name: str, value) -> bool:
     raise ArgumentError(f"{name}: expected a bool, got {type(value).__name__} {value!r}")
 
 
+def check_out_dtype(value) -> torch.dtype | None:
+    """`out_dtype` before the operands are known: None or a torch.dtype (describe_call checks it against q's)."""
+    if value is not None and not isinstance(value, torch.dtype):
+        raise ArgumentError(f"out_dtype: expected None or a torch.dtype, got {type(value).__name__} {value!r}")
+    return value
+
+
+def output_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The dtypes the results of a call on `dtype` inputs may have (`out_dtype`): the input dtype, or the
+    accumulation dtype (fp32; fp64 inputs accumulate in fp64)."""
+    return (dtype,) if dtype in (torch.float32, torch.float64) else (dtype, torch.float32)
+
+
+def check_out_dtype_for(out_dtype: torch.dtype | None, dtype: torch.dtype) -> torch.dtype:
+    """`out_dtype` against q's dtype; the results' dtype (None: q's)."""
+    if out_dtype is None:
+        return dtype
+    allowed = output_dtypes(dtype)
+    if out_dtype not in allowed:
+        raise ArgumentError(f"out_dtype: expected None or {' or '.join(_dtype_name(d) for d in allowed)} for "
+                            f"{_dtype_name(dtype)} q (its dtype, or the fp32 the kernels accumulate in), got "
+                            f"{_dtype_name(out_dtype)}")
+    return out_dtype
+
+
 def check_dropout_p(dropout_p) -> float:
     dropout_p = check_number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
@@ -360,11 +385,18 @@ def check_rng_state(rng_state: torch.Tensor, device: torch.device) -> None:
     check_shape("rng_state", rng_state, (2,))
 
 
-def check_like(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, shape: Sequence[int]) -> None:
-    """CK `mha_bwd`'s checks for an operand or a preallocated output: dtype, device, last stride, shape."""
+def check_like(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, shape: Sequence[int],
+               dtype_source: str = "the dtype of q") -> None:
+    """CK `mha_bwd`'s checks for an operand or a preallocated output: dtype, device, last stride, shape.
+    `dtype_source`: where the expected dtype comes from, for the message."""
     check_tensor(name, t)
     if t.dtype != dtype:
-        raise ArgumentError(f"{name}: expected dtype {_dtype_name(dtype)} (the dtype of q), got {_dtype_name(t.dtype)}")
+        raise ArgumentError(f"{name}: expected dtype {_dtype_name(dtype)} ({dtype_source}), got {_dtype_name(t.dtype)}")
     check_device(name, t, device)
     check_last_dim_contiguous(name, t)
     check_shape(name, t, shape)
+
+
+def check_result(name: str, t: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> None:
+    """A preallocated result (out, dq, dk, dv): `check_like` with the call's result dtype, q's or `out_dtype`."""
+    check_like(name, t, dtype, q.device, shape, "the dtype of q" if dtype == q.dtype else "out_dtype")

@@ -38,6 +38,7 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     checks.check_dtype("q", q, checks.SUPPORTED_DTYPES)
     checks.check_same_dtype("k", k, "q", q)
     checks.check_same_dtype("v", v, "q", q)
+    out_dtype = checks.check_out_dtype_for(o.out_dtype, q.dtype)
     for name, t in (("k", k), ("v", v)):
         checks.check_device(name, t, q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -84,7 +85,8 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_k=heads_k,
         head_dim=head_dim, dtype=q.dtype, device=q.device, mask=mask, softmax_scale=o.scale_for(head_dim),
         varlen=varlen, total_q=total_q, total_k=total_k, has_alibi=o.alibi_slopes is not None,
-        dropout_p=float(o.dropout_p), softcap=float(o.softcap), deterministic=bool(o.deterministic))
+        dropout_p=float(o.dropout_p), softcap=float(o.softcap), deterministic=bool(o.deterministic),
+        out_dtype=out_dtype)
 
 
 def _tensor_signature(t: torch.Tensor | None):
@@ -102,7 +104,7 @@ def call_signature(q, k, v, options: AttentionOptions) -> tuple | None:
             _tensor_signature(o.cu_seqlens_q), _tensor_signature(o.cu_seqlens_k), _tensor_signature(o.seqused_k),
             _tensor_signature(o.alibi_slopes),
             o.max_seqlen_q, o.max_seqlen_k, o.causal, o.window_size, o.softmax_scale, o.dropout_p, o.softcap,
-            o.deterministic)
+            o.deterministic, o.out_dtype)
 
 
 def check_values(problem: AttentionProblem, options: AttentionOptions) -> None:

@@ -22,7 +22,10 @@ class AttentionOptions:
     """flash-attn's options, with flash-attn's names and defaults.
 
     `backend`: a backend name ("triton", "ck", "reference"), a backend instance, or None (automatic).
-    `max_workspace_bytes`: the backward's workspace cap (None: the environment's or the default)."""
+    `max_workspace_bytes`: the backward's workspace cap (None: the environment's or the default).
+    `out_dtype`: the dtype of out (forward) and dq, dk, dv (backward): None (q's), or fp32 for fp16/bf16 q, the
+    kernels' results before their rounding, for callers that merge partial results (context parallelism);
+    checked against q in `describe_call`."""
     cu_seqlens_q: torch.Tensor | None = None     # int32 (b + 1,): varlen calls only
     cu_seqlens_k: torch.Tensor | None = None
     seqused_k: torch.Tensor | None = None        # int32 (b,): varlen only, the keys each sequence uses
@@ -38,6 +41,7 @@ class AttentionOptions:
     return_attn_probs: bool = False
     backend: Any = None
     max_workspace_bytes: int | None = None
+    out_dtype: torch.dtype | None = None
 
     def __post_init__(self):
         # eq=False: tensors inside, so options compare by identity; everything cached is keyed on the problem.
@@ -51,6 +55,7 @@ class AttentionOptions:
         setattr_(self, "causal", checks.check_flag("causal", self.causal))
         setattr_(self, "deterministic", checks.check_flag("deterministic", self.deterministic))
         setattr_(self, "return_attn_probs", checks.check_flag("return_attn_probs", self.return_attn_probs))
+        setattr_(self, "out_dtype", checks.check_out_dtype(self.out_dtype))
         if self.softmax_scale is not None:
             setattr_(self, "softmax_scale", checks.check_softmax_scale(self.softmax_scale))
         if self.max_seqlen_q is not None:

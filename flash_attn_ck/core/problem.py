@@ -55,6 +55,9 @@ class AttentionProblem:
     dropout_p: float = 0.0
     softcap: float = 0.0
     deterministic: bool = False
+    # out (forward), dq/dk/dv (backward): dtype, or fp32 for fp16/bf16 inputs (AttentionOptions.out_dtype);
+    # None: dtype. Backends that cannot write fp32 results refuse the call (Backend.fp32_outputs_refusal).
+    out_dtype: torch.dtype | None = None
     head_dim_padded: int = field(default=0)
     placement: Placement = field(default=None)
     # What is derived from this problem alone, kept by whoever derives it (a backend's kernel choice and launch
@@ -64,6 +67,8 @@ class AttentionProblem:
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        if self.out_dtype is None:
+            object.__setattr__(self, "out_dtype", self.dtype)
         if self.head_dim_padded == 0:
             object.__setattr__(self, "head_dim_padded", pad_head_dim(self.head_dim))
         if self.placement is None:

@@ -12,11 +12,12 @@ into 2W chunks of `c = s / 2W` rows and gives rank r two of them, `unshard` gath
   transfer in flight while the current step computes. Per step, one kernel call (`_Call.step_calls`): with both
   layouts, causal or not, a step's mask is one call's — the own block is causal on the local order, a zigzag
   block from a lower rank is seen by both local chunks in its first chunk, one from a higher rank by the second
-  local chunk in full; the partial outputs are merged by their lse in fp32 (fp64 for fp64 inputs):
+  local chunk in full; the partial outputs, fp32 where the backend writes it (`_step_dtype`: not CK), are merged by
+  their lse in fp32 (fp64 for fp64 inputs), and rounded to the input dtype once:
   `lse = logaddexp(lse, lse_i)`, `out = out * exp(lse_old - lse) + out_i * exp(lse_i - lse)`.
   Backward: the same steps with `flash_attn_bwd` given the merged out/lse (so D = rowsum(dO * O) is the
-  global one), writing into preallocated per-step buffers; dQ accumulates locally in fp32 and dK/dV
-  accumulate in fp32 buffers that travel around the ring and arrive back at their owner after W hops.
+  global one), writing into preallocated per-step buffers (fp32 as the forward's); dQ accumulates locally in fp32
+  and dK/dV accumulate in fp32 buffers that travel around the ring and arrive back at their owner after W hops.
   Both transfers overlap compute. Causal or not; sliding windows are refused here (a window's block masks
   need a negative side).
 - kv_exchange "allgather": K/V are all-gathered (every rank then holds the full K/V) in two asynchronous
@@ -264,6 +265,7 @@ class _Call:
     rng: torch.Tensor | None = None          # and per kernel call of this rank: (calls, 2), derived from it
     inner: _Call | None = None               # the hybrid's a2a group (this call is then its ring across groups)
     rng_rank: int | None = None              # this rank's index for the rng derivation (default: rank)
+    step_dtype: torch.dtype | None = None    # out_dtype of the calls whose results are merged (`_step_dtype`)
 
     @property
     def calls(self) -> int:
@@ -409,7 +411,7 @@ def _ring_forward(q, k, v, call: _Call, out: torch.Tensor, transfers: _PostedTra
         for index, part in enumerate(call.step_calls(kv_chunks)):
             rows, keys = sel.rows_of(part.q_chunks), sel.keys(part.seen)
             out_i, lse_i, _ = flash_attn_fwd(q[rows], k_blk[keys], v_blk[keys], causal=part.causal,
-                                             **sel.options(part.seen, len(part.q_chunks)),
+                                             out_dtype=call.step_dtype, **sel.options(part.seen, len(part.q_chunks)),
                                              **call.kernel(2 * step + index))
             if out_acc is None:        # the first step (the rank's own block) covers every local row
                 out_acc, lse_acc = _merge(None, None, out_i, lse_i)
@@ -427,8 +429,9 @@ def _ring_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTrans
     sel = call.chunks
     accum = _accum(q)
     dq = torch.zeros(q.shape, dtype=accum, device=q.device)
-    dq_buffer = torch.empty_like(q)
-    block_grads = [(torch.empty_like(k), torch.empty_like(v)) for _ in range(2)]   # per call of a step
+    dq_buffer = torch.empty_like(q, dtype=call.step_dtype)
+    block_grads = [(torch.empty_like(k, dtype=call.step_dtype), torch.empty_like(v, dtype=call.step_dtype))
+                   for _ in range(2)]   # per call of a step
     dkv_transfers = _PostedTransfers()
     dkv_next = None
     try:
@@ -440,7 +443,8 @@ def _ring_backward(dout, q, k, v, out, lse, call: _Call, transfers: _PostedTrans
                 dk_i, dv_i = (sel.workspace(buffer, part.seen) for buffer in block_grads[index])
                 flash_attn_bwd(dout[rows], q[rows], k_blk[keys], v_blk[keys], out[rows], lse[(Ellipsis, rows[-1])],
                                dq_i, dk_i, dv_i, causal=part.causal, deterministic=call.options.deterministic,
-                               **sel.options(part.seen, len(part.q_chunks)), **call.kernel(2 * step + index))
+                               out_dtype=call.step_dtype, **sel.options(part.seen, len(part.q_chunks)),
+                               **call.kernel(2 * step + index))
                 dq[rows] += dq_i
                 parts.append((keys, dk_i, dv_i))
             if step:
@@ -524,15 +528,16 @@ def _allgather_backward(dout, q, k, v, out, lse, call: _Call, transfers: _Posted
     gathered = _KVGather(k, v, call, transfers)
     k_full, v_full = gathered.k, gathered.v
     accum = _accum(q)
-    dq = torch.empty_like(q)
+    dq = torch.empty_like(q, dtype=call.step_dtype)
     dk_full = torch.zeros(k_full.shape, dtype=accum, device=k.device)
     dv_full = torch.zeros(v_full.shape, dtype=accum, device=v.device)
-    dk_i, dv_i = torch.empty_like(k_full), torch.empty_like(v_full)
+    dk_i, dv_i = torch.empty_like(k_full, dtype=call.step_dtype), torch.empty_like(v_full, dtype=call.step_dtype)
     for i, (rows, keys, window) in enumerate(_local_calls(q, call)):
         gathered.keys(keys.start, keys.stop)
+        # dK/dV of the two calls are added: in step_dtype, as dq (whose rows come from one call each)
         flash_attn_bwd(dout[:, rows], q[:, rows], k_full[:, keys], v_full[:, keys], out[:, rows], lse[..., rows],
                        dq[:, rows], dk_i[:, keys], dv_i[:, keys], window_size=window,
-                       deterministic=call.options.deterministic, **call.kernel(i))
+                       deterministic=call.options.deterministic, out_dtype=call.step_dtype, **call.kernel(i))
         dk_full[:, keys] += dk_i[:, keys]
         dv_full[:, keys] += dv_i[:, keys]
     transfers.wait()
@@ -728,7 +733,7 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
         # The first kernel call of this rank (both local chunks' keys seen): operands and backend checked here,
         # so a bad dtype, head count or backend raises before any K/V is posted.
         probe = options.replace_checked(causal=False, window_size=(-1, -1), **chunks.options(2))
-        select_backend(describe_call(q[chunks.q(0)], k, v, probe), options.backend)
+        call = replace(call, step_dtype=_step_dtype(q[chunks.q(0)], k, v, probe))
     return call
 
 
@@ -748,8 +753,23 @@ def _plan_hybrid(q, k, v, mesh, options: AttentionOptions, layout: str) -> _Call
     call = _Call(outer, ring, r, layout, "a2a+ring", options, _Chunks(c=c * heads_world), inner=heads_call,
                  rng_rank=a * ring + r)
     if c:
-        select_backend(describe_call(q[:, :c], k, v, options.replace_checked(causal=False)), options.backend)
+        call = replace(call, step_dtype=_step_dtype(q[:, :c], k, v, options.replace_checked(causal=False)))
     return call
+
+
+def _step_dtype(q, k, v, probe: AttentionOptions) -> torch.dtype | None:
+    """Check the first kernel call's operands and backend (`probe`: its options); the `out_dtype` of the calls whose
+    results are merged or added: fp32 for fp16/bf16 inputs where the backend writes fp32 results with the kernels it
+    runs anyway (so they are rounded once, after the merge), else None: the input dtype (CK, whose kernels write only
+    that; the Triton backend where its warp-specialised kernels run the steps: long chunks, where the extra rounding
+    is small beside the error of the step itself and those kernels are the faster ones)."""
+    problem = describe_call(q, k, v, probe)
+    chosen = select_backend(problem, probe.backend)
+    accum = _accum(q)
+    if accum == q.dtype or chosen.fp32_outputs_slower(problem) or chosen.not_supported_reasons(
+            describe_call(q, k, v, probe.replace_checked(out_dtype=accum))):
+        return None
+    return accum
 
 
 class _ContextParallelAttention(torch.autograd.Function):

@@ -46,7 +46,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     cap = workspace_cap(options.max_workspace_bytes)
 
     # ---- outputs: the caller's, else new ------------------------------------------------------
-    dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv)
+    dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, problem.out_dtype)
     params = AttentionParams(q, k, v, *sequence_tensors(options), rng_state)
     softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv, cap)
     if problem.varlen:      # rows in no sequence (after cu_seqlens[-1]): zero gradients and D, on every backend
@@ -57,12 +57,14 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 
 def gradient_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor | None,
-                     dk: torch.Tensor | None, dv: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """The caller's dq/dk/dv where given (check_backward_operands checks them), new tensors elsewhere."""
+                     dk: torch.Tensor | None, dv: torch.Tensor | None,
+                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    """The caller's dq/dk/dv where given (check_backward_operands checks them), new tensors elsewhere (in
+    `dtype`: the call's result dtype; None: the inputs')."""
     for name, t, like in (("q", dq, q), ("k", dk, k), ("v", dv, v)):
         if t is None:
             checks.check_tensor(name, like)
-    return tuple(torch.empty_like(like) if t is None else t for t, like in ((dq, q), (dk, k), (dv, v)))
+    return tuple(torch.empty_like(like, dtype=dtype) if t is None else t for t, like in ((dq, q), (dk, k), (dv, v)))
 
 
 def check_backward_operands(problem: AttentionProblem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state,
@@ -76,7 +78,7 @@ def check_backward_operands(problem: AttentionProblem, q, k, v, dout, out, softm
     checks.check_last_dim_contiguous("softmax_lse", softmax_lse)   # the kernels index rows with unit stride
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
         if t is not None:
-            checks.check_like(name, t, q.dtype, q.device, like.shape)
+            checks.check_result(name, t, q, problem.out_dtype, like.shape)
     # Preallocated outputs: no stride 0, no memory shared with an input or another output (the kernels
     # read inputs while they write outputs, so an alias would corrupt the result).
     checks.check_outputs_disjoint(

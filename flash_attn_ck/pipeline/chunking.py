@@ -7,9 +7,9 @@ chunks, each on views of the inputs and outputs (no copies of q/k/v/out/dout):
 1. whole KV-head groups (with their query heads) and batch entries: exact by construction, so the
    result is bit-identical to the unchunked call;
 2. if one group of one sequence is still too large: slices of the group's query heads and/or of
-   the query rows (batch mode, no ALiBi). Their dK/dV are partial sums, written in the input dtype
-   (as CK's expanded buffers are) and added in fp32 (fp64 for fp64 inputs) in a fixed order, so runs stay
-   deterministic.
+   the query rows (batch mode, no ALiBi). Their dK/dV are partial sums, written in the gradients' dtype
+   (as CK's expanded buffers are: the input dtype, or fp32 with `out_dtype`) and added in fp32 (fp64 for fp64
+   inputs) in a fixed order, so runs stay deterministic.
 
 Chunks carry a `Placement` (global batch/head/row offsets), so dropout draws the same keep pattern
 and masks keep their alignment. If even the smallest chunk does not fit, the backend's leaner setup
@@ -214,14 +214,14 @@ def chunk_problem(problem: AttentionProblem, chunk: Chunk, rows_q: int, rows_k: 
 
 
 def _partial_sums(problem: AttentionProblem, batch_rows_k: int, heads_k: int) -> tuple[BufferSpec, ...]:
-    """Sums of dK/dV partials in the accumulation dtype, and the chunk's own dK/dV in the input dtype (the
-    user's head dim: a chunk unpads its result before it is added)."""
+    """Sums of dK/dV partials in the accumulation dtype, and the chunk's own dK/dV in the gradients' dtype (the
+    input dtype, or fp32 with `out_dtype`; the user's head dim: a chunk unpads its result before it is added)."""
     p, d = problem, problem.head_dim
     rows = (batch_rows_k,) if p.varlen else (batch_rows_k // max(p.seqlen_k, 1), p.seqlen_k)
     accum = str(p.accum_dtype).removeprefix("torch.")
     return tuple([BufferSpec(f"{g}_sum", (*rows, heads_k, d), p.accum_dtype, True, f"{accum} sum of {g} partials")
                   for g in ("dk", "dv")] +
-                 [BufferSpec(f"{g}_partial", (*rows, heads_k, d), p.dtype, False, f"one chunk's {g} partial")
+                 [BufferSpec(f"{g}_partial", (*rows, heads_k, d), p.out_dtype, False, f"one chunk's {g} partial")
                   for g in ("dk", "dv")])
 
 
@@ -232,11 +232,12 @@ def backward_plan(backend, problem: AttentionProblem) -> WorkspacePlan:
         return plan
     p, d = problem, problem.head_dim_padded
     rows_q, rows_k = p.q_rows_shape, p.k_rows_shape
-    operands = (("q", rows_q, p.heads_q), ("k", rows_k, p.heads_k), ("v", rows_k, p.heads_k),
-                ("out", rows_q, p.heads_q), ("dout", rows_q, p.heads_q),
-                ("dq", rows_q, p.heads_q), ("dk", rows_k, p.heads_k), ("dv", rows_k, p.heads_k))
-    padding = [BufferSpec(f"{name}_padded", (*rows, heads, d), p.dtype, True, f"{name} zero-padded to d={d}")
-               for name, rows, heads in operands]
+    operands = (("q", rows_q, p.heads_q, p.dtype), ("k", rows_k, p.heads_k, p.dtype), ("v", rows_k, p.heads_k, p.dtype),
+                ("out", rows_q, p.heads_q, p.dtype), ("dout", rows_q, p.heads_q, p.dtype),
+                ("dq", rows_q, p.heads_q, p.out_dtype), ("dk", rows_k, p.heads_k, p.out_dtype),
+                ("dv", rows_k, p.heads_k, p.out_dtype))
+    padding = [BufferSpec(f"{name}_padded", (*rows, heads, d), dtype, True, f"{name} zero-padded to d={d}")
+               for name, rows, heads, dtype in operands]
     return replace(plan, buffers=plan.buffers + tuple(padding))
 
 

@@ -35,7 +35,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
         raise ArgumentError(f"return_attn_probs: backend {chosen.name!r} draws its own dropout pattern, which "
                             f"flash_attn_ck cannot materialise (use backend='reference' or 'triton', or dropout_p=0)")
     if out is not None:
-        check_forward_out(q, k, v, out, options, rng_state)
+        check_forward_out(q, k, v, out, options, rng_state, problem.out_dtype)
 
     # ---- outputs -------------------------------------------------------------------------------
     device = problem.device     # q's (the signature decides it), without making a torch.device per access
@@ -47,7 +47,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
     padded = problem.head_dim_padded != problem.head_dim
     # Every backend writes any strides with a unit last one, so a caller's out is the kernel's, unless the head
     # dim is padded: the kernels then write a padded buffer, copied into out below.
-    target = out if out is not None and not padded else torch.empty(params.q.shape, dtype=problem.dtype,
+    target = out if out is not None and not padded else torch.empty(params.q.shape, dtype=problem.out_dtype,
                                                                         device=device)
     lse = torch.empty(problem.lse_shape, dtype=problem.accum_dtype, device=device)
 
@@ -72,11 +72,11 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
     return out, lse, rng_state, probs, call
 
 
-def check_forward_out(q, k, v, out, options: AttentionOptions, rng_state) -> None:
-    """A caller's out: q's dtype, device and shape, a unit last stride, no stride 0, writable here (not an inference
-    tensor outside inference_mode), and no memory shared with an input (the kernels read q/k/v while they write
-    out)."""
-    checks.check_like("out", out, q.dtype, q.device, q.shape)
+def check_forward_out(q, k, v, out, options: AttentionOptions, rng_state, dtype: torch.dtype) -> None:
+    """A caller's out: the call's output dtype (q's, or `out_dtype`), q's device and shape, a unit last stride, no
+    stride 0, writable here (not an inference tensor outside inference_mode), and no memory shared with an input
+    (the kernels read q/k/v while they write out)."""
+    checks.check_result("out", out, q, dtype, q.shape)
     if out.is_inference() and not torch.is_inference_mode_enabled():
         raise ArgumentError("out: an inference tensor (made under torch.inference_mode) can be written only inside "
                             "inference_mode")

@@ -297,6 +297,8 @@ class CkBackend(Backend):
     # (CK draws its pattern from positions inside the launch).
     supports_chunks = True
     draws_reference_keep_pattern = False
+    fp32_outputs_refusal = ("CK's fmha kernels write out, dq, dk and dv in the input dtype (context parallelism "
+                            "keeps its per-step results in the input dtype on CK)")
     # The library to run: None is libflash_attn_ck.so (loaded on first use). `on_library` makes a
     # backend over another object with the same fack_* entry points (the tests' CPU emulation of CK).
     _library: ClassVar[object | None] = None

@@ -138,6 +138,10 @@ class TritonBackend(Backend):
     # Every kernel, the warp-specialised ones included, rebuilds its diagonal per sequence from the
     # alignment and left/right; none takes CK's generic (y, x).
     mask_kinds = WINDOW_MASK_KINDS
+    # forward.py and bwd_main (with bwd_dq, bwd_postprocess) store through tiles.store_rows / cast_rows, which
+    # convert to the output's element type: fp32 outputs of fp16/bf16 inputs need nothing else. The
+    # warp-specialised kernels cannot (`_gluon_reasons`), so such calls run these.
+    fp32_outputs_refusal = None
 
     def __init__(self, gqa_epilogue: str | None = None, dq_mode: str | None = None,
                  use_tma: bool | None = None, configs: config.Configs | None = None,
@@ -229,6 +233,9 @@ class TritonBackend(Backend):
             reasons.append("needs an sm_90 GPU (Gluon wgmma/TMA kernel)")
         if p.dtype not in (torch.bfloat16, torch.float16):
             reasons.append(f"{p.dtype} inputs (bf16/fp16 only)")
+        if p.out_dtype != p.dtype:
+            reasons.append(f"out_dtype {str(p.out_dtype).removeprefix('torch.')} (its TMA stores go through shared "
+                           "tiles of the input dtype)")
         d = p.head_dim_padded
         if rule.tile(d, p.mask.is_causal, p.group_size) is None:
             reasons.append(f"head dim {d}: the kernel has tiles for head dims (padded to a power of two) "
@@ -246,6 +253,13 @@ class TritonBackend(Backend):
         if rule.positive_scale and p.softmax_scale <= 0:
             reasons.append(f"softmax scale {p.softmax_scale} (the kernel takes the running max on raw scores)")
         return tuple(reasons)
+
+    def fp32_outputs_slower(self, problem: AttentionProblem) -> str | None:
+        """The warp-specialised kernels write input-dtype results only: a call they run takes the older kernels
+        for fp32 ones."""
+        uses = [name for name, reasons in (("fwd_ws", self.fwd_ws_reasons(problem)),
+                                           ("bwd_ws", self.ws_reasons(problem))) if not reasons]
+        return f"{' and '.join(uses)} would give way to the older kernels" if uses else None
 
     def forward_kernel(self, problem: AttentionProblem) -> str:
         reasons = self.fwd_ws_reasons(problem)
