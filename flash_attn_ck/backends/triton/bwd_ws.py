@@ -33,7 +33,7 @@ write head_dim columns only.
 
 Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, gluon_common.uniform_rows
 copies tensors whose rows a descriptor cannot view):
-  - head_dim padded to a power of two with tiles in config.BWD_WS_SM90 (64, 128; 256 is bwd_ws_split.py's);
+  - head_dim padded to a power of two with a tile in config.BWD_WS_SM90 (split_d tiles: bwd_ws_split.py);
     heads adjacent in memory (stride_h = head_dim), rows uniform, 16-byte aligned;
   - no dropout, ALiBi or softcap.
 Deterministic mode: the writer adds a query tile's dQ only when the semaphore of that (batch, head,

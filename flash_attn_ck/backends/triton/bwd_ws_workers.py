@@ -258,11 +258,8 @@ def dq_writer(cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
         mbarrier.wait(bufs.dq.ready.index(stage), phase)
         if cfg.DETERMINISTIC:
             # Key tiles add into a query tile in ascending order: tile n waits until the tiles before it
-            # that see this query tile (from the first one, n_first) have added theirs.
-            n_first = 0
-            if mask.HAS_LEFT:
-                n_first = gl.cdiv(gl.maximum(m0 - BLOCK_N - mask.left + shift + 1, 0), BLOCK_N)
-            turn = n_tile - n_first
+            # that see this query tile (from the first one, Mask.first_key_tile) have added theirs.
+            turn = n_tile - mask.first_key_tile(m0, shift, BLOCK_N)
             sem = Sem + ((b * heads + head) * sem_m_tiles + m0 // BLOCK_M)
             while gl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass

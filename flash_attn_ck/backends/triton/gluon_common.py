@@ -142,6 +142,15 @@ class Mask:
         return lo, hi
 
     @gluon.jit
+    def first_key_tile(self, m0, shift, BLOCK_N: gl.constexpr):
+        """The first key tile (of BLOCK_N keys) that sees query row m0, and so the query tile starting there (its later
+        rows reach no further left): the deterministic mode's dQ adds into that query tile start from it."""
+        first = 0
+        if self.HAS_LEFT:
+            first = gl.cdiv(gl.maximum(m0 - BLOCK_N - self.left + shift + 1, 0), BLOCK_N)
+        return first
+
+    @gluon.jit
     def tile_needs_mask(self, m0, n0, len_k, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
         """False when every (row, key) of rows [m0, m0 + BLOCK_M) x keys [n0, n0 + BLOCK_N) is kept."""
         partial = n0 + BLOCK_N > len_k
