@@ -19,6 +19,12 @@ from oracle import Config, assert_close_2x, naive_attention
 HEAD_DIMS = [8, 16, 32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
 
 
+def tile_head_dims(table) -> list[int]:
+    """The head dims a tile table keyed by config.head_block covers, so that a tile added there is tested: each key
+    and a head dim it pads (3/4 of the key)."""
+    return sorted({block * f // 4 for block in table for f in (3, 4)})
+
+
 def head_dim_case(head_dim: int, dtype: torch.dtype) -> Config:
     """The grid's case for one head dim: s_q != s_k, GQA 4/2, causal on every other head dim."""
     return Config(batch=2, seqlen_q=113, seqlen_k=187, heads_q=4, heads_k=2, head_dim=head_dim,

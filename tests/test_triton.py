@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
 
 import flash_attn_ck  # noqa: E402
 from flash_attn_ck import use_backend  # noqa: E402
-from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
+from flash_attn_ck.backends.triton import TritonBackend, config  # noqa: E402
 from flash_attn_ck.core.inputs import describe_call, kernel_params  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
 from flash_attn_ck.core.options import AttentionOptions  # noqa: E402
@@ -58,6 +58,14 @@ KERNELS = {"one-launch": dict(ws=False, fwd_ws=False), "ws": dict(ws=True, fwd_w
            "fwd_ws": dict(ws=False, fwd_ws=True)}
 
 
+# Head dims drawn from the warp-specialised tile tables (config), so that a tile added there is tested here.
+UNSPLIT = [d for d, tile in sorted(config.BWD_WS_SM90.items()) if not tile.split_d]   # bwd_ws's tiles
+# Each backward tile's head dim, and under a split_d tile (bwd_ws_split pads every head dim above 128) one it pads.
+BWD_WS_HEAD_DIMS = {f"split-d{d}" if tile.split_d else f"d{d}": d for d, tile in sorted(config.BWD_WS_SM90.items())}
+BWD_WS_PADDED = {f"split-d{d * 3 // 4}": d * 3 // 4 for d, tile in sorted(config.BWD_WS_SM90.items()) if tile.split_d}
+BOTH_WS_TABLES = sorted(set(config.BWD_WS_SM90) & set(config.FWD_WS_SM90))
+
+
 @pytest.fixture(params=list(KERNELS.values()), ids=list(KERNELS))
 def kernel(request):
     with use_backend(TritonBackend(**request.param)):
@@ -70,7 +78,7 @@ def test_head_dims(head_dim, dtype, kernel):
     _check(head_dim_case(head_dim, dtype))
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", UNSPLIT)
 @pytest.mark.parametrize("kind,seqlens", mask_kind_grid(TritonBackend.mask_kinds))
 @pytest.mark.parametrize("kernel_name", list(KERNELS))
 def test_every_declared_mask_kind_matches_the_oracle(kernel_name, kind, seqlens, head_dim):
@@ -89,13 +97,14 @@ FEATURES = {
 
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", UNSPLIT)
 @pytest.mark.parametrize("name", sorted(FEATURES))
 def test_features(name, head_dim, kernel):
     _check(feature_case(FEATURES[name], head_dim))
 
 
-@pytest.mark.parametrize("head_dim", [128, 256, 192], ids=["d128", "split-d256", "split-d192"])
+@pytest.mark.parametrize("head_dim", [*BWD_WS_HEAD_DIMS.values(), *BWD_WS_PADDED.values()],
+                         ids=[*BWD_WS_HEAD_DIMS, *BWD_WS_PADDED])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", [(300, 300), (100, 333), (333, 100)], ids=["square", "sq<sk", "sq>sk"])
@@ -120,7 +129,7 @@ def test_ws_kernel_varlen_empty_sequences():
     assert dk[80:130].abs().max() == 0 and dv[80:130].abs().max() == 0
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", sorted(config.FWD_WS_SM90))
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("mask", [dict(causal=False), dict(causal=True), dict(window=(64, 32)), dict(window=(17, -1))],
                          ids=["dense", "causal", "window", "window_left_only"])
@@ -221,7 +230,7 @@ def test_plan_names_every_buffer():
     assert acc.buffers[1].shape == (2, 8, 8192, 128)
 
 
-@pytest.mark.parametrize("head_dim", [128, 256], ids=["d128", "split-d256"])
+@pytest.mark.parametrize("head_dim", BWD_WS_HEAD_DIMS.values(), ids=BWD_WS_HEAD_DIMS)
 @pytest.mark.parametrize("window,causal", [((200, 50), False), ((-1, -1), True)], ids=["window", "causal"])
 def test_ws_deterministic_matches_and_repeats(window, causal, head_dim):
     """The ordered dQ adds of the warp-specialised kernel: within the 2x rule and bit-identical over 20 runs,
@@ -282,14 +291,11 @@ def test_the_dq_cast_copies_its_whole_source(rows, heads):
     assert torch.equal(dst, before.bfloat16()) and torch.equal(src, before)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", BOTH_WS_TABLES)
 def test_longest_first_grids_match(head_dim):
     """The key-major backward and query-major forward grids (WsTile/FwdWsTile.longest_first) on every head dim's
     tile: varlen with empty sequences, causal GQA, within the 2x rule, and the deterministic mode
     bit-identical over its repeats (its ordered dQ adds rely on each head's key tiles starting in ascending order)."""
-    from dataclasses import replace
-
-    from flash_attn_ck.backends.triton import config
     ws_tile = replace(config.BWD_WS_SM90[head_dim], longest_first=True)
     fwd_tile = replace(config.FWD_WS_SM90[head_dim][True], longest_first=True)
     backend = TritonBackend(ws=True, ws_tile=ws_tile, fwd_ws=True, fwd_ws_tile=fwd_tile)

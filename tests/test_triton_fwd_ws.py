@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton")
 
 from gluon_compile import SM90_SHARED_BYTES, compile_spec, fwd_spec, pretend_capability, ptxas_report  # noqa: E402
 
+from cases import tile_head_dims  # noqa: E402
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
 from flash_attn_ck.backends.triton import config  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
@@ -44,7 +45,7 @@ def test_runs_where_it_measured_faster(sm90):
     """fwd_ws=None runs the kernel for the head dims of FWD_WS_DEFAULT_HEAD_DIMS from FWD_WS_MIN_SEQLEN on;
     fwd_ws=True wherever it can, any length; fwd_ws=False never."""
     long, short = config.FWD_WS_MIN_SEQLEN, config.FWD_WS_MIN_SEQLEN - 1
-    for d in (64, 128):
+    for d in sorted(config.FWD_WS_DEFAULT_HEAD_DIMS):
         assert TritonBackend().fwd_ws_reasons(problem(head_dim=d, seqlen=long)) == []
         reasons = TritonBackend().fwd_ws_reasons(problem(head_dim=d, seqlen=short))
         assert len(reasons) == 1 and f"shorter than {long}" in reasons[0], reasons
@@ -65,7 +66,7 @@ def test_a_measured_head_dim_turns_it_on(sm90, monkeypatch):
 
 
 @settings(max_examples=40, deadline=None)
-@given(head_dim=st.sampled_from([32, 64, 96, 128, 256]), causal=st.booleans(), gqa=st.booleans(),
+@given(head_dim=st.sampled_from([32, *tile_head_dims(config.FWD_WS_SM90)]), causal=st.booleans(), gqa=st.booleans(),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]), seqlen=st.integers(1, 3 * config.FWD_WS_MIN_SEQLEN))
 def test_the_default_runs_it_exactly_where_measured(head_dim, causal, gqa, dtype, seqlen):
     """Property: with the default options the forward runs fwd_ws on a supported call exactly when its head

@@ -22,6 +22,7 @@ from gluon_compile import (  # noqa: E402
     ptxas_report,
 )
 
+from cases import tile_head_dims  # noqa: E402
 from flash_attn_ck.backends.triton import config  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
@@ -248,7 +249,7 @@ def test_split_kernel_compiles_to_the_designed_instructions(head_dim, varlen, ma
 
 
 @settings(max_examples=40, deadline=None)
-@given(head_dim=st.sampled_from(sorted({d * f // 4 for d in config.BWD_WS_SM90 for f in (3, 4)})),
+@given(head_dim=st.sampled_from(tile_head_dims(config.BWD_WS_SM90)),
        heads_k=st.integers(1, 8), group=st.integers(1, 8),
        causal=st.booleans(), deterministic=st.booleans())
 def test_causal_gqa_or_deterministic_at_d128_starts_the_longest_key_tiles_first(head_dim, heads_k, group, causal,

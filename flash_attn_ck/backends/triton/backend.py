@@ -297,7 +297,7 @@ class TritonBackend(Backend):
         known from shapes (varlen_schedule.schedule_bound of the owned axis's rows): no host sync.
 
         Deterministic backward: the writer of key tile n adds into a query tile only after every key tile of the
-        sequence before n that sees it (from n_first) has added, so a CTA waits on CTAs of the same sequence and kv
+        sequence before n that sees it has added, so a CTA waits on CTAs of the same sequence and kv
         head with lower key tiles. That cannot hang if each of those starts no later than the waiter (CTAs start in
         grid order, as the key-major grid already relies on): within a kv head the schedule's order is steps
         descending, ties in (sequence, tile) order, so it holds when a sequence's steps never increase with the key

@@ -33,7 +33,7 @@ write head_dim columns only.
 
 Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, gluon_common.uniform_rows
 copies tensors whose rows a descriptor cannot view):
-  - head_dim padded to a power of two with tiles in config.BWD_WS_SM90 (64, 128; 256 is bwd_ws_split.py's);
+  - head_dim padded to a power of two with a tile in config.BWD_WS_SM90 (split_d tiles: bwd_ws_split.py);
     heads adjacent in memory (stride_h = head_dim), rows uniform, 16-byte aligned;
   - no dropout, ALiBi or softcap.
 Deterministic mode: the writer adds a query tile's dQ only when the semaphore of that (batch, head,
@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from . import bwd_ws_workers as workers
 from .bwd_ws_schedule import semaphore_tiles
 from .bwd_ws_split import attn_bwd_ws_split_kernel
-from .gluon_common import LOG2E, Mask, Sequences, descriptor, probs_transposed, slot
+from .gluon_common import LOG2E, descriptor, probs_transposed, slot
 from .launch import GluonMask, LaunchSpec
 
 
@@ -147,19 +147,15 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
     row, head); `sizes`:
     (seqlen_q, seqlen_k, head_dim, group, scale); `window`: (left, right); C: workers.Constants; MASK:
     launch.MaskFlags. See the module docstring."""
-    cfg = workers.Config(C, 1)
-    seqlen_q, seqlen_k, group = sizes[0], sizes[1], sizes[3]
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN, schedule)
-    if C.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if workers.past_sequence(seqs, cfg.BLOCK_N, cfg.KEY_MAJOR):
-            return
+    cfg, seqs, mask = workers.prologue(C, 1, cu_seqlens, schedule, sizes, window, MASK)
+    if workers.past_sequence(cfg, seqs):
+        return
     dtype: gl.constexpr = q_desc.dtype
     bufs = workers.allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, 1)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], ds_layout)
 
-    mask = Mask(window, MASK)
+    group = sizes[3]
     gl.warp_specialize([
         (_mma, (cfg, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes)),
         (workers.loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse), group)),

@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import bwd_ws_workers as workers
-from .gluon_common import LOG2E, Mask, Sequences, aggregate, probs_transposed, slot
+from .gluon_common import LOG2E, aggregate, probs_transposed, slot
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per half
 
@@ -138,13 +138,9 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
                              C: gl.constexpr, MASK: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
-    cfg = workers.Config(C, 2)   # a half of dQ from each warpgroup
-    seqlen_q, seqlen_k, group = sizes[0], sizes[1], sizes[3]
-    cu_seqlens_q, cu_seqlens_k = cu_seqlens
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN, schedule)
-    if C.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if workers.past_sequence(seqs, cfg.BLOCK_N, cfg.KEY_MAJOR):
-            return
+    cfg, seqs, mask = workers.prologue(C, 2, cu_seqlens, schedule, sizes, window, MASK)   # dQ in halves
+    if workers.past_sequence(cfg, seqs):
+        return
     dtype: gl.constexpr = q_desc.dtype
     bufs = workers.allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, 2)   # a slot is released by both
     st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_M], dtype)
@@ -159,7 +155,7 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
     mbarrier.init(ps_free, count=2)   # both warpgroups' matmuls have read P^T and dS^T
     xchg = Exchange(pt_smem, dst_smem, p_ready, ds_ready, ps_free)
 
-    mask = Mask(window, MASK)
+    group = sizes[3]
     grads = (dK, dV, stride_dk, stride_dv)
     gl.warp_specialize(
         [(_half, (cfg, bufs, xchg, seqs, mask, grads, sizes, half)) for half in (0, 1)]

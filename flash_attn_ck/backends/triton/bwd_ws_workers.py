@@ -1,5 +1,6 @@
-"""The warp-specialised backward's workers that bwd_ws.py and bwd_ws_split.py share: the schedule every
-partition derives from the program id, the loader partition (TMA loads of K, V and the Q/dO ring; lse·log2e
+"""The warp-specialised backward's workers that bwd_ws.py and bwd_ws_split.py share: the kernels' prologue (their
+aggregates from their arguments, the exit of a CTA with no work), the schedule every partition derives from the
+program id, the loader partition (TMA loads of K, V and the Q/dO ring; lse·log2e
 and D staged in shared memory) and the dQ writer (TMA reduce-adds into the fp32 dq_accum, ordered in the
 deterministic mode). bwd_ws.py's docstring describes the protocol."""
 
@@ -11,7 +12,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .gluon_common import LOG2E, Ring, aggregate, slot
+from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot
 
 
 class Constants(NamedTuple):
@@ -123,16 +124,26 @@ def tile_schedule(cfg, seqs, mask):
     return n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles
 
 
-# ---- what every kernel allocates for its workers ------------------------------------------------
+# ---- the kernels' shared prologue ------------------------------------------------------------------
 @gluon.jit
-def past_sequence(seqs, BLOCK_N: gl.constexpr, KEY_MAJOR: gl.constexpr):
-    """Whether this CTA has nothing to do (varlen): its row of the schedule is padding, or without one its key tile
-    starts past its sequence."""
-    if seqs.schedule is not None:
-        past = seqs.scheduled_item()[0] < 0
-    else:
-        n_tile, b, _, _ = cta_coords(seqs, KEY_MAJOR)
-        past = n_tile * BLOCK_N >= gl.load(seqs.cu_seqlens_k + b + 1) - gl.load(seqs.cu_seqlens_k + b)
+def prologue(C, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, window, MASK):
+    """(Config, Sequences, Mask) of a kernel from its arguments (bwd_ws.attn_bwd_ws_kernel's; DQ_PARTS: Config's)."""
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, sizes[0], sizes[1], C.VARLEN, schedule)
+    return Config(C, DQ_PARTS), seqs, Mask(window, MASK)
+
+
+@gluon.jit
+def past_sequence(cfg, seqs):
+    """Whether this CTA has nothing to do: a varlen CTA whose row of the schedule is padding, or without one whose key
+    tile starts past its sequence; a constexpr False for a dense call (which compiles no cu_seqlens loads)."""
+    past = False
+    if seqs.VARLEN:
+        if seqs.schedule is not None:
+            past = seqs.scheduled_item()[0] < 0
+        else:
+            n_tile, b, _, _ = cta_coords(seqs, cfg.KEY_MAJOR)
+            past = n_tile * cfg.BLOCK_N >= gl.load(seqs.cu_seqlens_k + b + 1) - gl.load(seqs.cu_seqlens_k + b)
     return past
 
 
@@ -247,11 +258,8 @@ def dq_writer(cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
         mbarrier.wait(bufs.dq.ready.index(stage), phase)
         if cfg.DETERMINISTIC:
             # Key tiles add into a query tile in ascending order: tile n waits until the tiles before it
-            # that see this query tile (from the first one, n_first) have added theirs.
-            n_first = 0
-            if mask.HAS_LEFT:
-                n_first = gl.cdiv(gl.maximum(m0 - BLOCK_N - mask.left + shift + 1, 0), BLOCK_N)
-            turn = n_tile - n_first
+            # that see this query tile (from the first one, Mask.first_key_tile) have added theirs.
+            turn = n_tile - mask.first_key_tile(m0, shift, BLOCK_N)
             sem = Sem + ((b * heads + head) * sem_m_tiles + m0 // BLOCK_M)
             while gl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass

@@ -104,10 +104,7 @@ def head_block(head_dim: int) -> int:
 
 
 # ---- sm_90 (H200): one-launch kernels -----------------------------------------------------------
-# key: (head block, causal) -> Configs; GQA uses the MHA row (the program shape does not change).
-# Row: (bwd_kv, bwd_dq, bwd_tma, bwd_dp_first, bwd_even_k). docs/triton.md §Tuning rounds, "One-launch tables":
-# backward tiles: scripts/triton_tune.py winners (d32 reuses d64's); forward tiles: FlexAttention's H100 defaults.
-# d256: pointer loads ("stores"), dO V^T first, the mask branch kept (EVEN_K lost there).
+# (bwd_kv, bwd_dq, bwd_tma, bwd_dp_first, bwd_even_k) per head block, GQA on the MHA row: docs/triton.md §Tuning rounds.
 _BWD_SM90 = {
     32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False, True),
     64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False, True),
@@ -117,8 +114,7 @@ _BWD_SM90 = {
 _FWD_SM90 = {32: Tile(128, 64, 4, 3), 64: Tile(128, 64, 4, 3), 128: Tile(128, 64, 8, 3), 256: Tile(64, 64, 4, 2)}
 SM90 = {(d, causal): Configs(_FWD_SM90[d], *_BWD_SM90[d]) for d in _BWD_SM90 for causal in (False, True)}
 
-# Up to these longest lengths the backward / forward move tiles by masked pointers, no TMA descriptors (a descriptor
-# costs each program a latency short walks do not amortise): docs/triton.md §Tuning rounds, "Short sequences".
+# Longest lengths up to which tiles move by masked pointers, not TMA: docs/triton.md §Tuning rounds, "Short sequences".
 SHORT_SEQLEN = 2048
 FWD_SHORT_SEQLEN = 1024
 
@@ -135,13 +131,11 @@ SM90_SHORT = {key: replace(c, bwd_tma="none") for key, c in SM90.items()}
 SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items()}
 
 # ---- warp-specialised backward (bwd_ws.py, bwd_ws_split.py) on sm_90 --------------------------------------------
-# docs/triton.md §Tuning rounds, "Warp-specialised backward": d128 64 x 128 (FA3's shape); d64 two CTAs an SM
-# (4 MMA warps, 128 registers at launch); d256 bwd_ws_split 64 x 64 with one Q/dO stage (two do not fit).
+# Tiles per head block: docs/triton.md §Tuning rounds, "Warp-specialised backward".
 BWD_WS_SM90 = {64: WsTile(64, 64, num_stages=2, dq_stages=1, num_warps=4, max_registers=128),
                128: WsTile(64, 128, num_stages=2, dq_stages=1),
                256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
-# Key-major grid for causal calls at d128 with 4+ query heads per kv head (same section, "Longest first"), and for
-# every deterministic causal call (docs/workloads.md §Deterministic: 244 -> 384 TF/s MHA s8192, 258 -> 398 GQA 32/8).
+# Key-major grid for causal GQA 4+ and deterministic causal calls: same section, "Longest first"; docs/workloads.md.
 BWD_WS_LONGEST_FIRST = {128: replace(BWD_WS_SM90[128], longest_first=True)}
 BWD_WS_LONGEST_FIRST_MIN_GROUP = 4
 
@@ -155,15 +149,13 @@ def bwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1, deterministic:
     return BWD_WS_SM90.get(key)
 
 
-# Where it measured faster than the one-launch kernel (same section); above 128 every head dim is padded to 256 and
-# does the work measured at d192 and d256. The shortest length measured: s2048.
+# Where it measured faster than the one-launch kernel, from the shortest length measured (same section).
 BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, *range(136, 257, 8)})
 BWD_WS_MIN_SEQLEN = 2048
 BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, bwd_ws_tile, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
                         slower_head_dim="the one-launch kernel measured faster",
                         shorter="the one-launch kernel measured faster")
-# The fp32 dQ accumulator of one launch: kv-head groups run in turn below it (docs/triton.md §Missing / next, GQA
-# backward memory).
+# One launch's fp32 dQ accumulator; kv-head groups run in turn below it: docs/triton.md §Missing / next.
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
 # ---- varlen schedule (varlen_schedule.py) of the warp-specialised kernels (TritonBackend(varlen_schedule=...)) ------
@@ -214,13 +206,11 @@ class FwdWsTile:
         return text + "x1" if self.longest_first else text
 
 
-# docs/triton.md §Tuning rounds, "Warp-specialised forward": FA3's d128 shape (128 x 128, 2 stages, the
-# intra-warpgroup overlap) for d64/d128, 128 x 64 at d256; ping-pong on causal d64/d128 only; tile-major grid.
-# Keyed by the power of two the head dim is padded to in shared memory (d96 runs in the d128 tiles), then causal.
+# Tiles per head block, then causal: docs/triton.md §Tuning rounds, "Warp-specialised forward".
 FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, overlap=True,
                                      pingpong=causal and d < 256)
                    for causal in (False, True)} for d in (64, 128, 256)}
-# Where it measured faster than the previous forward (same section), from s1024, the shortest length measured.
+# Where it measured faster than the previous forward, from the shortest length measured (same section).
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = 1024
 

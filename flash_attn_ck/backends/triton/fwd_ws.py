@@ -37,7 +37,7 @@ loads read zeros past head_dim, so S and O are exact, and stores write head_dim 
 
 Invariants (on the host: `TritonBackend.fwd_ws_reasons` decides which calls run here,
 gluon_common.uniform_rows copies tensors whose rows a descriptor cannot view):
-  - head_dim padded to a power of two with tiles in config.FWD_WS_SM90 (64, 128, 256); heads adjacent in
+  - head_dim padded to a power of two with a tile in config.FWD_WS_SM90; heads adjacent in
     memory (stride_h = head_dim), rows uniform, 16-byte aligned; out viewed the same way;
   - BLOCK_M = 64 * CONSUMERS (config.FwdWsTile checks it);
   - the softmax scale is positive (the running max is taken on raw scores);

@@ -36,6 +36,13 @@ def aggregate(cls):
     return _aggregate(cls)
 
 
+@gluon.constexpr_function
+def runtime_or_constexpr(value):
+    """An aggregate's field from a kernel argument: a tensor, or the constexpr Triton made of it (None, or an int
+    equal to 1, which a launch specialises) wrapped so that a jit function can return the aggregate."""
+    return value if isinstance(value, gl.tensor) else gl.constexpr(value)
+
+
 # ---- the call's sequences and mask ----------------------------------------------------------
 @aggregate
 class Sequences:
@@ -44,17 +51,17 @@ class Sequences:
     with [-1, -1], run on a grid (heads, rows)), else a constexpr None, which compiles no schedule code."""
     cu_seqlens_q: gl.tensor
     cu_seqlens_k: gl.tensor
-    seqlen_q: gl.tensor
-    seqlen_k: gl.tensor
+    seqlen_q: base_value   # a tensor, or the constexpr 1 a launch makes of it
+    seqlen_k: base_value
     VARLEN: gl.constexpr
     schedule: base_value   # a tensor, or constexpr None
 
     @gluon.constexpr_function
     def __init__(self, cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, VARLEN, schedule):
         self.cu_seqlens_q, self.cu_seqlens_k = cu_seqlens_q, cu_seqlens_k
-        self.seqlen_q, self.seqlen_k = seqlen_q, seqlen_k
+        self.seqlen_q, self.seqlen_k = runtime_or_constexpr(seqlen_q), runtime_or_constexpr(seqlen_k)
         self.VARLEN = gl.constexpr(VARLEN)
-        self.schedule = schedule if isinstance(schedule, gl.tensor) else gl.constexpr(schedule)
+        self.schedule = runtime_or_constexpr(schedule)
 
     @gluon.jit
     def scheduled_item(self):
@@ -92,15 +99,15 @@ class Mask:
     (`window`: the bounds left, right >= 0) and its compile-time flags (`flags`, the kernels' constexpr MASK). A new
     mask kind is a flag of launch.MaskFlags (a value of GluonMask.window if it has one), its rule in the methods
     here, and its value where backend.TritonBackend._gluon_mask reads the problem: no kernel changes."""
-    left: gl.tensor
-    right: gl.tensor
+    left: base_value   # tensors, or the constexpr 1 a launch makes of a bound of 1
+    right: base_value
     TOP_LEFT: gl.constexpr
     HAS_LEFT: gl.constexpr
     HAS_RIGHT: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, window, flags):
-        self.left, self.right = window
+        self.left, self.right = (runtime_or_constexpr(bound) for bound in window)
         self.TOP_LEFT = gl.constexpr(flags.TOP_LEFT)
         self.HAS_LEFT = gl.constexpr(flags.HAS_LEFT)
         self.HAS_RIGHT = gl.constexpr(flags.HAS_RIGHT)
@@ -133,6 +140,15 @@ class Mask:
         if self.HAS_RIGHT:
             hi = gl.minimum(gl.minimum(m0 + BLOCK_M, len_q) + shift + self.right, len_k)
         return lo, hi
+
+    @gluon.jit
+    def first_key_tile(self, m0, shift, BLOCK_N: gl.constexpr):
+        """The first key tile (of BLOCK_N keys) that sees query row m0, and so the query tile starting there (its later
+        rows reach no further left): the deterministic mode's dQ adds into that query tile start from it."""
+        first = 0
+        if self.HAS_LEFT:
+            first = gl.cdiv(gl.maximum(m0 - BLOCK_N - self.left + shift + 1, 0), BLOCK_N)
+        return first
 
     @gluon.jit
     def tile_needs_mask(self, m0, n0, len_k, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
