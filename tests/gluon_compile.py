@@ -98,6 +98,24 @@ def compile_spec(spec):
     return compile_sm90(spec.kernel, types, constexprs, spec.num_warps, **spec.options)
 
 
+def compile_as_launched(spec):
+    """compile_spec, but with the signature a launch of the spec's argument values gets: Triton's binder
+    specialises them (an int equal to 1 becomes a constant, ints and pointers divisible by 16 say so), as
+    `kernel[grid](...)` does before it compiles."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import create_function_from_signature
+    target = GPUTarget("cuda", 90, 32)
+    kernel, backend = spec.kernel, make_backend(target)
+    kwargs = dict(num_warps=spec.num_warps, num_stages=spec.num_stages, debug=False, **spec.options)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*spec.args.values(), **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(GluonASTSource(kernel, signature, constexprs, attrs), target=target,
+                          options=options.__dict__)
+
+
 def ptxas_report(ptx: str) -> dict[str, int]:
     """ptxas -v of the PTX for sm_90a: registers at launch (warp-specialised partitions then move them with
     setmaxnreg) and the bytes of spill stores and loads."""

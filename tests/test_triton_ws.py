@@ -17,6 +17,7 @@ triton = pytest.importorskip("triton")
 from gluon_compile import (  # noqa: E402
     SM90_SHARED_BYTES,
     bwd_spec,
+    compile_as_launched,
     compile_spec,
     pretend_capability,
     ptxas_report,
@@ -246,6 +247,27 @@ def test_split_kernel_compiles_to_the_designed_instructions(head_dim, varlen, ma
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
     if not deterministic and head_dim == 256:
         assert ptxas_report(ptx)["spill_stores"] == 0
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("seqlen_q", [1, 64])
+def test_a_few_queries_against_long_keys_compile_as_launched(head_dim, seqlen_q):
+    """The backward runs these (max(s_q, s_k) >= 2048): at s_q = 1 lse's head stride is 1, at s_q <= 64 the
+    semaphore rows per head (sem_m_tiles) are 1, and a launch specialises both to the constant 1, which has to cross
+    into the worker partitions (bwd_ws_split built its partition list in a comprehension, whose plain ints do not:
+    "'int' object has no attribute '_flatten_ir'" for every such d256 call)."""
+    from flash_attn_ck.backends.triton import bwd_ws
+    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    q, dout = (torch.empty(1, seqlen_q, 4, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    k, v, dk, dv = (torch.empty(1, 4096, 4, head_dim, dtype=torch.bfloat16) for _ in range(4))
+    lse, delta = torch.empty(1, 4, seqlen_q), torch.empty(1, 4, seqlen_q)
+    cu = torch.tensor([0, seqlen_q], dtype=torch.int32)
+    tile = config.bwd_ws_tile(head_dim, causal=False)
+    spec = bwd_ws.launch_spec(q, k, v, dout, lse, delta, torch.empty(1, seqlen_q, 4, head_dim), dk, dv, cu, cu,
+                              varlen=False, batch=1, seqlen_q=seqlen_q, seqlen_k=4096, scale=0.1,
+                              mask=GluonMask((0, 0), MaskFlags(False, False, False)), tile=tile)
+    assert spec.args["sem_m_tiles"] == 1 and (seqlen_q > 1 or spec.args["stride_lse"][1] == 1)
+    assert "wgmma.mma_async" in compile_as_launched(spec).asm["ptx"]
 
 
 @settings(max_examples=40, deadline=None)

@@ -157,9 +157,11 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
 
     group = sizes[3]
     grads = (dK, dV, stride_dk, stride_dv)
-    gl.warp_specialize(
-        [(_half, (cfg, bufs, xchg, seqs, mask, grads, sizes, half)) for half in (0, 1)]
-        + [(workers.loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
-                             group)),
-           (workers.dq_writer, (cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles))],
-        [MMA_WARPS, 1, 1], [C.MMA_REGS, C.LOADER_REGS, C.WRITER_REGS])
+    # One literal list (no comprehension): the code generator then wraps a launch's constant 1 (sem_m_tiles, an lse
+    # stride) as a constexpr, which crosses into a worker partition; a comprehension's plain int does not.
+    gl.warp_specialize([
+        (_half, (cfg, bufs, xchg, seqs, mask, grads, sizes, 0)),
+        (_half, (cfg, bufs, xchg, seqs, mask, grads, sizes, 1)),
+        (workers.loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse), group)),
+        (workers.dq_writer, (cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
+    ], [MMA_WARPS, 1, 1], [C.MMA_REGS, C.LOADER_REGS, C.WRITER_REGS])
