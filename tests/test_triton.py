@@ -121,6 +121,22 @@ def test_ws_kernel_runs_and_matches(group, causal, seqlens, head_dim):
         _check(cfg, seed=group)
 
 
+@pytest.mark.parametrize("head_dim", BWD_WS_HEAD_DIMS.values(), ids=BWD_WS_HEAD_DIMS)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen_q", [1, 64])
+def test_a_few_queries_against_long_keys(seqlen_q, causal, group, head_dim):
+    """The default backend runs these on the warp-specialised kernels (max(s_q, s_k) >= 2048) with launch constants
+    of 1 (lse's head stride at s_q = 1, one semaphore row per head at s_q <= 64): bwd_ws_split failed to compile."""
+    cfg = Config(batch=2, seqlen_q=seqlen_q, seqlen_k=4096, heads_q=8, heads_k=8 // group, head_dim=head_dim,
+                 causal=causal)
+    q, k, v, _, _ = make_inputs(cfg, "cuda", seed=group)
+    plan = TritonBackend().backward_plan(describe_call(q, k, v, AttentionOptions(causal=causal)))
+    assert plan.kernel.startswith("bwd_ws"), plan.kernel
+    with use_backend(TritonBackend()):
+        _check(cfg, seed=group)
+
+
 def test_ws_kernel_varlen_empty_sequences():
     seqlens = [(37, 80), (0, 50), (130, 9), (64, 0), (1, 1), (0, 0), (200, 211), (257, 129)]
     cfg = Config(seqlens=seqlens, heads_q=8, heads_k=2, head_dim=128, causal=True)
