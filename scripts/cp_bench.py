@@ -64,6 +64,16 @@ def sdpa_bshd(q, k, v, **kwargs):
                                           **kwargs).transpose(1, 2)
 
 
+def exchanges(world: int) -> dict[str, object]:
+    """Each kv_exchange this world size runs -> the group it takes: the default process group, or for "a2a+ring"
+    its 2-D mesh (2 ring groups x world/2 a2a ranks; even world sizes only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    groups = {e: None for e in KV_EXCHANGES if e != "a2a+ring"}
+    if world % 2 == 0:
+        groups["a2a+ring"] = init_device_mesh("cuda", (2, world // 2), mesh_dim_names=("ring", "a2a"))
+    return groups
+
+
 def max_errors(results, reference) -> list[float]:
     return [(r.float() - e.float()).abs().max().item() for r, e in zip(results, reference, strict=True)]
 
@@ -79,13 +89,13 @@ def check(args, device) -> bool:
     q, k, v, dout = inputs(8192, 32, 8, 128, device)
     reference = fwd_bwd(lambda *t: sdpa_bshd(*t, is_causal=True), *(t.float() for t in (q, k, v, dout)))()
     single = max_errors(fwd_bwd(lambda *t: flash_attn_func(*t, causal=True), q, k, v, dout)(), reference)
-    reference = [shard(t) for t in reference]
-    local = [shard(t) for t in (q, k, v, dout)]
     passed = True
     rows = {}
-    for exchange in KV_EXCHANGES:
-        ours = fwd_bwd(lambda *t, e=exchange: context_parallel_attn(*t, causal=True, kv_exchange=e), *local)()
-        rows[exchange] = max_errors(ours, reference)
+    for exchange, group in exchanges(world).items():
+        local = [shard(t, group) for t in (q, k, v, dout)]
+        ours = fwd_bwd(lambda *t, e=exchange, g=group: context_parallel_attn(*t, g, causal=True, kv_exchange=e),
+                       *local)()
+        rows[exchange] = max_errors(ours, [shard(t, group) for t in reference])
     # torch's machinery: SDPA under context_parallel() on (b, h, s, d) buffers, our ring through the handlers.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
@@ -122,13 +132,17 @@ def bench(args, device):
             except torch.OutOfMemoryError:
                 single, single_mem = None, None
         dist.barrier()
-        local = [shard(t) for t in (q, k, v, dout)]
+        groups = exchanges(world)
+        shards = {e: [shard(t, g) for t in (q, k, v, dout)] for e, g in groups.items()}
         del q, k, v, dout
-        for exchange in KV_EXCHANGES:
+        for exchange, group in groups.items():
+            local = shards[exchange]
+            others = sum(t.nbytes for e, ts in shards.items() if e != exchange for t in ts)   # not this run's
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            ms = timed(fwd_bwd(lambda *t, e=exchange: context_parallel_attn(*t, causal=True, kv_exchange=e), *local))
-            mem = torch.cuda.max_memory_allocated() / 2 ** 30
+            ms = timed(fwd_bwd(lambda *t, e=exchange, g=group: context_parallel_attn(*t, g, causal=True,
+                                                                                     kv_exchange=e), *local))
+            mem = (torch.cuda.max_memory_allocated() - others) / 2 ** 30
             if rank == 0:
                 row = dict(seqlen=seq, world=world, kv_exchange=exchange, ms=ms, peak_gib=mem, single_ms=single,
                            single_peak_gib=single_mem, speedup=single / ms if single else None)
