@@ -12,6 +12,7 @@ leaves unwritten shows. Nothing here ran on an AMD GPU.
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from cases import check_case, check_mask_kind, make_inputs, mask_kind_grid
 from flash_attn_ck.backends.ck import backend as ck
 from flash_attn_ck.backends.ck.backend import CkBackend, CkError
 from flash_attn_ck.backends.ck.plan import ck_backward_plan
+from flash_attn_ck.backends.reference import ReferenceBackend
 from flash_attn_ck.core import checks
 from flash_attn_ck.core.errors import ArgumentError
 from flash_attn_ck.core.inputs import describe_call
@@ -335,3 +337,48 @@ def test_seam_keeps_the_real_backend_unchanged():
     assert CkBackend.device_types == frozenset({"cuda"}) and CkBackend._library is None
     assert "cpu" in emulated().device_types
     assert ck.STATUS_NAMES[5] == "kernel launch failed"
+
+
+@settings(max_examples=12, deadline=None)
+@given(backend=st.sampled_from(["reference", "ck"]), varlen=st.booleans(),
+       layout=st.sampled_from(["slice", "heads_outer"]), extra=st.integers(1, 9),
+       heads=st.sampled_from([(2, 1), (4, 4)]), seed=st.integers(0, 99))
+def test_an_lse_strided_otherwise_is_read_as_the_compact_one(backend, varlen, layout, extra, heads, seed):
+    """The kernels read lse and D with one set of strides (CK's lsed, the Triton kernels' lse group); a caller's lse
+    that is a slice of a longer one (context parallelism's all-gather passes lse[..., rows]) or stored heads outermost
+    reaches the backend strided as softmax_d, and gives the gradients of the compact copy (the Triton kernels read D
+    at lse's head stride: the all-gather's dq/dk were off by 10 on the H200)."""
+    h, h_k = heads
+    g = torch.Generator().manual_seed(seed)
+    b, s_q, s_k, d = (1, 13, 11, 16) if varlen else (2, 7, 9, 16)
+    q_shape = (b * s_q, h, d) if varlen else (b, s_q, h, d)
+    k_shape = (b * s_k, h_k, d) if varlen else (b, s_k, h_k, d)
+    q, dout = (torch.randn(q_shape, generator=g, dtype=torch.float16) for _ in range(2))
+    k, v = (torch.randn(k_shape, generator=g, dtype=torch.float16) for _ in range(2))
+    options = dict(causal=True, backend=emulated() if backend == "ck" else "reference")
+    if varlen:
+        options.update(cu_seqlens_q=torch.tensor([0, 5, s_q], dtype=torch.int32),
+                       cu_seqlens_k=torch.tensor([0, 4, s_k], dtype=torch.int32), max_seqlen_q=8, max_seqlen_k=7)
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, **options)
+    compact = fa.flash_attn_bwd(dout, q, k, v, out, lse, **options)[:3]
+    if layout == "slice":       # the rows of a longer lse, from column `extra`
+        longer = torch.randn(*lse.shape[:-1], lse.shape[-1] + 2 * extra, generator=g)
+        strided = longer[..., extra:extra + lse.shape[-1]]
+    elif varlen:                # (h, total_q) rows of a wider one, from column 0
+        strided = torch.randn(*lse.shape[:-1], lse.shape[-1] + extra, generator=g)[..., :lse.shape[-1]]
+    else:                       # heads outermost: (b, h, s) viewed from (h, b, s)
+        strided = torch.randn(h, b, lse.shape[-1], generator=g).transpose(0, 1)
+    strided.copy_(lse)
+    assert strided.stride() != lse.stride()
+    runs = []
+    cls = type(options["backend"]) if backend == "ck" else ReferenceBackend
+    real = cls.backward
+
+    def spy(self, problem, params, out, lse, *rest):
+        runs.append((lse.stride(), rest[-1]["softmax_d"].stride()))
+        return real(self, problem, params, out, lse, *rest)
+    with mock.patch.object(cls, "backward", spy):
+        grads = fa.flash_attn_bwd(dout, q, k, v, out, strided, **options)[:3]
+    assert runs and all(lse_strides == d_strides for lse_strides, d_strides in runs), runs
+    for name, got, want in zip(("dq", "dk", "dv"), grads, compact, strict=True):
+        assert torch.equal(got, want), name

@@ -103,6 +103,10 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
     backend = chunking.runner       # the leaner setup when the asked-for one does not fit the cap
     shared = {b.name: b.allocate(p.device) for b in chunking.shared}
     softmax_d = shared["softmax_d"]
+    # Every backend reads lse and D with one set of strides (CK's lsed strides, the Triton kernels' lse group): a
+    # caller's lse strided otherwise (a slice of a longer one) is copied into softmax_d's layout, never misread.
+    if lse.stride() != softmax_d.stride():
+        lse = torch.empty_like(softmax_d).copy_(lse)
 
     # ---- one chunk (the call fits under the cap): the call's own tensors, no views ---------------
     chunks = chunking.chunks
