@@ -121,10 +121,12 @@ def _flex():
 
 # Backend options timed as extra peers (`--peers triton,triton-pointers,...`): "triton-pointers" moves
 # every tile by pointers (forward included), "triton-tma" every tile through TMA descriptors,
-# "triton-one-launch" the kernels before the warp-specialised ones (forward and backward).
+# "triton-one-launch" the kernels before the warp-specialised ones (forward and backward), "triton-ws" the
+# warp-specialised ones wherever they can run (their length thresholds in config.py are measured this way).
 VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq": dict(dq_mode="atomic"),
             "triton-dq-pass": dict(dq_mode="pass"), "triton-pointers": dict(use_tma=False),
-            "triton-tma": dict(use_tma=True), "triton-one-launch": dict(ws=False, fwd_ws=False)}
+            "triton-tma": dict(use_tma=True), "triton-one-launch": dict(ws=False, fwd_ws=False),
+            "triton-ws": dict(ws=True, fwd_ws=True)}
 
 
 def measure(name, b, h, h_k, s, d, causal, configs=None, warm_only=False, backend=None):
