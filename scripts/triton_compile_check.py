@@ -137,7 +137,7 @@ def main():
         except Exception as e:
             print(f"d{block_d} {tag} varlen={varlen} {role}: FAILED {type(e).__name__}: {str(e)[:400]}")
     t = _Tensors(128, False)
-    pre = compile_one(launch.bwd_preprocess(t.q, t.q, t.lse, t.seq.cu_seqlens_q, (t.acc, t.acc, t.acc, t.sems),
+    pre = compile_one(launch.bwd_preprocess(t.q, t.q, t.lse, (t.acc, t.acc, t.acc, t.sems),
                                             t.batch, t.sizes, False, 128))
     post = compile_one(launch.cast_rows(t.acc, t.q, (0, 0, 0), (0, 0, 0), 1, 1, 1, 128, 128))
     print(f"preprocess regs={pre['regs']} stack={pre['stack']} smem={pre['shared']} "

@@ -42,10 +42,11 @@ def problem(seqlen=4096, head_dim=128, heads=(16, 16), batch=2, dtype=torch.bflo
 
 # ---- where it runs ------------------------------------------------------------------------------
 def test_runs_where_it_measured_faster(sm90):
-    """fwd_ws=None runs the kernel for the head dims of FWD_WS_DEFAULT_HEAD_DIMS from FWD_WS_MIN_SEQLEN on;
+    """fwd_ws=None runs the kernel for the head dims of FWD_WS_DEFAULT_HEAD_DIMS from their FWD_WS_MIN_SEQLEN on;
     fwd_ws=True wherever it can, any length; fwd_ws=False never."""
-    long, short = config.FWD_WS_MIN_SEQLEN, config.FWD_WS_MIN_SEQLEN - 1
     for d in sorted(config.FWD_WS_DEFAULT_HEAD_DIMS):
+        long = config.FWD_WS_MIN_SEQLEN[config.head_block(d)]
+        short = long - 1
         assert TritonBackend().fwd_ws_reasons(problem(head_dim=d, seqlen=long)) == []
         reasons = TritonBackend().fwd_ws_reasons(problem(head_dim=d, seqlen=short))
         assert len(reasons) == 1 and f"shorter than {long}" in reasons[0], reasons
@@ -67,14 +68,16 @@ def test_a_measured_head_dim_turns_it_on(sm90, monkeypatch):
 
 @settings(max_examples=40, deadline=None)
 @given(head_dim=st.sampled_from([32, *tile_head_dims(config.FWD_WS_SM90)]), causal=st.booleans(), gqa=st.booleans(),
-       dtype=st.sampled_from([torch.bfloat16, torch.float16]), seqlen=st.integers(1, 3 * config.FWD_WS_MIN_SEQLEN))
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       seqlen=st.integers(1, 3 * max(config.FWD_WS_MIN_SEQLEN.values())))
 def test_the_default_runs_it_exactly_where_measured(head_dim, causal, gqa, dtype, seqlen):
     """Property: with the default options the forward runs fwd_ws on a supported call exactly when its head
-    dim is in FWD_WS_DEFAULT_HEAD_DIMS and its longest sequence reaches FWD_WS_MIN_SEQLEN."""
+    dim is in FWD_WS_DEFAULT_HEAD_DIMS and its longest sequence reaches its head block's FWD_WS_MIN_SEQLEN."""
     with pretend_capability():
         p = problem(head_dim=head_dim, causal=causal, heads=(16, 4 if gqa else 16), dtype=dtype, seqlen=seqlen)
         runs = not TritonBackend().fwd_ws_reasons(p)
-    measured = p.head_dim_padded in config.FWD_WS_DEFAULT_HEAD_DIMS and seqlen >= config.FWD_WS_MIN_SEQLEN
+    d = p.head_dim_padded
+    measured = d in config.FWD_WS_DEFAULT_HEAD_DIMS and seqlen >= config.FWD_WS_MIN_SEQLEN[config.head_block(d)]
     assert runs == measured
 
 
@@ -105,7 +108,7 @@ def test_every_unsupported_feature_is_named(names, forced, capability):
 def test_forward_kernel_names_the_kernel_and_why(sm90):
     assert TritonBackend(fwd_ws=True).forward_kernel(problem()).startswith("fwd_ws")
     assert TritonBackend().forward_kernel(problem()).startswith("fwd_ws")
-    short = TritonBackend().forward_kernel(problem(seqlen=config.FWD_WS_MIN_SEQLEN - 1))
+    short = TritonBackend().forward_kernel(problem(seqlen=config.FWD_WS_MIN_SEQLEN[128] - 1))
     assert short.startswith("forward (") and "fwd_ws not used: sequences shorter than" in short
     assert "dropout" in TritonBackend(fwd_ws=True).forward_kernel(problem(dropout_p=0.1))
 
@@ -125,11 +128,12 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
             calls.append(("forward", {}))
     monkeypatch.setattr(launch, "forward", lambda *a, **kw: Spec())
     monkeypatch.setattr(TritonBackend, "_tma_plan", lambda self, p, role, *t: "none")
-    p = problem(seqlen=256, heads=(8, 2), causal=causal)
-    q = torch.zeros(2, 256, 8, 128, dtype=torch.bfloat16)
-    k = torch.zeros(2, 256, 2, 128, dtype=torch.bfloat16)
+    s = config.FWD_WS_MIN_SEQLEN[128] - 1      # the default keeps the current kernel
+    p = problem(seqlen=s, heads=(8, 2), causal=causal)
+    q = torch.zeros(2, s, 8, 128, dtype=torch.bfloat16)
+    k = torch.zeros(2, s, 2, 128, dtype=torch.bfloat16)
     backend = TritonBackend(fwd_ws=forced)
-    backend.forward(p, AttentionParams(q, k, k), torch.empty_like(q), torch.empty(2, 8, 256))
+    backend.forward(p, AttentionParams(q, k, k), torch.empty_like(q), torch.empty(2, 8, s))
     assert [c[0] for c in calls] == (["fwd_ws"] if forced else ["forward"])
     if forced:
         kw = calls[0][1]

@@ -36,7 +36,7 @@ def test_specs_match_their_kernels(varlen):
     tiles = config.INTERPRETER
     specs = [
         launch.forward(q, q, q, q, lse, seq, sizes, scores, features, tiles.forward, d, (1, 1)),
-        launch.bwd_preprocess(q, q, lse, cu, (acc, None, None, None), b, sizes, varlen, d),
+        launch.bwd_preprocess(q, q, lse, (acc, None, None, None), b, sizes, varlen, d),
         launch.bwd_main(q, q, q, q, lse, lse, acc, q, q, None, None, None, seq, b, sizes, scores, features,
                         tiles.bwd_kv, tiles.bwd_dq, d, (1, 1)),
         launch.cast_rows(acc, q, launch.bhr(acc, varlen), launch.bhr(q, varlen), h, 1, b * s, d, d),

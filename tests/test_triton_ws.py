@@ -46,11 +46,31 @@ def problem(seqlen=8192, head_dim=128, heads=(16, 16), batch=2, dtype=torch.bflo
 def test_ws_runs_where_it_measured_faster(sm90):
     assert TritonBackend().ws_reasons(problem()) == []
     assert TritonBackend().ws_reasons(problem(heads=(32, 8), causal=True)) == []
-    short = TritonBackend().ws_reasons(problem(seqlen=config.BWD_WS_MIN_SEQLEN - 1))
+    short = TritonBackend().ws_reasons(problem(seqlen=config.BWD_WS_MIN_SEQLEN[128] - 1))
     assert short and "one-launch kernel measured faster" in short[0]
+    assert TritonBackend().ws_reasons(problem(seqlen=config.BWD_WS_MIN_SEQLEN[128])) == []
     assert TritonBackend(ws=True).ws_reasons(problem(seqlen=512)) == []        # forced: any length
     assert TritonBackend(ws=True).ws_reasons(problem(seqlen=512, head_dim=64)) == []
     assert TritonBackend(ws=False).ws_reasons(problem()) == ["turned off (TritonBackend(ws=False))"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(head_dim=st.sampled_from([32, *tile_head_dims(config.BWD_WS_SM90)]), causal=st.booleans(),
+       group=st.sampled_from([1, 2, 4, 8]), seqlen=st.integers(1, 3 * max(config.BWD_WS_MIN_SEQLEN.values())))
+def test_the_default_runs_it_exactly_where_measured(head_dim, causal, group, seqlen):
+    """Property: with the default options the backward runs bwd_ws on a supported call exactly when its head dim is
+    in BWD_WS_DEFAULT_HEAD_DIMS and its longest sequence reaches its head block's BWD_WS_MIN_SEQLEN (and, with
+    GQA, BWD_WS_GQA_MIN_SEQLEN); a shorter one is told why."""
+    with pretend_capability():
+        reasons = TritonBackend().ws_reasons(problem(head_dim=head_dim, causal=causal, heads=(8 * group, 8),
+                                                     seqlen=seqlen))
+    shortest = config.BWD_WS_MIN_SEQLEN.get(config.head_block(head_dim), 0)
+    if group > 1:
+        shortest = max(shortest, config.BWD_WS_GQA_MIN_SEQLEN)
+    measured = head_dim in config.BWD_WS_DEFAULT_HEAD_DIMS
+    assert (not reasons) == (measured and seqlen >= shortest), reasons
+    if measured and seqlen < shortest:
+        assert reasons == [f"sequences shorter than {shortest}: the one-launch kernel measured faster"]
 
 
 FEATURES = {"dropout": dict(dropout_p=0.1),

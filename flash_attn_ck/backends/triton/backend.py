@@ -242,8 +242,9 @@ class TritonBackend(Backend):
                            f"{sorted(rule.tiles)}")
         elif setting is None and d not in rule.default_head_dims:
             reasons.append(f"head dim {d}: {rule.slower_head_dim}")
-        if setting is None and max(p.seqlen_q, p.seqlen_k) < rule.min_seqlen:
-            reasons.append(f"sequences shorter than {rule.min_seqlen}: {rule.shorter}")
+        if setting is None and d in rule.default_head_dims \
+                and max(p.seqlen_q, p.seqlen_k) < (shortest := rule.min_seqlen(d, p.group_size)):
+            reasons.append(f"sequences shorter than {shortest}: {rule.shorter}")
         if p.dropout_p > 0:
             reasons.append("dropout")
         if p.has_alibi:
@@ -519,7 +520,7 @@ class TritonBackend(Backend):
             "softmax_d must be strided like lse"
 
         # ---- 1. D = rowsum(dO * O); zero the accumulators and semaphores ----
-        self._preprocess(p, out, dout, delta, seq.cu_seqlens_q, (dq_acc, dk_acc, dv_acc, sems), sizes)
+        self._preprocess(p, out, dout, delta, (dq_acc, dk_acc, dv_acc, sems), sizes)
 
         # ---- 2. one launch: key-tile programs (dK/dV, and dQ in atomic mode), then the dQ pass ----
         kv, dq_tile = cfg.bwd_kv, cfg.bwd_dq
@@ -548,9 +549,9 @@ class TritonBackend(Backend):
 
     @staticmethod
     def _preprocess(p: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
-                    cu_seqlens_q: torch.Tensor, accumulators: tuple, sizes: launch.Sizes) -> None:
+                    accumulators: tuple, sizes: launch.Sizes) -> None:
         """D = rowsum(dO * O) into `delta`; zero the plan's fp32 accumulators and semaphores (None: absent)."""
-        launch.bwd_preprocess(out, dout, delta, cu_seqlens_q, accumulators, p.batch, sizes, p.varlen,
+        launch.bwd_preprocess(out, dout, delta, accumulators, p.batch, sizes, p.varlen,
                               config.head_block(sizes.head_dim)).launch()
 
     @staticmethod
@@ -576,9 +577,8 @@ class TritonBackend(Backend):
         d = params.q.shape[-1]
         tile = self._ws_tile(p)
         delta, dq_acc, sems = workspace["softmax_d"], workspace["dq_accum"], workspace.get("dq_semaphore")
-        cu_q = params.cu_seqlens_q if p.varlen else delta
         sizes = self._sizes(p, d)
-        self._preprocess(p, out, dout, delta, cu_q, (dq_acc, None, None, sems), sizes)
+        self._preprocess(p, out, dout, delta, (dq_acc, None, None, sems), sizes)
         q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
         dout = gluon_common.uniform_rows(dout, p.varlen)
         mask = self._gluon_mask(p)

@@ -2,7 +2,8 @@
 accumulators (dK/dV for the GQA accumulator epilogue, dQ for the atomic dQ mode) and of the
 deterministic semaphores, so the frontend can hand them over uninitialised.
 
-Grid: (query tiles, batch * heads). Every program also zeroes its share of each flat buffer:
+Grid: (row tiles, batch * heads), `n_rows` rows per batch entry; a varlen call is one entry of every packed row
+(launch.bwd_preprocess). Every program also zeroes its share of each flat buffer:
 `zero_ptrs` / `zero_numels` are tuples (dq, dk, dv accumulators, semaphores) and the constexpr
 tuple ZERO says which exist (launch.bwd_preprocess). Strides are (batch, row, head) tuples, and
 (batch, head) for Delta.
@@ -10,8 +11,6 @@ tuple ZERO says which exist (launch.bwd_preprocess). Strides are (batch, row, he
 
 import triton
 import triton.language as tl
-
-from .scores import sequence_bounds
 
 
 @triton.jit
@@ -27,9 +26,8 @@ def _zero_share(ptr, numel, pid, nprog, ZERO_BLOCK: tl.constexpr):
 
 @triton.jit
 def bwd_preprocess_kernel(
-        Out, dOut, Delta, cu_seqlens_q, stride_o, stride_do, stride_delta, heads, max_seqlen_q, head_dim,
-        zero_ptrs, zero_numels, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr,
-        ZERO_BLOCK: tl.constexpr, ZERO: tl.constexpr):
+        Out, dOut, Delta, stride_o, stride_do, stride_delta, heads, n_rows, head_dim, zero_ptrs, zero_numels,
+        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ZERO_BLOCK: tl.constexpr, ZERO: tl.constexpr):
     pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
     nprog = tl.num_programs(0) * tl.num_programs(1)
     # ---- accumulators and semaphores ----
@@ -41,12 +39,11 @@ def bwd_preprocess_kernel(
     bh = tl.program_id(1)
     b = bh // heads
     h = bh % heads
-    q_start, len_q = sequence_bounds(cu_seqlens_q, b, max_seqlen_q, VARLEN)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < len_q
+    row_ok = offs_m < n_rows
     mask = row_ok[:, None] & (offs_d < head_dim)[None, :]
-    rows = (q_start + offs_m).to(tl.int64)
+    rows = offs_m.to(tl.int64)
     o = tl.load(Out + b.to(tl.int64) * stride_o[0] + h * stride_o[2] + rows[:, None] * stride_o[1] + offs_d[None, :],
                 mask=mask, other=0.0)
     do = tl.load(dOut + b.to(tl.int64) * stride_do[0] + h * stride_do[2] + rows[:, None] * stride_do[1]

@@ -341,19 +341,23 @@ def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArg
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, F=features), tile.num_warps, tile.num_stages)
 
 
-def bwd_preprocess(out, dout, delta, cu_seqlens_q, zero: tuple[torch.Tensor | None, ...], batch: int,
+def bwd_preprocess(out, dout, delta, zero: tuple[torch.Tensor | None, ...], batch: int,
                    sizes: Sizes, varlen: bool, block_d: int, block_m: int = 64) -> LaunchSpec:
     """D = rowsum(dO * O) into delta; zero the buffers of `zero` (dq, dk, dv accumulators, semaphores;
     None where the plan has none)."""
     from .bwd_preprocess import bwd_preprocess_kernel
-    grid = (max(1, -(-sizes.max_seqlen_q // block_m)), batch * sizes.heads)
+    # A varlen call's D is per packed row whichever sequence holds it: one grid over the rows, as one batch entry,
+    # not batch x tiles(max_seqlen) programs that mostly exit (9x as many on a 38-document pack). Rows in no
+    # sequence get a value the pipeline's outside-rows fill then replaces.
+    rows, batch = (out.shape[0], 1) if varlen else (sizes.max_seqlen_q, batch)
+    grid = (max(1, -(-rows // block_m)), batch * sizes.heads)
     return LaunchSpec(bwd_preprocess_kernel, grid, dict(
-        Out=out, dOut=dout, Delta=delta, cu_seqlens_q=cu_seqlens_q,
+        Out=out, dOut=dout, Delta=delta,
         stride_o=rows3(out, varlen), stride_do=rows3(dout, varlen), stride_delta=lse_strides(delta, varlen),
-        heads=sizes.heads, max_seqlen_q=sizes.max_seqlen_q, head_dim=sizes.head_dim,
+        heads=sizes.heads, n_rows=rows, head_dim=sizes.head_dim,
         zero_ptrs=tuple(t if t is not None else delta for t in zero),
         zero_numels=tuple(t.numel() if t is not None else 0 for t in zero),
-        BLOCK_M=block_m, BLOCK_D=block_d, VARLEN=varlen, ZERO_BLOCK=1024,
+        BLOCK_M=block_m, BLOCK_D=block_d, ZERO_BLOCK=1024,
         ZERO=tuple(t is not None for t in zero)), 4, 1)
 
 
