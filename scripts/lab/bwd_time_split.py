@@ -12,6 +12,7 @@ import argparse
 import collections
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ import triton
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import TritonBackend
 
-VARIANTS = {"default": {}, "ws": dict(ws=True)}
+VARIANTS = {"default": {}, "ws": dict(ws=True), "ws_old_fwd": dict(ws=True, fwd_ws=False)}
 
 
 def kernel_split(run, reps: int = 3) -> dict[str, tuple[float, int]]:
@@ -45,6 +46,17 @@ def kernel_split(run, reps: int = 3) -> dict[str, tuple[float, int]]:
     return {name: (round(ms, 4), n // reps) for name, (ms, n) in sorted(split.items(), key=lambda kv: -kv[1][0])}
 
 
+def host_ms(run, calls: int = 20) -> float:
+    """Host milliseconds per run() issued back to back (the GPU queue absorbs them: no wait on the GPU)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    elapsed = (time.perf_counter() - start) / calls * 1e3
+    torch.cuda.synchronize()
+    return elapsed
+
+
 def measure_row(w: bw.Workload, variants: list[str]) -> dict:
     leaves, varlen = bw.inputs(w, torch.device("cuda"))
     row = dict(name=w.name, bwd_tflop=w.flops("bwd") / 1e12)
@@ -58,7 +70,9 @@ def measure_row(w: bw.Workload, variants: list[str]) -> dict:
                     timed = bench_bwd.time_passes(fwd, leaves)
                     out = fwd()
                     dout = torch.randn_like(out)
-                    split = kernel_split(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
+                    backward = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
+                    split = kernel_split(backward)
+                    timed["bwd_host_ms"] = host_ms(backward)
             else:
                 fwd = bench_bwd.make_runner(
                     name, *leaves, w.causal, window=w.window, deterministic=w.deterministic, varlen=varlen
@@ -74,7 +88,9 @@ def measure_row(w: bw.Workload, variants: list[str]) -> dict:
             fwd_ms=timed["fwd_ms"],
             kernels=split,
         )
-        print(f"  {name:8s} bwd {timed['bwd_ms']:.3f} ms {row[name]['bwd_tflops']:.0f} TF/s", flush=True)
+        row[name]["bwd_host_ms"] = timed.get("bwd_host_ms")
+        host = f", host {timed['bwd_host_ms']:.3f} ms" if "bwd_host_ms" in timed else ""
+        print(f"  {name:8s} bwd {timed['bwd_ms']:.3f} ms {row[name]['bwd_tflops']:.0f} TF/s{host}", flush=True)
         for kernel, (ms, n) in list((split or {}).items())[:8]:
             print(f"      {ms:8.4f} ms x{n:<3d} {kernel}", flush=True)
     torch.cuda.empty_cache()
@@ -117,6 +133,12 @@ def main():
     if "short" in only:
         chosen += [
             (w, ["default", "ws", "sdpa_cudnn"]) for w in rows.values() if w.family == "short" and w.head_dim == 128
+        ]
+    if "gqa" in only:
+        chosen += [
+            (w, ["default", "ws", "ws_old_fwd"])
+            for w in rows.values()
+            if w.family == "short" and w.heads != w.kv_heads and w.lengths[0] <= 1024
         ]
     if "packed" in only:
         chosen += [
