@@ -413,7 +413,7 @@ def test_an_error_on_every_rank_leaves_the_group_usable(world):
 def _empty_worker(rank, world, port):
     init(rank, world, port)
     try:
-        for exchange, (h, h_k) in itertools.product(("ring", "allgather"), ((4, 4), (4, 2))):
+        for exchange, (h, h_k) in itertools.product(("ring", "allgather", "a2a"), ((4, 4), (4, 2))):
             q, k, v, dout = (shard(t) for t in _full_inputs(0, h, h_k))
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             out, lse = context_parallel_attn(*leaves, causal=True, kv_exchange=exchange, backend="reference",
@@ -424,9 +424,19 @@ def _empty_worker(rank, world, port):
             ref_grads = torch.autograd.grad(ref, full, dout)
             for ours, expected in zip((out, lse, *grads), (ref, ref_lse, *ref_grads), strict=True):
                 assert ours.shape == expected.shape and ours.dtype == expected.dtype
-            out = context_parallel_attn(*leaves, causal=True, kv_exchange=exchange, backend="reference")
-            out.sum().backward()        # autograd hands the backward an expanded (stride 0) dout
+            with _recorded_communication() as (calls, _):
+                out = context_parallel_attn(*leaves, causal=True, kv_exchange=exchange, backend="reference")
+                out.sum().backward()        # autograd hands the backward an expanded (stride 0) dout
             assert all(t.grad.shape == t.shape and not t.grad.any() for t in leaves)
+            assert not calls, f"{exchange}: empty shards exchanged {calls}"
+            # The same expanded dout on shards with rows: the gradients of the sum, as single-process attention's.
+            q, k, v, _ = _full_inputs(4 * world, h, h_k)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            expected = torch.autograd.grad(flash_attn_func(*full, causal=True, backend="reference").sum(), full)
+            leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+            context_parallel_attn(*leaves, causal=True, kv_exchange=exchange, backend="reference").sum().backward()
+            for name, t, grad in zip("qkv", leaves, expected, strict=True):
+                torch.testing.assert_close(t.grad, shard(grad), atol=1e-12, rtol=1e-10, msg=f"{exchange} d{name}")
         q, k, v, _ = (shard(t) for t in _full_inputs(0, 2, 2))
         cu = torch.zeros(3, dtype=torch.int32)
         leaves = [t[0].clone().requires_grad_() for t in (q, k, v)]
@@ -437,7 +447,9 @@ def _empty_worker(rank, world, port):
 
 
 def test_empty_shards_forward_and_backward():
-    """s = 0 (every shard empty), dense and varlen: shapes as flash_attn_func gives, no exchange, no error."""
+    """s = 0 (every shard empty), dense (every exchange) and varlen: shapes as flash_attn_func gives, no exchange, no
+    error, also for the stride-0 dout of `out.sum().backward()`, whose gradients on shards with rows are the
+    single-process ones."""
     spawn(_empty_worker, 2, timeout=120)
 
 
