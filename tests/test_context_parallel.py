@@ -486,6 +486,11 @@ _ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_n
 
 @settings(max_examples=60, deadline=None)
 @example(softmax_scale=None, causal=False, window_size=(2**31 - 1, -1), dropout_p=0.0, deterministic=False)
+# The adversarial round's: a window side truncated, negative sides other than -1 read as unbounded, a string causal.
+@example(softmax_scale=None, causal=False, window_size=(1.5, 0), dropout_p=0.0, deterministic=False)
+@example(softmax_scale=None, causal=False, window_size=(-2, 0), dropout_p=0.0, deterministic=False)
+@example(softmax_scale=None, causal=False, window_size=(-1, -7), dropout_p=0.0, deterministic=False)
+@example(softmax_scale=None, causal="yes", window_size=(-1, -1), dropout_p=0.0, deterministic=False)
 @given(softmax_scale=st.one_of(st.none(), st.floats(-2, 2), _ANY),
        causal=st.one_of(st.booleans(), _ANY),
        window_size=st.one_of(st.tuples(_WINDOW_SIDE, _WINDOW_SIDE),
