@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 import torch
 from ck_emulator import EmulatedCkLibrary, Memory, OutOfBounds, TrackAllocations
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_edge_cases import EMPTY_SEQUENCE_LAYOUTS, SETTINGS, check_rows_outside_sequences
 from test_seqused_k import check_seqused_k, seqused_layouts
@@ -128,6 +128,12 @@ def test_every_declared_mask_kind_matches_the_oracle(kind, seqlens):
 
 @settings(max_examples=30, **SETTINGS)
 @given(**EMPTY_SEQUENCE_LAYOUTS, cap_fraction=st.sampled_from([None, 0.5, 0.3]))
+# The adversarial round's instances: every sequence query-empty with max_seqlen_q = 0 and rows after the last
+# (a zero grid); a query-empty sequence's GQA head-slice chunk under a cap (a NULL dout).
+@example(lengths=[(0, 3), (0, 2)], extra_q=2, extra_k=1, heads=(2, 2), causal=False, exact_max=True,
+         cap_fraction=None)
+@example(lengths=[(0, 9), (6, 9)], extra_q=0, extra_k=0, heads=(3, 1), causal=False, exact_max=False,
+         cap_fraction=0.5)
 def test_varlen_layouts_with_empty_sequences(lengths, extra_q, extra_k, heads, causal, exact_max, cap_fraction):
     # Whole calls and chunks under a cap: a side with no rows launches nothing (an empty grid is an invalid
     # launch; a chunk of query-empty sequences would hand CK NULL q/dout pointers), and every output is written.

@@ -5,17 +5,21 @@ varlen cases (ring, one cu_seqlens, an empty sequence among them) against `flash
 (each kernel call its own keep pattern) by the directional derivative of the group's loss with the rng fixed;
 bf16/fp16 at one-row chunks under the 2x rule; the SDPA-shaped front end on (b, h, s, d) shards cut by torch's
 own head-tail load balancer. One spawn per world size runs all cases (a spawn costs seconds of imports).
-Also: an argument error raised on every rank leaves the group usable, empty shards, and the options accepted
-exactly when `flash_attn_func` accepts them (hypothesis, a one-process group)."""
+Also: argument errors raise before any communication and a kernel failing after the exchange started leaves
+nothing posted (the group stays usable), empty shards, and the options accepted exactly when `flash_attn_func`
+accepts them (hypothesis, a one-process group)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import itertools
 import math
 import os
 import socket
 import sys
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -25,7 +29,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from flash_attn_ck import ArgumentError, flash_attn_func, flash_attn_varlen_func
+from flash_attn_ck import ArgumentError, flash_attn_bwd, flash_attn_func, flash_attn_fwd, flash_attn_varlen_func
+from flash_attn_ck.integrations import context_parallel as cp
 from flash_attn_ck.integrations.context_parallel import context_parallel_attn, context_parallel_sdpa, shard, unshard
 from tests.oracle import assert_close_2x
 
@@ -310,21 +315,86 @@ def _bad_calls(q, k, v):
     yield "k: expected the dtype", dict(k=k.float())
     yield "head dim", dict(q=torch.zeros(*q.shape[:-1], 300, dtype=q.dtype), k=torch.zeros(*k.shape[:-1], 300,
                                                                                           dtype=k.dtype))
-    yield "number of key/value heads", dict(k=k[:, :, :3], v=v[:, :, :3])
+    # h - 1 key heads divide neither h (2W) nor, for the all-to-all, W
+    yield "number of key/value heads|heads must be multiples", dict(k=k[:, :, :-1], v=v[:, :, :-1])
     yield "backend", dict(backend="no such backend")
+
+
+# Every communication context parallelism makes (the module calls them through `dist` at call time).
+_COMMUNICATION = ("batch_isend_irecv", "all_gather", "all_to_all_single", "reduce_scatter_tensor")
+
+
+class _RecordedWork:
+    """A posted transfer's work, remembering whether anything waited for it."""
+
+    def __init__(self, work):
+        self.work, self.waited = work, False
+
+    def wait(self, *args):
+        self.waited = True
+        return self.work.wait(*args)
+
+
+@contextlib.contextmanager
+def _recorded_communication():
+    """(calls, works): the names of the communication calls made inside, and the works they returned."""
+    calls, works = [], []
+
+    def recording(name, communicate):
+        def call(*args, **kwargs):
+            calls.append(name)
+            result = communicate(*args, **kwargs)
+            if result is None:          # a blocking collective
+                return None
+            recorded = [_RecordedWork(w) for w in (result if isinstance(result, list) else [result])]
+            works.extend(recorded)
+            return recorded if isinstance(result, list) else recorded[0]
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for name in _COMMUNICATION:
+            stack.enter_context(mock.patch.object(dist, name, recording(name, getattr(dist, name))))
+        yield calls, works
+
+
+def _failing_kernel(kernel):
+    """`kernel` (flash_attn_fwd or _bwd as context parallelism calls it) that raises on its first call."""
+    def call(*args, **kwargs):
+        raise RuntimeError(f"injected failure of {kernel.__name__}")
+    return mock.patch.object(cp, kernel.__name__, call)
+
+
+def _assert_group_usable(world, after):
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    assert total.item() == world, f"the group is unusable after {after}"
 
 
 def _error_worker(rank, world, port):
     init(rank, world, port)
     try:
-        q, k, v, _ = (shard(t) for t in _full_inputs(4 * world, 4, 4))
-        for expected, change in _bad_calls(q, k, v):
-            args = dict(q=q, k=k, v=v, causal=True, backend="reference") | change
-            with pytest.raises((ArgumentError, ValueError, RuntimeError), match=expected):
-                context_parallel_attn(args.pop("q"), args.pop("k"), args.pop("v"), **args)
-            total = torch.ones(1)
-            dist.all_reduce(total)
-            assert total.item() == world, f"the group is unusable after the {expected} error"
+        q, k, v, dout = (shard(t) for t in _full_inputs(4 * world, 2 * world, 2 * world))
+        for exchange in ("ring", "allgather", "a2a"):
+            for expected, change in _bad_calls(q, k, v):
+                args = dict(q=q, k=k, v=v, causal=True, kv_exchange=exchange, backend="reference") | change
+                with _recorded_communication() as (calls, _), \
+                        pytest.raises((ArgumentError, ValueError, RuntimeError), match=expected):
+                    context_parallel_attn(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+                assert not calls, f"{exchange}: the {expected} error came after communicating: {calls}"
+                _assert_group_usable(world, f"the {exchange} {expected} error")
+            # A failure after the exchange started (the first kernel call, on every rank): what was posted is waited
+            # for before the error propagates.
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            attend = functools.partial(context_parallel_attn, *leaves, causal=True, kv_exchange=exchange,
+                                       backend="reference")
+            differentiate = functools.partial(torch.autograd.grad, attend(), leaves, dout)
+            for kernel, call in ((flash_attn_fwd, attend), (flash_attn_bwd, differentiate)):
+                with _recorded_communication() as (calls, works), _failing_kernel(kernel), \
+                        pytest.raises(RuntimeError, match="injected failure"):
+                    call()
+                assert calls, f"{exchange} {kernel.__name__}: nothing was exchanged before the kernel call"
+                assert all(work.waited for work in works), f"{exchange} {kernel.__name__}: a transfer left posted"
+                _assert_group_usable(world, f"a {exchange} {kernel.__name__} failure")
         out = context_parallel_attn(q, k, v, causal=True, backend="reference")
         ref = flash_attn_func(*(unshard(t) for t in (q, k, v)), causal=True, backend="reference")
         torch.testing.assert_close(out, shard(ref), atol=1e-12, rtol=1e-10)
@@ -332,14 +402,18 @@ def _error_worker(rank, world, port):
         teardown()
 
 
-def test_an_error_on_every_rank_leaves_the_group_usable():
-    spawn(_error_worker, 2, timeout=120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_error_on_every_rank_leaves_the_group_usable(world):
+    """Argument errors raise before any communication (none is made), on every exchange; a failure after the
+    exchange started (the first kernel call of the forward or the backward) waits for what was posted; after each
+    the next all-reduce and a valid call work."""
+    spawn(_error_worker, world, timeout=180)
 
 
 def _empty_worker(rank, world, port):
     init(rank, world, port)
     try:
-        for exchange, (h, h_k) in itertools.product(("ring", "allgather"), ((4, 4), (4, 2))):
+        for exchange, (h, h_k) in itertools.product(("ring", "allgather", "a2a"), ((4, 4), (4, 2))):
             q, k, v, dout = (shard(t) for t in _full_inputs(0, h, h_k))
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             out, lse = context_parallel_attn(*leaves, causal=True, kv_exchange=exchange, backend="reference",
@@ -350,9 +424,19 @@ def _empty_worker(rank, world, port):
             ref_grads = torch.autograd.grad(ref, full, dout)
             for ours, expected in zip((out, lse, *grads), (ref, ref_lse, *ref_grads), strict=True):
                 assert ours.shape == expected.shape and ours.dtype == expected.dtype
-            out = context_parallel_attn(*leaves, causal=True, kv_exchange=exchange, backend="reference")
-            out.sum().backward()        # autograd hands the backward an expanded (stride 0) dout
+            with _recorded_communication() as (calls, _):
+                out = context_parallel_attn(*leaves, causal=True, kv_exchange=exchange, backend="reference")
+                out.sum().backward()        # autograd hands the backward an expanded (stride 0) dout
             assert all(t.grad.shape == t.shape and not t.grad.any() for t in leaves)
+            assert not calls, f"{exchange}: empty shards exchanged {calls}"
+            # The same expanded dout on shards with rows: the gradients of the sum, as single-process attention's.
+            q, k, v, _ = _full_inputs(4 * world, h, h_k)
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            expected = torch.autograd.grad(flash_attn_func(*full, causal=True, backend="reference").sum(), full)
+            leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+            context_parallel_attn(*leaves, causal=True, kv_exchange=exchange, backend="reference").sum().backward()
+            for name, t, grad in zip("qkv", leaves, expected, strict=True):
+                torch.testing.assert_close(t.grad, shard(grad), atol=1e-12, rtol=1e-10, msg=f"{exchange} d{name}")
         q, k, v, _ = (shard(t) for t in _full_inputs(0, 2, 2))
         cu = torch.zeros(3, dtype=torch.int32)
         leaves = [t[0].clone().requires_grad_() for t in (q, k, v)]
@@ -363,7 +447,9 @@ def _empty_worker(rank, world, port):
 
 
 def test_empty_shards_forward_and_backward():
-    """s = 0 (every shard empty), dense and varlen: shapes as flash_attn_func gives, no exchange, no error."""
+    """s = 0 (every shard empty), dense (every exchange) and varlen: shapes as flash_attn_func gives, no exchange, no
+    error, also for the stride-0 dout of `out.sum().backward()`, whose gradients on shards with rows are the
+    single-process ones."""
     spawn(_empty_worker, 2, timeout=120)
 
 
@@ -400,6 +486,11 @@ _ANY = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_n
 
 @settings(max_examples=60, deadline=None)
 @example(softmax_scale=None, causal=False, window_size=(2**31 - 1, -1), dropout_p=0.0, deterministic=False)
+# The adversarial round's: a window side truncated, negative sides other than -1 read as unbounded, a string causal.
+@example(softmax_scale=None, causal=False, window_size=(1.5, 0), dropout_p=0.0, deterministic=False)
+@example(softmax_scale=None, causal=False, window_size=(-2, 0), dropout_p=0.0, deterministic=False)
+@example(softmax_scale=None, causal=False, window_size=(-1, -7), dropout_p=0.0, deterministic=False)
+@example(softmax_scale=None, causal="yes", window_size=(-1, -1), dropout_p=0.0, deterministic=False)
 @given(softmax_scale=st.one_of(st.none(), st.floats(-2, 2), _ANY),
        causal=st.one_of(st.booleans(), _ANY),
        window_size=st.one_of(st.tuples(_WINDOW_SIDE, _WINDOW_SIDE),

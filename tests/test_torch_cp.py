@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.experimental._context_parallel import _attention as torch_cp_module
 from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ck.integrations.sdpa as provider
 from flash_attn_ck.integrations.context_parallel import shard
@@ -55,18 +56,22 @@ def _cp_flash(mesh, local, dout, **kwargs):
 
 
 def _check_matches_sdpa(mesh, world):
-    for causal, (h, h_k) in ((True, (4, 2)), (False, (4, 4)), (True, (3, 1))):
+    # Scales SDPA accepts and our kernels do not (0, negative) run rewritten (sdpa.positive_scale), dq times the sign.
+    for causal, (h, h_k), scale in ((True, (4, 2), 0.3), (False, (4, 4), 0.3), (True, (3, 1), 0.3),
+                                    (True, (4, 2), -0.3), (False, (4, 4), 0.0)):
         q, k, v, dout = _inputs(world, h, h_k, seed=world)
         local = _torch_shards(mesh, (q, k, v, dout), causal)
         with mock.patch("flash_attn_ck.integrations.context_parallel.flash_attn_fwd",
                         wraps=provider.flash_attn_fwd) as spy:
-            ours = _cp_flash(mesh, local[:3], local[3], is_causal=causal, scale=0.3)
+            ours = _cp_flash(mesh, local[:3], local[3], is_causal=causal, scale=scale)
         assert spy.call_count > 0, "our ring ran"
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = F.scaled_dot_product_attention(*full, is_causal=causal, scale=0.3, enable_gqa=h != h_k)
+        with sdpa_kernel(SDPBackend.MATH):    # torch's CPU flash kernel gives NaN for causal calls at a scale <= 0
+            ref = F.scaled_dot_product_attention(*full, is_causal=causal, scale=scale, enable_gqa=h != h_k)
         expected = _torch_shards(mesh, (ref.detach(), *torch.autograd.grad(ref, full, dout)), causal)
         for name, o, r in zip(("out", "dq", "dk", "dv"), ours, expected, strict=True):
-            torch.testing.assert_close(o, r, atol=1e-12, rtol=1e-10, msg=lambda m, name=name: f"{causal} {name}: {m}")
+            torch.testing.assert_close(o, r, atol=1e-12, rtol=1e-10,
+                                       msg=lambda m, name=name: f"{causal} scale {scale} {name}: {m}")
 
 
 def _group_sum(x: float) -> float:
