@@ -12,7 +12,6 @@ import argparse
 import collections
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_bwd
 import bench_workloads as bw
 import triton
+from launch_overhead import host_ms
 
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import TritonBackend
@@ -46,17 +46,6 @@ def kernel_split(run, reps: int = 3) -> dict[str, tuple[float, int]]:
     return {name: (round(ms, 4), n // reps) for name, (ms, n) in sorted(split.items(), key=lambda kv: -kv[1][0])}
 
 
-def host_ms(run, calls: int = 20) -> float:
-    """Host milliseconds per run() issued back to back (the GPU queue absorbs them: no wait on the GPU)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        run()
-    elapsed = (time.perf_counter() - start) / calls * 1e3
-    torch.cuda.synchronize()
-    return elapsed
-
-
 def measure_row(w: bw.Workload, variants: list[str]) -> dict:
     leaves, varlen = bw.inputs(w, torch.device("cuda"))
     row = dict(name=w.name, bwd_tflop=w.flops("bwd") / 1e12)
@@ -72,7 +61,7 @@ def measure_row(w: bw.Workload, variants: list[str]) -> dict:
                     dout = torch.randn_like(out)
                     backward = lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)
                     split = kernel_split(backward)
-                    timed["bwd_host_ms"] = host_ms(backward)
+                    timed["bwd_host_ms"] = host_ms(backward, 20)
             else:
                 fwd = bench_bwd.make_runner(
                     name, *leaves, w.causal, window=w.window, deterministic=w.deterministic, varlen=varlen
