@@ -140,8 +140,10 @@ def main():
     pre = compile_one(launch.bwd_preprocess(t.q, t.q, t.lse, (t.acc, t.acc, t.acc, t.sems),
                                             t.batch, t.sizes, False, 128))
     post = compile_one(launch.cast_rows(t.acc, t.q, (0, 0, 0), (0, 0, 0), 1, 1, 1, 128, 128))
+    zero = compile_one(launch.zero_flat(t.acc, t.sems))
     print(f"preprocess regs={pre['regs']} stack={pre['stack']} smem={pre['shared']} "
-          f"postprocess regs={post['regs']} stack={post['stack']} smem={post['shared']}")
+          f"postprocess regs={post['regs']} stack={post['stack']} smem={post['shared']} "
+          f"zero regs={zero['regs']} stack={zero['stack']} smem={zero['shared']}")
 
 
 class _Tensors:

@@ -11,6 +11,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from test_triton_interpret import _INTERPRETER_PATCH  # noqa: E402
+
 from flash_attn_ck.backends.triton import launch  # noqa: E402
 
 try:
@@ -94,7 +96,7 @@ def test_launch_hooks_take_tritons_path(fake_driver, monkeypatch):
     assert len(kernel.direct) == 1
 
 
-_INTERPRETED = """
+_INTERPRETED = _INTERPRETER_PATCH + """
 import json, torch
 from flash_attn_ck.backends.triton import launch
 torch.manual_seed(0)
@@ -103,13 +105,18 @@ dst = torch.empty(2, 5, 3, 8, dtype=torch.float16)
 before = src.clone()
 launch.cast_rows(src, dst, src.stride()[:3], launch.bhr(dst, False), 3, 2, 5, 8, 8).launch()
 cast = bool(torch.equal(dst, before.half().transpose(1, 2)))
-print(json.dumps(dict(cast=cast, src_kept=bool(torch.equal(src, before)))))
+acc, sems = torch.randn(5000), torch.arange(1, 40, dtype=torch.int32)     # zero_flat: the first 3001 and 17 of them
+launch.zero_flat(acc[:3001], sems[:17]).launch()
+zeroed = bool((acc[:3001] == 0).all() and (sems[:17] == 0).all())
+kept = bool((acc[3001:] != 0).all() and torch.equal(sems[17:], torch.arange(18, 40, dtype=torch.int32)))
+print(json.dumps(dict(cast=cast, src_kept=bool(torch.equal(src, before)), zeroed=zeroed, rest_kept=kept)))
 """
 
 
 def test_the_cast_writes_its_output_and_leaves_its_source():
     """Interpreted (TRITON_INTERPRET=1, so in a subprocess): the cast writes the whole (b, h, s, d) accumulator into a
-    (b, s, h, d) output and never writes its source (tests/test_triton.py runs it compiled on the GPU)."""
+    (b, s, h, d) output and never writes its source; zero_flat zeroes exactly its buffers, whatever their lengths
+    (tests/test_triton.py runs both compiled on the GPU)."""
     import json
     import os
     import subprocess
@@ -119,4 +126,5 @@ def test_the_cast_writes_its_output_and_leaves_its_source():
     run = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).resolve().parents[1])
     assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout.strip().splitlines()[-1]) == dict(cast=True, src_kept=True)
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == dict(cast=True, src_kept=True, zeroed=True,
+                                                                   rest_kept=True)

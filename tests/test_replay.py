@@ -98,6 +98,55 @@ def test_nothing_is_recorded_where_a_replay_could_differ(why):
     assert replay.record(method, tensors) is not None
 
 
+@needs_cuda_backend
+@pytest.mark.usefixtures("fake_driver")
+def test_a_declared_view_is_replayed_at_its_offset_of_the_later_calls_tensor():
+    """A view declared with launch.derived (a slice of heads; a slice of that) is re-issued as the address of the same
+    offset in the later call's tensor, direct and under a descriptor; the recorded call's memory is not kept."""
+    kernel = _FakeKernel([False, False, False])
+
+    def method(a, b):
+        head = launch.derived(a.narrow(2, 1, 1), a)
+        rows = launch.derived(head.narrow(1, 8, 8), head)
+        launch.launch_kernel(kernel, (1,), (head, _descriptor(head), launch.derived(b.narrow(2, 1, 1), b)), 4, 1)
+        launch.launch_kernel(kernel, (1,), (rows, b, 7), 4, 1)
+
+    first = _tensors(2)
+    recorded = replay.record(functools.partial(method, *first), first)
+    assert recorded is not None
+    kernel.direct.clear()
+    later = _tensors(2, seed=1)
+    recorded.run(later)
+    (head, desc, b_head), (rows, b, seven) = (run[9:] for run in kernel.direct)
+    element = later[0].element_size()
+    assert head == later[0].data_ptr() + 64 * element and desc.base.data_ptr() == head
+    assert b_head == later[1].data_ptr() + 64 * element and b is later[1] and seven == 7
+    assert rows == later[0].data_ptr() + (64 + 8 * 2 * 64) * element
+    assert (head, rows) == (later[0][:, :, 1:].data_ptr(), later[0][:, 8:, 1:].data_ptr())     # torch's own offsets
+    refs = [weakref.ref(t) for t in first]
+    del first
+    kernel.direct.clear()
+    kernel.jit_launches.clear()
+    assert all(ref() is None for ref in refs)
+
+
+@needs_cuda_backend
+@pytest.mark.usefixtures("fake_driver")
+def test_a_view_declared_of_an_undeclared_view_is_not_replayed():
+    kernel = _FakeKernel([False])
+    tensors = _tensors(1)
+
+    def method(declare_source):
+        a = tensors[0]
+        source = a[:, :16]
+        if declare_source:
+            launch.derived(source, a)
+        launch.launch_kernel(kernel, (1,), (launch.derived(source.narrow(2, 1, 1), source),), 4, 1)
+
+    assert replay.record(functools.partial(method, False), tensors) is None
+    assert replay.record(functools.partial(method, True), tensors) is not None
+
+
 def test_an_argument_of_an_unknown_kind_is_not_replayed():
     """Only scalars, tuples of them, the call's tensors and descriptors over them are known to a replay: anything else
     (which might hold the recorded call's memory) leaves nothing to replay."""
@@ -157,7 +206,10 @@ GPU_CASES = [(2, 128, 4, 4, 128, True, False, False, {}),
              (1, 2048, 4, 2, 128, True, False, True, {}),
              (3, 300, 4, 2, 64, True, True, False, {}),
              (2, 256, 4, 4, 96, False, False, False, dict(alibi=True)),
-             (2, 256, 4, 4, 64, True, False, False, dict(dropout_p=0.2))]
+             (2, 256, 4, 4, 64, True, False, False, dict(dropout_p=0.2)),
+             # the warp-specialised backward in one launch per kv head (its fp32 dQ above BWD_WS_DQ_ACCUM_BYTES)
+             (1, 1024, 8, 2, 128, True, False, False, dict(launches=2)),
+             (2, 1024, 8, 2, 128, False, False, True, dict(launches=2))]
 
 
 def _step(backend, q, k, v, dout, causal, varlen, deterministic, extra, seed):
@@ -192,6 +244,10 @@ def test_replayed_calls_match_the_methods(monkeypatch, case):
     from flash_attn_ck.backends.triton import TritonBackend
     from flash_attn_ck.backends.triton import backend as triton_backend
     b, s, h, h_k, d, causal, varlen, deterministic, extra = case
+    if launches := extra.get("launches"):
+        from flash_attn_ck.backends.triton import config
+        monkeypatch.setattr(config, "BWD_WS_DQ_ACCUM_BYTES", b * s * (h // launches) * d * 4)
+        extra = {k: v for k, v in extra.items() if k != "launches"}
     runs = []
     real_run = replay.Replay.run
     monkeypatch.setattr(replay.Replay, "run", lambda self, tensors: (runs.append(1), real_run(self, tensors)))
@@ -214,7 +270,7 @@ def test_replayed_calls_match_the_methods(monkeypatch, case):
                 torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2, msg=f"call {call}: {name}")
             else:
                 assert torch.equal(x, y), f"call {call}: {name} differs by {(x.float() - y.float()).abs().max()}"
-    if s < 2048 and not extra:      # one-launch kernels (and the varlen fills): calls 2-3 replay fwd and bwd at least
+    if s < 2048 and not extra:      # calls 2-3 replay fwd and bwd at least (the ws kernels' several launches too)
         assert len(runs) >= 4, f"{len(runs)} replays"
 
 

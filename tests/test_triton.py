@@ -280,8 +280,8 @@ def test_ws_kernel_under_a_workspace_cap():
                          [(1, 2048, 4, 2, 1), (2, 1536, 2, 2, 1), (2, 2048, 4, 2, 1), (2, 2048, 2, 3, 2)])
 def test_ws_kernel_in_several_launches_matches(monkeypatch, deterministic, batch, seqlen, group, heads_k, per_launch):
     """A call whose fp32 dQ accumulator exceeds config.BWD_WS_DQ_ACCUM_BYTES runs one launch per group of kv heads,
-    a fill zeroing the accumulator for the next: every head's gradients within the 2x rule (a cast that zeroed its
-    source read back its own zeros: the first launches' dQ came out wrong), deterministic runs bit-identical, also
+    zero_kernel zeroing the accumulator for the next: every head's gradients within the 2x rule (a cast that zeroed
+    its source read back its own zeros: the first launches' dQ came out wrong), deterministic runs bit-identical, also
     when the last launch has fewer kv heads than the others (its semaphores once kept the full head stride)."""
     from flash_attn_ck.backends.triton import config
     monkeypatch.setattr(config, "BWD_WS_DQ_ACCUM_BYTES", per_launch * seqlen * batch * group * 128 * 4)
@@ -298,13 +298,17 @@ def test_ws_kernel_in_several_launches_matches(monkeypatch, deterministic, batch
 
 @pytest.mark.parametrize("rows,heads", [(64, 1), (2048, 4), (1536, 3), (4096, 8)])
 def test_the_dq_cast_copies_its_whole_source(rows, heads):
-    """bwd_postprocess.cast_rows_kernel, compiled: the output is the whole source, which is left as it was."""
+    """bwd_postprocess.cast_rows_kernel, compiled: the output is the whole source, which is left as it was; then
+    zero_kernel zeroes it and a semaphore prefix, and nothing past that."""
     from flash_attn_ck.backends.triton import launch
     src = torch.randn(2, rows, heads, 128, device="cuda")
     before = src.clone()
     dst = torch.empty(2, rows, heads, 128, device="cuda", dtype=torch.bfloat16)
     launch.cast_rows(src, dst, launch.bhr(src, False), launch.bhr(dst, False), heads, 2, rows, 128, 128).launch()
     assert torch.equal(dst, before.bfloat16()) and torch.equal(src, before)
+    sems = torch.arange(1, 2 * heads * 37 + 1, device="cuda", dtype=torch.int32)
+    launch.zero_flat(src, sems[:2 * heads * 33]).launch()     # what several launches zero between them
+    assert not src.any() and not sems[:2 * heads * 33].any() and sems[2 * heads * 33:].all()
 
 
 @pytest.mark.parametrize("head_dim", BOTH_WS_TABLES)

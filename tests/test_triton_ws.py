@@ -394,8 +394,18 @@ def test_every_deterministic_launch_gets_zeroed_semaphores_in_the_kernels_layout
                      args[0].shape[-2]))
         semaphores.fill_(7)             # what a kernel leaves behind: counts
 
+    class Zero:         # launch.zero_flat on the CPU: the buffers it is given, zeroed
+        def __init__(self, *buffers):
+            assert all(t.is_contiguous() for t in buffers)
+            self.buffers = buffers
+
+        def launch(self):
+            for t in self.buffers:
+                t.zero_()
+
     monkeypatch.setattr(TritonBackend, "_preprocess", staticmethod(lambda *a: None))
     monkeypatch.setattr(triton_backend, "_cast", lambda *a: None)
+    monkeypatch.setattr(triton_backend.launch, "zero_flat", Zero)
     monkeypatch.setattr(bwd_ws, "launch", launch)
     monkeypatch.setattr(config, "BWD_WS_DQ_ACCUM_BYTES", per_launch * batch * seqlen * group * d * 4)
     q = torch.zeros(batch, seqlen, heads_k * group, d, dtype=torch.bfloat16)

@@ -572,7 +572,8 @@ class TritonBackend(Backend):
                      dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                      workspace: dict[str, torch.Tensor]) -> None:
         """The warp-specialised backward: D (zeroing dq_accum and the semaphores), then per group of kv heads:
-        bwd_ws, the dQ cast, and a fill of dq_accum (and the semaphores) where another group follows."""
+        bwd_ws, the dQ cast, and a zeroing of dq_accum and the semaphores where another group follows. Kernel
+        launches and views only (`launch.derived`), so that the replay re-issues every group's launches."""
         from . import bwd_ws, gluon_common
         d = params.q.shape[-1]
         tile = self._ws_tile(p)
@@ -592,8 +593,6 @@ class TritonBackend(Backend):
             launch_heads = slice(0, hq.stop - hq.start)
             acc = _heads(dq_acc, -2, launch_heads)
             sem = None if sems is None else _dense_prefix(sems, (sems.shape[0], launch_heads.stop, sems.shape[2]))
-            if sem is not None and h0 > 0:
-                sem.zero_()
             lse_h, delta_h = (_heads(t, stats_heads_dim, hq) for t in (lse, delta))
             dk_h, dv_h = _heads(dk, -2, kv), _heads(dv, -2, kv)
             bwd_ws.launch(_heads(q, -2, hq), _heads(k, -2, kv), _heads(v, -2, kv), _heads(dout, -2, hq), lse_h, delta_h,
@@ -603,8 +602,8 @@ class TritonBackend(Backend):
             dq_h = _heads(dq, -2, hq)
             _cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                   p.rows_q // batch, d)
-            if kv.stop < p.heads_k:     # the next launch adds into it
-                acc.zero_()
+            if kv.stop < p.heads_k:     # the next launch adds into the accumulator and counts in the semaphores
+                launch.zero_flat(*(t for t in (acc, sems) if t is not None)).launch()
 
 
 def _heads(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:
@@ -612,7 +611,7 @@ def _heads(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:
     call), since even a view that changes nothing costs about a microsecond of host time."""
     if heads.start == 0 and heads.stop == t.shape[dim]:
         return t
-    return t.narrow(dim, heads.start, heads.stop - heads.start)
+    return launch.derived(t.narrow(dim, heads.start, heads.stop - heads.start), t)
 
 
 def _dense_prefix(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -620,7 +619,7 @@ def _dense_prefix(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     semaphores densely by the launch's own head count, so a launch with fewer heads than the buffer was sized for
     needs this layout (a narrowed view would keep the full head stride, and its zeroing would miss what the kernel
     reads: stale counts from the previous launch, and a dQ add that waits forever)."""
-    return t if t.shape == shape else t.view(-1)[:math.prod(shape)].view(shape)
+    return t if t.shape == shape else launch.derived(t.view(-1)[:math.prod(shape)].view(shape), t)
 
 
 def _cast(src: torch.Tensor, dst: torch.Tensor, src_bhr, dst_bhr, heads: int, batch: int, rows: int, d: int) -> None:

@@ -5,11 +5,16 @@ Used for dK/dV of the GQA accumulator epilogue (`(b, h_k, s_k, d)` or varlen `(h
 out like q). Grid: (row blocks, heads, batch); rows are sequence positions (varlen: packed rows,
 with batch = 1 and zero batch strides). Strides are (batch, head, row) tuples (launch.cast_rows).
 It never writes its source: a zeroing store in the same kernel let the compiled code read back zeros (Triton
-may re-issue a load next to a later use), so the accumulator reused by the next launch is zeroed by a fill.
+may re-issue a load next to a later use), so the accumulator reused by the next launch is zeroed by `zero_kernel`
+(with the deterministic mode's semaphores): one launch, which a replay can re-issue where a torch fill could not.
 """
 
 import triton
 import triton.language as tl
+
+from .bwd_preprocess import zero_share
+
+ZERO_BLOCK = 1024
 
 
 @triton.jit
@@ -24,3 +29,12 @@ def cast_rows_kernel(Src, Dst, stride_src, stride_dst, n_rows, head_dim, BLOCK_R
     x = tl.load(src, mask=mask)
     tl.store(Dst + b * stride_dst[0] + h * stride_dst[1] + r64 * stride_dst[2] + cols[None, :],
              x.to(Dst.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def zero_kernel(buffers, numels, ZERO_BLOCK: tl.constexpr, COUNT: tl.constexpr):
+    """Zero COUNT flat buffers, each program its share of each (launch.zero_flat)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for i in tl.static_range(COUNT):
+        zero_share(buffers[i], numels[i], pid, nprog, ZERO_BLOCK)

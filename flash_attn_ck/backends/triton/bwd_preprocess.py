@@ -14,7 +14,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _zero_share(ptr, numel, pid, nprog, ZERO_BLOCK: tl.constexpr):
+def zero_share(ptr, numel, pid, nprog, ZERO_BLOCK: tl.constexpr):
     """Zero elements [pid * share, (pid + 1) * share) of a flat buffer, share = ceil(numel / nprog)."""
     share = tl.cdiv(tl.cdiv(numel, nprog), ZERO_BLOCK) * ZERO_BLOCK
     start = pid.to(tl.int64) * share
@@ -33,7 +33,7 @@ def bwd_preprocess_kernel(
     # ---- accumulators and semaphores ----
     for i in tl.static_range(len(ZERO)):
         if ZERO[i]:
-            _zero_share(zero_ptrs[i], zero_numels[i], pid, nprog, ZERO_BLOCK)
+            zero_share(zero_ptrs[i], zero_numels[i], pid, nprog, ZERO_BLOCK)
 
     # ---- D = rowsum(dO * O) ----
     bh = tl.program_id(1)

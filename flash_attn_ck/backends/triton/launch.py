@@ -241,9 +241,20 @@ class _Kernel:
         self.compiled: dict[tuple, Any] = {}
 
 
-# While a backend method is recorded for replay (replay.py), on this thread: the list its launches are appended to,
-# `(compiled kernel, grid, args)`, or None for a launch that cannot be replayed.
+# While a backend method is recorded for replay (replay.py), on this thread: `launches`, the list its launches are
+# appended to, `(compiled kernel, grid, args)`, or None for a launch that cannot be replayed; `views`, the views it made
+# of its tensors (`derived`).
 _RECORDING = threading.local()
+
+
+def derived(view: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """`view`, a view the caller made of `source` (a slice of its heads, a prefix) whose offset, shape and strides
+    follow from `source`'s layout alone; while a replay is recorded it is noted, so that a replay re-issues the launch
+    at the same offset of the later call's tensor in `source`'s role (replay.py)."""
+    views = getattr(_RECORDING, "views", None)
+    if views is not None:
+        views[id(view)] = (view, source)
+    return view
 
 # id(kernel) -> _Kernel (which holds the kernel, so the id is not reused); an int hashes in C, while a JITFunction
 # hashes in Python under a lock
@@ -390,6 +401,16 @@ def cast_rows(src, dst, src_bhr, dst_bhr, heads: int, batch: int, rows: int, blo
     return LaunchSpec(cast_rows_kernel, (-(-rows // 64), heads, batch), dict(
         Src=src, Dst=dst, stride_src=tuple(src_bhr), stride_dst=tuple(dst_bhr), n_rows=rows, head_dim=head_dim,
         BLOCK_R=64, BLOCK_D=block_d), 4, 1)
+
+
+def zero_flat(*buffers: torch.Tensor) -> LaunchSpec:
+    """Zero contiguous `buffers` in one launch (bwd_postprocess.zero_kernel): a kernel, not a torch fill, so that a
+    replay can re-issue it."""
+    from .bwd_postprocess import ZERO_BLOCK, zero_kernel
+    assert all(t.is_contiguous() for t in buffers), "zero_flat zeroes whole contiguous buffers"
+    programs = max(1, min(65535, -(-max(t.numel() for t in buffers) // (16 * ZERO_BLOCK))))
+    return LaunchSpec(zero_kernel, (programs,), dict(
+        buffers=buffers, numels=tuple(t.numel() for t in buffers), ZERO_BLOCK=ZERO_BLOCK, COUNT=len(buffers)), 4, 1)
 
 
 def fill_outside(fills: tuple[tuple[torch.Tensor, torch.Tensor, int, float], ...]) -> LaunchSpec | None:

@@ -8,12 +8,15 @@ except which tensors it reads and writes. So the first call of a (backend, metho
 method as always while recording what it launches (`record`), and later calls re-issue those launches through
 the compiled kernels' launchers with their own tensors in the same roles (`Replay.run`).
 
-Recording keeps a replay only when the method did nothing but launch compiled kernels whose every tensor, direct,
-inside an argument tuple or under a TMA descriptor, is one of the call's tensors: any torch operation during the
-method (an allocation, a copy, a view, a fill: seen by a dispatch mode), a launch through Triton's own path
-(a profiler hook, the interpreter) or a tensor the method made itself leaves nothing to replay, and every call
-of that layout runs the method. A replay launches on the current stream of the current device, which its key
-holds.
+Recording keeps a replay only when the method did nothing but make views and launch compiled kernels whose every
+tensor, direct, inside an argument tuple or under a TMA descriptor, is one of the call's tensors or a view of one
+that the method declared (`launch.derived`: a slice of heads, a prefix, whose offset follows from the layout): any
+other torch operation during the method (an allocation, a copy, a fill: seen by a dispatch mode), a launch through
+Triton's own path (a profiler hook, the interpreter) or a tensor the method made itself, an undeclared view
+included, leaves nothing to replay, and every call of that layout runs the method. A declared view is re-issued as
+an address, the later call's tensor in its source's role plus the recorded byte offset: its shape and strides are
+fixed by the layout, and the kernels take those as recorded constants. A replay launches on the current stream of
+the current device, which its key holds.
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ from . import launch
 
 
 class _AnyOperation(TorchDispatchMode):
-    """Notes whether any torch operation ran (on any tensor) while it was active."""
+    """Notes whether any torch operation other than a view ran (on any tensor) while it was active: views read no
+    memory and write none; one that reaches a kernel must have been declared (`_Args.of` checks)."""
 
     def __init__(self):
         super().__init__()
         self.seen = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen = True
+        if not func.is_view:
+            self.seen = True
         return func(*args, **(kwargs or {}))
 
 
@@ -57,18 +62,22 @@ def record(method, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
     """Run `method()` (whose launches read and write `tensors`) and return its replay, or None when it cannot be
     replayed (module docstring)."""
     launch._RECORDING.launches = launches = []
+    launch._RECORDING.views = views = {}
     watch = _AnyOperation()
     try:
         with watch:
             method()
     finally:
-        launch._RECORDING.launches = None
+        launch._RECORDING.launches = launch._RECORDING.views = None
     if watch.seen or any(x is None for x in launches):
         return None
-    roles: dict[int, int] = {}
+    roles: dict[int, int | tuple[int, int]] = {}
     for role, t in enumerate(tensors):
         if t is not None:
             roles.setdefault(id(t), role)     # a tensor in several roles: its first (the key holds which roles share)
+    for key, (view, source) in views.items():
+        if key not in roles:
+            roles[key] = _view_role(view, source, roles, views)
     try:
         return Replay(tuple(_Launch.of(compiled, grid, args, roles) for compiled, grid, args in launches))
     except _NotReplayable:
@@ -153,11 +162,11 @@ class _Args:
             return self.template
         args = list(self.template)
         for position, role in self.tensors:
-            args[position] = tensors[role]
+            args[position] = _at(tensors, role)
         for position, inner in self.nested:
             args[position] = inner.fill(tensors)
         for position, role in self.descriptors:
-            args[position] = _with_base(args[position], tensors[role])
+            args[position] = _with_base(args[position], _at(tensors, role))
         return self.make(args)
 
 
@@ -169,11 +178,40 @@ def _with_base(descriptor, base):
     return copy
 
 
-def _role(t: torch.Tensor, roles: dict[int, int]) -> int:
+def _role(t: torch.Tensor, roles: dict) -> int | tuple[int, int]:
+    """A call's tensor's role, or `(role, byte offset)` of a declared view of one."""
     role = roles.get(id(t))
     if role is None:
         raise _NotReplayable       # a tensor the method made itself
     return role
+
+
+def _view_role(view: torch.Tensor, source: torch.Tensor, roles: dict, views: dict) -> tuple[int, int] | None:
+    """`(role, byte offset)` of a declared view whose source is a call's tensor or, in turn, a declared view of one;
+    None (a tensor of the method's own, in `_role`'s eyes: not replayable if a kernel reads it) otherwise."""
+    role = roles.get(id(source))
+    if role is None and id(source) in views:
+        role = _view_role(source, views[id(source)][1], roles, views)
+    if role is None:
+        return None
+    base, offset = (role, 0) if isinstance(role, int) else role
+    return base, offset + view.data_ptr() - source.data_ptr()
+
+
+class _Address(int):
+    """A device address where a tensor stood: Triton's launcher takes an int for a pointer argument and reads a
+    descriptor's base through `data_ptr()`."""
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+def _at(tensors, role: int | tuple[int, int]):
+    """What a replay passes for a recorded role: the call's tensor, or the address of a declared view of it."""
+    if isinstance(role, int):
+        return tensors[role]
+    base, offset = role
+    return _Address(tensors[base].data_ptr() + offset)
 
 
 @dataclass(frozen=True)
