@@ -58,15 +58,13 @@ def test_ws_runs_where_it_measured_faster(sm90):
 @given(head_dim=st.sampled_from([32, *tile_head_dims(config.BWD_WS_SM90)]), causal=st.booleans(),
        group=st.sampled_from([1, 2, 4, 8]), seqlen=st.integers(1, 3 * max(config.BWD_WS_MIN_SEQLEN.values())))
 def test_the_default_runs_it_exactly_where_measured(head_dim, causal, group, seqlen):
-    """Property: with the default options the backward runs bwd_ws on a supported call exactly when its head dim is
-    in BWD_WS_DEFAULT_HEAD_DIMS and its longest sequence reaches its head block's BWD_WS_MIN_SEQLEN (and, with
-    GQA, BWD_WS_GQA_MIN_SEQLEN); a shorter one is told why."""
+    """Property: with the default options the backward runs bwd_ws on a supported call (MHA or GQA) exactly when its
+    head dim is in BWD_WS_DEFAULT_HEAD_DIMS and its longest sequence reaches its head block's BWD_WS_MIN_SEQLEN; a
+    shorter one is told why."""
     with pretend_capability():
         reasons = TritonBackend().ws_reasons(problem(head_dim=head_dim, causal=causal, heads=(8 * group, 8),
                                                      seqlen=seqlen))
     shortest = config.BWD_WS_MIN_SEQLEN.get(config.head_block(head_dim), 0)
-    if group > 1:
-        shortest = max(shortest, config.BWD_WS_GQA_MIN_SEQLEN)
     measured = head_dim in config.BWD_WS_DEFAULT_HEAD_DIMS
     assert (not reasons) == (measured and seqlen >= shortest), reasons
     if measured and seqlen < shortest:

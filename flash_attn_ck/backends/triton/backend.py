@@ -243,7 +243,7 @@ class TritonBackend(Backend):
         elif setting is None and d not in rule.default_head_dims:
             reasons.append(f"head dim {d}: {rule.slower_head_dim}")
         if setting is None and d in rule.default_head_dims \
-                and max(p.seqlen_q, p.seqlen_k) < (shortest := rule.min_seqlen(d, p.group_size)):
+                and max(p.seqlen_q, p.seqlen_k) < (shortest := rule.min_seqlen[config.head_block(d)]):
             reasons.append(f"sequences shorter than {shortest}: {rule.shorter}")
         if p.dropout_p > 0:
             reasons.append("dropout")

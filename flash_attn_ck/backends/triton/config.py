@@ -87,7 +87,7 @@ class GluonRule:
     tiles: dict
     tile: Callable          # (head_dim, causal, group_size) -> the call's tile, None where the table has none
     default_head_dims: frozenset
-    min_seqlen: Callable    # (head_dim, group_size) -> the shortest longest-sequence from which the default runs it
+    min_seqlen: dict        # head_block -> the shortest longest-sequence from which the default runs it
     slower_head_dim: str    # why a head dim with tiles but outside default_head_dims keeps the other kernel
     shorter: str            # why sequences shorter than min_seqlen do
     positive_scale: bool = False
@@ -150,19 +150,12 @@ def bwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1, deterministic:
 
 
 # Where it measured faster than the one-launch kernel (same section, "Short sequences"): these head dims, from
-# these longest-sequence lengths per head block; GQA (group >= 2) from its own length.
+# these longest-sequence lengths per head block (GQA included, since its several launches replay).
 BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, *range(136, 257, 8)})
 BWD_WS_MIN_SEQLEN = {64: 1024, 128: 512, 256: 512}
-BWD_WS_GQA_MIN_SEQLEN = 1024
 
 
-def bwd_ws_min_seqlen(head_dim: int, group_size: int) -> int:
-    """The shortest longest-sequence from which the default backward runs the warp-specialised kernel."""
-    mha = BWD_WS_MIN_SEQLEN[head_block(head_dim)]
-    return mha if group_size == 1 else max(mha, BWD_WS_GQA_MIN_SEQLEN)
-
-
-BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, bwd_ws_tile, BWD_WS_DEFAULT_HEAD_DIMS, bwd_ws_min_seqlen,
+BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, bwd_ws_tile, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
                         slower_head_dim="the one-launch kernel measured faster",
                         shorter="the one-launch kernel measured faster")
 # One launch's fp32 dQ accumulator; kv-head groups run in turn below it: docs/triton.md §Missing / next.
@@ -226,11 +219,6 @@ FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
 
 
-def fwd_ws_min_seqlen(head_dim: int, group_size: int) -> int:
-    """The shortest longest-sequence from which the default forward runs the warp-specialised kernel."""
-    return FWD_WS_MIN_SEQLEN[head_block(head_dim)]
-
-
 
 def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile | None:
     """The warp-specialised forward's tile for a call (None: no tile for the head dim; GQA runs the MHA tile)."""
@@ -239,7 +227,7 @@ def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile |
 
 
 # The running max is taken on raw scores, so the softmax scale must be positive.
-FWD_WS_RULE = GluonRule("fwd_ws", FWD_WS_SM90, fwd_ws_tile, FWD_WS_DEFAULT_HEAD_DIMS, fwd_ws_min_seqlen,
+FWD_WS_RULE = GluonRule("fwd_ws", FWD_WS_SM90, fwd_ws_tile, FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_MIN_SEQLEN,
                         slower_head_dim="not measured faster than the previous forward (TritonBackend(fwd_ws=True) "
                                         "runs it)",
                         shorter="not measured faster there (TritonBackend(fwd_ws=True) runs it)",
