@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._C import _len_torch_dispatch_stack
 
 from .backends.base import Backend
 from .backends.registry import backend_from_key, backend_key
@@ -224,8 +224,9 @@ def _direct(q) -> bool:
     arguments and call the same Python function (0.14 ms of host time per backward on the H200
     host, `launch_overhead.py --breakdown`), and the backward can reuse the forward's validated
     problem. Everywhere else the ops run, so graphs, fakes and modes see one opaque op per direction."""
-    # is_compiling() first: dynamo folds it to True and never traces the mode query.
-    return not torch.compiler.is_compiling() and type(q) is torch.Tensor and _get_current_dispatch_mode() is None
+    # is_compiling() first: dynamo folds it to True and never traces the mode query (the dispatch mode stack's
+    # depth: what torch.utils._python_dispatch._get_current_dispatch_mode reads, without its Python wrapper).
+    return not torch.compiler.is_compiling() and type(q) is torch.Tensor and not _len_torch_dispatch_stack()
 
 
 class _Attention(torch.autograd.Function):
@@ -249,7 +250,10 @@ class _Attention(torch.autograd.Function):
             ctx.prepared = None
         # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
         # non-differentiable instead of having their gradients silently dropped.
-        ctx.mark_non_differentiable(*(t for t in (lse, rng_state, probs) if t is not None))
+        if rng_state is None and probs is None:     # the common eager call: no dropout, no probabilities
+            ctx.mark_non_differentiable(lse)
+        else:
+            ctx.mark_non_differentiable(*(t for t in (lse, rng_state, probs) if t is not None))
         # Nothing flows back into lse/rng_state/probs: without this, autograd would allocate and zero
         # an lse-sized gradient (one more fill kernel) on every backward.
         ctx.set_materialize_grads(False)
@@ -273,14 +277,15 @@ class _Attention(torch.autograd.Function):
                 and seqused_k is options.seqused_k and alibi_slopes is options.alibi_slopes):
             options = options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                               seqused_k=seqused_k, alibi_slopes=alibi_slopes)
-        if ctx.prepared is not None and _direct(q) and not torch.is_grad_enabled():   # create_graph: the op
+        create_graph = torch.is_grad_enabled()
+        if ctx.prepared is not None and not create_graph and _direct(q):      # create_graph: the op
             rng = rng_state if rng_state is not None and rng_state.numel() else None
             dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, rng,
                                                prepared=ctx.prepared)
         else:
             dq, dk, dv, _ = _bwd_op(dout, q, k, v, out, lse, *_flatten(options, _COMMON), rng_state,
                                     *_flatten(options, _BWD_TAIL[:1]))
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if create_graph and not torch.compiler.is_compiling():
             # create_graph=True: the gradients are not differentiable (flash-attn's backward is not either).
             # Rather than returning dq/dk/dv without a graph (a silent zero second-order term), they carry a
             # node that raises when anything differentiates through them.
