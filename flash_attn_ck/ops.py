@@ -125,13 +125,6 @@ def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
 
 # ---- forward -------------------------------------------------------------------------------------
 
-def _forward(q, k, v, options: AttentionOptions, rng_state=None, out=None, prepared: PreparedCall | None = None):
-    """(out, lse, rng_state, probs, the call's PreparedCall for the Function's direct backward); rng_state and
-    probs None where the call has none (the ops' schemas return empty placeholders instead: `_op_results`).
-    `out`: the caller's; `prepared`: the call's memoised preparation (`prepared`), where the caller has it."""
-    return attention_forward(q, k, v, options, rng_state, out, prepared)
-
-
 def _op_results(out, lse, rng_state, probs) -> tuple[torch.Tensor, ...]:
     """A forward op's four tensors: an absent rng_state or probs as an empty placeholder (probs keeping the dtype a
     present one has, fp32/fp64 like lse, so the fake matches). Only the ops allocate them: a direct call passes None."""
@@ -140,7 +133,7 @@ def _op_results(out, lse, rng_state, probs) -> tuple[torch.Tensor, ...]:
 
 
 def _fwd(q, k, v, *options, rng_state=None):
-    return _op_results(*_forward(q, k, v, _unflatten(options, _FWD), rng_state)[:4])
+    return _op_results(*attention_forward(q, k, v, _unflatten(options, _FWD), rng_state)[:4])
 
 
 # The kernels run under no_grad: the Autograd fallthrough does not exclude autograd from the ops they call.
@@ -148,7 +141,7 @@ torch.library.impl("flash_attn_ck::fwd", "CompositeExplicitAutograd", torch.no_g
 
 
 def _fwd_out(q, k, v, out, *options, rng_state=None):
-    return _op_results(*_forward(q, k, v, _unflatten(options, _FWD), rng_state, out)[:4])[1:]
+    return _op_results(*attention_forward(q, k, v, _unflatten(options, _FWD), rng_state, out)[:4])[1:]
 
 
 torch.library.impl("flash_attn_ck::fwd_out", "CompositeExplicitAutograd", torch.no_grad()(_fwd_out))
@@ -243,7 +236,8 @@ class _Attention(torch.autograd.Function):
         # `_direct`) the options whole and the call's PreparedCall or None, else flattened
         if type(flat[0]) is AttentionOptions:      # Function.forward runs under no_grad already
             options = flat[0]
-            out, lse, rng_state, probs, ctx.prepared = _forward(q, k, v, options, given_rng_state, None, flat[1])
+            out, lse, rng_state, probs, ctx.prepared = attention_forward(q, k, v, options, given_rng_state, None,
+                                                                         flat[1])
         else:
             options = _unflatten(flat, _FWD, checked=True)
             out, lse, rng_state, probs = _fwd_op(q, k, v, *flat, rng_state=given_rng_state)
@@ -340,7 +334,7 @@ def attention(q, k, v, options: AttentionOptions, rng_state=None, call: Prepared
     if call is not None or _direct(q):
         _check_backend(options)
         if not torch.is_grad_enabled():    # nothing to differentiate: the Function would add only its cost
-            return _forward(q, k, v, options, rng_state, None, call)[:4]
+            return attention_forward(q, k, v, options, rng_state, None, call)[:4]
         return _Attention.apply(q, k, v, rng_state, options, call)
     # Dynamo cannot trace a Function given one tensor twice (self-attention on one tensor, shared
     # cu_seqlens): repeats become views, which change nothing else (gradients flow through them).
@@ -356,7 +350,7 @@ def attention_into(q, k, v, out, options: AttentionOptions, rng_state=None, call
     if call is not None or _direct(q):
         _check_backend(options)
         with torch.no_grad():       # as the op's implementation: `out` never records a graph
-            return _forward(q, k, v, options, rng_state, out, call)[1:4]
+            return attention_forward(q, k, v, options, rng_state, out, call)[1:4]
     return _fwd_out_op(q, k, v, out, *_flatten(options, _FWD), rng_state=rng_state)
 
 

@@ -175,6 +175,97 @@ def test_each_signature_field_changed_alone_misses(counted, varlen, field, b, s,
     assert problem == _fresh(variant)
 
 
+def _change_tensor_option(call: dict, field: str) -> dict:
+    """`call` (varlen) with exactly one field of its tensor options or their bounds changed: the part of the
+    signature that follows q, k, v and the scalar options (core.inputs.call_signature)."""
+    c = dict(call, options=dict(call["options"]))
+    o, heads = c["options"], call["q"].shape[-2]
+    batch = o["cu_seqlens_q"].numel() - 1
+    lengths_k = o["cu_seqlens_k"].diff()
+    if field == "cu_seqlens_k_stride":
+        o["cu_seqlens_k"] = torch.stack([o["cu_seqlens_k"]] * 2, dim=1)[:, 0]
+    elif field == "cu_seqlens_q_dtype":
+        o["cu_seqlens_q"] = o["cu_seqlens_q"].long()
+    elif field == "seqused_k":
+        o["seqused_k"] = lengths_k.to(torch.int32)
+    elif field == "alibi_per_batch":      # with (h,) slopes in the base call: (b, h) ones instead
+        o["alibi_slopes"] = o["alibi_slopes"].expand(batch, heads).contiguous()
+    elif field == "alibi_absent":
+        del o["alibi_slopes"]
+    elif field == "max_seqlen_k":
+        o["max_seqlen_k"] = o["max_seqlen_k"] + 1
+    elif field == "out_dtype":
+        o["out_dtype"] = torch.float32
+        c["q"], c["k"], c["v"] = (t.to(torch.bfloat16) for t in (c["q"], c["k"], c["v"]))
+        c["base_dtype"] = torch.bfloat16
+    else:
+        raise AssertionError(field)
+    return c
+
+
+TENSOR_OPTION_FIELDS = ("cu_seqlens_k_stride", "cu_seqlens_q_dtype", "seqused_k", "alibi_per_batch", "alibi_absent",
+                        "max_seqlen_k", "out_dtype")
+
+
+@pytest.mark.parametrize("field", TENSOR_OPTION_FIELDS)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(s=st.integers(2, 9), h=st.sampled_from([2, 4]), d=st.sampled_from([8, 16]))
+def test_each_tensor_option_changed_alone_misses(counted, field, s, h, d):
+    """The signature's tail (the tensor options, present only where some is given, and their bounds): after a varlen
+    call with ALiBi slopes is memoised, the same call with one of them changed alone misses, and gets what a fresh
+    description gives; `out_dtype` is compared on bf16 inputs, with and without it."""
+    prepare.CALLS.clear()
+    base = _varlen_base(s, h, d)
+    base["options"]["alibi_slopes"] = torch.rand(h)
+    variant = _change_tensor_option(base, field)
+    if "base_dtype" in variant:       # out_dtype is checked against q's dtype: the base call has q's dtype too
+        base = dict(base, **{name: variant[name] for name in ("q", "k", "v")})
+        del variant["base_dtype"]
+    problem, _ = _prepared(base)
+    assert problem == _fresh(base)
+    assert not _prepared(base)[1], "the same signature missed"
+    problem, missed = _prepared(variant)
+    assert missed, f"{field} changed alone hit the memo of another signature"
+    assert problem == _fresh(variant)
+
+
+_UNDIFFERENTIABLE = (("out", True, None, "out: the forward into a given out is not differentiable"),
+                     ("out_dtype", False, torch.float32, "out_dtype: results in float32, not q's dtype, are not "
+                                                         "differentiable"),
+                     ("both", True, torch.float32, "out_dtype: results in float32, not q's dtype, are not "
+                                                   "differentiable"))
+
+
+@pytest.mark.parametrize("given_out, out_dtype, message, grad_of", [
+    pytest.param(given_out, out_dtype, message, grad_of, id=f"{what}-{grad_of}")
+    for what, given_out, out_dtype, message in _UNDIFFERENTIABLE
+    for grad_of in ("q", "alibi_slopes", "out") if given_out or grad_of != "out"])     # out requires grad if given
+def test_a_memo_hit_still_refuses_an_undifferentiable_call(counted, given_out, out_dtype, message, grad_of):
+    """The API asks whether anything requires grad only where a call could not be differentiated (a given out, an
+    out_dtype other than q's): after the same call without grad is memoised, each such call with grad still raises
+    the same error (out_dtype's first), before the caller's out is written."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    slopes = torch.rand(2)
+    out = torch.full_like(q, 7.0, dtype=out_dtype or q.dtype) if given_out else None
+    {"q": q, "alibi_slopes": slopes, "out": out}[grad_of].requires_grad_(True)
+    messages = []
+    for memoised in (True, False):
+        prepare.CALLS.clear()
+        if memoised:
+            with torch.no_grad():
+                fa.flash_attn_fwd(q, k, v, alibi_slopes=slopes, out_dtype=out_dtype, out=out)
+            if out is not None:
+                out.detach().fill_(7.0)
+            assert len(prepare.CALLS.entries) == 1
+        with pytest.raises(ArgumentError) as error:
+            fa.flash_attn_fwd(q, k, v, alibi_slopes=slopes, out_dtype=out_dtype, out=out)
+        if out is not None:
+            assert (out == 7.0).all(), "a failing call wrote its out"
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] and messages[0].startswith(message), messages
+
+
 def test_values_are_checked_on_every_call(counted):
     """cu_seqlens offsets are values, not signature: bad ones (same shape, dtype, device) after good ones raise."""
     q, k, v = (torch.randn(12, 2, 16) for _ in range(3))
