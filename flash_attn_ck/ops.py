@@ -120,7 +120,7 @@ def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
     """A backward op's options (the common ones, then rng_state, then _BWD_TAIL) and its rng_state."""
     common, rng_state, tail = args[:len(_COMMON) + 1], args[len(_COMMON) + 1], args[len(_COMMON) + 2:]
     options = _unflatten(common + tail, _COMMON + _BWD_TAIL)
-    return options, rng_state if rng_state is not None and rng_state.numel() else None
+    return options, _drawn(rng_state)
 
 
 # ---- forward -------------------------------------------------------------------------------------
@@ -208,6 +208,7 @@ def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
 _fwd_op = torch.ops.flash_attn_ck.fwd.default
 _fwd_out_op = torch.ops.flash_attn_ck.fwd_out.default
 _bwd_op = torch.ops.flash_attn_ck.bwd.default
+_bwd_out_op = torch.ops.flash_attn_ck.bwd_out.default
 
 
 def _direct(q) -> bool:
@@ -273,8 +274,7 @@ class _Attention(torch.autograd.Function):
                                               seqused_k=seqused_k, alibi_slopes=alibi_slopes)
         create_graph = torch.is_grad_enabled()
         if ctx.prepared is not None and not create_graph and _direct(q):      # create_graph: the op
-            rng = rng_state if rng_state is not None and rng_state.numel() else None
-            dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, rng,
+            dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, _drawn(rng_state),
                                                prepared=ctx.prepared)
         else:
             dq, dk, dv, _ = _bwd_op(dout, q, k, v, out, lse, *_flatten(options, _COMMON), rng_state,
@@ -308,15 +308,36 @@ def _not_twice_differentiable(grads, sources):
 
 
 def backward(dout, q, k, v, out, softmax_lse, options: AttentionOptions, rng_state):
-    """The `bwd` op -> `(dq, dk, dv, softmax_d)`."""
+    """The `bwd` op -> `(dq, dk, dv, softmax_d)`; eagerly (`_direct_backward`) its implementation itself."""
+    if _direct_backward(dout, q, k, v, out, softmax_lse):
+        _check_backend(options)
+        with torch.no_grad():       # as the op's implementation runs
+            return attention_backward(dout, q, k, v, out, softmax_lse, None, None, None, options,
+                                      _drawn(rng_state))
     return _bwd_op(dout, q, k, v, out, softmax_lse, *_flatten(options, _COMMON), rng_state,
                    *_flatten(options, _BWD_TAIL))
 
 
 def backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options: AttentionOptions, rng_state):
-    """The `bwd_out` op: writes dq/dk/dv, returns softmax_d."""
-    return torch.ops.flash_attn_ck.bwd_out(dout, q, k, v, out, softmax_lse, dq, dk, dv, *_flatten(options, _COMMON),
-                                           rng_state, *_flatten(options, _BWD_TAIL))
+    """The `bwd_out` op: writes dq/dk/dv, returns softmax_d; eagerly (`_direct_backward`) its implementation itself."""
+    if _direct_backward(dout, q, k, v, out, softmax_lse):
+        _check_backend(options)
+        with torch.no_grad():
+            return attention_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, options, _drawn(rng_state))[3]
+    return _bwd_out_op(dout, q, k, v, out, softmax_lse, dq, dk, dv, *_flatten(options, _COMMON), rng_state,
+                       *_flatten(options, _BWD_TAIL))
+
+
+def _direct_backward(dout, q, k, v, out, softmax_lse) -> bool:
+    """Whether `backward`/`backward_into` may run the ops' implementation directly, as `_direct` says for the
+    forward, with every operand a plain tensor: the dispatcher would box ~25 arguments, and the implementation
+    rebuild and re-check the options the API has just built (~28 µs of a CPU backward's ~43, docs/host-path.md)."""
+    return _direct(q) and type(dout) is type(k) is type(v) is type(out) is type(softmax_lse) is torch.Tensor
+
+
+def _drawn(rng_state: torch.Tensor | None) -> torch.Tensor | None:
+    """A backward op's rng_state as the pipeline takes it: an empty one (the forward drew none) as None."""
+    return rng_state if rng_state is not None and rng_state.numel() else None
 
 
 def prepared(q, k, v, options: AttentionOptions) -> PreparedCall | None:
@@ -355,7 +376,7 @@ def attention_into(q, k, v, out, options: AttentionOptions, rng_state=None, call
 
 
 def _check_backend(options: AttentionOptions) -> None:
-    """The direct path's stand-in for the flattening's check of `backend` (it names `backend`)."""
+    """The direct paths' stand-in for the flattening's check of `backend` (it names `backend`)."""
     if not (options.backend is None or isinstance(options.backend, (str, Backend))):
         backend_key(options.backend)
 
