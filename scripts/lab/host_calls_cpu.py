@@ -36,8 +36,9 @@ B, S, H, D = 1, 16, 2, 16
 def rows_of(varlen: bool, backend) -> dict[str, tuple[bool, object]]:
     """Row name -> (under no_grad, the call)."""
     q, k, v, offsets = inputs(B, S, H, D, varlen, torch.device("cpu"), torch.float32)
-    extra = dict(cu_seqlens_q=offsets["cu"], cu_seqlens_k=offsets["cu"], max_seqlen_q=S, max_seqlen_k=S) \
-        if varlen else {}
+    extra = (
+        dict(cu_seqlens_q=offsets["cu"], cu_seqlens_k=offsets["cu"], max_seqlen_q=S, max_seqlen_k=S) if varlen else {}
+    )
 
     def forward():
         if varlen:
@@ -53,17 +54,25 @@ def rows_of(varlen: bool, backend) -> dict[str, tuple[bool, object]]:
         "flash_attn_func, no grad": (True, forward),
         "flash_attn_func, recording autograd": (False, forward),
         "forward + autograd.grad": (False, lambda: torch.autograd.grad(forward(), (q, k, v), dout)),
-        "flash_attn_bwd (low-level, validating)": (True, lambda: fa.flash_attn_bwd(
-            dout, q, k, v, out, lse, causal=True, backend=backend, **extra)),
+        "flash_attn_bwd (low-level, validating)": (
+            True,
+            lambda: fa.flash_attn_bwd(dout, q, k, v, out, lse, causal=True, backend=backend, **extra),
+        ),
         "  AttentionOptions(...)": (True, lambda: AttentionOptions(causal=True, backend=backend, **extra)),
         "  ops.attention, no grad": (True, lambda: ops.attention(q, k, v, options)),
-        "  attention_forward (its PreparedCall)": (True, lambda: attention_forward(q, k, v, options, None, None,
-                                                                                     prepared)),
+        "  attention_forward (its PreparedCall)": (
+            True,
+            lambda: attention_forward(q, k, v, options, None, None, prepared),
+        ),
         "  ops.attention, recording (the Function)": (False, lambda: ops.attention(q, k, v, options)),
-        "  autograd.grad (the Function's backward)": (False, lambda: torch.autograd.grad(
-            recorded_out, (q, k, v), dout, retain_graph=True)),
-        "  attention_backward (its PreparedCall)": (True, lambda: attention_backward(
-            dout, q, k, v, out, lse, None, None, None, options, None, prepared=prepared)),
+        "  autograd.grad (the Function's backward)": (
+            False,
+            lambda: torch.autograd.grad(recorded_out, (q, k, v), dout, retain_graph=True),
+        ),
+        "  attention_backward (its PreparedCall)": (
+            True,
+            lambda: attention_backward(dout, q, k, v, out, lse, None, None, None, options, None, prepared=prepared),
+        ),
     }
 
 
@@ -76,8 +85,11 @@ def main() -> None:
     backend = null_backend("reference")
     best: dict[tuple[str, str], float] = {}
     with fa.use_backend(backend):
-        rows = {(name, layout): row for layout in ("dense", "varlen")
-                for name, row in rows_of(layout == "varlen", backend).items()}
+        rows = {
+            (name, layout): row
+            for layout in ("dense", "varlen")
+            for name, row in rows_of(layout == "varlen", backend).items()
+        }
         for _ in range(args.rounds):
             for key, (no_grad, call) in rows.items():
                 with torch.no_grad() if no_grad else contextlib.nullcontext():
