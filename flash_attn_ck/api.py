@@ -97,22 +97,25 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         operands = (("q", q),)
     if out is not None:
         check_tensor("out", out)
-    check_real_devices((*operands, ("rng_state", rng_state), ("out", out)))
+    if len(operands) > 1 or out is not None or rng_state is not None:    # else a hit has decided every device
+        check_real_devices((*operands, ("rng_state", rng_state), ("out", out)))
     if rng_state is not None:
         check_rng_state(rng_state, q.device)
-    differentiated = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                     for t in (q, k, v, out, options.alibi_slopes))
-    if differentiated and out_dtype not in (None, q.dtype):
-        raise ArgumentError(f"out_dtype: results in {str(out_dtype).removeprefix('torch.')}, not q's dtype, are not "
-                            "differentiable, and q, k, v, alibi_slopes or out requires grad; call it under "
-                            "torch.no_grad(), or without out_dtype")
-    if out is None:
-        out, lse, rng_state, probs = ops.attention(q, k, v, options, rng_state, call)
-    else:
-        if differentiated:
+    # Only a result in another dtype, or a given out, cannot be differentiated: the common call asks nothing more.
+    if out_dtype not in (None, q.dtype) or out is not None:
+        differentiated = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                                         for t in (q, k, v, out, options.alibi_slopes))
+        if differentiated and out_dtype not in (None, q.dtype):
+            raise ArgumentError(f"out_dtype: results in {str(out_dtype).removeprefix('torch.')}, not q's dtype, are "
+                                "not differentiable, and q, k, v, alibi_slopes or out requires grad; call it under "
+                                "torch.no_grad(), or without out_dtype")
+        if differentiated:      # with out (the error above names out_dtype first)
             raise ArgumentError("out: the forward into a given out is not differentiable (as torch's out= "
                                 "functions), and q, k, v, alibi_slopes or out requires grad; call it under "
                                 "torch.no_grad(), or without out")
+    if out is None:
+        out, lse, rng_state, probs = ops.attention(q, k, v, options, rng_state, call)
+    else:
         lse, rng_state, probs = ops.attention_into(q, k, v, out, options, rng_state, call)
     rng_state = rng_state if rng_state is not None and rng_state.numel() else None
     return (out, lse, rng_state, probs) if return_attn_probs else (out, lse, rng_state)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
+from torch._C import _len_torch_dispatch_stack
 
 from .backends.base import Backend
 from .backends.registry import backend_from_key, backend_key
@@ -120,17 +120,10 @@ def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
     """A backward op's options (the common ones, then rng_state, then _BWD_TAIL) and its rng_state."""
     common, rng_state, tail = args[:len(_COMMON) + 1], args[len(_COMMON) + 1], args[len(_COMMON) + 2:]
     options = _unflatten(common + tail, _COMMON + _BWD_TAIL)
-    return options, rng_state if rng_state is not None and rng_state.numel() else None
+    return options, _drawn(rng_state)
 
 
 # ---- forward -------------------------------------------------------------------------------------
-
-def _forward(q, k, v, options: AttentionOptions, rng_state=None, out=None, prepared: PreparedCall | None = None):
-    """(out, lse, rng_state, probs, the call's PreparedCall for the Function's direct backward); rng_state and
-    probs None where the call has none (the ops' schemas return empty placeholders instead: `_op_results`).
-    `out`: the caller's; `prepared`: the call's memoised preparation (`prepared`), where the caller has it."""
-    return attention_forward(q, k, v, options, rng_state, out, prepared)
-
 
 def _op_results(out, lse, rng_state, probs) -> tuple[torch.Tensor, ...]:
     """A forward op's four tensors: an absent rng_state or probs as an empty placeholder (probs keeping the dtype a
@@ -140,7 +133,7 @@ def _op_results(out, lse, rng_state, probs) -> tuple[torch.Tensor, ...]:
 
 
 def _fwd(q, k, v, *options, rng_state=None):
-    return _op_results(*_forward(q, k, v, _unflatten(options, _FWD), rng_state)[:4])
+    return _op_results(*attention_forward(q, k, v, _unflatten(options, _FWD), rng_state)[:4])
 
 
 # The kernels run under no_grad: the Autograd fallthrough does not exclude autograd from the ops they call.
@@ -148,7 +141,7 @@ torch.library.impl("flash_attn_ck::fwd", "CompositeExplicitAutograd", torch.no_g
 
 
 def _fwd_out(q, k, v, out, *options, rng_state=None):
-    return _op_results(*_forward(q, k, v, _unflatten(options, _FWD), rng_state, out)[:4])[1:]
+    return _op_results(*attention_forward(q, k, v, _unflatten(options, _FWD), rng_state, out)[:4])[1:]
 
 
 torch.library.impl("flash_attn_ck::fwd_out", "CompositeExplicitAutograd", torch.no_grad()(_fwd_out))
@@ -215,6 +208,7 @@ def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
 _fwd_op = torch.ops.flash_attn_ck.fwd.default
 _fwd_out_op = torch.ops.flash_attn_ck.fwd_out.default
 _bwd_op = torch.ops.flash_attn_ck.bwd.default
+_bwd_out_op = torch.ops.flash_attn_ck.bwd_out.default
 
 
 def _direct(q) -> bool:
@@ -224,8 +218,9 @@ def _direct(q) -> bool:
     arguments and call the same Python function (0.14 ms of host time per backward on the H200
     host, `launch_overhead.py --breakdown`), and the backward can reuse the forward's validated
     problem. Everywhere else the ops run, so graphs, fakes and modes see one opaque op per direction."""
-    # is_compiling() first: dynamo folds it to True and never traces the mode query.
-    return not torch.compiler.is_compiling() and type(q) is torch.Tensor and _get_current_dispatch_mode() is None
+    # is_compiling() first: dynamo folds it to True and never traces the mode query (the dispatch mode stack's
+    # depth: what torch.utils._python_dispatch._get_current_dispatch_mode reads, without its Python wrapper).
+    return not torch.compiler.is_compiling() and type(q) is torch.Tensor and not _len_torch_dispatch_stack()
 
 
 class _Attention(torch.autograd.Function):
@@ -242,14 +237,18 @@ class _Attention(torch.autograd.Function):
         # `_direct`) the options whole and the call's PreparedCall or None, else flattened
         if type(flat[0]) is AttentionOptions:      # Function.forward runs under no_grad already
             options = flat[0]
-            out, lse, rng_state, probs, ctx.prepared = _forward(q, k, v, options, given_rng_state, None, flat[1])
+            out, lse, rng_state, probs, ctx.prepared = attention_forward(q, k, v, options, given_rng_state, None,
+                                                                         flat[1])
         else:
             options = _unflatten(flat, _FWD, checked=True)
             out, lse, rng_state, probs = _fwd_op(q, k, v, *flat, rng_state=given_rng_state)
             ctx.prepared = None
         # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
         # non-differentiable instead of having their gradients silently dropped.
-        ctx.mark_non_differentiable(*(t for t in (lse, rng_state, probs) if t is not None))
+        if rng_state is None and probs is None:     # the common eager call: no dropout, no probabilities
+            ctx.mark_non_differentiable(lse)
+        else:
+            ctx.mark_non_differentiable(*(t for t in (lse, rng_state, probs) if t is not None))
         # Nothing flows back into lse/rng_state/probs: without this, autograd would allocate and zero
         # an lse-sized gradient (one more fill kernel) on every backward.
         ctx.set_materialize_grads(False)
@@ -273,14 +272,14 @@ class _Attention(torch.autograd.Function):
                 and seqused_k is options.seqused_k and alibi_slopes is options.alibi_slopes):
             options = options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                               seqused_k=seqused_k, alibi_slopes=alibi_slopes)
-        if ctx.prepared is not None and _direct(q) and not torch.is_grad_enabled():   # create_graph: the op
-            rng = rng_state if rng_state is not None and rng_state.numel() else None
-            dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, rng,
+        create_graph = torch.is_grad_enabled()
+        if ctx.prepared is not None and not create_graph and _direct(q):      # create_graph: the op
+            dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, _drawn(rng_state),
                                                prepared=ctx.prepared)
         else:
             dq, dk, dv, _ = _bwd_op(dout, q, k, v, out, lse, *_flatten(options, _COMMON), rng_state,
                                     *_flatten(options, _BWD_TAIL[:1]))
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if create_graph and not torch.compiler.is_compiling():
             # create_graph=True: the gradients are not differentiable (flash-attn's backward is not either).
             # Rather than returning dq/dk/dv without a graph (a silent zero second-order term), they carry a
             # node that raises when anything differentiates through them.
@@ -309,15 +308,37 @@ def _not_twice_differentiable(grads, sources):
 
 
 def backward(dout, q, k, v, out, softmax_lse, options: AttentionOptions, rng_state):
-    """The `bwd` op -> `(dq, dk, dv, softmax_d)`."""
+    """The `bwd` op -> `(dq, dk, dv, softmax_d)`; eagerly (`_direct_backward`) its implementation itself."""
+    if _direct_backward(dout, q, k, v, out, softmax_lse):
+        _check_backend(options)
+        with torch.no_grad():       # as the op's implementation runs
+            return attention_backward(dout, q, k, v, out, softmax_lse, None, None, None, options,
+                                      _drawn(rng_state))
     return _bwd_op(dout, q, k, v, out, softmax_lse, *_flatten(options, _COMMON), rng_state,
                    *_flatten(options, _BWD_TAIL))
 
 
 def backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options: AttentionOptions, rng_state):
-    """The `bwd_out` op: writes dq/dk/dv, returns softmax_d."""
-    return torch.ops.flash_attn_ck.bwd_out(dout, q, k, v, out, softmax_lse, dq, dk, dv, *_flatten(options, _COMMON),
-                                           rng_state, *_flatten(options, _BWD_TAIL))
+    """The `bwd_out` op: writes dq/dk/dv, returns softmax_d; eagerly (`_direct_backward`) its implementation itself."""
+    if _direct_backward(dout, q, k, v, out, softmax_lse):
+        _check_backend(options)
+        with torch.no_grad():
+            return attention_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, options, _drawn(rng_state))[3]
+    return _bwd_out_op(dout, q, k, v, out, softmax_lse, dq, dk, dv, *_flatten(options, _COMMON), rng_state,
+                       *_flatten(options, _BWD_TAIL))
+
+
+def _direct_backward(dout, q, k, v, out, softmax_lse) -> bool:
+    """Whether `backward`/`backward_into` may run the ops' implementation directly, as `_direct` says for the
+    forward, with every operand a plain tensor: the dispatcher would box ~25 arguments, and the implementation
+    rebuild and re-check the options the API has just built (48 -> 26 µs per call on the CPU with null kernels,
+    docs/host-path.md)."""
+    return _direct(q) and type(dout) is type(k) is type(v) is type(out) is type(softmax_lse) is torch.Tensor
+
+
+def _drawn(rng_state: torch.Tensor | None) -> torch.Tensor | None:
+    """A backward op's rng_state as the pipeline takes it: an empty one (the forward drew none) as None."""
+    return rng_state if rng_state is not None and rng_state.numel() else None
 
 
 def prepared(q, k, v, options: AttentionOptions) -> PreparedCall | None:
@@ -335,7 +356,7 @@ def attention(q, k, v, options: AttentionOptions, rng_state=None, call: Prepared
     if call is not None or _direct(q):
         _check_backend(options)
         if not torch.is_grad_enabled():    # nothing to differentiate: the Function would add only its cost
-            return _forward(q, k, v, options, rng_state, None, call)[:4]
+            return attention_forward(q, k, v, options, rng_state, None, call)[:4]
         return _Attention.apply(q, k, v, rng_state, options, call)
     # Dynamo cannot trace a Function given one tensor twice (self-attention on one tensor, shared
     # cu_seqlens): repeats become views, which change nothing else (gradients flow through them).
@@ -351,12 +372,12 @@ def attention_into(q, k, v, out, options: AttentionOptions, rng_state=None, call
     if call is not None or _direct(q):
         _check_backend(options)
         with torch.no_grad():       # as the op's implementation: `out` never records a graph
-            return _forward(q, k, v, options, rng_state, out, call)[1:4]
+            return attention_forward(q, k, v, options, rng_state, out, call)[1:4]
     return _fwd_out_op(q, k, v, out, *_flatten(options, _FWD), rng_state=rng_state)
 
 
 def _check_backend(options: AttentionOptions) -> None:
-    """The direct path's stand-in for the flattening's check of `backend` (it names `backend`)."""
+    """The direct paths' stand-in for the flattening's check of `backend` (it names `backend`)."""
     if not (options.backend is None or isinstance(options.backend, (str, Backend))):
         backend_key(options.backend)
 

@@ -7,12 +7,16 @@ without CUDA)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_attn_ck as fa
+from flash_attn_ck import ops as flash_attn_ck_ops
 from flash_attn_ck.core.errors import ArgumentError, NoBackendError
 from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.options import AttentionOptions
@@ -173,6 +177,97 @@ def test_each_signature_field_changed_alone_misses(counted, varlen, field, b, s,
     problem, missed = _prepared(variant)
     assert missed, f"{field} changed alone hit the memo of another signature"
     assert problem == _fresh(variant)
+
+
+def _change_tensor_option(call: dict, field: str) -> dict:
+    """`call` (varlen) with exactly one field of its tensor options or their bounds changed: the part of the
+    signature that follows q, k, v and the scalar options (core.inputs.call_signature)."""
+    c = dict(call, options=dict(call["options"]))
+    o, heads = c["options"], call["q"].shape[-2]
+    batch = o["cu_seqlens_q"].numel() - 1
+    lengths_k = o["cu_seqlens_k"].diff()
+    if field == "cu_seqlens_k_stride":
+        o["cu_seqlens_k"] = torch.stack([o["cu_seqlens_k"]] * 2, dim=1)[:, 0]
+    elif field == "cu_seqlens_q_dtype":
+        o["cu_seqlens_q"] = o["cu_seqlens_q"].long()
+    elif field == "seqused_k":
+        o["seqused_k"] = lengths_k.to(torch.int32)
+    elif field == "alibi_per_batch":      # with (h,) slopes in the base call: (b, h) ones instead
+        o["alibi_slopes"] = o["alibi_slopes"].expand(batch, heads).contiguous()
+    elif field == "alibi_absent":
+        del o["alibi_slopes"]
+    elif field == "max_seqlen_k":
+        o["max_seqlen_k"] = o["max_seqlen_k"] + 1
+    elif field == "out_dtype":
+        o["out_dtype"] = torch.float32
+        c["q"], c["k"], c["v"] = (t.to(torch.bfloat16) for t in (c["q"], c["k"], c["v"]))
+        c["base_dtype"] = torch.bfloat16
+    else:
+        raise AssertionError(field)
+    return c
+
+
+TENSOR_OPTION_FIELDS = ("cu_seqlens_k_stride", "cu_seqlens_q_dtype", "seqused_k", "alibi_per_batch", "alibi_absent",
+                        "max_seqlen_k", "out_dtype")
+
+
+@pytest.mark.parametrize("field", TENSOR_OPTION_FIELDS)
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(s=st.integers(2, 9), h=st.sampled_from([2, 4]), d=st.sampled_from([8, 16]))
+def test_each_tensor_option_changed_alone_misses(counted, field, s, h, d):
+    """The signature's tail (the tensor options, present only where some is given, and their bounds): after a varlen
+    call with ALiBi slopes is memoised, the same call with one of them changed alone misses, and gets what a fresh
+    description gives; `out_dtype` is compared on bf16 inputs, with and without it."""
+    prepare.CALLS.clear()
+    base = _varlen_base(s, h, d)
+    base["options"]["alibi_slopes"] = torch.rand(h)
+    variant = _change_tensor_option(base, field)
+    if "base_dtype" in variant:       # out_dtype is checked against q's dtype: the base call has q's dtype too
+        base = dict(base, **{name: variant[name] for name in ("q", "k", "v")})
+        del variant["base_dtype"]
+    problem, _ = _prepared(base)
+    assert problem == _fresh(base)
+    assert not _prepared(base)[1], "the same signature missed"
+    problem, missed = _prepared(variant)
+    assert missed, f"{field} changed alone hit the memo of another signature"
+    assert problem == _fresh(variant)
+
+
+_UNDIFFERENTIABLE = (("out", True, None, "out: the forward into a given out is not differentiable"),
+                     ("out_dtype", False, torch.float32, "out_dtype: results in float32, not q's dtype, are not "
+                                                         "differentiable"),
+                     ("both", True, torch.float32, "out_dtype: results in float32, not q's dtype, are not "
+                                                   "differentiable"))
+
+
+@pytest.mark.parametrize("given_out, out_dtype, message, grad_of", [
+    pytest.param(given_out, out_dtype, message, grad_of, id=f"{what}-{grad_of}")
+    for what, given_out, out_dtype, message in _UNDIFFERENTIABLE
+    for grad_of in ("q", "alibi_slopes", "out") if given_out or grad_of != "out"])     # out requires grad if given
+def test_a_memo_hit_still_refuses_an_undifferentiable_call(counted, given_out, out_dtype, message, grad_of):
+    """The API asks whether anything requires grad only where a call could not be differentiated (a given out, an
+    out_dtype other than q's): after the same call without grad is memoised, each such call with grad still raises
+    the same error (out_dtype's first), before the caller's out is written."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    slopes = torch.rand(2)
+    out = torch.full_like(q, 7.0, dtype=out_dtype or q.dtype) if given_out else None
+    {"q": q, "alibi_slopes": slopes, "out": out}[grad_of].requires_grad_(True)
+    messages = []
+    for memoised in (True, False):
+        prepare.CALLS.clear()
+        if memoised:
+            with torch.no_grad():
+                fa.flash_attn_fwd(q, k, v, alibi_slopes=slopes, out_dtype=out_dtype, out=out)
+            if out is not None:
+                out.detach().fill_(7.0)
+            assert len(prepare.CALLS.entries) == 1
+        with pytest.raises(ArgumentError) as error:
+            fa.flash_attn_fwd(q, k, v, alibi_slopes=slopes, out_dtype=out_dtype, out=out)
+        if out is not None:
+            assert (out == 7.0).all(), "a failing call wrote its out"
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] and messages[0].startswith(message), messages
 
 
 def test_values_are_checked_on_every_call(counted):
@@ -366,6 +461,126 @@ def test_saved_tensor_hooks_reach_the_backward(counted):
     assert any(t is cu for t in unpacked) and any(t is slopes for t in unpacked)
     for a, b in zip(plain, hooked):
         assert torch.equal(a, b)
+
+
+# ---- flash_attn_bwd: eagerly the op's implementation itself, with the op's results and errors ------------
+
+class _ThroughTheOps(TorchDispatchMode):
+    """Passes every operation through, noting its name: while it is active a call goes through the ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _bwd_call(case: str, seed: int = 0) -> tuple[tuple, dict]:
+    """flash_attn_bwd's (positional, keyword) arguments for `case`, from a forward of the same options."""
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if case == "out_dtype" else torch.float32
+    if case.startswith("varlen"):
+        cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 9], dtype=torch.int32)
+        q, k, v = torch.randn(8, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
+        options = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=5, max_seqlen_k=5, causal=True,
+                       seqused_k=torch.tensor([3, 5], dtype=torch.int32), deterministic=True)
+    else:
+        q, k, v = (torch.randn(2, 6, 2, 12, dtype=dtype) for _ in range(3))
+        options = dict(causal=True)
+        if case == "dense_gqa_alibi_window":
+            k, v = k[..., :1, :].contiguous(), v[..., :1, :].contiguous()
+            options = dict(alibi_slopes=torch.rand(2), window_size=(2, 1), softcap=4.0)
+        elif case == "dropout":
+            options["dropout_p"] = 0.3
+        elif case == "out_dtype":
+            options["out_dtype"] = torch.float32
+        elif case == "chunked":     # just below the whole call's workspace: chunks
+            plan = fa.backward_workspace(q, k, v, causal=True, backends=("reference",))["reference"]
+            options["max_workspace_bytes"] = plan.peak_bytes - 1
+    with torch.no_grad():
+        out, lse, rng_state = fa.flash_attn_fwd(q, k, v, **{n: o for n, o in options.items()
+                                                          if n not in ("out_dtype", "max_workspace_bytes")})
+    for t in (q, k, v):     # grad mode is on in the tests: nothing the backward computes may record a graph
+        t.requires_grad_(True)
+    keyword = dict(options, rng_state=rng_state)
+    if case == "into":
+        keyword.update(dq=torch.full_like(q, 7.0), dk=torch.full_like(k, 7.0), dv=torch.full_like(v, 7.0))
+    return (torch.randn_like(out), q, k, v, out, lse), keyword
+
+
+BWD_CASES = ("dense", "dense_gqa_alibi_window", "dropout", "into", "out_dtype", "chunked", "varlen_seqused_k")
+
+
+@pytest.mark.parametrize("case", BWD_CASES)
+def test_flash_attn_bwd_runs_the_implementation_directly(case, monkeypatch):
+    """Eagerly flash_attn_bwd runs the op's implementation without the dispatcher (no boxing, no second build of
+    its options), and its results are exactly what the op gives under a dispatch mode (which routes it through
+    the `bwd` / `bwd_out` op, as under torch.compile)."""
+    positional, keyword = _bwd_call(case)
+    with _ThroughTheOps() as mode:
+        through_op = fa.flash_attn_bwd(*positional, **{n: t.clone() if n in ("dq", "dk", "dv") else t
+                                                       for n, t in keyword.items()})
+    op = "flash_attn_ck.bwd_out.default" if case == "into" else "flash_attn_ck.bwd.default"
+    assert op in mode.seen
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("an eager flash_attn_bwd went through the dispatcher")
+    monkeypatch.setattr(flash_attn_ck_ops, "_bwd_op", no_op)
+    monkeypatch.setattr(flash_attn_ck_ops, "_bwd_out_op", no_op)
+    direct = fa.flash_attn_bwd(*positional, **keyword)
+    for a, b in zip(direct, through_op):
+        assert a.dtype == b.dtype and a.stride() == b.stride() and torch.equal(a, b)
+    assert all(not t.requires_grad and t.grad_fn is None for t in direct)
+    if case == "into":
+        assert all(a is keyword[name] for a, name in zip(direct, ("dq", "dk", "dv")))
+
+
+def _bad_backward(what: str) -> tuple[tuple, dict]:
+    positional, keyword = _bwd_call("dropout" if what == "rng_state missing" else "dense")
+    dout, q, k, v, out, lse = positional
+    if what == "lse shape":
+        lse = lse[:, :1]
+    elif what == "dout dtype":
+        dout = dout.double()
+    elif what == "dq aliases q":
+        keyword["dq"] = q
+    elif what == "backend type":
+        keyword["backend"] = 123
+    elif what == "rng_state missing":
+        keyword["rng_state"] = None
+    elif what == "out_dtype":
+        keyword["out_dtype"] = torch.float64
+    else:
+        raise AssertionError(what)
+    return (dout, q, k, v, out, lse), keyword
+
+
+@pytest.mark.parametrize("what", ["lse shape", "dout dtype", "dq aliases q", "backend type", "rng_state missing",
+                                  "out_dtype"])
+def test_flash_attn_bwd_direct_refuses_what_the_op_refuses(what):
+    """A bad flash_attn_bwd raises the same ArgumentError eagerly (the implementation called directly) as through
+    the op, before a given dq is written."""
+    messages = []
+    for through_op in (False, True):
+        positional, keyword = _bad_backward(what)
+        with _ThroughTheOps() if through_op else contextlib.nullcontext(), pytest.raises(ArgumentError) as error:
+            fa.flash_attn_bwd(*positional, **keyword)
+        messages.append(str(error.value))
+        assert keyword.get("dq") is not positional[1] or torch.equal(keyword["dq"], positional[1])
+    assert messages[0] == messages[1], messages
+
+
+def test_flash_attn_bwd_names_a_missing_max_seqlen_as_the_forward_does():
+    """Eagerly the backward gets its options whole (the op's flattening would turn a missing max_seqlen into 0):
+    a varlen flash_attn_bwd without max_seqlen_q raises the forward's message, naming it as missing."""
+    positional, keyword = _bwd_call("varlen_seqused_k")
+    keyword["max_seqlen_q"] = None
+    with pytest.raises(ArgumentError, match=r"^max_seqlen_q: varlen calls need .* \(missing: max_seqlen_q\)"):
+        fa.flash_attn_bwd(*positional, **keyword)
+    with pytest.raises(ArgumentError, match=r"^max_seqlen_q: varlen calls need .* \(missing: max_seqlen_q\)"):
+        fa.flash_attn_fwd(*positional[1:4], **{n: t for n, t in keyword.items() if n != "rng_state"})
 
 
 # ---- GPU: no host-device synchronisation anywhere on the Triton path ---------------------------------

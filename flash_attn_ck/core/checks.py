@@ -57,7 +57,7 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
 
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[int]) -> None:
-    if tuple(t.shape) != tuple(expected):
+    if t.shape != tuple(expected):     # torch.Size is a tuple
         raise ArgumentError(f"{name}: expected shape {tuple(expected)}, got {tuple(t.shape)}")
 
 
@@ -236,7 +236,7 @@ def check_real_devices(tensors: Iterable[tuple[str, torch.Tensor | None]]) -> No
     for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
-        if t.device.type == "meta":
+        if t.is_meta:       # a flag: no device object made per tensor
             raise ArgumentError(f"{name}: a meta tensor has no data; every tensor of the call must be on one "
                                 f"real device (backward_workspace plans from meta tensors)")
         if device is None:

@@ -100,11 +100,16 @@ def call_signature(q, k, v, options: AttentionOptions) -> tuple | None:
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return None
     o = options
-    return (_tensor_signature(q), _tensor_signature(k), _tensor_signature(v),
-            _tensor_signature(o.cu_seqlens_q), _tensor_signature(o.cu_seqlens_k), _tensor_signature(o.seqused_k),
-            _tensor_signature(o.alibi_slopes),
-            o.max_seqlen_q, o.max_seqlen_k, o.causal, o.window_size, o.softmax_scale, o.dropout_p, o.softcap,
-            o.deterministic, o.out_dtype)
+    # One flat tuple (built on every call): q, k, v, then the scalar options; the tensor options follow as one
+    # nested entry each only where some is given, so keys with and without them differ in length.
+    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+           v.shape, v.stride(), v.dtype, v.device,
+           o.max_seqlen_q, o.max_seqlen_k, o.causal, o.window_size, o.softmax_scale, o.dropout_p, o.softcap,
+           o.deterministic, o.out_dtype)
+    if o.cu_seqlens_q is None and o.cu_seqlens_k is None and o.seqused_k is None and o.alibi_slopes is None:
+        return key
+    return (*key, _tensor_signature(o.cu_seqlens_q), _tensor_signature(o.cu_seqlens_k),
+            _tensor_signature(o.seqused_k), _tensor_signature(o.alibi_slopes))
 
 
 def check_values(problem: AttentionProblem, options: AttentionOptions) -> None:
@@ -143,4 +148,6 @@ def sequence_tensors(options: AttentionOptions) -> tuple[torch.Tensor | None, ..
 def kernel_params(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   options: AttentionOptions, rng_state: torch.Tensor | None) -> AttentionParams:
     d = problem.head_dim_padded
-    return AttentionParams(pad_to(q, d), pad_to(k, d), pad_to(v, d), *sequence_tensors(options), rng_state)
+    if d != problem.head_dim:
+        q, k, v = pad_to(q, d), pad_to(k, d), pad_to(v, d)
+    return AttentionParams(q, k, v, *sequence_tensors(options), rng_state)

@@ -59,12 +59,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 def gradient_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor | None,
                      dk: torch.Tensor | None, dv: torch.Tensor | None,
                      dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
-    """The caller's dq/dk/dv where given (check_backward_operands checks them), new tensors elsewhere (in
-    `dtype`: the call's result dtype; None: the inputs')."""
-    for name, t, like in (("q", dq, q), ("k", dk, k), ("v", dv, v)):
-        if t is None:
-            checks.check_tensor(name, like)
-    return tuple(torch.empty_like(like, dtype=dtype) if t is None else t for t, like in ((dq, q), (dk, k), (dv, v)))
+    """The caller's dq/dk/dv where given (check_backward_operands checks them), new tensors like q, k, v elsewhere
+    (in `dtype`: the call's result dtype; None: the inputs'). q, k, v are tensors: every caller has checked them."""
+    return (torch.empty_like(q, dtype=dtype) if dq is None else dq,
+            torch.empty_like(k, dtype=dtype) if dk is None else dk,
+            torch.empty_like(v, dtype=dtype) if dv is None else dv)
 
 
 def check_backward_operands(problem: AttentionProblem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state,

@@ -24,13 +24,14 @@ def select_backend(problem: AttentionProblem, requested: str | Backend | None = 
         NoBackendError: the requested backend, or every backend, refuses the call (with the reasons).
         ValueError: an unknown backend name.
     """
-    request = type(requested) if isinstance(requested, Backend) else requested or backend_from_env()
+    given_instance = isinstance(requested, Backend)     # once: an ABC's isinstance runs Python code
+    request = type(requested) if given_instance else requested or backend_from_env()
     name = None if choices is None else choices.get(request)
     if name is None:
         name = _choose(problem, request)        # raises with the reasons when nothing fits
         if choices is not None:
             choices[request] = name
-    return requested if isinstance(requested, Backend) else backend_instance(name)
+    return requested if given_instance else backend_instance(name)
 
 
 def backend_from_env() -> str | None:
