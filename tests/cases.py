@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_attn_ck as fa
 from flash_attn_ck.core.inputs import describe_call, kernel_params
@@ -209,3 +210,16 @@ def check_mask_kind(backend, kind: MaskKind, seqlens: tuple[int, int], device="c
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
     run_backward(backend, problem, params, out, lse, dout, *grads, None)
     return judge(cfg, (q, k, v, dout, slopes), out, lse, None, grads)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Passes every torch operation through, noting its name. While it is active an eager call goes through the
+    `torch.library` ops (ops.py's `_direct` steps aside for a dispatch mode), as under torch.compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))

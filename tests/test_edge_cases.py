@@ -27,9 +27,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_attn_ck as fa
+from cases import OpRecorder
 from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.mask import MaskInfo
 from flash_attn_ck.core.options import AttentionOptions
@@ -551,14 +551,6 @@ def test_generous_max_seqlen_plans_from_real_lengths():
 
 # ---- any value of any option: checked before it reaches an op's schema ----------------------------------
 
-class _ThroughTheOps(TorchDispatchMode):
-    """Changes nothing, but under a dispatch mode the forward runs the `fwd` op (ops.py's `_direct`), so its options
-    pass through the op's schema as the backward's always do."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
 def _fresh(make):
     return st.builds(make)
 
@@ -605,7 +597,7 @@ def test_any_option_value_is_checked_before_the_schema(direction, data, through_
         call = functools.partial(fa.flash_attn_bwd, dout, q, k, v, out, lse, **grads, **options,
                                  rng_state=torch.tensor([1, 2]))
     try:
-        with _ThroughTheOps() if through_ops else contextlib.nullcontext():
+        with OpRecorder() if through_ops else contextlib.nullcontext():
             call(**{name: value})
     except fa.ArgumentError as error:
         assert re.match(rf"^{name}\b", str(error)), f"expected the message to name {name!r}: {error}"

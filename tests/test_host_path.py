@@ -13,9 +13,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import flash_attn_ck as fa
+from cases import OpRecorder
 from flash_attn_ck import ops as flash_attn_ck_ops
 from flash_attn_ck.core.errors import ArgumentError, NoBackendError
 from flash_attn_ck.core.inputs import describe_call
@@ -465,18 +465,6 @@ def test_saved_tensor_hooks_reach_the_backward(counted):
 
 # ---- flash_attn_bwd: eagerly the op's implementation itself, with the op's results and errors ------------
 
-class _ThroughTheOps(TorchDispatchMode):
-    """Passes every operation through, noting its name: while it is active a call goes through the ops."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _bwd_call(case: str, seed: int = 0) -> tuple[tuple, dict]:
     """flash_attn_bwd's (positional, keyword) arguments for `case`, from a forward of the same options."""
     torch.manual_seed(seed)
@@ -519,7 +507,7 @@ def test_flash_attn_bwd_runs_the_implementation_directly(case, monkeypatch):
     its options), and its results are exactly what the op gives under a dispatch mode (which routes it through
     the `bwd` / `bwd_out` op, as under torch.compile)."""
     positional, keyword = _bwd_call(case)
-    with _ThroughTheOps() as mode:
+    with OpRecorder() as mode:
         through_op = fa.flash_attn_bwd(*positional, **{n: t.clone() if n in ("dq", "dk", "dv") else t
                                                        for n, t in keyword.items()})
     op = "flash_attn_ck.bwd_out.default" if case == "into" else "flash_attn_ck.bwd.default"
@@ -565,7 +553,7 @@ def test_flash_attn_bwd_direct_refuses_what_the_op_refuses(what):
     messages = []
     for through_op in (False, True):
         positional, keyword = _bad_backward(what)
-        with _ThroughTheOps() if through_op else contextlib.nullcontext(), pytest.raises(ArgumentError) as error:
+        with OpRecorder() if through_op else contextlib.nullcontext(), pytest.raises(ArgumentError) as error:
             fa.flash_attn_bwd(*positional, **keyword)
         messages.append(str(error.value))
         assert keyword.get("dq") is not positional[1] or torch.equal(keyword["dq"], positional[1])

@@ -17,6 +17,7 @@ import torch
 from torch.library import opcheck
 
 import flash_attn_ck
+from cases import OpRecorder
 from flash_attn_ck.backends.reference import ReferenceBackend
 from flash_attn_ck.core.errors import ArgumentError
 from flash_attn_ck.core.options import OPTION_NAMES, AttentionOptions
@@ -229,19 +230,8 @@ def test_eager_calls_bypass_the_dispatcher(monkeypatch):
 def test_dispatch_modes_see_the_ops():
     """Under a dispatch mode (FakeTensorMode, FlopCounterMode, ...) the Function goes through the ops,
     which the mode sees as one op per direction; the values equal the eager (direct) path's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func))
-            return func(*args, **(kwargs or {}))
-
     eager = _attention_grads()
-    with Recorder() as recorder:
+    with OpRecorder() as recorder:
         recorded = _attention_grads()
     assert "flash_attn_ck.fwd.default" in recorder.seen and "flash_attn_ck.bwd.default" in recorder.seen
     for a, b in zip(eager, recorded):
