@@ -14,8 +14,6 @@ import triton.language as tl
 
 from .bwd_preprocess import zero_share
 
-ZERO_BLOCK = 1024
-
 
 @triton.jit
 def cast_rows_kernel(Src, Dst, stride_src, stride_dst, n_rows, head_dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):

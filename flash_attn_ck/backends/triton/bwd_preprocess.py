@@ -12,6 +12,8 @@ tuple ZERO says which exist (launch.bwd_preprocess). Strides are (batch, row, he
 import triton
 import triton.language as tl
 
+ZERO_BLOCK = 1024       # elements per zeroing store (zero_share)
+
 
 @triton.jit
 def zero_share(ptr, numel, pid, nprog, ZERO_BLOCK: tl.constexpr):

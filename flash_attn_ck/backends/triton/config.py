@@ -153,8 +153,6 @@ def bwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1, deterministic:
 # these longest-sequence lengths per head block (GQA included, since its several launches replay).
 BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, *range(136, 257, 8)})
 BWD_WS_MIN_SEQLEN = {64: 1024, 128: 512, 256: 512}
-
-
 BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, bwd_ws_tile, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
                         slower_head_dim="the one-launch kernel measured faster",
                         shorter="the one-launch kernel measured faster")
@@ -217,7 +215,6 @@ FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, 
 # these longest-sequence lengths per head block (256: the shortest measured).
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
-
 
 
 def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile | None:

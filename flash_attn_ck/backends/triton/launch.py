@@ -256,6 +256,7 @@ def derived(view: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         views[id(view)] = (view, source)
     return view
 
+
 # id(kernel) -> _Kernel (which holds the kernel, so the id is not reused); an int hashes in C, while a JITFunction
 # hashes in Python under a lock
 _KERNELS: dict[int, _Kernel] = {}
@@ -356,7 +357,7 @@ def bwd_preprocess(out, dout, delta, zero: tuple[torch.Tensor | None, ...], batc
                    sizes: Sizes, varlen: bool, block_d: int, block_m: int = 64) -> LaunchSpec:
     """D = rowsum(dO * O) into delta; zero the buffers of `zero` (dq, dk, dv accumulators, semaphores;
     None where the plan has none)."""
-    from .bwd_preprocess import bwd_preprocess_kernel
+    from .bwd_preprocess import ZERO_BLOCK, bwd_preprocess_kernel
     # A varlen call's D is per packed row whichever sequence holds it: one grid over the rows, as one batch entry,
     # not batch x tiles(max_seqlen) programs that mostly exit (9x as many on a 38-document pack). Rows in no
     # sequence get a value the pipeline's outside-rows fill then replaces.
@@ -368,7 +369,7 @@ def bwd_preprocess(out, dout, delta, zero: tuple[torch.Tensor | None, ...], batc
         heads=sizes.heads, n_rows=rows, head_dim=sizes.head_dim,
         zero_ptrs=tuple(t if t is not None else delta for t in zero),
         zero_numels=tuple(t.numel() if t is not None else 0 for t in zero),
-        BLOCK_M=block_m, BLOCK_D=block_d, ZERO_BLOCK=1024,
+        BLOCK_M=block_m, BLOCK_D=block_d, ZERO_BLOCK=ZERO_BLOCK,
         ZERO=tuple(t is not None for t in zero)), 4, 1)
 
 
@@ -406,7 +407,8 @@ def cast_rows(src, dst, src_bhr, dst_bhr, heads: int, batch: int, rows: int, blo
 def zero_flat(*buffers: torch.Tensor) -> LaunchSpec:
     """Zero contiguous `buffers` in one launch (bwd_postprocess.zero_kernel): a kernel, not a torch fill, so that a
     replay can re-issue it."""
-    from .bwd_postprocess import ZERO_BLOCK, zero_kernel
+    from .bwd_postprocess import zero_kernel
+    from .bwd_preprocess import ZERO_BLOCK
     assert all(t.is_contiguous() for t in buffers), "zero_flat zeroes whole contiguous buffers"
     programs = max(1, min(65535, -(-max(t.numel() for t in buffers) // (16 * ZERO_BLOCK))))
     return LaunchSpec(zero_kernel, (programs,), dict(
