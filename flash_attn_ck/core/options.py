@@ -53,12 +53,10 @@ class AttentionOptions:
         setattr_(self, "softcap", checks.check_softcap(self.softcap))
         setattr_(self, "dropout_p", checks.check_dropout_p(self.dropout_p))
         # A flag that is a bool already is what its check returns: only other values (0/1, numpy bools) go through it.
-        if self.causal is not True and self.causal is not False:
-            setattr_(self, "causal", checks.check_flag("causal", self.causal))
-        if self.deterministic is not True and self.deterministic is not False:
-            setattr_(self, "deterministic", checks.check_flag("deterministic", self.deterministic))
-        if self.return_attn_probs is not True and self.return_attn_probs is not False:
-            setattr_(self, "return_attn_probs", checks.check_flag("return_attn_probs", self.return_attn_probs))
+        for flag in ("causal", "deterministic", "return_attn_probs"):
+            value = getattr(self, flag)
+            if value is not True and value is not False:
+                setattr_(self, flag, checks.check_flag(flag, value))
         checks.check_out_dtype(self.out_dtype)      # None or a dtype, returned as given
         if self.softmax_scale is not None:
             setattr_(self, "softmax_scale", checks.check_softmax_scale(self.softmax_scale))
