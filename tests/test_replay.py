@@ -70,21 +70,27 @@ def test_a_replay_reissues_every_launch_with_the_new_calls_tensors():
 
 
 @needs_cuda_backend
-@pytest.mark.parametrize("why", ["a torch operation", "a tensor of its own", "a launch hook", "a view"])
+@pytest.mark.parametrize("why", ["a torch operation", "a tensor from elsewhere", "a launch hook", "a view",
+                                 "an allocation no launch takes", "a filled allocation"])
 @pytest.mark.usefixtures("fake_driver")
 def test_nothing_is_recorded_where_a_replay_could_differ(why):
     from triton import knobs
     kernel = _FakeKernel([False, False])
     tensors = _tensors(2)
+    elsewhere = _tensors(1, seed=3)[0]
 
     def method():
         a, b = tensors
         if why == "a torch operation":
             b.zero_()
-        if why == "a tensor of its own":
-            b = torch.empty_like(b)
+        if why == "a tensor from elsewhere":
+            b = elsewhere
         if why == "a view":
             b = b[:32]
+        if why == "an allocation no launch takes":
+            torch.empty(16, dtype=torch.int32)      # e.g. its address passed as an int: a replay could not know
+        if why == "a filled allocation":
+            b = torch.zeros_like(b)
         launch.launch_kernel(kernel, (1,), (a, b), 4, 1)
 
     if why == "a launch hook":
@@ -96,6 +102,38 @@ def test_nothing_is_recorded_where_a_replay_could_differ(why):
             knobs.runtime.launch_enter_hook.remove(print)
     why = None      # without the reason, the same method records
     assert replay.record(method, tensors) is not None
+
+
+@needs_cuda_backend
+@pytest.mark.usefixtures("fake_driver")
+def test_a_scratch_allocation_is_made_afresh_by_every_replay():
+    """A tensor the method allocates (torch.empty / empty_like / empty_strided) and a kernel takes, direct or
+    through a declared view, is replayed as a fresh tensor of the recorded shape, strides, dtype and device: never
+    the recorded one, never one replay's in the next."""
+    kernel = _FakeKernel([False, False, False])
+
+    def method(a, b):
+        schedule = torch.empty((5, 2), dtype=torch.int32)
+        strided = torch.empty_strided((4, 3), (1, 4), dtype=torch.float32)
+        like = torch.empty_like(b)
+        launch.launch_kernel(kernel, (1,), (schedule, a, strided), 4, 1)
+        launch.launch_kernel(kernel, (1,), (launch.derived(like.narrow(2, 1, 1), like), schedule, b), 4, 1)
+
+    first = _tensors(2)
+    recorded = replay.record(functools.partial(method, *first), first)
+    assert recorded is not None and len(recorded.scratch) == 3
+    kernel.direct.clear()
+    seen = []
+    for seed in (1, 2):
+        later = _tensors(2, seed=seed)
+        recorded.run(later)
+        (schedule, a, strided), (like_head, schedule_again, b) = (run[9:] for run in kernel.direct[-2:])
+        assert a is later[0] and b is later[1] and schedule_again is schedule
+        assert (schedule.shape, schedule.stride(), schedule.dtype) == ((5, 2), (2, 1), torch.int32)
+        assert (strided.shape, strided.stride(), strided.dtype) == ((4, 3), (1, 4), torch.float32)
+        assert isinstance(like_head, int) and not isinstance(like_head, torch.Tensor)
+        seen.append((schedule, strided))
+    assert all(x is not y for x, y in zip(*seen))
 
 
 @needs_cuda_backend
@@ -199,7 +237,7 @@ def test_the_backends_entry_points_run_the_method_off_the_gpu(monkeypatch):
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 # (b, s, h, h_k, d, causal, varlen, deterministic, extra options): the one-launch kernels (short), the
-# warp-specialised ones (s >= 2048), GQA, varlen, deterministic, ALiBi, softcap, dropout
+# warp-specialised ones (s >= 2048; varlen from s1024 at d128), GQA, varlen, deterministic, ALiBi, softcap, dropout
 GPU_CASES = [(2, 128, 4, 4, 128, True, False, False, {}),
              (1, 512, 4, 2, 64, False, False, False, dict(softcap=20.0)),
              (1, 4096, 4, 4, 128, True, False, False, {}),
@@ -209,7 +247,10 @@ GPU_CASES = [(2, 128, 4, 4, 128, True, False, False, {}),
              (2, 256, 4, 4, 64, True, False, False, dict(dropout_p=0.2)),
              # the warp-specialised backward in one launch per kv head (its fp32 dQ above BWD_WS_DQ_ACCUM_BYTES)
              (1, 1024, 8, 2, 128, True, False, False, dict(launches=2)),
-             (2, 1024, 8, 2, 128, False, False, True, dict(launches=2))]
+             (2, 1024, 8, 2, 128, False, False, True, dict(launches=2)),
+             # varlen on the warp-specialised kernels: their tile schedules are scratch tensors of each call
+             (2, 1024, 4, 2, 128, True, True, False, {}),
+             (2, 1024, 8, 2, 128, True, True, True, dict(launches=2))]
 
 
 def _step(backend, q, k, v, dout, causal, varlen, deterministic, extra, seed):

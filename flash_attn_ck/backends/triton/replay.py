@@ -8,15 +8,18 @@ except which tensors it reads and writes. So the first call of a (backend, metho
 method as always while recording what it launches (`record`), and later calls re-issue those launches through
 the compiled kernels' launchers with their own tensors in the same roles (`Replay.run`).
 
-Recording keeps a replay only when the method did nothing but make views and launch compiled kernels whose every
-tensor, direct, inside an argument tuple or under a TMA descriptor, is one of the call's tensors or a view of one
-that the method declared (`launch.derived`: a slice of heads, a prefix, whose offset follows from the layout): any
-other torch operation during the method (an allocation, a copy, a fill: seen by a dispatch mode), a launch through
-Triton's own path (a profiler hook, the interpreter) or a tensor the method made itself, an undeclared view
-included, leaves nothing to replay, and every call of that layout runs the method. A declared view is re-issued as
-an address, the later call's tensor in its source's role plus the recorded byte offset: its shape and strides are
-fixed by the layout, and the kernels take those as recorded constants. A replay launches on the current stream of
-the current device, which its key holds.
+Recording keeps a replay only when the method did nothing but make views, allocate scratch tensors and launch
+compiled kernels whose every tensor, direct, inside an argument tuple or under a TMA descriptor, is one of the
+call's tensors, a scratch tensor or a view of either that the method declared (`launch.derived`: a slice of heads,
+a prefix, whose offset follows from the layout): any other torch operation during the method (a copy, a fill, a
+sort: seen by a dispatch mode), a launch through Triton's own path (a profiler hook, the interpreter), a tensor
+from anywhere else, an undeclared view, or a scratch tensor that no launch takes as a tensor leaves nothing to
+replay, and every call of that layout runs the method. A declared view is re-issued as an address, the later
+call's tensor in its source's role plus the recorded byte offset: its shape and strides are fixed by the layout,
+and the kernels take those as recorded constants. A scratch tensor (`torch.empty`, `empty_like`, `empty_strided`:
+uninitialised memory, which the method's kernels write before they read it, e.g. a varlen call's tile schedule)
+is allocated afresh by every replay with the recorded shape, strides, dtype and device, as the method would. A
+replay launches on the current stream of the current device, which its key holds.
 """
 
 from __future__ import annotations
@@ -29,19 +32,29 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import launch
 
+# Operations that only allocate: their tensors' contents are undefined, so a fresh allocation serves a replay.
+_ALLOCATIONS = frozenset({torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+                          torch.ops.aten.empty_strided.default})
+
 
 class _AnyOperation(TorchDispatchMode):
-    """Notes whether any torch operation other than a view ran (on any tensor) while it was active: views read no
-    memory and write none; one that reaches a kernel must have been declared (`_Args.of` checks)."""
+    """Notes whether any torch operation other than a view or an allocation ran (on any tensor) while it was active
+    (`seen`), and keeps the tensors allocated (`allocated`): views read no memory and write none (one that reaches a
+    kernel must have been declared: `_Args.of` checks); an allocation's tensor must reach a kernel (`record`
+    checks)."""
 
     def __init__(self):
         super().__init__()
         self.seen = False
+        self.allocated: list[torch.Tensor] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
+        result = func(*args, **(kwargs or {}))
+        if func in _ALLOCATIONS:
+            self.allocated.append(result)
+        elif not func.is_view:
             self.seen = True
-        return func(*args, **(kwargs or {}))
+        return result
 
 
 def layout_key(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
@@ -75,13 +88,20 @@ def record(method, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
     for role, t in enumerate(tensors):
         if t is not None:
             roles.setdefault(id(t), role)     # a tensor in several roles: its first (the key holds which roles share)
+    scratch = tuple((t.shape, t.stride(), t.dtype, t.device) for t in watch.allocated)
+    for role, t in enumerate(watch.allocated, start=len(tensors)):      # a replay appends fresh ones to its tensors
+        roles[_allocation(t)] = role
     for key, (view, source) in views.items():
         if key not in roles:
             roles[key] = _view_role(view, source, roles, views)
     try:
-        return Replay(tuple(_Launch.of(compiled, grid, args, roles) for compiled, grid, args in launches))
+        recorded = tuple(_Launch.of(compiled, grid, args, roles) for compiled, grid, args in launches)
     except _NotReplayable:
         return None
+    taken = {role if isinstance(role, int) else role[0] for x in recorded for role in x.args.roles()}
+    if not taken.issuperset(range(len(tensors), len(tensors) + len(scratch))):
+        return None     # a scratch tensor no launch takes: what the method did with it is not known
+    return Replay(recorded, scratch)
 
 
 def run_through(store: dict, key: tuple, method, tensors: tuple[torch.Tensor | None, ...], capacity: int) -> None:
@@ -157,6 +177,13 @@ class _Args:
         make = type(args)._make if hasattr(args, "_fields") else tuple
         return _Args(tuple(template), make, tuple(tensors), tuple(nested), tuple(descriptors))
 
+    def roles(self):
+        """Every role this launch's arguments take a tensor from (int, or (role, byte offset) of a declared view)."""
+        yield from (role for _, role in self.tensors)
+        yield from (role for _, role in self.descriptors)
+        for _, inner in self.nested:
+            yield from inner.roles()
+
     def fill(self, tensors) -> tuple:
         if not (self.tensors or self.nested or self.descriptors):
             return self.template
@@ -178,18 +205,29 @@ def _with_base(descriptor, base):
     return copy
 
 
-def _role(t: torch.Tensor, roles: dict) -> int | tuple[int, int]:
-    """A call's tensor's role, or `(role, byte offset)` of a declared view of one."""
+def _allocation(t: torch.Tensor) -> tuple:
+    """What identifies a tensor the method allocated: the dispatch mode sees another Python object than the method
+    gets, over the same memory (kept alive while recording, so no other tensor of the method has its address)."""
+    return ("allocated", t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _role_of(t: torch.Tensor, roles: dict):
     role = roles.get(id(t))
+    return roles.get(_allocation(t)) if role is None else role
+
+
+def _role(t: torch.Tensor, roles: dict) -> int | tuple[int, int]:
+    """A call's or scratch tensor's role, or `(role, byte offset)` of a declared view of one."""
+    role = _role_of(t, roles)
     if role is None:
-        raise _NotReplayable       # a tensor the method made itself
+        raise _NotReplayable       # a tensor from anywhere else
     return role
 
 
 def _view_role(view: torch.Tensor, source: torch.Tensor, roles: dict, views: dict) -> tuple[int, int] | None:
     """`(role, byte offset)` of a declared view whose source is a call's tensor or, in turn, a declared view of one;
     None (a tensor of the method's own, in `_role`'s eyes: not replayable if a kernel reads it) otherwise."""
-    role = roles.get(id(source))
+    role = _role_of(source, roles)
     if role is None and id(source) in views:
         role = _view_role(source, views[id(source)][1], roles, views)
     if role is None:
@@ -216,10 +254,15 @@ def _at(tensors, role: int | tuple[int, int]):
 
 @dataclass(frozen=True)
 class Replay:
-    """A method's recorded launches, re-issued in order on the current stream with a call's tensors."""
+    """A method's recorded launches, re-issued in order on the current stream with a call's tensors and fresh scratch
+    tensors (`scratch`: shape, strides, dtype, device of each the method allocated, in order)."""
     launches: tuple[_Launch, ...]
+    scratch: tuple[tuple, ...] = ()
 
     def run(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
         stream = launch.current_device_and_stream()[1]
+        if self.scratch:
+            tensors = (*tensors, *(torch.empty_strided(shape, strides, dtype=dtype, device=device)
+                                   for shape, strides, dtype, device in self.scratch))
         for recorded in self.launches:
             recorded.run(tensors, stream)
