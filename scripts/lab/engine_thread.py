@@ -4,7 +4,9 @@ On a CUDA tensor, `torch.autograd.grad` hands the graph to the engine's thread f
 Python backward then runs on that thread. This times one forward + `autograd.grad` per call, with the engine on
 its thread and on the calling thread (`torch.autograd.set_multithreading_enabled(False)`), for: a Python
 Function whose backward does nothing but return, the same with a fixed amount of pure-Python work in its
-backward (is Python slower on that thread?), SDPA's flash kernels (a C++ backward), and ours.
+backward (is Python slower on that thread?), SDPA's flash kernels (a C++ backward), and ours; for ours also the
+time spent inside its backward (`ops._Attention.backward`, timed around the call on whichever thread runs it), so
+the hand-off can be told apart from the backward's own Python.
 
     python scripts/lab/engine_thread.py [--calls 300] [--work-us 50]
 """
@@ -45,6 +47,32 @@ class Trivial(torch.autograd.Function):
     def backward(ctx, grad):
         spin(Trivial.work_us)
         return grad
+
+
+class InsideBackward:
+    """Sums the wall time spent inside flash_attn_ck's autograd backward while installed."""
+
+    def __init__(self):
+        from flash_attn_ck import ops
+        self.function, self.total, self.calls = ops._Attention, 0.0, 0
+        self.original = ops._Attention.backward
+
+    def __enter__(self):
+        original = self.original
+
+        def timed(ctx, *grads):
+            start = time.perf_counter()
+            try:
+                return original(ctx, *grads)
+            finally:
+                self.total += time.perf_counter() - start
+                self.calls += 1
+        self.function.backward = staticmethod(timed)
+        return self
+
+    def __exit__(self, *exc):
+        self.function.backward = self.original
+        return False
 
 
 def per_call_us(call, calls: int) -> float:
@@ -100,6 +128,11 @@ def main() -> None:
                 times[threaded] = per_call_us(call, args.calls)
         print(f"{name:48s} engine thread {times[True]:7.1f} us   calling thread {times[False]:7.1f} us   "
               f"difference {times[True] - times[False]:6.1f} us", flush=True)
+    for threaded in (True, False):
+        with torch.autograd.set_multithreading_enabled(threaded), InsideBackward() as inside:
+            per_call_us(ours, args.calls)
+        print(f"flash_attn_ck's backward body on {'the engine thread' if threaded else 'the calling thread':18s} "
+              f"{inside.total * 1e6 / inside.calls:7.1f} us per call (mean of {inside.calls})")
 
 
 if __name__ == "__main__":
