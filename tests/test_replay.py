@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
@@ -214,6 +216,288 @@ def test_the_layout_key_holds_shape_strides_and_alignment(monkeypatch):
     assert replay.layout_key((aligned,)) != replay.layout_key((offset,))  # the address modulo 16 alone
 
 
+# ---- the layout key, field by field (hypothesis) ------------------------------------------------------------------
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.int32, torch.int64)
+
+
+def _laid_out(shape, strides, dtype, misalign):
+    """A fresh tensor of `shape`, `strides` and `dtype` whose address is `misalign` bytes past a 16-byte boundary (the
+    CPU allocator aligns to 64)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    storage = torch.zeros(misalign + (span + 4) * size, dtype=torch.uint8)
+    return storage[misalign:misalign + (span + 4) * size].view(dtype).as_strided(shape, strides)
+
+
+@st.composite
+def _layouts(draw):
+    """Roles: None, a tensor of its own, the tensor of an earlier role (shared), or a twin of an earlier role's tensor
+    (another tensor of the same layout: what sharing must be told from)."""
+    roles = []
+    for _ in range(draw(st.integers(1, 6))):
+        kind = draw(st.sampled_from(["none", "own", "own", "shared", "twin"] if roles else ["none", "own", "own"]))
+        earlier = [i for i, r in enumerate(roles) if r is not None and r[0] == "own"]
+        if kind in ("shared", "twin") and earlier:
+            roles.append((kind, draw(st.sampled_from(earlier))))
+        elif kind == "none":
+            roles.append(None)
+        else:
+            dtype = draw(st.sampled_from(_DTYPES))
+            size = torch.empty(0, dtype=dtype).element_size()
+            dims = draw(st.integers(1, 3))
+            shape = tuple(draw(st.integers(1, 4)) for _ in range(dims))
+            strides = tuple(draw(st.integers(1, 40)) for _ in range(dims))
+            misalign = draw(st.sampled_from([m for m in (0, 4, 8, 12) if m % size == 0]))
+            roles.append(("own", (shape, strides, dtype, misalign)))
+    return roles
+
+
+def _realise(roles):
+    made = []
+    for role in roles:
+        if role is None:
+            made.append(None)
+        elif role[0] == "own":
+            made.append(_laid_out(*role[1]))
+        elif role[0] == "shared":
+            made.append(made[role[1]])
+        else:
+            made.append(_laid_out(*roles[role[1]][1]))
+    return tuple(made)
+
+
+_KEY_FIELDS = ["shape", "strides", "dtype", "alignment", "share", "unshare", "fill an empty role", "empty a role",
+               "device", "debug", "instrumentation"]
+
+
+@pytest.mark.parametrize("field", _KEY_FIELDS)
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(roles=_layouts(), data=st.data())
+def test_each_field_of_the_layout_key_changed_alone_changes_it(monkeypatch, field, roles, data):
+    """The key of fresh tensors of the same layouts (shape, strides, dtype, address modulo 16, the same roles sharing)
+    equals the recorded one; changing one field alone — of one role, the roles' sharing (one tensor in two roles, or
+    two equal-looking tensors), an empty role, the device, a debug knob — changes it."""
+    from triton import knobs
+    monkeypatch.setattr(launch, "current_device_and_stream", lambda: (0, 1234))
+    tensors = _realise(roles)
+    key = replay.layout_key(tensors)
+    assert replay.layout_key(_realise(roles)) == key                     # other tensors, the same layout
+    assert replay.layout_key(tensors, 0) == key                         # the caller's device, read once
+    changed = list(roles)
+    own = [i for i, r in enumerate(roles) if r is not None and r[0] == "own"]
+    if field in ("shape", "strides", "dtype", "alignment"):
+        if not own:
+            return
+        i = data.draw(st.sampled_from(own))
+        shape, strides, dtype, misalign = roles[i][1]
+        size = torch.empty(0, dtype=dtype).element_size()
+        if field == "shape":
+            shape = (shape[0] + 1, *shape[1:])
+        elif field == "strides":
+            strides = (*strides[:-1], strides[-1] + 1)
+        elif field == "dtype":
+            dtype = data.draw(st.sampled_from([d for d in _DTYPES if d != dtype
+                                               and misalign % torch.empty(0, dtype=d).element_size() == 0]))
+        else:
+            misalign = data.draw(st.sampled_from([m for m in (0, 4, 8, 12) if m != misalign and m % size == 0]))
+        changed[i] = ("own", (shape, strides, dtype, misalign))
+        # a role sharing or twinning this one follows it: the field changes, not the sharing
+    elif field in ("share", "unshare"):
+        kind, other = ("twin", "shared") if field == "share" else ("shared", "twin")
+        candidates = [i for i, r in enumerate(roles) if r is not None and r[0] == kind]
+        if not candidates:
+            return
+        i = data.draw(st.sampled_from(candidates))
+        changed[i] = (other, roles[i][1])
+    elif field == "fill an empty role":
+        empty = [i for i, r in enumerate(roles) if r is None]
+        if not empty:
+            return
+        changed[data.draw(st.sampled_from(empty))] = ("own", ((2,), (1,), torch.float32, 0))
+    elif field == "empty a role":
+        # a role no later role shares or twins
+        free = [i for i in own if not any(r is not None and r[0] != "own" and r[1] == i for r in roles)]
+        if not free:
+            return
+        changed[data.draw(st.sampled_from(free))] = None
+    else:       # patched for this example only (hypothesis runs every example in one fixture)
+        with monkeypatch.context() as m:
+            if field == "device":
+                assert replay.layout_key(tensors, 1) != key
+                m.setattr(launch, "current_device_and_stream", lambda: (1, 1234))
+            elif field == "debug":
+                m.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
+            else:
+                m.setattr(knobs.compilation, "instrumentation_mode", "fpsan")
+            assert replay.layout_key(tensors) != key
+        return
+    assert replay.layout_key(_realise(changed)) != key, (roles, changed)
+
+
+def test_a_tensor_in_two_roles_is_told_from_two_equal_looking_tensors(monkeypatch):
+    monkeypatch.setattr(launch, "current_device_and_stream", lambda: (0, 1234))
+    cu, twin = torch.arange(4, dtype=torch.int32), torch.arange(4, dtype=torch.int32)
+    shared = replay.layout_key((cu, cu, None))
+    assert replay.layout_key((cu, twin, None)) != shared
+    assert replay.layout_key((twin, twin, None)) == shared
+    assert replay.layout_key((cu, None, cu)) != replay.layout_key((cu, None, twin)) != shared
+
+
+# ---- a replay's arguments, whatever their nesting (hypothesis) ---------------------------------------------------
+
+class Trio(NamedTuple):
+    a: object
+    b: object
+    c: object
+
+
+class Single(NamedTuple):
+    only: object
+
+
+@st.composite
+def _argument_specs(draw, depth=0):
+    """An argument: a constant, a role's tensor, a declared view of one (a head), a TMA descriptor over one (or over a
+    declared view), or — above depth 2 — a plain tuple, a named tuple of one or three, of such arguments."""
+    kinds = ["int", "float", "tensor", "view", "descriptor", "view descriptor"]
+    if depth < 2:
+        kinds += ["tuple", "trio", "single"]
+    kind = draw(st.sampled_from(kinds))
+    if kind == "int":
+        return ("int", draw(st.integers(-3, 70)))
+    if kind == "float":
+        return ("float", draw(st.floats(-2.0, 2.0, allow_nan=False)))
+    if kind in ("tensor", "view", "descriptor", "view descriptor"):
+        return (kind, draw(st.integers(0, 3)))
+    if kind == "tuple":
+        return ("tuple", tuple(draw(st.lists(_argument_specs(depth + 1), max_size=3))))
+    return (kind, tuple(draw(_argument_specs(depth + 1)) for _ in range(3 if kind == "trio" else 1)))
+
+
+def _build(spec, tensors, declare=True):
+    """The argument `spec` stands for over `tensors` (declare: its views declared with launch.derived)."""
+    kind, value = spec
+    if kind in ("int", "float"):
+        return value
+    if kind == "tensor":
+        return tensors[value]
+    if kind in ("view", "view descriptor"):
+        t = tensors[value]
+        view = t.narrow(2, 1, 1)
+        view = launch.derived(view, t) if declare else view
+        return view if kind == "view" else _descriptor(view)
+    if kind == "descriptor":
+        return _descriptor(tensors[value])
+    inner = [_build(x, tensors, declare) for x in value]
+    return tuple(inner) if kind == "tuple" else (Trio if kind == "trio" else Single)(*inner)
+
+
+def _same_argument(got, want):
+    """A replayed argument against what the method passes the kernel with the later call's tensors: the same tensor;
+    a view's address; a descriptor of the same box over the same memory; tuples of the same type, element-wise."""
+    if isinstance(want, torch.Tensor) and want._base is not None:        # a declared view: replayed as its address
+        return isinstance(got, int) and not isinstance(got, torch.Tensor) and got == want.data_ptr()
+    if isinstance(want, torch.Tensor):
+        return got is want
+    if hasattr(want, "block_shape"):
+        mine, theirs = dict(vars(got)), dict(vars(want))
+        base, want_base = mine.pop("base"), theirs.pop("base")
+        return mine == theirs and base.data_ptr() == want_base.data_ptr()
+    if isinstance(want, tuple):
+        return type(got) is type(want) and len(got) == len(want) and all(map(_same_argument, got, want))
+    return type(got) is type(want) and got == want
+
+
+@needs_cuda_backend
+@pytest.mark.usefixtures("fake_driver")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(specs=st.lists(_argument_specs(), min_size=1, max_size=5), second=st.lists(_argument_specs(), max_size=3))
+def test_a_replay_passes_what_the_method_would_whatever_the_nesting(specs, second):
+    """Arguments of any nesting (tuples and named tuples in tuples, one-element ones, empty ones) holding the call's
+    tensors, declared views and descriptors over either, in two launches: a replay with later tensors passes each
+    kernel what the method passes it with those tensors."""
+    kernels = [_FakeKernel([False] * len(x)) for x in (specs, second)]
+
+    def method(tensors):
+        for kernel, spec in zip(kernels, (specs, second)):
+            if spec:
+                launch.launch_kernel(kernel, (2, 3), tuple(_build(x, tensors) for x in spec), 4, 1)
+
+    first = _tensors()
+    recorded = replay.record(functools.partial(method, first), first)
+    assert recorded is not None
+    later = _tensors(seed=1)
+    for kernel in kernels:
+        kernel.direct.clear()
+    recorded.run(later)
+    for kernel, spec in zip(kernels, (specs, second)):
+        if not spec:
+            continue
+        (run,) = kernel.direct
+        assert run[:9] == (2, 3, 1, 1234, "function", "metadata", None, None, None)
+        want = tuple(_build(x, later, declare=False) for x in spec)
+        assert len(run[9:]) == len(want) and all(map(_same_argument, run[9:], want)), (spec, run[9:])
+
+
+@needs_cuda_backend
+def test_the_entry_points_read_the_device_and_stream_once_and_key_on_the_device(monkeypatch):
+    """`_replayed` on a CUDA-looking call (Tensor.is_cuda patched): records on a layout's first call, replays later
+    ones on the stream it read with the device of the key (one read per call), records anew on another device or
+    layout, runs the method every call where the layout cannot be replayed."""
+    import triton.runtime as runtime
+
+    from flash_attn_ck.backends.triton import backend as triton_backend
+    state = dict(device=0, stream=1234, reads=0)
+
+    def current_device():
+        state["reads"] += 1
+        return state["device"]
+    monkeypatch.setattr(runtime, "driver", types.SimpleNamespace(active=types.SimpleNamespace(
+        get_current_device=current_device, get_current_stream=lambda device: state["stream"] + device)))
+    monkeypatch.setattr(launch, "_KERNELS", {})
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    kernel = _FakeKernel([False, False, False, False])
+    kernel.device_caches[1] = kernel.device_caches[0]
+    runs = []
+
+    class Backend:
+        @triton_backend._replayed
+        def forward(self, p, params, out, lse):
+            runs.append(out)
+            if out.dtype == torch.float64:       # not replayable: a torch operation
+                out.add_(1)
+            launch.launch_kernel(kernel, (1,), (params.q, out, lse, 3), 4, 1)
+
+    problem = types.SimpleNamespace(memo={})
+    backend = Backend()
+
+    def call(out=None, seed=0):
+        q, out_, lse = _tensors(3, seed=seed)
+        params = types.SimpleNamespace(q=q, k=None, v=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                                       alibi_slopes=None, rng_state=None)
+        out = out_ if out is None else out
+        state["reads"] = 0
+        backend.forward(problem, params, out, lse)
+        return q, out, lse
+
+    call()
+    assert len(runs) == 1
+    kernel.direct.clear()
+    q, out, lse = call(seed=1)                          # replayed: the method does not run
+    assert len(runs) == 1 and state["reads"] == 1
+    assert kernel.direct == [(1, 1, 1, 1234, "function", "metadata", None, None, None, q, out, lse, 3)]
+    state.update(device=1)                              # another device: recorded anew, then replayed on its stream
+    call(seed=2)
+    assert len(runs) == 2
+    q, out, lse = call(seed=3)
+    assert len(runs) == 2 and state["reads"] == 1 and kernel.direct[-1][3] == 1235
+    double = torch.zeros(1, 32, 2, 64, dtype=torch.float64)     # another layout, which cannot be replayed
+    for _ in range(3):
+        call(out=double)
+    assert len(runs) == 5 and [None in x.values() for x in problem.memo.values()] == [True]
+
+
 def test_the_backends_entry_points_run_the_method_off_the_gpu(monkeypatch):
     """On CPU tensors (and interpreted) nothing is recorded: the wrapped method runs every time."""
     from flash_attn_ck.backends.triton import backend as triton_backend
@@ -291,7 +575,7 @@ def test_replayed_calls_match_the_methods(monkeypatch, case):
         extra = {k: v for k, v in extra.items() if k != "launches"}
     runs = []
     real_run = replay.Replay.run
-    monkeypatch.setattr(replay.Replay, "run", lambda self, tensors: (runs.append(1), real_run(self, tensors)))
+    monkeypatch.setattr(replay.Replay, "run", lambda self, *args: (runs.append(1), real_run(self, *args)))
     replaying = TritonBackend()
     for call in range(5):
         g = torch.Generator(device="cuda").manual_seed(call)

@@ -106,23 +106,37 @@ def _replayed(method):
     """A TritonBackend entry point (forward, backward) whose launches are recorded on the first call of a
     (problem, layout of its tensors) and replayed on later ones (replay.py): `method(p, params, *tensors,
     [workspace])` reads and writes only params' tensors, `tensors` and the workspace's. Interpreted and CPU calls,
-    and calls while a profiler hook is installed, run the method."""
+    and calls while a profiler hook is installed, run the method. The current device and stream are read once per
+    call: the device for the key, the stream for the replay's launches."""
     name = method.__name__
 
     @functools.wraps(method)
     def run(self, p, params, *rest):
-        if _INTERPRETING or not params.q.is_cuda or launch.hooked():
+        if _INTERPRETING or not params.q.is_cuda or launch.hooked() or not REPLAYS_PER_PROBLEM:
             return method(self, p, params, *rest)
-        *positional, workspace = rest if isinstance(rest[-1], dict) else (*rest, {})
-        tensors = (params.q, params.k, params.v, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
-                   params.rng_state, *positional, *workspace.values())
-        if not REPLAYS_PER_PROBLEM:
-            return method(self, p, params, *rest)
+        workspace = rest[-1]
+        if isinstance(workspace, dict):
+            tensors = (params.q, params.k, params.v, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
+                       params.rng_state, *rest[:-1], *workspace.values())
+        else:
+            tensors = (params.q, params.k, params.v, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
+                       params.rng_state, *rest)
+            workspace = ()
         replays = p.memo.get((self, name, "replays"))
         if replays is None:
             replays = p.memo[(self, name, "replays")] = {}
-        key = (*replay.layout_key(tensors), *workspace)     # the workspace's names: which roles its tensors hold
-        replay.run_through(replays, key, lambda: method(self, p, params, *rest), tensors, REPLAYS_PER_PROBLEM)
+        device, stream = launch.current_device_and_stream()
+        key = replay.layout_key(tensors, device)
+        if workspace:
+            key = (*key, *workspace)        # the workspace's names: which roles its tensors hold
+        found = replays.get(key, _MISSING)
+        if found is None:           # a layout that cannot be replayed
+            method(self, p, params, *rest)
+        elif found is _MISSING:     # recorded (replay.run_through, which empties a full store)
+            replay.run_through(replays, key, lambda: method(self, p, params, *rest), tensors, REPLAYS_PER_PROBLEM,
+                               stream)
+        else:
+            found.run(tensors, stream)
     return run
 
 
@@ -413,8 +427,9 @@ class TritonBackend(Backend):
             return
         # Replayed per layout (replay.py): the launch follows from the tensors' layouts, dims and values alone.
         tensors = tuple(t for cu_seqlens, t, _, _ in fills for t in (cu_seqlens, t))
-        key = (*replay.layout_key(tensors), *[(dim, float(value).hex()) for _, _, dim, value in fills])
-        replay.run_through(_FILL_REPLAYS, key, lambda: self._fill_outside(fills), tensors, FILL_REPLAYS)
+        device, stream = launch.current_device_and_stream()
+        key = (*replay.layout_key(tensors, device), *[(dim, float(value).hex()) for _, _, dim, value in fills])
+        replay.run_through(_FILL_REPLAYS, key, lambda: self._fill_outside(fills), tensors, FILL_REPLAYS, stream)
 
     @staticmethod
     def _fill_outside(fills) -> None:

@@ -324,9 +324,11 @@ def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, nu
 
 
 def hooked() -> bool:
-    """Whether a launch hook (a profiler's) is installed."""
-    runtime = _triton()[0].runtime
-    return _installed(runtime.launch_enter_hook) or _installed(runtime.launch_exit_hook)
+    """Whether a launch hook (a profiler's) is installed (`_installed` of either, inline: asked on every call)."""
+    runtime = (_TRITON or _triton())[0].runtime
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return ((enter is not None and bool(getattr(enter, "calls", True)))
+            or (exit_ is not None and bool(getattr(exit_, "calls", True))))
 
 
 def _installed(hook) -> bool:
@@ -334,8 +336,9 @@ def _installed(hook) -> bool:
 
 
 def current_device_and_stream() -> tuple[int, int]:
-    """Triton's current device and its current stream (what launch_kernel launches on)."""
-    driver = _triton()[1].driver.active
+    """Triton's current device and its current stream (what launch_kernel launches on): the active driver's
+    `get_current_device` and `get_current_stream`, as Triton's own launch reads them."""
+    driver = (_TRITON or _triton())[1].driver.active
     device = driver.get_current_device()
     return device, driver.get_current_stream(device)
 

@@ -24,6 +24,9 @@ replay launches on the current stream of the current device, which its key holds
 
 from __future__ import annotations
 
+import collections
+import functools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,15 +60,17 @@ class _AnyOperation(TorchDispatchMode):
         return result
 
 
-def layout_key(tensors: tuple[torch.Tensor | None, ...]) -> tuple:
+def layout_key(tensors: tuple[torch.Tensor | None, ...], device: int | None = None) -> tuple:
     """What decides a recorded launch besides the problem: each tensor's shape, strides, dtype (the problem fixes
     most roles' dtypes, not every caller-given one's) and address modulo 16 (TMA descriptors and Triton's pointer
     specialisation) and the first role the same tensor holds (self-attention's
     shared cu_seqlens: a replay puts the tensor of that role in each), None where a role is empty; the current
-    device and Triton's debug knobs (launch_kernel's key holds them too)."""
-    knobs = launch._triton()[0]
+    device (`device` where the caller has read it, with the stream it replays on: `launch.current_device_and_stream`)
+    and Triton's debug knobs (launch_kernel's key holds them too)."""
+    knobs = (launch._TRITON or launch._triton())[0]
     first_role: dict[int, int] = {}
-    return (launch.current_device_and_stream()[0], knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+    return (launch.current_device_and_stream()[0] if device is None else device, knobs.runtime.debug,
+            knobs.compilation.instrumentation_mode,
             *[None if t is None else (t.shape, t.stride(), t.dtype, t.data_ptr() % 16,
                                       first_role.setdefault(id(t), role))
               for role, t in enumerate(tensors)])
@@ -104,9 +109,10 @@ def record(method, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
     return Replay(recorded, scratch)
 
 
-def run_through(store: dict, key: tuple, method, tensors: tuple[torch.Tensor | None, ...], capacity: int) -> None:
-    """`method()` through `store`'s replay of `key`: replayed once recorded, recorded on the key's first call
-    (`store` is emptied first when it holds `capacity` keys), run as is where it cannot be replayed."""
+def run_through(store: dict, key: tuple, method, tensors: tuple[torch.Tensor | None, ...], capacity: int,
+                stream: int | None = None) -> None:
+    """`method()` through `store`'s replay of `key`: replayed once recorded (on `stream`, Replay.run), recorded on the
+    key's first call (`store` is emptied first when it holds `capacity` keys), run as is where it cannot be replayed."""
     found = store.get(key, _UNSEEN)
     if found is _UNSEEN:
         if len(store) >= capacity:
@@ -115,7 +121,7 @@ def run_through(store: dict, key: tuple, method, tensors: tuple[torch.Tensor | N
     elif found is None:
         method()
     else:
-        found.run(tensors)
+        found.run(tensors, stream)
 
 
 _UNSEEN = object()
@@ -131,30 +137,88 @@ _CONSTANT_TYPES = (bool, int, float, str, type(None))
 
 @dataclass(frozen=True)
 class _Launch:
-    """One recorded launch: the compiled kernel, its grid, its arguments with the call's tensors taken out
-    (`template`), and where they go back: `tensors` ((position, role)), `nested` ((position, _Args) for argument
-    tuples holding tensors) and `descriptors` ((position, role) of TMA descriptors over a role's tensor)."""
+    """One recorded launch: the compiled kernel, its grid, its arguments with the call's tensors taken out (`args`,
+    nested tuples included) and how `fill` puts a later call's tensors back, flattened over the nested tuples:
+    `gather` (an itemgetter, in C) picks the arguments from `sources`, every constant of the arguments and of their
+    nested tuples (`constants`) followed by the call's tensors (the tensor of role r at len(constants) + r); `steps`
+    are the values computed per call first, each written into `sources` at its slot, in order (a nested tuple after
+    the tuples it holds): `(slot, _NESTED, gather, make)` a nested tuple (`make`: its named tuple's constructor, None
+    for a plain tuple), `(slot, _VIEW, role, byte offset)` a declared view's address, `(slot, _DESCRIPTOR, role,
+    recorded descriptor)` a TMA descriptor over the role's tensor (or view)."""
     compiled: Any
     grid: tuple[int, int, int]
     args: _Args
+    constants: tuple
+    steps: tuple[tuple, ...]
+    gather: Any
 
     @staticmethod
     def of(compiled, grid, args, roles) -> _Launch:
         grid = tuple(grid) + (1,) * (3 - len(grid))
-        return _Launch(compiled, grid, _Args.of(tuple(args), roles))
+        structure = _Args.of(tuple(args), roles)
+        constants, steps = [], []
+        top = _flatten(structure, constants, steps)
+        index = functools.partial(_index, len(constants))
+        steps = tuple((slot, kind, _gatherer(list(map(index, a))), b) if kind is _NESTED else (slot, kind, a, b)
+                      for slot, kind, a, b in steps)
+        return _Launch(compiled, grid, structure, tuple(constants), steps, _gatherer(list(map(index, top))))
 
-    def run(self, tensors, stream) -> None:
-        c = self.compiled
-        c.run(*self.grid, stream, c.function, c.packed_metadata, None, None, None, *self.args.fill(tensors))
+    def fill(self, tensors: tuple) -> tuple:
+        """The arguments with `tensors` (a tuple: a call's tensors by role, then the replay's scratch tensors) in their
+        roles."""
+        if not self.steps:
+            return self.gather(self.constants + tensors)
+        sources = [*self.constants, *tensors]
+        for slot, kind, a, b in self.steps:
+            if kind is _NESTED:
+                sources[slot] = a(sources) if b is None else b(a(sources))
+            elif kind is _VIEW:
+                sources[slot] = _Address(tensors[a].data_ptr() + b)
+            else:
+                sources[slot] = _with_base(b, _at(tensors, a))
+        return self.gather(sources)
+
+
+_NESTED, _VIEW, _DESCRIPTOR = "nested", "view", "descriptor"
+
+
+def _flatten(args: _Args, constants: list, steps: list) -> list[tuple[bool, int]]:
+    """Append `args`' template to `constants` and what `args` computes per call to `steps` (its nested tuples' steps
+    first, so that each is computed before the tuple holding it is gathered); return where each of its arguments
+    comes from: `(False, slot)`, the slot of `sources` below len(constants) (a constant, or a value a step writes
+    there), or `(True, role)`, the call's tensor of that role."""
+    base = len(constants)
+    constants.extend(args.template)
+    sources = [(False, base + position) for position in range(len(args.template))]
+    for position, role in args.tensors:
+        if isinstance(role, int):
+            sources[position] = (True, role)
+        else:
+            steps.append((base + position, _VIEW, *role))
+    for position, inner in args.nested:
+        inner_sources = _flatten(inner, constants, steps)
+        steps.append((base + position, _NESTED, inner_sources, inner.make))
+    for position, role in args.descriptors:
+        steps.append((base + position, _DESCRIPTOR, role, args.template[position]))
+    return sources
+
+
+def _index(constants: int, source: tuple[bool, int]) -> int:
+    tensor, at = source
+    return constants + at if tensor else at
 
 
 @dataclass(frozen=True)
 class _Args:
+    """Arguments with the call's tensors taken out (`template`), and where they go back: `tensors` ((position, role)),
+    `nested` ((position, _Args) for argument tuples holding tensors) and `descriptors` ((position, role) of TMA
+    descriptors over a role's tensor); a role is an int, or `(role, byte offset)` of a declared view. `make` rebuilds
+    the tuple (a named tuple's constructor; None: a plain tuple)."""
     template: tuple
-    make: Any                                  # the tuple type to rebuild (a named tuple's type, or tuple)
-    tensors: tuple[tuple[int, int], ...]
+    make: Any
+    tensors: tuple[tuple[int, int | tuple[int, int]], ...]
     nested: tuple[tuple[int, _Args], ...]
-    descriptors: tuple[tuple[int, int], ...]
+    descriptors: tuple[tuple[int, int | tuple[int, int]], ...]
 
     @staticmethod
     def of(args: tuple, roles: dict[int, int]) -> _Args:
@@ -174,7 +238,7 @@ class _Args:
                 template[position] = _with_base(value, None)
             elif not isinstance(value, _CONSTANT_TYPES):
                 raise _NotReplayable    # what it holds cannot be told apart from a constant: never replayed
-        make = type(args)._make if hasattr(args, "_fields") else tuple
+        make = _maker(type(args)) if hasattr(args, "_fields") else None
         return _Args(tuple(template), make, tuple(tensors), tuple(nested), tuple(descriptors))
 
     def roles(self):
@@ -184,17 +248,25 @@ class _Args:
         for _, inner in self.nested:
             yield from inner.roles()
 
-    def fill(self, tensors) -> tuple:
-        if not (self.tensors or self.nested or self.descriptors):
-            return self.template
-        args = list(self.template)
-        for position, role in self.tensors:
-            args[position] = _at(tensors, role)
-        for position, inner in self.nested:
-            args[position] = inner.fill(tensors)
-        for position, role in self.descriptors:
-            args[position] = _with_base(args[position], _at(tensors, role))
-        return self.make(args)
+
+def _maker(named: type):
+    """What rebuilds a named tuple of `named` from a tuple of its fields: `tuple.__new__(named, fields)` (in C), which
+    is what a named tuple's own `_make` does before it checks the length (`_Launch.fill` gathers exactly the recorded
+    fields); the class's `_make` where it has another."""
+    if getattr(named._make, "__code__", None) is _NAMEDTUPLE_MAKE:
+        return functools.partial(tuple.__new__, named)
+    return named._make
+
+
+_NAMEDTUPLE_MAKE = collections.namedtuple("_", "")._make.__code__
+
+
+def _gatherer(indices: list[int]):
+    """`sources -> tuple(sources[i] for i in indices)`, in C where there are several (an itemgetter of one index
+    returns the item itself)."""
+    if len(indices) > 1:
+        return operator.itemgetter(*indices)
+    return (lambda sources: (sources[indices[0]],)) if indices else (lambda sources: ())
 
 
 def _with_base(descriptor, base):
@@ -259,10 +331,14 @@ class Replay:
     launches: tuple[_Launch, ...]
     scratch: tuple[tuple, ...] = ()
 
-    def run(self, tensors: tuple[torch.Tensor | None, ...]) -> None:
-        stream = launch.current_device_and_stream()[1]
+    def run(self, tensors: tuple[torch.Tensor | None, ...], stream: int | None = None) -> None:
+        """Re-issue the launches with `tensors` in their roles on `stream` (None: the current device's current
+        stream, `launch.current_device_and_stream`; a caller that has read both for the key passes its stream)."""
+        if stream is None:
+            stream = launch.current_device_and_stream()[1]
         if self.scratch:
             tensors = (*tensors, *(torch.empty_strided(shape, strides, dtype=dtype, device=device)
                                    for shape, strides, dtype, device in self.scratch))
         for recorded in self.launches:
-            recorded.run(tensors, stream)
+            c = recorded.compiled
+            c.run(*recorded.grid, stream, c.function, c.packed_metadata, None, None, None, *recorded.fill(tensors))
