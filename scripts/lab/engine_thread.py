@@ -14,6 +14,8 @@ the hand-off can be told apart from the backward's own Python.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -52,19 +54,24 @@ class Trivial(torch.autograd.Function):
 class InsideBackward:
     """Sums the wall time spent inside flash_attn_ck's autograd backward while installed."""
 
-    def __init__(self):
+    def __init__(self, profile: cProfile.Profile | None = None):
         from flash_attn_ck import ops
         self.function, self.total, self.calls = ops._Attention, 0.0, 0
         self.original = ops._Attention.backward
+        self.profile = profile
 
     def __enter__(self):
         original = self.original
 
         def timed(ctx, *grads):
             start = time.perf_counter()
+            if self.profile is not None:
+                self.profile.enable()
             try:
                 return original(ctx, *grads)
             finally:
+                if self.profile is not None:
+                    self.profile.disable()
                 self.total += time.perf_counter() - start
                 self.calls += 1
         self.function.backward = staticmethod(timed)
@@ -92,6 +99,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--work-us", type=float, default=50.0)
+    ap.add_argument("--profile-body", action="store_true",
+                    help="also cProfile the backward body on each thread (top functions by own time)")
     args = ap.parse_args()
     start = time.perf_counter()
     spin(1e6)
@@ -133,6 +142,18 @@ def main() -> None:
             per_call_us(ours, args.calls)
         print(f"flash_attn_ck's backward body on {'the engine thread' if threaded else 'the calling thread':18s} "
               f"{inside.total * 1e6 / inside.calls:7.1f} us per call (mean of {inside.calls})")
+    if args.profile_body:
+        for threaded in (True, False):
+            profile = cProfile.Profile(time.perf_counter_ns, 1e-9)
+            with torch.autograd.set_multithreading_enabled(threaded), InsideBackward(profile) as inside:
+                per_call_us(ours, args.calls)
+            stats = pstats.Stats(profile).stats
+            rows = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:18]
+            print(f"-- backward body on {'the engine thread' if threaded else 'the calling thread'}, profiled: "
+                  f"{inside.total * 1e6 / inside.calls:.1f} us per call; own / cumulative us per call:")
+            for where, (_, n, own, cum, _) in rows:
+                print(f"{n / inside.calls:6.1f}x {own * 1e6 / inside.calls:8.2f} {cum * 1e6 / inside.calls:8.2f}  "
+                      f"{pstats.func_std_string(where)}")
 
 
 if __name__ == "__main__":
