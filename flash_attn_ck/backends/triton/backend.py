@@ -114,14 +114,10 @@ def _replayed(method):
     def run(self, p, params, *rest):
         if _INTERPRETING or not params.q.is_cuda or launch.hooked() or not REPLAYS_PER_PROBLEM:
             return method(self, p, params, *rest)
-        workspace = rest[-1]
-        if isinstance(workspace, dict):
-            tensors = (params.q, params.k, params.v, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
-                       params.rng_state, *rest[:-1], *workspace.values())
-        else:
-            tensors = (params.q, params.k, params.v, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
-                       params.rng_state, *rest)
-            workspace = ()
+        has_workspace = isinstance(rest[-1], dict)
+        workspace, positional = (rest[-1], rest[:-1]) if has_workspace else ({}, rest)
+        tensors = (params.q, params.k, params.v, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
+                   params.rng_state, *positional, *workspace.values())
         replays = p.memo.get((self, name, "replays"))
         if replays is None:
             replays = p.memo[(self, name, "replays")] = {}

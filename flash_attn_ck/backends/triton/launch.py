@@ -324,11 +324,9 @@ def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, nu
 
 
 def hooked() -> bool:
-    """Whether a launch hook (a profiler's) is installed (`_installed` of either, inline: asked on every call)."""
+    """Whether a launch hook (a profiler's) is installed."""
     runtime = (_TRITON or _triton())[0].runtime
-    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-    return ((enter is not None and bool(getattr(enter, "calls", True)))
-            or (exit_ is not None and bool(getattr(exit_, "calls", True))))
+    return _installed(runtime.launch_enter_hook) or _installed(runtime.launch_exit_hook)
 
 
 def _installed(hook) -> bool:
