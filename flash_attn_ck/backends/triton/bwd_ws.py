@@ -103,8 +103,7 @@ def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
         m0 = m_lo + (step % m_tiles) * BLOCK_M
         q_tile = slot(bufs.q.bufs, stage)
         do_tile = slot(bufs.do.bufs, stage)
-        lse2 = bufs.lse.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
-        delta = bufs.delta.index(stage).load(col_layout)
+        lse2 = bufs.lse.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it, and D)
         offs_m = m0 + offs_m_tile
 
         # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked ----
@@ -112,6 +111,8 @@ def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
         pT = probs_transposed(mask, sT, lse2, scale_log2, offs_m, offs_n, m0, n0, len_k, shift, BLOCK_M, BLOCK_N)
 
         # ---- dS^T = P^T (dP^T - D); dV += P^T dO ----
+        # D is read only now: its registers are not live across the exp2 (ptxas: spills 84 -> 16 bytes causal)
+        delta = bufs.delta.index(stage).load(col_layout)
         dpT = warpgroup_mma_wait(0, deps=(dpT,))
         dsT = pT * (dpT - gl.expand_dims(delta, 0))
         p_op = gl.convert_layout(pT.to(dtype), a_layout)
