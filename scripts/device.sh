@@ -11,7 +11,8 @@
 #                                                 WARM_FLEX=1: also fill FlexAttention's compile caches for a grid
 #                                                 run in the next call (two bench_bwd.py --warm-only shards).
 #   bash scripts/device.sh gpu-tests             every test of the files with GPU tests (host path, SDPA, ops, compile,
-#                                                 graphs, chunking, the Triton and Gluon kernels), 14 workers, spread over calls: the
+#                                                 graphs, chunking, replays, context parallelism at world 1, the Triton
+#                                                 and Gluon kernels), 14 workers, spread over calls: the
 #                                                 node ids listed in .devrun/gpu-passed.txt are left out (540 s) ->
 #                                                 gpu-tests.log, gpu-passed.txt (those ids plus this call's passes; to
 #                                                 resume on a fresh machine, copy it into .devrun/ here and carry .devrun;
@@ -88,10 +89,20 @@ case $cmd in
     sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt /root/gpu-passed.txt
     # the files with GPU tests, riskiest (host path, ops, compile) first; their CPU tests come along
     python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_host_path.py tests/test_sdpa_gpu.py \
-      tests/test_ops.py tests/test_cuda_graphs.py tests/test_compile.py tests/test_chunking_gpu.py \
+      tests/test_ops.py tests/test_cuda_graphs.py tests/test_compile.py tests/test_chunking_gpu.py tests/test_replay.py \
+      tests/test_out_dtype.py tests/test_forward_out.py tests/test_seqused_k.py tests/test_edge_cases.py \
+      tests/test_backend_selection.py tests/test_context_parallel.py tests/test_main.py \
       tests/test_triton_ws.py tests/test_triton_fwd_ws.py tests/test_triton_launch.py tests/test_varlen_schedule.py \
-      tests/test_outside_rows.py tests/test_launch_cache.py tests/test_triton.py 2>/dev/null | grep '::' > .devrun/gpu-all.txt
+      tests/test_varlen_schedule_launch.py tests/test_outside_rows.py tests/test_launch_cache.py tests/test_triton.py \
+      2>/dev/null | grep '::' > .devrun/gpu-all.txt
+    # GPU_TESTS_FIRST=REGEX: the ids it matches go first (workers take the list in order)
     grep -vxF -f .devrun/gpu-passed.txt .devrun/gpu-all.txt > .devrun/gpu-todo.txt
+    first=${GPU_TESTS_FIRST:-}
+    if [ -n "$first" ]; then
+      { grep -E -- "$first" .devrun/gpu-todo.txt; grep -vE -- "$first" .devrun/gpu-todo.txt; } > .devrun/gpu-todo.sorted
+      mv .devrun/gpu-todo.sorted .devrun/gpu-todo.txt
+    fi
+    cp .devrun/gpu-all.txt .devrun/gpu-todo.txt "$OUT/"
     echo "collected $(wc -l < .devrun/gpu-all.txt), passed earlier $(wc -l < .devrun/gpu-passed.txt), running $(wc -l < .devrun/gpu-todo.txt)"
     [ -s .devrun/gpu-todo.txt ] || { echo "nothing left to run"; exit 0; }
     per_test=()
@@ -104,7 +115,8 @@ case $cmd in
     limit 540 python3 -m pytest -v -n 14 -p no:cacheprovider -rf "${per_test[@]}" "${todo[@]}" \
       > "$OUT/gpu-tests.log" 2>&1
     echo "pytest rc=$?"
-    grep -oE "PASSED tests/[^ ]+" "$OUT/gpu-tests.log" | cut -d' ' -f2 | sort -u >> .devrun/gpu-passed.txt
+    # whole node ids: some hold spaces ("[...-q not a tensor]"), so cut the status prefix and the trailing blank only
+    sed -nE 's/^.*PASSED (tests\/.*[^ ]) *$/\1/p' "$OUT/gpu-tests.log" | sort -u >> .devrun/gpu-passed.txt
     grep -E "^FAILED|^ERROR| passed| failed" "$OUT/gpu-tests.log" | tail -12
     sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt
     cp .devrun/gpu-passed.txt "$OUT/" && cp .devrun/gpu-passed.txt /root/

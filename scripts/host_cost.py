@@ -446,14 +446,23 @@ def layer_table(meta: dict, layers: list[dict]) -> list[str]:
 
 
 def markdown(meta: dict, host: list[dict], throughput: list[dict], layers: list[dict] = ()) -> str:
-    peers = meta["peers"]
     notes = [f"- {LABELS[n]}: {why}" for n, why in meta.get("skipped", {}).items()]
     lines = [f"# Host cost per call, {meta['gpu']}, {meta['date']}", "",
              f"torch {meta['torch']}, triton {meta.get('triton', '-')}, {meta['dtype']}, device {meta['device']}, "
              f"ours on backend {meta['backend']!r}; {meta['calls']} back-to-back calls, median of "
              f"{meta['repeats']}. µs of host time per call; * = GPU-bound (wall > {GPU_BOUND_RATIO}x host: "
              "the GPU, not the host, set the pace of the calls).", "",
-             *notes, *([""] if notes else []), *layer_table(meta, layers), "## Host µs per call", ""]
+             *notes, *([""] if notes else []), *layer_table(meta, layers)]
+    if host:
+        lines += host_table(meta, host)
+    if throughput:
+        lines += throughput_table(meta, throughput)
+    return "\n".join(lines) + "\n"
+
+
+def host_table(meta: dict, host: list[dict]) -> list[str]:
+    peers = meta["peers"]
+    lines = ["## Host µs per call", ""]
     head = ["call", "b", "s", "h", "d", "causal", "layout", *(LABELS[n] for n in peers), "ours / FA2"]
     gaps = any("busy_us" in c for r in host for c in r["peers"].values())
     if gaps:
@@ -467,24 +476,27 @@ def markdown(meta: dict, host: list[dict], throughput: list[dict], layers: list[
             cells += [_num(r["peers"].get("ours", {}).get("busy_us")), _num(r["peers"].get("ours", {}).get("idle_us")),
                       _num(r["peers"].get("sdpa_flash", {}).get("idle_us"))]
         lines.append("| " + " | ".join(cells) + " |")
-    if throughput:
-        tpeers = meta["throughput_peers"]
-        lines += ["", "## Throughput of the short rows (TFLOP/s end to end; kernels alone with --gaps)", ""]
-        head = ["d", "s", "b", "h", "causal", *(f"fwd {LABELS[n]}" for n in tpeers), "fwd ours / cuDNN",
-                *(f"bwd {LABELS[n]}" for n in tpeers), "bwd ours / cuDNN"]
-        kernels = any("fwd_kernel_tflops" in c for r in throughput for c in r["peers"].values())
+    return [*lines, ""]
+
+
+def throughput_table(meta: dict, throughput: list[dict]) -> list[str]:
+    tpeers = meta["throughput_peers"]
+    lines = ["## Throughput of the short rows (TFLOP/s end to end; kernels alone with --gaps)", ""]
+    head = ["d", "s", "b", "h", "causal", *(f"fwd {LABELS[n]}" for n in tpeers), "fwd ours / cuDNN",
+            *(f"bwd {LABELS[n]}" for n in tpeers), "bwd ours / cuDNN"]
+    kernels = any("fwd_kernel_tflops" in c for r in throughput for c in r["peers"].values())
+    if kernels:
+        head += ["fwd kernels ours / cuDNN", "bwd kernels ours / cuDNN"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in throughput:
+        cells = [str(r["d"]), str(r["s"]), str(r["b"]), str(r["h"]), "yes" if r["causal"] else "no"]
+        for direction in ("fwd", "bwd"):
+            cells += [_tflops(r["peers"].get(n, {}).get(f"{direction}_tflops")) for n in tpeers]
+            cells.append(_num(ratio(r, f"{direction}_tflops", "ours", "sdpa_cudnn"), "{:.2f}"))
         if kernels:
-            head += ["fwd kernels ours / cuDNN", "bwd kernels ours / cuDNN"]
-        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in throughput:
-            cells = [str(r["d"]), str(r["s"]), str(r["b"]), str(r["h"]), "yes" if r["causal"] else "no"]
-            for direction in ("fwd", "bwd"):
-                cells += [_tflops(r["peers"].get(n, {}).get(f"{direction}_tflops")) for n in tpeers]
-                cells.append(_num(ratio(r, f"{direction}_tflops", "ours", "sdpa_cudnn"), "{:.2f}"))
-            if kernels:
-                cells += [_num(ratio(r, f"{x}_kernel_tflops", "ours", "sdpa_cudnn"), "{:.2f}") for x in ("fwd", "bwd")]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+            cells += [_num(ratio(r, f"{x}_kernel_tflops", "ours", "sdpa_cudnn"), "{:.2f}") for x in ("fwd", "bwd")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(meta: dict, host: list[dict], throughput: list[dict], path: Path) -> None:
@@ -527,7 +539,8 @@ def write(stem: Path, data: dict) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
     stem.with_suffix(".md").write_text(markdown(data["meta"], data["host"], data["throughput"], data.get("layers", [])))
-    plot(data["meta"], data["host"], data["throughput"], stem.with_suffix(".png"))
+    if data["host"] or data["throughput"]:   # a layers-only run has nothing to draw
+        plot(data["meta"], data["host"], data["throughput"], stem.with_suffix(".png"))
 
 
 # ---- main ------------------------------------------------------------------------------------------
