@@ -113,10 +113,12 @@ def test_runs_on_cpu_with_reference_backend(tmp_path):
 def test_a_report_has_the_sections_of_its_rows_only(tmp_path, keep):
     """A run with --no-host, --no-throughput or --layers alone writes no empty table (and no empty plot)."""
     data = _random_data(0)
-    layers = [dict(layer="fwd: flash_attn_func, no grad", layout=layout, host_us=50.0) for layout in ("dense", "varlen")]
+    layers = [dict(layer="fwd: flash_attn_func, no grad", layout=layout, host_us=50.0)
+              for layout in ("dense", "varlen")]
     data["meta"].update(layer_shape="1:128:16:128", layer_backend="triton")
     data = dict(meta=data["meta"], host=data["host"] if keep == "host" else [],
-                throughput=data["throughput"] if keep == "throughput" else [], layers=layers if keep == "layers" else [])
+                throughput=data["throughput"] if keep == "throughput" else [],
+                layers=layers if keep == "layers" else [])
     host_cost.write(tmp_path / "run", data)
     md = (tmp_path / "run.md").read_text()
     titles = {"host": "## Host µs per call\n", "throughput": "## Throughput", "layers": "## Host µs per call of each"}
