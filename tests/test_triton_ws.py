@@ -175,11 +175,11 @@ def _cases(head_dims, masks, padded_masks):
                                    ids=[f"d{d}-{m}" for d, m in cases])
 
 
-@_cases([128], ["dense", "window"], [])
-def test_the_d128_kernel_does_not_spill_off_the_diagonal(head_dim, varlen, masks, deterministic):
-    """bwd_ws at d128 (its table tile) keeps the MMA partition within its registers where no tile needs the mask's
-    constants: D is read from shared memory after the exp2, so its registers are not live across it (read beside
-    lse, ptxas spilled 16 bytes dense and 32 windowed, reloaded every step)."""
+@_cases([128], ["window"], [])
+def test_the_windowed_d128_kernel_does_not_spill(head_dim, varlen, masks, deterministic):
+    """bwd_ws at d128 (its table tile) with a windowed mask keeps the MMA partition within its registers: D is read
+    from shared memory after the exp2, so its registers are not live across it (read beside lse, ptxas spilled 20
+    bytes here, reloaded every step). Unmasked kernels keep the read beside lse, measured faster though it spills."""
     tile = config.bwd_ws_tile(head_dim, causal=masks[2])
     report = ptxas_report(_compile(tile, head_dim, varlen, masks, deterministic).asm["ptx"])
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report
