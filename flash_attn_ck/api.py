@@ -224,7 +224,8 @@ _RETURNS = """
     Raises:
         ArgumentError: a bad argument (the message names it). NoBackendError: no backend can run the call."""
 _BATCH_RETURNS = _RETURNS.format(lse="(b, h, s_q)", probs="(b, h, s_q, s_k)")
-_VARLEN_RETURNS = _RETURNS.format(lse="(h, total_q)", probs="(b, h, max_seqlen_q, max_seqlen_k)")
+_VARLEN_RETURNS = _RETURNS.format(lse="(h, total_q)",
+                                  probs="(b, h, min(max_seqlen_q, total_q), min(max_seqlen_k, total_k))")
 
 
 def _flash_documented(returns: str):
@@ -327,7 +328,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                       deterministic, return_attn_probs, backend=backend)
     except ArgumentError as error:     # name the arguments this function has (one cu_seqlens, one max_seqlen)
-        message = re.sub(r"^(cu_seqlens|max_seqlen)_[qk]\b", r"\1", str(error))
+        message = re.sub(r"\b(cu_seqlens|max_seqlen)_[qk]\b", r"\1", str(error))
         raise ArgumentError(message) from None
 
 

@@ -48,7 +48,7 @@ from .pipeline.prepare import PreparedCall, memoised
 # Every AttentionOptions field -> its schema arguments (schemas have no tuples: the window is two ints).
 _SCHEMA = {
     "cu_seqlens_q": "Tensor? cu_seqlens_q", "cu_seqlens_k": "Tensor? cu_seqlens_k", "seqused_k": "Tensor? seqused_k",
-    "max_seqlen_q": "SymInt max_seqlen_q", "max_seqlen_k": "SymInt max_seqlen_k",
+    "max_seqlen_q": "SymInt? max_seqlen_q", "max_seqlen_k": "SymInt? max_seqlen_k",
     "alibi_slopes": "Tensor? alibi_slopes", "dropout_p": "float dropout_p", "softmax_scale": "float? softmax_scale",
     "causal": "bool causal", "window_size": "int window_left, int window_right", "softcap": "float softcap",
     "deterministic": "bool deterministic", "return_attn_probs": "bool return_probs", "backend": "str backend",
@@ -78,8 +78,6 @@ def _flatten(options: AttentionOptions, names: tuple[str, ...]) -> tuple:
             args += value
         elif name == "backend":
             args.append(backend_key(value))
-        elif name in ("max_seqlen_q", "max_seqlen_k"):
-            args.append(value or 0)
         else:
             args.append(value)
     return tuple(args)
@@ -165,8 +163,10 @@ def _fake_results(q, k, flat: tuple) -> tuple[torch.Tensor, ...]:
     options = _unflatten(flat, _FWD)
     accum = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_empty(row_stats_shape(tuple(q.shape[:-2]), q.shape[-2]), dtype=accum)
-    if options.varlen:
-        batch, seqlen_q, seqlen_k = options.cu_seqlens_q.shape[0] - 1, options.max_seqlen_q, options.max_seqlen_k
+    if options.varlen:      # the problem's lengths: max_seqlen, bounded by the packed rows (core/inputs.py)
+        batch = options.cu_seqlens_q.shape[0] - 1
+        seqlen_q = torch.sym_min(options.max_seqlen_q, q.shape[0])
+        seqlen_k = torch.sym_min(options.max_seqlen_k, k.shape[0])
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     rng_state = q.new_empty((2 if options.dropout_p > 0 else 0,), dtype=torch.int64)

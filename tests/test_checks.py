@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import warnings
+
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flash_attn_ck as fa
 from flash_attn_ck import ArgumentError
@@ -137,3 +143,61 @@ def test_block_table_is_refused():
     q, k, v, cu_q, cu_k = varlen_inputs()
     with pytest.raises(ArgumentError, match=r"^block_table"):
         fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, block_table=torch.zeros(1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_views_of_one_buffer_in_two_storages_are_seen_to_share(data):
+    """tensors_overlap on tensors whose storages are views of one buffer (torch.from_numpy of two slices of one
+    array): whenever numpy says they share memory, so does tensors_overlap; byte spans that do not meet never
+    count as shared."""
+    from flash_attn_ck.core.checks import tensors_overlap
+    buffer = np.zeros(64, np.float32)
+
+    def view():
+        start = data.draw(st.integers(0, 63))
+        return buffer[start:data.draw(st.integers(start + 1, 64)):data.draw(st.integers(1, 3))]
+
+    a, b = view(), view()
+    overlap = tensors_overlap(torch.from_numpy(a), torch.from_numpy(b))
+    if np.shares_memory(a, b):
+        assert overlap
+    spans = [(x.ctypes.data, x.ctypes.data + ((x.size - 1) * x.strides[0] + x.itemsize)) for x in (a, b)]
+    if spans[0][1] <= spans[1][0] or spans[1][1] <= spans[0][0]:
+        assert not overlap
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v"])
+@pytest.mark.parametrize("kind", ["sparse", "nested"])
+def test_a_tensor_without_strides_is_named(name, kind):
+    """q, k or v in a sparse layout or nested: ArgumentError naming it (the kernels read elements by strides)."""
+    q, k, v = tensors(torch.float32)
+    given = dict(q=q, k=k, v=v)
+    if kind == "sparse":
+        given[name] = given[name].to_sparse()
+        expected = rf"^{name}: expected a dense \(strided\) tensor, got layout sparse_coo"
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # nested tensors warn that their API is a prototype
+            given[name] = torch.nested.nested_tensor(list(given[name]))
+        expected = rf"^{name}: expected a dense \(strided\) tensor, got a nested tensor"
+    with pytest.raises(ArgumentError, match=expected):
+        fa.flash_attn_func(given["q"], given["k"], given["v"], backend="reference")
+
+
+@settings(max_examples=60, deadline=None)
+@given(longest=st.integers(1, 9), max_seqlen=st.integers(0, 12), batch=st.integers(1, 3))
+def test_the_packed_varlen_function_names_its_own_arguments(longest, max_seqlen, batch):
+    """flash_attn_varlen_qkvpacked_func has one cu_seqlens and one max_seqlen: its errors never name the _q/_k
+    arguments of the function it calls."""
+    lengths = [longest] + [1] * (batch - 1)
+    cu = torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
+    qkv = torch.randn(int(cu[-1]), 3, 2, 8)
+    try:
+        fa.flash_attn_varlen_qkvpacked_func(qkv, cu, max_seqlen, backend="reference")
+    except ArgumentError as error:
+        assert max_seqlen < longest
+        assert re.search(r"\b(cu_seqlens|max_seqlen)_[qk]\b", str(error)) is None, str(error)
+        assert str(error).startswith("max_seqlen: ")
+    else:
+        assert max_seqlen >= longest

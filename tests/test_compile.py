@@ -200,3 +200,22 @@ def test_one_tensor_as_q_k_v_compiles():
     expected = (out, sum(torch.autograd.grad(out, x_copies, dout)))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("max_seqlens", [(3, 5), (9, 11), (3, 40)], ids=["exact", "above-total", "k-above"])
+def test_varlen_probs_have_the_shape_the_fake_declares(max_seqlens):
+    """The fake of the forward op sizes probs as the real op does: max_seqlen bounded by the packed rows (a bound
+    above the rows gives the rows' count), so code that reads their shape traces what eager runs."""
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    q, k = torch.randn(5, 2, 8), torch.randn(7, 2, 8)
+    cu_k = torch.tensor([0, 2, 7], dtype=torch.int32)
+
+    def probs_shape(q, k):
+        _, _, probs = flash_attn_varlen_func(q, k, k, cu, cu_k, *max_seqlens, return_attn_probs=True)
+        return probs.new_zeros(probs.shape), probs
+
+    eager_shape, eager_probs = probs_shape(q, k)
+    compiled_shape, compiled_probs = torch.compile(probs_shape, backend="aot_eager", fullgraph=True)(q, k)
+    assert eager_shape.shape == compiled_shape.shape == compiled_probs.shape == eager_probs.shape
+    assert eager_probs.shape == (2, 2, min(max_seqlens[0], 5), min(max_seqlens[1], 7))

@@ -96,7 +96,9 @@ BAD_OUT = {
     "not_a_tensor": "expected a torch.Tensor", "dtype": "expected dtype float32", "shape": "expected shape",
     "meta": "a meta tensor has no data", "last_stride": "expected a contiguous last dimension",
     "stride_0": "an output must not have overlapping elements", "is_q": "shares memory with q",
-    "overlaps_q": "shares memory with q", "overlaps_alibi_slopes": "shares memory with alibi_slopes",
+    "overlaps_q": "shares memory with q", "overlaps_q_other_storage": "shares memory with q",
+    "sparse": r"expected a dense \(strided\) tensor, got layout sparse_coo",
+    "overlaps_alibi_slopes": "shares memory with alibi_slopes",
     "overlaps_rng_state": "shares memory with rng_state", "overlaps_cu_seqlens_k": "shares memory with cu_seqlens_k",
     "overlaps_seqused_k": "shares memory with seqused_k", "requires_grad": "the forward into a given out is not "
     "differentiable", "input_requires_grad": "the forward into a given out is not differentiable",
@@ -131,6 +133,12 @@ def test_a_bad_out_is_named_before_anything_is_written(data, bad):
     elif bad == "overlaps_q":
         flat = torch.randn(2 * q.numel())
         q, out = flat[:q.numel()].view(q.shape), flat[q.numel() - 1:-1].view(q.shape)
+    elif bad == "overlaps_q_other_storage":      # two storages over one buffer (views of one numpy array)
+        flat = torch.randn(2 * q.numel()).numpy()
+        q = torch.from_numpy(flat[:q.numel()]).view(q.shape)
+        out = torch.from_numpy(flat[q.numel() - 1:-1]).view(q.shape)
+    elif bad == "sparse":
+        out = out.to_sparse()
     elif bad == "overlaps_alibi_slopes":
         out, options["alibi_slopes"] = _sharing(q.shape, q.dtype, q.shape[-2], torch.float32)
     elif bad == "overlaps_rng_state":
@@ -150,7 +158,8 @@ def test_a_bad_out_is_named_before_anything_is_written(data, bad):
             out = torch.full_like(q, 3.0)
     elif bad == "alibi_requires_grad":      # the slopes would otherwise carry a graph into out
         options["alibi_slopes"] = torch.rand(q.shape[-2]).requires_grad_()
-    tensors = [t for t in (q, k, v, out, *options.values()) if torch.is_tensor(t) and t.device.type != "meta"]
+    tensors = [t for t in (q, k, v, out, *options.values())
+               if torch.is_tensor(t) and t.device.type != "meta" and t.layout == torch.strided]
     before = [t.detach().clone() for t in tensors]
     generator = torch.get_rng_state()
     with pytest.raises(fa.ArgumentError, match=f"^out: {BAD_OUT[bad]}"):

@@ -560,15 +560,20 @@ def test_flash_attn_bwd_direct_refuses_what_the_op_refuses(what):
     assert messages[0] == messages[1], messages
 
 
-def test_flash_attn_bwd_names_a_missing_max_seqlen_as_the_forward_does():
-    """Eagerly the backward gets its options whole (the op's flattening would turn a missing max_seqlen into 0):
-    a varlen flash_attn_bwd without max_seqlen_q raises the forward's message, naming it as missing."""
+@pytest.mark.parametrize("through_op", [False, True], ids=["direct", "op"])
+@pytest.mark.parametrize("name", ["max_seqlen_q", "max_seqlen_k"])
+def test_a_missing_max_seqlen_is_named_missing_on_every_path(name, through_op):
+    """A varlen flash_attn_fwd / flash_attn_bwd without a max_seqlen raises the same "missing" error eagerly (the
+    implementation called directly) and through the ops (under a dispatch mode, as under torch.compile): the ops'
+    schema keeps None (an int there would turn it into a bound of 0, and an empty call)."""
     positional, keyword = _bwd_call("varlen_seqused_k")
-    keyword["max_seqlen_q"] = None
-    with pytest.raises(ArgumentError, match=r"^max_seqlen_q: varlen calls need .* \(missing: max_seqlen_q\)"):
-        fa.flash_attn_bwd(*positional, **keyword)
-    with pytest.raises(ArgumentError, match=r"^max_seqlen_q: varlen calls need .* \(missing: max_seqlen_q\)"):
-        fa.flash_attn_fwd(*positional[1:4], **{n: t for n, t in keyword.items() if n != "rng_state"})
+    keyword[name] = None
+    expected = rf"^{name}: varlen calls need .* \(missing: {name}\)"
+    with OpRecorder() if through_op else contextlib.nullcontext():
+        with pytest.raises(ArgumentError, match=expected):
+            fa.flash_attn_bwd(*positional, **keyword)
+        with pytest.raises(ArgumentError, match=expected):
+            fa.flash_attn_fwd(*positional[1:4], **{n: t for n, t in keyword.items() if n != "rng_state"})
 
 
 # ---- GPU: no host-device synchronisation anywhere on the Triton path ---------------------------------
@@ -639,3 +644,31 @@ def test_one_mask_fills_every_tensor_as_the_cpu_form_does(rows, end):
     fill_by_masks(cu, *fills)
     for (t, _, _), alone in zip(fills, expected):
         assert torch.equal(t, alone)
+
+
+def test_backends_made_per_call_are_not_kept_alive_by_the_memo():
+    """A backend instance passed per call (`backend=ReferenceBackend()`) keys its own memo entries (chunk plans,
+    kernel choices): the memo of the call's problem is emptied when it holds MEMO_ENTRIES, so at most that many
+    such backends stay alive, while one reused backend keeps its entries (no re-planning per call)."""
+    import gc
+    import weakref
+
+    from flash_attn_ck.backends.reference import ReferenceBackend
+    from flash_attn_ck.core.problem import MEMO_ENTRIES
+    q = torch.randn(1, 4, 1, 8, requires_grad=True)
+    made = []
+    for _ in range(MEMO_ENTRIES + 40):
+        backend = ReferenceBackend()
+        made.append(weakref.ref(backend))
+        fa.flash_attn_func(q, q, q, backend=backend).sum().backward()
+    del backend
+    gc.collect()
+    alive = sum(ref() is not None for ref in made)
+    assert 0 < alive <= MEMO_ENTRIES
+    problem = prepare.memoised(q, q, q, AttentionOptions(backend=ReferenceBackend())).problem
+    kept = ReferenceBackend()
+    fa.flash_attn_func(q, q, q, backend=kept).sum().backward()
+    entries = {key: value for key, value in problem.memo.items() if kept in key}
+    for _ in range(5):
+        fa.flash_attn_func(q, q, q, backend=kept).sum().backward()
+    assert entries and all(problem.memo[key] is value for key, value in entries.items())

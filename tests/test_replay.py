@@ -18,6 +18,7 @@ pytest.importorskip("triton")
 from test_launch_cache import _FakeKernel, fake_driver, needs_cuda_backend  # noqa: F401 (fake_driver: a fixture)
 
 from flash_attn_ck.backends.triton import launch, replay
+from flash_attn_ck.core.problem import AttentionProblem
 
 
 class Pair(NamedTuple):
@@ -470,6 +471,7 @@ def test_the_entry_points_read_the_device_and_stream_once_and_key_on_the_device(
             launch.launch_kernel(kernel, (1,), (params.q, out, lse, 3), 4, 1)
 
     problem = types.SimpleNamespace(memo={})
+    problem.remember = functools.partial(AttentionProblem.remember, problem)
     backend = Backend()
 
     def call(out=None, seed=0):

@@ -29,6 +29,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def check_tensor(name: str, t, ndim: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise ArgumentError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided or t.is_nested:     # the kernels read elements through strides
+        got = "a nested tensor" if t.is_nested else f"layout {str(t.layout).removeprefix('torch.')}"
+        raise ArgumentError(f"{name}: expected a dense (strided) tensor, got {got}")
     if ndim is not None and t.dim() != ndim:
         raise ArgumentError(f"{name}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
 
@@ -286,13 +289,27 @@ def _lattice_hits(delta: int, dims: list[tuple[int, int]]) -> bool:
     return any(abs(i) < size and _lattice_hits(delta - i * stride, rest) for i in (q, q + 1))
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) of the bytes `t`'s elements span."""
+    lo, hi = _element_range(t)
+    base = t.untyped_storage().data_ptr()
+    return base + lo * t.element_size(), base + (hi + 1) * t.element_size()
+
+
 def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors share an element of memory. Exact for disjoint storage or element ranges and for
-    equally strided views (dk, dv = dkv[:, :, 0], dkv[:, :, 1]); otherwise conservative (True)."""
+    equally strided views of one storage (dk, dv = dkv[:, :, 0], dkv[:, :, 1]); otherwise conservative (True)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
+    a_storage, b_storage = a.untyped_storage(), b.untyped_storage()
+    a_base, b_base = a_storage.data_ptr(), b_storage.data_ptr()
+    if a_base != b_base:
+        # Two storages share memory only where one buffer backs both (torch.from_numpy / frombuffer views of one
+        # array): where their memory meets, the elements' byte spans decide (spans that meet count as shared).
+        if a_base + a_storage.nbytes() <= b_base or b_base + b_storage.nbytes() <= a_base:
+            return False
+        (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+        return a_start < b_end and b_start < a_end
     if a.element_size() != b.element_size() or a.dtype != b.dtype:
         return torch._C._overlaps(a, b)
     (a_lo, a_hi), (b_lo, b_hi) = _element_range(a), _element_range(b)

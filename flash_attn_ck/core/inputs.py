@@ -95,17 +95,21 @@ def _tensor_signature(t: torch.Tensor | None):
 
 
 def call_signature(q, k, v, options: AttentionOptions) -> tuple | None:
-    """The key of `describe_call`'s result (see the module docstring); None when an operand is not a tensor
-    (describe_call raises the error). Symbolic sizes (torch.compile) make a key that cannot be hashed."""
+    """The key of `describe_call`'s result (see the module docstring); None when an operand is not a tensor or has
+    no sizes and strides (a nested tensor): describe_call raises the error. Symbolic sizes (torch.compile) make a
+    key that cannot be hashed."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return None
     o = options
     # One flat tuple (built on every call): q, k, v, then the scalar options; the tensor options follow as one
     # nested entry each only where some is given, so keys with and without them differ in length.
-    key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-           v.shape, v.stride(), v.dtype, v.device,
-           o.max_seqlen_q, o.max_seqlen_k, o.causal, o.window_size, o.softmax_scale, o.dropout_p, o.softcap,
-           o.deterministic, o.out_dtype)
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+               v.shape, v.stride(), v.dtype, v.device,
+               o.max_seqlen_q, o.max_seqlen_k, o.causal, o.window_size, o.softmax_scale, o.dropout_p, o.softcap,
+               o.deterministic, o.out_dtype)
+    except RuntimeError:        # a nested tensor's sizes and strides raise
+        return None
     if o.cu_seqlens_q is None and o.cu_seqlens_k is None and o.seqused_k is None and o.alibi_slopes is None:
         return key
     return (*key, _tensor_signature(o.cu_seqlens_q), _tensor_signature(o.cu_seqlens_k),

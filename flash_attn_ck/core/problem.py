@@ -14,6 +14,10 @@ import torch
 
 from .mask import MaskInfo
 
+# Entries of one problem's memo before it is emptied: a backend keeps a few dozen (kernel choices, launch constants,
+# replays, chunk plans); the bound matters only to callers that make a new backend per call.
+MEMO_ENTRIES = 256
+
 
 def pad_head_dim(head_dim: int, multiple: int = 8) -> int:
     return -(-head_dim // multiple) * multiple
@@ -65,6 +69,15 @@ class AttentionProblem:
     # (pipeline/prepare.py), so a repeated call finds its decisions here. Not part of the problem's value; nor are
     # the cached properties below (computed once per problem: the pipeline asks them on every call).
     memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def remember(self, key, value):
+        """`memo[key] = value`, returned. A memo that holds MEMO_ENTRIES is emptied first: its keys name backend
+        instances, so a caller that makes a backend per call (`backend=TritonBackend(...)`) would otherwise keep
+        every one of them alive here for as long as the problem lives."""
+        if len(self.memo) >= MEMO_ENTRIES:
+            self.memo.clear()
+        self.memo[key] = value
+        return value
 
     def __post_init__(self):
         if self.out_dtype is None:

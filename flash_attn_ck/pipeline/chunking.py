@@ -254,7 +254,7 @@ def plan_chunks(problem: AttentionProblem, backend, cap: int | None,
     if plan is None:
         plan = _plan_chunks(problem, backend, cap, params if problem.varlen else None)
         if plan.cu_seqlens_q is None:
-            problem.memo[key] = plan
+            problem.remember(key, plan)
     return plan
 
 

@@ -87,7 +87,7 @@ def _per_problem(method):
         key = (self, name, *args)
         found = p.memo.get(key, _MISSING)
         if found is _MISSING:
-            found = p.memo[key] = method(self, p, *args)
+            found = p.remember(key, method(self, p, *args))
         return found
     return memoised
 
@@ -120,7 +120,7 @@ def _replayed(method):
                    params.rng_state, *positional, *workspace.values())
         replays = p.memo.get((self, name, "replays"))
         if replays is None:
-            replays = p.memo[(self, name, "replays")] = {}
+            replays = p.remember((self, name, "replays"), {})
         device, stream = launch.current_device_and_stream()
         key = replay.layout_key(tensors, device)
         if workspace:
