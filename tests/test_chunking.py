@@ -324,3 +324,26 @@ def test_planning_work_does_not_grow_with_the_sequence(log_s, heads, d, determin
     cap = None if cap_fraction is None else int(plan_chunks(problem, backend, None).peak_bytes * cap_fraction)
     events, peak = _planning_work(problem, backend, cap)
     assert events <= PLANNING_EVENTS and peak < 1 << 20, (events, peak)
+
+
+@settings(max_examples=40, deadline=None)
+@given(b=st.integers(1, 3), s_q=st.integers(0, 9), s_k=st.integers(0, 7), groups=st.sampled_from([(4, 2), (2, 2)]),
+       cap_fraction=st.floats(0.05, 1.0), causal=st.booleans(), seed=st.integers(0, 100))
+def test_a_capped_backward_equals_the_uncapped_one_with_empty_sides(b, s_q, s_k, groups, cap_fraction, causal, seed):
+    """Any cap the planner accepts gives the uncapped gradients (fp64), also without keys or queries: the shared dK/dV
+    partial sums are sized by batch entries, not by rows divided by s_k (0 rows of keys lost the batch dimension)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s_q, groups[0], 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, s_k, groups[1], 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, causal=causal, backend="reference")
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    expected = fa.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, backend="reference")
+    unchunked = plan_chunks(describe_call(q, k, v, AttentionOptions(causal=causal)), ReferenceBackend(), None)
+    try:
+        got = fa.flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, backend="reference",
+                                max_workspace_bytes=int(unchunked.peak_bytes * cap_fraction))
+    except fa.WorkspaceError as error:
+        assert "needs at least" in str(error)
+        return
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=name)

@@ -219,10 +219,12 @@ def _check_one_row_chunks(world):
 
 def _check_sdpa_front_end(world):
     """(b, h, s, d) shards cut by torch's `_HeadTailLoadBalancer` (torch's CP sharding) are our zigzag shards, and
-    context_parallel_sdpa on them equals SDPA on the full sequence (causal, GQA with enable_gqa)."""
+    context_parallel_sdpa on them equals SDPA on the full sequence (causal, GQA with enable_gqa), for a positive,
+    a negative and a zero scale (SDPA takes any finite one)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental._context_parallel._attention import _context_parallel_shard
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     mesh = init_device_mesh("cpu", (world,))
     seq = 4 * world
@@ -231,17 +233,18 @@ def _check_sdpa_front_end(world):
     local = _context_parallel_shard(mesh, [q, k, v, dout], [2, 2, 2, 2], load_balancer=balancer)
     for ours, theirs in zip((shard(t, mesh, seq_dim=2) for t in (q, k, v, dout)), local, strict=True):
         assert torch.equal(ours, theirs), "torch's head-tail shard is our zigzag shard"
-    for exchange in ("ring", "allgather", "a2a"):
+    for exchange, scale in itertools.product(("ring", "allgather", "a2a"), (0.3, -0.7, 0.0)):
         leaves = [t.clone().requires_grad_() for t in local[:3]]
-        out = context_parallel_sdpa(*leaves, mesh, is_causal=True, scale=0.3, enable_gqa=True, kv_exchange=exchange,
+        out = context_parallel_sdpa(*leaves, mesh, is_causal=True, scale=scale, enable_gqa=True, kv_exchange=exchange,
                                     backend="reference")
         grads = torch.autograd.grad(out, leaves, local[3])
         full = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=0.3, enable_gqa=True)
+        with sdpa_kernel(SDPBackend.MATH):      # torch's CPU flash kernel returns nan for a causal scale <= 0
+            ref = F.scaled_dot_product_attention(*full, is_causal=True, scale=scale, enable_gqa=True)
         ref_grads = torch.autograd.grad(ref, full, dout)
         for name, o, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads), strict=True):
             torch.testing.assert_close(o, shard(r.detach(), mesh, seq_dim=2), atol=1e-12, rtol=1e-10,
-                                       msg=lambda m, name=name: f"sdpa front end {exchange} {name}: {m}")
+                                       msg=lambda m, name=name: f"sdpa front end {exchange} scale {scale} {name}: {m}")
     with pytest.raises(ArgumentError, match="enable_gqa"):
         context_parallel_sdpa(*local[:3], mesh, is_causal=True)
 

@@ -68,6 +68,7 @@ from ..core.errors import ArgumentError
 from ..core.inputs import describe_call
 from ..core.options import AttentionOptions
 from ..pipeline.select import select_backend
+from .sdpa import positive_scale
 
 LAYOUTS = ("zigzag", "contiguous")
 KV_EXCHANGES = ("ring", "allgather", "a2a", "a2a+ring")
@@ -843,7 +844,8 @@ def context_parallel_sdpa(query, key, value, mesh_or_group=None, *, is_causal=Fa
             load balancer torch's shards are `layout="contiguous"`).
         mesh_or_group: a 1-D DeviceMesh, a ProcessGroup, or None (the default group); for kv_exchange="a2a+ring"
             a 2-D DeviceMesh (ring dim, a2a dim).
-        is_causal, scale, enable_gqa, dropout_p: as for SDPA over the full sequence (h_k < h needs enable_gqa).
+        is_causal, scale, enable_gqa, dropout_p: as for SDPA over the full sequence (h_k < h needs enable_gqa; any
+            finite scale: a negative or zero one runs as the SDPA provider runs it, `sdpa.positive_scale`).
         layout, kv_exchange, backend: as for `context_parallel_attn`.
 
     Returns:
@@ -854,6 +856,7 @@ def context_parallel_sdpa(query, key, value, mesh_or_group=None, *, is_causal=Fa
                             f"enable_gqa=True (as F.scaled_dot_product_attention requires)")
     if not isinstance(query, torch.Tensor) or query.dim() != 4:
         raise ArgumentError(f"query: expected a (b, h, s / W, d) tensor, got {getattr(query, 'shape', query)!r}")
+    query, scale, _ = positive_scale(query, scale)      # autograd carries the sign into dq
     out = context_parallel_attn(*(t.transpose(1, 2) for t in (query, key, value)), mesh_or_group,
                                 softmax_scale=scale, causal=is_causal, dropout_p=dropout_p, layout=layout,
                                 kv_exchange=kv_exchange, backend=backend)

@@ -213,11 +213,11 @@ def chunk_problem(problem: AttentionProblem, chunk: Chunk, rows_q: int, rows_k: 
                    placement=placement)
 
 
-def _partial_sums(problem: AttentionProblem, batch_rows_k: int, heads_k: int) -> tuple[BufferSpec, ...]:
+def _partial_sums(problem: AttentionProblem, rows: tuple[int, ...], heads_k: int) -> tuple[BufferSpec, ...]:
     """Sums of dK/dV partials in the accumulation dtype, and the chunk's own dK/dV in the gradients' dtype (the
-    input dtype, or fp32 with `out_dtype`; the user's head dim: a chunk unpads its result before it is added)."""
+    input dtype, or fp32 with `out_dtype`; the user's head dim: a chunk unpads its result before it is added).
+    `rows`: the widest chunk's key rows, `(batch, s_k)` or varlen `(rows,)`."""
     p, d = problem, problem.head_dim
-    rows = (batch_rows_k,) if p.varlen else (batch_rows_k // max(p.seqlen_k, 1), p.seqlen_k)
     accum = str(p.accum_dtype).removeprefix("torch.")
     return tuple([BufferSpec(f"{g}_sum", (*rows, heads_k, d), p.accum_dtype, True, f"{accum} sum of {g} partials")
                   for g in ("dk", "dv")] +
@@ -306,10 +306,12 @@ class _Planner:
         shared = [next(b for b in self.full.buffers if b.name == "softmax_d")]
         windows = self.windows(grid)
         if group_heads != ((0, p.group_size),) or rows != ((0, p.seqlen_q),):      # dK/dV partial sums
-            if p.varlen and batch != ((0, p.batch),):
-                widest = max(self.cu_seqlens_k[b1] - self.cu_seqlens_k[b0] for b0, b1 in batch)
+            if not p.varlen:        # by batch entries: s_k may be 0
+                widest = (max(b1 - b0 for b0, b1 in batch), p.seqlen_k)
+            elif batch != ((0, p.batch),):
+                widest = (max(self.cu_seqlens_k[b1] - self.cu_seqlens_k[b0] for b0, b1 in batch),)
             else:
-                widest = max(rr[1] for _, rr in windows)
+                widest = (max(rr[1] for _, rr in windows),)
             shared += _partial_sums(p, widest, max(g1 - g0 for g0, g1 in kv_heads))
         plans = [self.chunk_plan(Chunk(b, kv_heads[0], group_heads[0], rows[0]), rr) for b, rr in windows]
         largest = max(plans, key=lambda plan: plan.total_bytes)
