@@ -73,7 +73,10 @@ def test_interpreted_fill_matches_the_generic_form():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@settings(max_examples=40, deadline=None)
+# Nearly every example compiles its own variant (Triton specialises each size and stride for 1 and multiples of
+# 16), so 40 took 118 s alone and passed 300 s under 14 loaded workers; the interpreted test above covers the
+# same logic on the CPU.
+@settings(max_examples=16, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_backend_fill_matches_the_generic_form(data, dtype):
     from flash_attn_ck.backends.triton import TritonBackend
