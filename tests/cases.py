@@ -196,13 +196,19 @@ def check_mask_kind(backend, kind: MaskKind, seqlens: tuple[int, int], device="c
                     head_dim=32, seed=0, alibi=False):
     """Forward and backward of `backend` itself (an instance, below the public API, which makes only
     flash-attn's kinds) on one mask of `kind`, judged against the oracle; with `alibi`, ALiBi slopes too (their
-    distance is from the bottom-right diagonal whatever the mask's alignment)."""
+    distance is from the bottom-right diagonal whatever the mask's alignment), or, where the backend declares
+    ALiBi not to run with `kind`, its refusal in words."""
     case = MASK_KIND_CASES[kind]
     cfg = Config(seqlen_q=seqlens[0], seqlen_k=seqlens[1], head_dim=head_dim, dtype=dtype, alibi=alibi, **case.oracle)
     q, k, v, dout, slopes = make_inputs(cfg, device, seed)
     options = AttentionOptions(alibi_slopes=slopes)
     problem = replace(describe_call(q, k, v, options), mask=case.build(*seqlens))
-    assert problem.mask.kind == kind and not backend.not_supported_reasons(problem)
+    assert problem.mask.kind == kind
+    reasons = backend.not_supported_reasons(problem)
+    if alibi and backend.alibi_mask_kinds is not None and kind not in backend.alibi_mask_kinds:
+        assert any("ALiBi" in r and kind.value in r for r in reasons), reasons     # refused in words, not run
+        return None
+    assert not reasons, reasons
     out = torch.empty_like(q)
     lse = torch.empty(problem.lse_shape, dtype=torch.float32, device=device)
     params = kernel_params(problem, q, k, v, options, None)

@@ -17,8 +17,8 @@ re-read through the header's layout) and answers with the same status codes and 
   and for key tiles at or past the sequence's `seqlen_k`; dot_do_o / convert_dq / the forward return
   for query tiles past `seqlen_q`; nothing else is written;
 * CK's mask from `mask_type` / `window_size_left/right` rebuilt per sequence (generic (y, x)
-  coordinates, docs/semantics.md §Masks), ALiBi `-slope * |i + s_k - s_q - j|` read through the slopes
-  pointer and batch stride, the scale, lse = -inf for rows with no key in the forward;
+  coordinates, docs/semantics.md §Masks), ALiBi in the mode ck_tile picks from the mask (`_alibi_position`)
+  read through the slopes pointer and batch stride, the scale, lse = -inf for rows with no key in the forward;
 * the backward pipeline: dot_do_o writes `D = p_undrop * rowsum(dO * O)`; dq_dk_dv writes dK/dV per
   query head (reading k/v of head `h / (nhead_q / nhead_k)`), adds dQ into dq_acc split 0, or into
   split `i_tile_n` (one per key tile of kN0 rows) when deterministic; convert_dq sums
@@ -239,7 +239,7 @@ class EmulatedCkLibrary:
         if a.alibi_slopes:
             slope = self.memory.read("alibi_slopes", a.alibi_slopes, torch.float32,
                                      torch.tensor([b * a.alibi_batch_stride + head]))
-            scores = scores - slope * (i + s_k - s_q - j).abs()
+            scores = scores + slope * _alibi_position(a, s_q, s_k, i, j)
         keep = _ck_mask(a.mask_type, a.window_left, a.window_right, s_q, s_k, i, j)
         return scores.masked_fill(~keep, float("-inf"))
 
@@ -265,9 +265,9 @@ class EmulatedCkLibrary:
             q0, k0, s_q, s_k = self._lengths(a, b)
             for head in range(a.nhead_q):
                 for tile in range(grid[0]):
-                    rows = torch.arange(tile * FWD_M0, min((tile + 1) * FWD_M0, s_q))
-                    if rows.numel() == 0:
+                    if tile * FWD_M0 >= s_q:
                         continue            # CK: `if(seqlen_q <= i_m0) return;`
+                    rows = torch.arange(tile * FWD_M0, min((tile + 1) * FWD_M0, s_q))
                     cols = torch.arange(s_k)
                     q = self._rows("q", a.q, dtype, b, q0, rows, head, d, group)
                     k = self._rows("k", a.k, dtype, b, k0, cols, head // ratio, d, group)
@@ -365,6 +365,24 @@ class EmulatedCkLibrary:
                                               split * args.dq_acc_split_stride + base)
                 self.memory.write("dq", args.dq.data, dtype, self._row_offsets(args.dq, b, q0, rows, head, d, group),
                                   total)
+
+
+def _alibi_position(a: ck.FackAttention, s_q: int, s_k: int, i, j):
+    """What CK adds to a score per unit of slope (ck_tile's `Alibi::update` in the mode
+    `make_alibi_from_lr_mask` picks): with no mask, from the bottom-right corner, `-|i + s_k - s_q - j|`;
+    with a mask whose left side is unbounded and right side 0 ("causal" to CK, whatever its alignment),
+    VERTICAL: `+j`, which differs from the bottom-right form by a per-row constant (softmax keeps out and the
+    gradients, lse moves by `slope * (i + s_k - s_q)`); otherwise the mask's own alignment, top-left `-|i - j|`
+    or bottom-right."""
+    if a.mask_type == 0:
+        return -(i + s_k - s_q - j).abs()
+    if a.window_left < 0 and a.window_right == 0:
+        return j.expand_as(i + j)
+    if a.mask_type == 1:
+        return -(i - j).abs()
+    if a.mask_type == 2:
+        return -(i + s_k - s_q - j).abs()
+    raise NotImplementedError(f"ALiBi with mask type {a.mask_type}: no ALiBi mode of CK's")
 
 
 def _ck_mask(mask_type: int, left: int, right: int, s_q: int, s_k: int, i, j):

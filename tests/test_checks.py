@@ -201,3 +201,17 @@ def test_the_packed_varlen_function_names_its_own_arguments(longest, max_seqlen,
         assert str(error).startswith("max_seqlen: ")
     else:
         assert max_seqlen >= longest
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["softmax_scale", "softcap"]),
+       value=st.one_of(st.floats(min_value=float(np.finfo(np.float32).max), exclude_min=True, allow_infinity=False),
+                       st.integers(min_value=int(np.finfo(np.float32).max) + 2 ** 105)))
+def test_a_scale_float32_cannot_hold_is_refused_before_writing(name, value):
+    """softmax_scale and softcap reach the kernels as fp32: a finite Python number above float32's largest would
+    arrive as inf (out 0 or NaN, lse inf, no error). ArgumentError naming the argument, `out=` untouched."""
+    q, k, v = tensors()
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(ArgumentError, match=rf"^{name}: expected .* float32 holds"):
+        fa.flash_attn_fwd(q, k, v, out=out, backend="reference", **{name: value})
+    assert (out == 7.0).all()

@@ -12,6 +12,7 @@ leaves unwritten shows. Nothing here ran on an AMD GPU.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from unittest import mock
 
 import pytest
@@ -102,6 +103,7 @@ VARLEN = {
     "empty_causal_deterministic": dict(seqlens=[(0, 37), (45, 20), (17, 140)], causal=True, deterministic=True),
     "mha_window": dict(seqlens=[(33, 47), (0, 9), (80, 80)], heads_q=2, heads_k=2, window=(10, 10)),
     "mqa_alibi": dict(seqlens=[(5, 200), (0, 130), (90, 3)], heads_q=4, heads_k=1, alibi=True),
+    "alibi_causal": dict(seqlens=[(40, 90), (0, 12), (70, 30), (150, 160)], alibi=True, causal=True),
     "padded_d40_causal": dict(seqlens=[(12, 30), (0, 31), (40, 8)], head_dim=40, causal=True),
     "dropout": dict(seqlens=[(20, 33), (0, 12), (31, 7)], dropout_p=0.1),
 }
@@ -124,6 +126,38 @@ def test_every_declared_mask_kind_matches_the_oracle(kind, seqlens):
     """Each mask kind the CK backend declares, as the emulated kernels read it from mask_type/left/right."""
     for alibi in (False, True):
         check_mask_kind(emulated(), kind, seqlens, alibi=alibi)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+@pytest.mark.parametrize("window", [(-1, 0), (25, 0), (-1, 6)], ids=["causal", "left", "right"])
+def test_alibi_lse_is_the_bottom_right_forms_so_backends_mix(varlen, window):
+    """ck_tile applies ALiBi to a mask it reads as causal (left side unbounded, right side 0) from the first key,
+    +slope * j (the emulator follows it): the same probabilities, lse moved by slope * (i + s_k - s_q). The
+    backend sends such a mask as a window reaching past the first key, so CK's lse is the reference's, the
+    reference's lse drives CK's backward to the reference's gradients, and the probabilities made from CK's lse
+    sum to 1."""
+    lengths = [(40, 90), (70, 30), (150, 160)]
+    q, k, v, dout, slopes = make_inputs(Config(seqlens=lengths if varlen else None, batch=3, seqlen_q=70,
+                                               seqlen_k=50, heads_q=4, heads_k=2, head_dim=32, alibi=True))
+    options = dict(causal=window == (-1, 0), window_size=window, alibi_slopes=slopes)
+    if varlen:
+        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(side)], dtype=torch.int32) for side in zip(*lengths))
+        options.update(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=150, max_seqlen_k=160)
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, backend="reference", **options)
+    ck_out, ck_lse, _ = fa.flash_attn_fwd(q, k, v, backend=emulated(), **options)
+    finite = torch.isfinite(lse)
+    assert torch.equal(torch.isfinite(ck_lse), finite)
+    assert torch.allclose(ck_lse[finite], lse[finite], atol=2e-3, rtol=1e-4), (ck_lse - lse)[finite].abs().max()
+    expected = fa.flash_attn_bwd(dout, q, k, v, out, lse, backend="reference", **options)[:3]
+    got = fa.flash_attn_bwd(dout, q, k, v, out, lse, backend=emulated(), **options)[:3]
+    for name, g, e in zip(("dq", "dk", "dv"), got, expected):
+        scale = e.float().abs().max().item()
+        assert (g.float() - e.float()).abs().max().item() <= 0.02 * scale, name
+    if not varlen:
+        probs = fa.flash_attn_func(q, k, v, return_attn_probs=True, backend=emulated(),
+                                   **{n: options[n] for n in ("causal", "window_size", "alibi_slopes")})[2]
+        sums = probs.float().sum(-1)
+        assert torch.allclose(sums[sums > 0], torch.ones(()), atol=1e-2)
 
 
 @settings(max_examples=30, **SETTINGS)

@@ -30,6 +30,8 @@ class Backend(abc.ABC):
     # The mask kinds the kernels run (core/mask.py); a call with another kind is refused in the kind's words.
     mask_kinds: ClassVar[frozenset[MaskKind]] = API_MASK_KINDS
     supports_alibi: ClassVar[bool] = True
+    # The mask kinds ALiBi runs with (None: every kind in mask_kinds).
+    alibi_mask_kinds: ClassVar[frozenset[MaskKind] | None] = None
     supports_softcap: ClassVar[bool] = True
     supports_dropout: ClassVar[bool] = True
     supports_varlen: ClassVar[bool] = True
@@ -78,6 +80,10 @@ class Backend(abc.ABC):
                     ("varlen", problem.varlen, cls.supports_varlen),
                     ("deterministic mode", problem.deterministic, cls.supports_deterministic)]
         reasons += [f"{feature} is not supported" for feature, used, supported in features if used and not supported]
+        alibi_kinds = cls.alibi_mask_kinds if cls.supports_alibi else None
+        if problem.has_alibi and alibi_kinds is not None and problem.mask.kind not in alibi_kinds:
+            reasons.append(f"ALiBi with mask {problem.mask.kind.value} is not supported "
+                           f"(ALiBi runs with: {describe_kinds(alibi_kinds)})")
         if problem.out_dtype != problem.dtype and cls.fp32_outputs_refusal:
             reasons.append(f"out_dtype {str(problem.out_dtype).removeprefix('torch.')}: {cls.fp32_outputs_refusal}")
         return reasons + cls.extra_reasons(problem)

@@ -153,17 +153,23 @@ def check_dropout_p(dropout_p) -> float:
     return dropout_p
 
 
+# The kernels take the scale and the softcap as fp32: a larger value would reach them as inf.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def check_softcap(softcap) -> float:
     softcap = check_number("softcap", softcap)
-    if softcap < 0.0:
-        raise ArgumentError(f"softcap: expected 0 (off) or a finite positive cap, got {softcap}")
+    if not 0.0 <= softcap <= FLOAT32_MAX:
+        raise ArgumentError(f"softcap: expected 0 (off) or a finite positive cap that float32 holds "
+                            f"(<= {FLOAT32_MAX:.4g}), got {softcap}")
     return softcap
 
 
 def check_softmax_scale(scale) -> float:
     scale = check_number("softmax_scale", scale)
-    if not scale > 0.0:
-        raise ArgumentError(f"softmax_scale: expected a finite positive number, got {scale}")
+    if not 0.0 < scale <= FLOAT32_MAX:
+        raise ArgumentError(f"softmax_scale: expected a finite positive number that float32 holds "
+                            f"(<= {FLOAT32_MAX:.4g}), got {scale}")
     return scale
 
 

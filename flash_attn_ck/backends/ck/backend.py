@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import torch
 
-from ...core.mask import WINDOW_MASK_KINDS
+from ...core.mask import WINDOW_MASK_KINDS, MaskKind, MaskType
 from ...core.plan import WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
@@ -123,10 +123,23 @@ def row_stats_arg(t: torch.Tensor, varlen: bool) -> FackRowStats:
     return FackRowStats(t.data_ptr(), t.stride(0), t.stride(1))
 
 
+def ck_window(problem: AttentionProblem) -> tuple[int, int]:
+    """(window_size_left, window_size_right) for CK. ck_tile reads a left side < 0 with a right side 0 as
+    "causal" and then applies ALiBi as +slope * j (its VERTICAL mode): out and the gradients are ours (a
+    per-row constant), lse is ours + slope * (i + s_k - s_q). With ALiBi a bottom-right causal mask goes as
+    a left side of s_k instead: no key of any sequence lies further left (i + s_k - s_q - s_k < 0), and CK
+    then aligns ALiBi bottom-right, -slope * |i + s_k - s_q - j|, as we do."""
+    m = problem.mask
+    if problem.has_alibi and m.type == MaskType.BOTTOM_RIGHT and m.left < 0 and m.right == 0:
+        return max(problem.seqlen_k, 1), 0
+    return m.left, m.right
+
+
 def attention_args(problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                    lse: torch.Tensor) -> FackAttention:
     """The forward's struct, also the first member of the backward's."""
     p, varlen = problem, problem.varlen
+    window = ck_window(p)
     args = FackAttention(
         dtype=DTYPES[p.dtype], group_mode=int(varlen), batch=p.batch,
         # Group mode: CK takes the packed totals here and reads each length from seqstart.
@@ -139,7 +152,7 @@ def attention_args(problem: AttentionProblem, params: AttentionParams, out: torc
         lse=row_stats_arg(lse, varlen),
         softmax_scale=p.softmax_scale,
         # Only the type and left/right reach CK; it rebuilds the window per sequence.
-        mask_type=int(p.mask.type), window_left=p.mask.left, window_right=p.mask.right,
+        mask_type=int(p.mask.type), window_left=window[0], window_right=window[1],
         p_drop=p.dropout_p,
     )
     if varlen:
@@ -187,12 +200,13 @@ def tile_query_args(problem: AttentionProblem) -> FackBwdArgs:
     the tensors exist). The library tests pointers for NULL only: ALiBi is flagged by a non-NULL
     stand-in that is never dereferenced."""
     p = problem
+    left, right = ck_window(p)
     attn = FackAttention(
         dtype=DTYPES[p.dtype], group_mode=int(p.varlen), batch=p.batch,
         seqlen_q=p.total_q if p.varlen else p.seqlen_q, seqlen_k=p.total_k if p.varlen else p.seqlen_k,
         max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k, nhead_q=p.heads_q, nhead_k=p.heads_k,
         head_dim=p.head_dim_padded, softmax_scale=p.softmax_scale, mask_type=int(p.mask.type),
-        window_left=p.mask.left, window_right=p.mask.right, p_drop=p.dropout_p,
+        window_left=left, window_right=right, p_drop=p.dropout_p,
         alibi_slopes=1 if p.has_alibi else None)
     return FackBwdArgs(attn=attn, p_undrop=1.0 - p.dropout_p, deterministic=int(p.deterministic))
 
@@ -292,6 +306,8 @@ class CkBackend(Backend):
     # CK's top-left and bottom-right masks (rebuilt per sequence from left/right); generic (y, x)
     # windows need CK's generic mask, which our instance set does not build.
     mask_kinds = WINDOW_MASK_KINDS
+    # ck_tile aligns ALiBi with a top-left mask's corner (-slope * |i - j|); ours is bottom-right always.
+    alibi_mask_kinds = frozenset({MaskKind.NONE, MaskKind.CAUSAL, MaskKind.WINDOW})
     # Chunks of whole batch entries, KV groups or query-head slices are plain views for CK. Not query
     # rows (that needs CK's generic mask, which our instance set does not build) and not with dropout
     # (CK draws its pattern from positions inside the launch).
