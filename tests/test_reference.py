@@ -257,3 +257,26 @@ def test_long_sequence_runs_on_cpu_in_key_tiles(monkeypatch):
     assert (out.float() - ref).abs().max().item() < 2e-2
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
     assert 0 < LargestTensor.largest <= heads * s * CkBwdTile.for_head_dim(d).kN0 < s * s
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_an_autocast_around_the_call_changes_nothing(dtype, autocast_dtype):
+    """The reference computes in its own accumulation dtype, as the kernels do (and as torch.compile runs the ops):
+    an autocast context around the call leaves out, lse, the probabilities and the gradients exactly what they are
+    without it (before, its matmuls ran in bf16/fp16: an fp32 result of bf16 accuracy)."""
+    cfg = Config(heads_q=4, heads_k=2, seqlen_q=33, seqlen_k=47, head_dim=32, dtype=dtype, causal=True, alibi=True)
+    q, k, v, dout, slopes = make_inputs(cfg)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse, probs = fa.flash_attn_func(*leaves, causal=True, alibi_slopes=slopes, return_attn_probs=True,
+                                             backend="reference")
+        out.backward(dout)
+        return out, lse, probs, *(t.grad for t in leaves)
+
+    expected = run()
+    with torch.autocast("cpu", dtype=autocast_dtype):
+        got = run()
+    for name, g, e in zip(("out", "lse", "probs", "dq", "dk", "dv"), got, expected):
+        assert g.dtype == e.dtype and torch.equal(g, e), name

@@ -7,6 +7,7 @@ the dropout keep mask at the call's global coordinates. The reference backend co
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -14,6 +15,15 @@ import torch
 
 from .dropout import keep_mask
 from .problem import AttentionParams, AttentionProblem
+
+
+def autocast_off(device: torch.device):
+    """A context without `device`'s autocast. These tiles compute in the dtype the problem chose (fp32/fp64, as the
+    kernels accumulate); an autocast around the call would run their matmuls in fp16/bf16 and return an fp32
+    result of bf16 accuracy. torch.compile already runs the ops outside autocast: eager now matches it."""
+    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -114,15 +124,16 @@ def attention_probs(problem: AttentionProblem, params: AttentionParams, lse: tor
     the sign (negative = dropped; flash-attn's `S_dmask` convention). Varlen rows/columns past a
     sequence's end, and masked entries, are 0. Materialises s_q x s_k per head."""
     p = problem
-    probs = torch.zeros(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, dtype=p.accum_dtype, device=p.device)
-    for seq in sequences(p, params):
-        if seq.seqlen_q == 0 or seq.seqlen_k == 0:
-            continue
-        q = heads_first(seq.rows_q(params.q), p.accum_dtype)
-        k = heads_first(seq.rows_k(params.k), p.accum_dtype, p.group_size)
-        st = ScoreTile(p, params, seq, q, k, 0, seq.seqlen_k)
-        tile = torch.exp(st.scores - seq.lse(lse)[..., None])
-        if st.keep is not None:
-            tile = torch.where(st.keep, tile, -tile)
-        probs[seq.index, :, :seq.seqlen_q, :seq.seqlen_k] = tile
-    return probs
+    with autocast_off(p.device):
+        probs = torch.zeros(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, dtype=p.accum_dtype, device=p.device)
+        for seq in sequences(p, params):
+            if seq.seqlen_q == 0 or seq.seqlen_k == 0:
+                continue
+            q = heads_first(seq.rows_q(params.q), p.accum_dtype)
+            k = heads_first(seq.rows_k(params.k), p.accum_dtype, p.group_size)
+            st = ScoreTile(p, params, seq, q, k, 0, seq.seqlen_k)
+            tile = torch.exp(st.scores - seq.lse(lse)[..., None])
+            if st.keep is not None:
+                tile = torch.where(st.keep, tile, -tile)
+            probs[seq.index, :, :seq.seqlen_q, :seq.seqlen_k] = tile
+        return probs
