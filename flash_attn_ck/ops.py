@@ -283,7 +283,7 @@ class _Attention(torch.autograd.Function):
             # create_graph=True: the gradients are not differentiable (flash-attn's backward is not either).
             # Rather than returning dq/dk/dv without a graph (a silent zero second-order term), they carry a
             # node that raises when anything differentiates through them.
-            dq, dk, dv = _not_twice_differentiable((dq, dk, dv), (q, k, v, dout))
+            dq, dk, dv = not_twice_differentiable((dq, dk, dv), (q, k, v, dout))
         return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
@@ -292,7 +292,7 @@ DOUBLE_BACKWARD_MESSAGE = (
     "through create_graph=True, is not supported; flash-attn's is not either)")
 
 
-def _not_twice_differentiable(grads, sources):
+def not_twice_differentiable(grads, sources):
     """`grads` behind torch's DelayedError node (what `once_differentiable` uses): backpropagating through
     them raises DOUBLE_BACKWARD_MESSAGE; using their values is fine. The node also takes `sources` (what the
     gradients depend on: q, k, v, dout), so it lies on every path from a gradient to them: an

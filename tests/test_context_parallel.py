@@ -465,6 +465,11 @@ def test_refusals_without_a_process_group():
     with pytest.raises(ArgumentError, match="kv_exchange='ring'"):
         context_parallel_attn(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 8], dtype=torch.int32),
                               kv_exchange="allgather")
+    sdpa_q = q.transpose(1, 2)
+    for name, given in (("query", (None, sdpa_q, sdpa_q)), ("key", (sdpa_q, [1.0], sdpa_q)),
+                        ("value", (sdpa_q, sdpa_q, q[0]))):
+        with pytest.raises(ArgumentError, match=rf"^{name}: expected a \(b, h, s / W, d\) tensor"):
+            context_parallel_sdpa(*given)
 
 
 @pytest.fixture(scope="module")
@@ -616,3 +621,53 @@ def test_allgather_computes_while_the_second_slot_travels(one_process_group, mon
     single = flash_attn_func(*reference, causal=causal, backend="reference")
     for ours, theirs in zip((out, *grads), (single, *torch.autograd.grad(single, reference, dout)), strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("exchange", ["ring", "allgather", "a2a"])
+def test_a_group_of_one_runs_forward_and_backward(one_process_group, exchange):
+    """A ring of one rank: the exchange of K/V and of the travelling dK/dV sums is the identity (gloo refuses a send
+    to oneself, which the ring backward posted); every exchange equals the one-process call."""
+    q, k, v, dout = _full_inputs(8, 2, 1, d=8, b=1)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = flash_attn_func(*leaves, causal=True, backend="reference")
+    expected = torch.autograd.grad(ref, leaves, dout)
+    local = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attn(*local, causal=True, kv_exchange=exchange, backend="reference")
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    for grad, e in zip(torch.autograd.grad(out, local, dout), expected, strict=True):
+        torch.testing.assert_close(grad, e, atol=1e-12, rtol=1e-10)
+
+
+def test_the_gradients_are_not_differentiable(one_process_group):
+    """create_graph=True (a gradient penalty): the gradients raise when differentiated, as one process's do, rather
+    than carrying no graph (a silent zero second-order term)."""
+    q, k, v, dout = _full_inputs(8, 2, 1, d=8, b=1)
+    local = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = context_parallel_attn(*local, causal=True, backend="reference")
+    grads = torch.autograd.grad(out, local, dout, create_graph=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        sum(g.square().sum() for g in grads).backward()
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(0, 3).map(lambda n: 2 * n), min_size=1, max_size=4),
+       start=st.integers(0, 4), swap=st.booleans())
+def test_bad_varlen_offsets_are_named(one_process_group, lengths, start, swap):
+    """cu_seqlens must run from 0 without decreasing: an offset table that starts elsewhere or goes back is refused
+    naming it (before: garbage, or torch's "inconsistent with step sign"); an inference tensor is read, not kept."""
+    offsets = [start, *(start + n for n in itertools.accumulate(lengths))]
+    if swap and len(offsets) > 2 and offsets[1] != offsets[2]:
+        offsets[1], offsets[2] = offsets[2], offsets[1]
+    bad = start != 0 or any(b < a for a, b in itertools.pairwise(offsets))
+    rows = offsets[-1]
+    q, k, v = (torch.randn(rows, 2, 8, dtype=torch.float64) for _ in range(3))
+    call = functools.partial(context_parallel_attn, q, k, v, causal=True, backend="reference")
+    if bad:
+        with pytest.raises(ArgumentError, match=r"^cu_seqlens: expected non-decreasing offsets from 0"):
+            call(cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
+        return
+    with torch.inference_mode():
+        cu = torch.tensor(offsets, dtype=torch.int32)
+        out = call(cu_seqlens=cu)
+    expected = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, backend="reference")
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-10)

@@ -52,3 +52,40 @@ def _worker(rank, world, port):
 def test_llama_loss_and_gradients_equal_with_and_without_cp():
     """World 2 (world 3 passes too; left out to keep the CPU suite short: the attention itself is tested at 2-4)."""
     spawn(_worker, 2)
+
+
+def _refusal_worker(rank, world, port):
+    from flash_attn_ck.core.errors import ArgumentError
+    from flash_attn_ck.integrations.hf import register_hf_attention, shard_for_causal_lm
+    init(rank, world, port)
+    try:
+        small = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8)
+        input_ids = torch.randint(0, 61, (2, 4 * world), generator=torch.Generator().manual_seed(1))
+        name = register_hf_attention(backend="reference")
+        # What the layers ask for that this attention cannot run: refused with the option named, not ignored.
+        for config, option in ((transformers.MistralConfig(**small, sliding_window=3), "sliding_window"),
+                               (transformers.Gemma2Config(**small, sliding_window=64, attn_logit_softcapping=30.0,
+                                                          layer_types=["full_attention"] * 2), "softcap")):
+            torch.manual_seed(0)
+            model = transformers.AutoModelForCausalLM.from_config(config).double()
+            model.set_attn_implementation(name)
+            with pytest.raises(ArgumentError, match=rf"^{option}: {name} does not run"):
+                model(**shard_for_causal_lm(input_ids), use_cache=False)
+        # Packed documents: position_ids restarting inside a row would attend across documents.
+        model = _model(name)
+        kwargs = shard_for_causal_lm(input_ids)
+        packed = kwargs["position_ids"].clone()
+        packed[:, -1] = 0
+        with pytest.raises(RuntimeError, match=r"^position_ids: expected this rank's shard"):
+            model(**dict(kwargs, position_ids=packed), use_cache=False)
+        with pytest.raises(ArgumentError, match=rf"^cu_seq_lens_q: {name} runs one sequence per row"):
+            model(**kwargs, cu_seq_lens_q=torch.tensor([0, 2, 4 * world]), use_cache=False)
+    finally:
+        teardown()
+
+
+def test_what_the_attention_cannot_run_is_refused_not_ignored():
+    """A sliding window (Mistral), logit softcapping (Gemma2) and packed documents (position_ids restarting inside a
+    row, cu_seq_lens) each raise, naming the argument; before, the model silently ran full causal attention."""
+    spawn(_refusal_worker, 2)

@@ -25,6 +25,7 @@ from torch.distributed.tensor.experimental._context_parallel._load_balancer impo
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flash_attn_ck.integrations.sdpa as provider
+from flash_attn_ck import ArgumentError
 from flash_attn_ck.integrations.context_parallel import shard
 from flash_attn_ck.integrations.torch_cp import install_torch_cp_handlers
 from tests.test_context_parallel import init, spawn, teardown
@@ -161,3 +162,21 @@ def _torch_ring_worker(rank, world, port):
 
 def test_torch_ring_template_runs_the_provider_and_refuses_dropout():
     spawn(_torch_ring_worker, 2)
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)], ids=["oldest-first", "newest-first"])
+def test_installations_removed_in_any_order_restore_torchs_entries(order):
+    """Two installations, removed in either order: torch's own entries come back (before, removing the older one
+    first left the newer one's saved copy of our handlers in place for good)."""
+    ops = torch_cp_module.custom_ops
+    before = dict(ops)
+    handles = [install_torch_cp_handlers(), install_torch_cp_handlers(kv_exchange="allgather")]
+    assert ops[FLASH.default] is not before.get(FLASH.default)
+    for i in order:
+        handles[i].remove()
+    assert ops == before
+
+
+def test_the_hybrid_exchange_is_refused_for_torchs_one_dimensional_mesh():
+    with pytest.raises(ArgumentError, match=r"^kv_exchange: expected one of .*got 'a2a\+ring'"):
+        install_torch_cp_handlers(kv_exchange="a2a+ring")

@@ -67,6 +67,7 @@ from ..core.dropout import new_rng_state
 from ..core.errors import ArgumentError
 from ..core.inputs import describe_call
 from ..core.options import AttentionOptions
+from ..ops import not_twice_differentiable
 from ..pipeline.select import select_backend
 from .sdpa import positive_scale
 
@@ -231,15 +232,20 @@ _VARLEN_CHUNKS = WeakIdKeyDictionary()
 
 def _varlen_chunks(cu_seqlens: torch.Tensor, world: int, device: torch.device) -> tuple[_Chunks, int]:
     """The chunks of a rank's varlen shard and the rows it holds (total / W)."""
-    key = (cu_seqlens._version, world, device)
-    cached = _VARLEN_CHUNKS.get(cu_seqlens)
+    # An inference tensor has no version counter (and may change inside inference_mode): never kept.
+    version = None if cu_seqlens.is_inference() else cu_seqlens._version
+    key = (version, world, device)
+    cached = None if version is None else _VARLEN_CHUNKS.get(cu_seqlens)
     if cached is None or cached[0] != key:
         bounds = _bounds(0, cu_seqlens)
+        if bounds[0] != 0 or any(b < a for a, b in itertools.pairwise(bounds)):
+            raise ArgumentError(f"cu_seqlens: expected non-decreasing offsets from 0, got {bounds}")
         if any((b - a) % (2 * world) for a, b in itertools.pairwise(bounds)):
             raise ArgumentError(f"cu_seqlens: every sequence length must be a multiple of 2 * world size = "
                                 f"{2 * world}, got offsets {bounds}")
         cached = (key, _Chunks.varlen(cu_seqlens, world, device), bounds[-1] // world)
-        _VARLEN_CHUNKS[cu_seqlens] = cached
+        if version is not None:
+            _VARLEN_CHUNKS[cu_seqlens] = cached
     return cached[1:]
 
 
@@ -354,6 +360,8 @@ class _PostedTransfers:
 
     def post(self, buffers: list[torch.Tensor], call: _Call) -> list[torch.Tensor]:
         """Send `buffers` to the next rank and receive the previous rank's into new buffers (asynchronously)."""
+        if call.world == 1:     # a ring of one: the buffers come back as they are (gloo refuses a send to oneself)
+            return list(buffers)
         received = [torch.empty_like(b) for b in buffers]
         after = dist.get_global_rank(call.group, (call.rank + 1) % call.world)
         before = dist.get_global_rank(call.group, (call.rank - 1) % call.world)
@@ -785,7 +793,11 @@ class _ContextParallelAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = backward(dout, q, k, v, out, lse, ctx.call)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # create_graph=True: as one GPU's backward, gradients that raise when differentiated, not a silent zero
+            grads = not_twice_differentiable(grads, (q, k, v, dout))
+        return *grads, None
 
 
 def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -851,11 +863,12 @@ def context_parallel_sdpa(query, key, value, mesh_or_group=None, *, is_causal=Fa
     Returns:
         this rank's (b, h, s / W, d) shard of the output.
     """
-    if query.dim() == 4 and key.dim() == 4 and key.shape[1] != query.shape[1] and not enable_gqa:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ArgumentError(f"{name}: expected a (b, h, s / W, d) tensor, got {getattr(t, 'shape', t)!r}")
+    if key.shape[1] != query.shape[1] and not enable_gqa:
         raise ArgumentError(f"key: {key.shape[1]} heads differ from the query's {query.shape[1]}; pass "
                             f"enable_gqa=True (as F.scaled_dot_product_attention requires)")
-    if not isinstance(query, torch.Tensor) or query.dim() != 4:
-        raise ArgumentError(f"query: expected a (b, h, s / W, d) tensor, got {getattr(query, 'shape', query)!r}")
     query, scale, _ = positive_scale(query, scale)      # autograd carries the sign into dq
     out = context_parallel_attn(*(t.transpose(1, 2) for t in (query, key, value)), mesh_or_group,
                                 softmax_scale=scale, causal=is_causal, dropout_p=dropout_p, layout=layout,
@@ -933,6 +946,9 @@ _forward_op.register_autograd(_op_backward, setup_context=_setup_context)
 def _compiled_call(q, k, v, group, *, softmax_scale, causal, window_size, dropout_p, deterministic, layout,
                    kv_exchange, backend, cu_seqlens):
     """Under torch.compile: the custom op (one opaque node per direction, so fullgraph captures the call)."""
+    if kv_exchange == "a2a+ring":
+        raise ArgumentError("kv_exchange: 'a2a+ring' is not captured by torch.compile (its op takes one process "
+                            "group, the hybrid a 2-D mesh); run it eagerly (fullgraph=False breaks the graph there)")
     group_name = process_group(group).group_name
     return _forward_op(q, k, v, group_name, layout, kv_exchange, causal, window_size[0], window_size[1],
                        softmax_scale, dropout_p, deterministic, backend, cu_seqlens)[:2]

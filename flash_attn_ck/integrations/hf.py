@@ -12,7 +12,9 @@ per token, so it runs on the shard as it is, given the shard's global `position_
 shifts labels inside the shard, which would pair tokens across chunk boundaries: `shard_for_causal_lm` shifts
 them on the full sequence first (transformers' `shift_labels`) and passes `num_items_in_batch`, the group's
 count of predicted tokens, so each rank's loss is its share of the global mean (sum them with an all-reduce;
-the parameters' gradients likewise). Padding masks are refused (pack sequences without padding instead).
+the parameters' gradients likewise). One sequence per row: padding masks, packed documents (position_ids that
+restart inside a row, `cu_seq_lens_*`) and what the attention cannot run (sliding windows, softcapping, sinks)
+are refused with the argument named, never ignored.
 """
 
 from __future__ import annotations
@@ -35,10 +37,23 @@ def register_hf_attention(mesh_or_group=None, *, name: str = NAME, layout: str =
 
     group = process_group(mesh_or_group)
 
+    positions = {}      # (shard length, device) -> the global positions this rank's shard must have
+
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         if attention_mask is not None:
             raise ArgumentError(f"attention_mask: {name} takes unpadded sequences (the causal mask comes from "
-                                "is_causal over the whole sequence); pack sequences without padding")
+                                "is_causal over the whole sequence); one sequence per row, without padding")
+        for option, what in UNSUPPORTED_OPTIONS.items():
+            if kwargs.get(option) is not None:
+                raise ArgumentError(f"{option}: {name} does not run {what} (the layer asks for {option}="
+                                    f"{_short(kwargs[option])}); use an attention implementation that does")
+        for option in PACKING_OPTIONS:
+            if kwargs.get(option) is not None:
+                raise ArgumentError(f"{option}: {name} runs one sequence per row; packed documents would attend "
+                                    "across each other")
+        position_ids = kwargs.get("position_ids")
+        if position_ids is not None:
+            _check_positions(position_ids, positions, group, layout)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         out = context_parallel_sdpa(query, key, value, group, is_causal=causal, scale=scaling,
                                     enable_gqa=key.shape[1] != query.shape[1], dropout_p=dropout, layout=layout,
@@ -48,6 +63,33 @@ def register_hf_attention(mesh_or_group=None, *, name: str = NAME, layout: str =
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, flash_attention_mask)   # None without padding, as for flash-attn
     return name
+
+
+# Options transformers passes to attention functions that this one cannot honour: refused, never ignored.
+UNSUPPORTED_OPTIONS = {"sliding_window": "sliding-window attention", "softcap": "logit softcapping",
+                       "s_aux": "attention sinks"}
+# What transformers passes for documents packed into one row (DataCollatorWithFlattening).
+PACKING_OPTIONS = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def _short(value) -> str:
+    return f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+
+
+def _check_positions(position_ids: torch.Tensor, cache: dict, group, layout: str) -> None:
+    """The causal mask runs over each row's whole sequence, so position_ids must be this rank's shard of 0..s-1
+    (`shard_for_causal_lm`'s); positions restarting inside a row (packed documents) are refused. Compared on the
+    device without a host sync (torch._assert_async: on a GPU a failure surfaces at the next synchronising call)."""
+    if position_ids.dim() != 2:
+        raise ArgumentError(f"position_ids: expected (b, s / W), got shape {tuple(position_ids.shape)}")
+    key = (position_ids.shape[-1], position_ids.device)
+    if key not in cache:
+        world = torch.distributed.get_world_size(group)
+        full = torch.arange(position_ids.shape[-1] * world, device=position_ids.device)[None]
+        cache[key] = shard(full, group, layout=layout)
+    torch._assert_async((position_ids == cache[key]).all(),
+                        "position_ids: expected this rank's shard of 0..s-1 in every row (one sequence per row; "
+                        "packed documents would attend across each other)")
 
 
 def shard_for_causal_lm(input_ids: torch.Tensor, mesh_or_group=None, *, layout: str = "zigzag",

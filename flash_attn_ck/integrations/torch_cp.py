@@ -107,22 +107,38 @@ def _refuse_other_backend(op_call, args, kwargs):
         "strict=False to let torch's ring run it on torch's kernels)")
 
 
-@dataclass
+# The exchanges torch's one-dimensional CP mesh can run.
+TORCH_CP_EXCHANGES = tuple(exchange for exchange in cp.KV_EXCHANGES if exchange != "a2a+ring")
+
+
+@dataclass(eq=False)        # compared by identity: two handles with equal entries are two installations
 class TorchCPHandle:
     """What `install_torch_cp_handlers` returns: `remove()` puts torch's own entries back."""
 
     saved: dict = field(default_factory=dict)
 
     def remove(self) -> None:
-        if self.saved:
+        """Undo this installation, in any order of several: the last one installed puts back what was there
+        before it; an earlier one hands what it saved to the one installed after it."""
+        if self not in _INSTALLED:
+            return
+        above = _INSTALLED.index(self) + 1
+        if above == len(_INSTALLED):
             _set_entries(self.saved)
-            self.saved = {}
+        else:
+            _INSTALLED[above].saved = self.saved
+        _INSTALLED.remove(self)
+        self.saved = {}
 
     def __enter__(self) -> TorchCPHandle:
         return self
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+
+# Installed handles, oldest first.
+_INSTALLED: list[TorchCPHandle] = []
 
 
 def _set_entries(entries: dict) -> None:
@@ -143,14 +159,16 @@ def install_torch_cp_handlers(*, strict: bool = True, kv_exchange: str = "ring",
     Args:
         strict: make torch's CP raise for SDPA's efficient and cuDNN ops (a fallback away from flash) instead of
             running them on torch's kernels.
-        kv_exchange: "ring" or "allgather" (as `context_parallel_attn`; torch's `set_rotate_method` is ignored).
+        kv_exchange: "ring", "allgather" or "a2a" (as `context_parallel_attn`; torch's `set_rotate_method` is
+            ignored).
         backend: flash_attn_ck backend for the kernels (None: automatic).
 
     Returns:
         a handle whose `remove()` (or a `with` block's end) restores torch's own entries.
     """
-    if kv_exchange not in cp.KV_EXCHANGES:
-        raise cp.ArgumentError(f"kv_exchange: expected one of {cp.KV_EXCHANGES}, got {kv_exchange!r}")
+    if kv_exchange not in TORCH_CP_EXCHANGES:
+        raise cp.ArgumentError(f"kv_exchange: expected one of {TORCH_CP_EXCHANGES} (torch's CP mesh is 1-D; "
+                               f"a2a+ring needs a 2-D one), got {kv_exchange!r}")
     ring = _RingHandlers(kv_exchange, backend)
     entries = dict(zip(FLASH_OPS, (_on_dtensors(ring.forward), _on_dtensors(ring.backward)), strict=True))
     if strict:
@@ -158,4 +176,5 @@ def install_torch_cp_handlers(*, strict: bool = True, kv_exchange: str = "ring",
     torch_cp = _torch_cp()
     handle = TorchCPHandle({op: torch_cp.custom_ops[op] for op in entries})
     _set_entries(entries)
+    _INSTALLED.append(handle)
     return handle
