@@ -466,10 +466,10 @@ def test_refusals_without_a_process_group():
         context_parallel_attn(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 8], dtype=torch.int32),
                               kv_exchange="allgather")
     sdpa_q = q.transpose(1, 2)
-    for name, given in (("query", (None, sdpa_q, sdpa_q)), ("key", (sdpa_q, [1.0], sdpa_q)),
+    for name, operands in (("query", (None, sdpa_q, sdpa_q)), ("key", (sdpa_q, [1.0], sdpa_q)),
                         ("value", (sdpa_q, sdpa_q, q[0]))):
         with pytest.raises(ArgumentError, match=rf"^{name}: expected a \(b, h, s / W, d\) tensor"):
-            context_parallel_sdpa(*given)
+            context_parallel_sdpa(*operands)
 
 
 @pytest.fixture(scope="module")
