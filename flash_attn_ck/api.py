@@ -162,6 +162,12 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
                         ("rng_state", rng_state)))
     if dq is None and dk is None and dv is None:
         return ops.backward(dout, q, k, v, out, softmax_lse, options, rng_state)
+    if torch.is_grad_enabled():
+        for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
+            if t is not None and t.requires_grad:
+                raise ArgumentError(f"{name}: requires grad, and flash_attn_bwd writes it in place, which autograd "
+                                    "cannot record (as torch's out= functions); call it under torch.no_grad(), or "
+                                    "pass a tensor that does not require grad")
     dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, options.out_dtype)
     softmax_d = ops.backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options, rng_state)
     return dq, dk, dv, softmax_d

@@ -174,6 +174,26 @@ def test_bwd_out_opcheck(layout, dropout_p):
     run_bwd_out(layout, torch.float32, "cpu", dropout_p, "reference")
 
 
+@pytest.mark.parametrize("layout", ["batch_gqa_d13", "varlen_mqa"])
+def test_a_given_rng_state_comes_back_as_a_copy(layout):
+    """The forward ops' schema declares no alias of rng_state: with a given one they return a copy (opcheck's schema
+    test), and so does the eager call, so mutating what came back leaves the caller's tensor as it was, eager or
+    compiled alike."""
+    torch.manual_seed(0)
+    call = make_call(layout, torch.float32, "cpu", 0.25, False, "reference", requires_grad=False)
+    given = torch.tensor([5, 0], dtype=torch.int64)
+    opcheck_kwargs = {"rng_state": given}
+    for op, args in ((ops.fwd.default, fwd_args(call)),
+                     (ops.fwd_out.default, (*fwd_args(call)[:3], torch.randn_like(call["q"]), *fwd_args(call)[3:]))):
+        results = opcheck(op, args, opcheck_kwargs, raise_exception=False)
+        assert all(result == "SUCCESS" for result in results.values()), results
+    q, k, v = (torch.randn(1, 6, 2, 8) for _ in range(3))
+    returned = flash_attn_ck.flash_attn_fwd(q, k, v, dropout_p=0.25, rng_state=given, backend="reference")[2]
+    assert torch.equal(returned, given) and returned.data_ptr() != given.data_ptr()
+    returned.add_(1)
+    assert given.tolist() == [5, 0]
+
+
 def test_only_out_is_differentiable():
     """Gradients flow from `out` into the packed tensor; lse/probs are marked non-differentiable."""
     torch.manual_seed(0)

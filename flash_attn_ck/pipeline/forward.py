@@ -39,11 +39,14 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
 
     # ---- outputs -------------------------------------------------------------------------------
     device = problem.device     # q's (the signature decides it), without making a torch.device per access
+    given_rng_state = rng_state is not None and problem.dropout_p > 0
     if problem.dropout_p == 0:
         rng_state = None
     elif rng_state is None:
         rng_state = new_rng_state(device)
     params = kernel_params(problem, q, k, v, options, rng_state)
+    if given_rng_state:     # the kernels read the caller's; the one returned is a copy (the ops declare no alias)
+        rng_state = rng_state.clone()
     padded = problem.head_dim_padded != problem.head_dim
     # Every backend writes any strides with a unit last one, so a caller's out is the kernel's, unless the head
     # dim is padded: the kernels then write a padded buffer, copied into out below.
