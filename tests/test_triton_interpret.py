@@ -40,6 +40,9 @@ CASES = {
     "window_sq_gt_sk": dict(cfg=dict(seqlen_q=40, seqlen_k=9, window=(4, 0), heads_q=2, heads_k=2)),
     "sq1": dict(cfg=dict(seqlen_q=1, seqlen_k=20, causal=True)),
     "alibi_softcap": dict(cfg=dict(alibi=True, softcap=5.0, causal=True)),
+    # A cap far above the scores (below fp16's largest: the same-precision reference computes in fp16): tanh's
+    # argument ~1e-5, where 1 - 2 / (e^2x + 1) cancels.
+    "softcap_large": dict(cfg=dict(softcap=2e4, causal=True)),
     "dropout": dict(cfg=dict(dropout_p=0.25)),
     "dq_atomic": dict(cfg=dict(causal=True), opts=dict(dq_mode="atomic")),
     "varlen_zero_lengths": dict(cfg=dict(seqlens=[[5, 9], [0, 7], [17, 3], [4, 0]], causal=True),

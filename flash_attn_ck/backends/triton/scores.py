@@ -138,6 +138,16 @@ def keep_positions(rows, cols, len_k, shift, S, F: tl.constexpr):
 # ---- score modifiers (softcap, ALiBi) and one key tile's scores ----
 
 @triton.jit
+def accurate_tanh(x):
+    """tanh in fp32 to a few ulp relative everywhere. 1 - 2 / (e^2x + 1) cancels as x -> 0 (x = 1e-8 gives 0), and a
+    large softcap multiplies that error back: below |x| = 1/4 the Taylor series to x^7 (truncation < 4e-7
+    relative) takes over."""
+    x2 = x * x
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    return tl.where(tl.abs(x) < 0.25, series, 1.0 - 2.0 / (tl.exp2((2.0 * LOG2E) * x) + 1.0))
+
+
+@triton.jit
 def scores_log2(qk, rows, cols, bias_shift, S, slope, F: tl.constexpr):
     """Raw q.k -> (score in log2 units, tanh of the softcap argument or None).
 
@@ -145,8 +155,8 @@ def scores_log2(qk, rows, cols, bias_shift, S, slope, F: tl.constexpr):
     (bias_shift: `alibi_shift`)."""
     if F.HAS_SOFTCAP:
         x = qk * (S.scale / S.softcap)
-        tanh = 1.0 - 2.0 / (tl.exp2((2.0 * LOG2E) * x) + 1.0)
-        s2 = tanh * (S.softcap * LOG2E)
+        tanh = accurate_tanh(x)
+        s2 = (tanh * S.softcap) * LOG2E     # in this order: softcap * LOG2E overflows fp32 for caps > 2.4e38
     else:
         tanh = qk  # unused: a placeholder of the right shape
         s2 = qk * (S.scale * LOG2E)
