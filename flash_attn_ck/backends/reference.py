@@ -17,7 +17,7 @@ import torch
 from ..core.mask import MaskKind
 from ..core.plan import BufferSpec, WorkspacePlan
 from ..core.problem import AttentionParams, AttentionProblem
-from ..core.scores import ScoreTile, autocast_off, heads_first, kept_matmul, sequences
+from ..core.scores import ScoreTile, heads_first, kept_matmul, sequences, without_autocast
 from .base import Backend
 from .ck.plan import CkBwdTile, ck_backward_plan
 
@@ -35,38 +35,38 @@ class ReferenceBackend(Backend):
     fp32_outputs_refusal = None      # it computes in fp32: only its final copy into out, dq, dk, dv rounds
 
     # ---- forward -------------------------------------------------------------------------------
+    @without_autocast
     def forward(self, problem: AttentionProblem, params: AttentionParams,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
-        with autocast_off(problem.device):
-            tile = CkBwdTile.for_head_dim(problem.head_dim_padded).kN0
-            cdt = problem.accum_dtype
-            for seq in sequences(problem, params):
-                if seq.seqlen_q == 0:
-                    continue
-                q = heads_first(seq.rows_q(params.q), cdt)
-                k = heads_first(seq.rows_k(params.k), cdt, problem.group_size)
-                v = heads_first(seq.rows_k(params.v), cdt, problem.group_size)
-                row_max = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)
-                row_sum = torch.zeros(q.shape[:2], dtype=cdt, device=q.device)
-                acc = torch.zeros_like(q)
-                # ---- online softmax over key tiles: rescale the running sums when the max grows ----
-                for start in range(0, seq.seqlen_k, tile):
-                    end = min(start + tile, seq.seqlen_k)
-                    st = ScoreTile(problem, params, seq, q, k, start, end)
-                    new_max = torch.maximum(row_max, st.scores.amax(dim=-1))
-                    safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-                    probs = torch.exp(st.scores - safe_max[..., None])
-                    rescale = torch.exp(row_max - safe_max)
-                    row_sum = row_sum * rescale + probs.sum(-1)
-                    acc = acc * rescale[..., None] + kept_matmul(st.dropped(probs, problem.dropout_p), v[:, start:end],
-                                                                 st.kept)
-                    row_max = new_max
-                empty = row_sum == 0
-                safe_max = torch.where(empty, torch.zeros_like(row_max), row_max)
-                row_lse = torch.where(empty, torch.full_like(row_max, float("inf")), safe_max + torch.log(row_sum))
-                result = torch.where(empty[..., None], torch.zeros_like(acc), acc / row_sum.clamp_min(1e-30)[..., None])
-                seq.rows_q(out).copy_(result.transpose(0, 1))
-                seq.lse(lse).copy_(row_lse)
+        tile = CkBwdTile.for_head_dim(problem.head_dim_padded).kN0
+        cdt = problem.accum_dtype
+        for seq in sequences(problem, params):
+            if seq.seqlen_q == 0:
+                continue
+            q = heads_first(seq.rows_q(params.q), cdt)
+            k = heads_first(seq.rows_k(params.k), cdt, problem.group_size)
+            v = heads_first(seq.rows_k(params.v), cdt, problem.group_size)
+            row_max = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)
+            row_sum = torch.zeros(q.shape[:2], dtype=cdt, device=q.device)
+            acc = torch.zeros_like(q)
+            # ---- online softmax over key tiles: rescale the running sums when the max grows ----
+            for start in range(0, seq.seqlen_k, tile):
+                end = min(start + tile, seq.seqlen_k)
+                st = ScoreTile(problem, params, seq, q, k, start, end)
+                new_max = torch.maximum(row_max, st.scores.amax(dim=-1))
+                safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+                probs = torch.exp(st.scores - safe_max[..., None])
+                rescale = torch.exp(row_max - safe_max)
+                row_sum = row_sum * rescale + probs.sum(-1)
+                acc = acc * rescale[..., None] + kept_matmul(st.dropped(probs, problem.dropout_p), v[:, start:end],
+                                                             st.kept)
+                row_max = new_max
+            empty = row_sum == 0
+            safe_max = torch.where(empty, torch.zeros_like(row_max), row_max)
+            row_lse = torch.where(empty, torch.full_like(row_max, float("inf")), safe_max + torch.log(row_sum))
+            result = torch.where(empty[..., None], torch.zeros_like(acc), acc / row_sum.clamp_min(1e-30)[..., None])
+            seq.rows_q(out).copy_(result.transpose(0, 1))
+            seq.lse(lse).copy_(row_lse)
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
@@ -89,62 +89,62 @@ class ReferenceBackend(Backend):
         return BufferSpec("fp32_tiles", (-(-nbytes // size),), p.accum_dtype, False,
                           "reference: fp32 copies and score tiles of one key tile", internal=True)
 
+    @without_autocast
     def backward(self, problem: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
-        with autocast_off(problem.device):
-            p = problem
-            dq_accum = workspace["dq_accum"]
-            dk_target = workspace["dk_expanded"] if p.is_gqa else dk
-            dv_target = workspace["dv_expanded"] if p.is_gqa else dv
-            tile = CkBwdTile.for_head_dim(p.head_dim_padded).kN0
-            cdt = p.accum_dtype
+        p = problem
+        dq_accum = workspace["dq_accum"]
+        dk_target = workspace["dk_expanded"] if p.is_gqa else dk
+        dv_target = workspace["dv_expanded"] if p.is_gqa else dv
+        tile = CkBwdTile.for_head_dim(p.head_dim_padded).kN0
+        cdt = p.accum_dtype
 
-            # ---- dot_do_o: D = rowsum(dO * O) in fp32, laid out like lse -----------------------------
-            softmax_d = workspace["softmax_d"]
-            for seq in sequences(p, params):
-                d_rows = (seq.rows_q(dout).to(cdt) * seq.rows_q(out).to(cdt)).sum(-1)
-                seq.lse(softmax_d).copy_(d_rows.transpose(0, 1))
+        # ---- dot_do_o: D = rowsum(dO * O) in fp32, laid out like lse -----------------------------
+        softmax_d = workspace["softmax_d"]
+        for seq in sequences(p, params):
+            d_rows = (seq.rows_q(dout).to(cdt) * seq.rows_q(out).to(cdt)).sum(-1)
+            seq.lse(softmax_d).copy_(d_rows.transpose(0, 1))
 
-            # ---- dq_dk_dv: one pass per key tile, dK/dV per query head, dQ into its split ------------
-            for seq in sequences(p, params):
-                if seq.seqlen_k == 0:
-                    continue
-                if seq.seqlen_q == 0:
-                    seq.rows_k(dk_target).zero_()
-                    seq.rows_k(dv_target).zero_()
-                    continue
-                q = heads_first(seq.rows_q(params.q), cdt)
-                k = heads_first(seq.rows_k(params.k), cdt, p.group_size)
-                v = heads_first(seq.rows_k(params.v), cdt, p.group_size)
-                do = heads_first(seq.rows_q(dout), cdt)
-                row_lse = seq.lse(lse)[..., None]
-                row_d = seq.lse(softmax_d)[..., None]
-                dq_splits = seq.rows_q(dq_accum, dim=1)            # (splits, s_q, h, d)
-                dk_rows, dv_rows = seq.rows_k(dk_target), seq.rows_k(dv_target)
-                for split, start in enumerate(range(0, seq.seqlen_k, tile)):
-                    end = min(start + tile, seq.seqlen_k)
-                    st = ScoreTile(p, params, seq, q, k, start, end)
-                    probs = torch.exp(st.scores - row_lse)           # lse = +inf on empty rows -> 0
-                    if st.kept is not None:     # exactly 0 where a row does not attend, even if its lse is NaN
-                        probs = torch.where(st.kept, probs, torch.zeros((), dtype=cdt, device=probs.device))
-                    dv_tile = torch.matmul(st.dropped(probs, p.dropout_p).transpose(1, 2), do)
-                    dprobs = st.dropped(torch.matmul(do, v[:, start:end].transpose(1, 2)), p.dropout_p)
-                    dscores = probs * (dprobs - row_d)
-                    if p.softcap:
-                        dscores = dscores * (1.0 - st.tanh * st.tanh)
-                    dscores = dscores * p.softmax_scale
-                    if st.kept is not None:     # a key a row does not attend adds nothing, not even a NaN of its V
-                        dscores = torch.where(st.kept, dscores, torch.zeros((), dtype=cdt, device=dscores.device))
-                    dk_tile = torch.matmul(dscores.transpose(1, 2), q)
-                    dq_part = kept_matmul(dscores, k[:, start:end], st.kept).transpose(0, 1)
-                    dq_splits[split if p.deterministic else 0] += dq_part
-                    # MHA writes dk/dv directly; GQA writes per query head into the expanded buffers.
-                    dk_rows[start:end] = dk_tile.transpose(0, 1)
-                    dv_rows[start:end] = dv_tile.transpose(0, 1)
+        # ---- dq_dk_dv: one pass per key tile, dK/dV per query head, dQ into its split ------------
+        for seq in sequences(p, params):
+            if seq.seqlen_k == 0:
+                continue
+            if seq.seqlen_q == 0:
+                seq.rows_k(dk_target).zero_()
+                seq.rows_k(dv_target).zero_()
+                continue
+            q = heads_first(seq.rows_q(params.q), cdt)
+            k = heads_first(seq.rows_k(params.k), cdt, p.group_size)
+            v = heads_first(seq.rows_k(params.v), cdt, p.group_size)
+            do = heads_first(seq.rows_q(dout), cdt)
+            row_lse = seq.lse(lse)[..., None]
+            row_d = seq.lse(softmax_d)[..., None]
+            dq_splits = seq.rows_q(dq_accum, dim=1)            # (splits, s_q, h, d)
+            dk_rows, dv_rows = seq.rows_k(dk_target), seq.rows_k(dv_target)
+            for split, start in enumerate(range(0, seq.seqlen_k, tile)):
+                end = min(start + tile, seq.seqlen_k)
+                st = ScoreTile(p, params, seq, q, k, start, end)
+                probs = torch.exp(st.scores - row_lse)           # lse = +inf on empty rows -> 0
+                if st.kept is not None:     # exactly 0 where a row does not attend, even if its lse is NaN
+                    probs = torch.where(st.kept, probs, torch.zeros((), dtype=cdt, device=probs.device))
+                dv_tile = torch.matmul(st.dropped(probs, p.dropout_p).transpose(1, 2), do)
+                dprobs = st.dropped(torch.matmul(do, v[:, start:end].transpose(1, 2)), p.dropout_p)
+                dscores = probs * (dprobs - row_d)
+                if p.softcap:
+                    dscores = dscores * (1.0 - st.tanh * st.tanh)
+                dscores = dscores * p.softmax_scale
+                if st.kept is not None:     # a key a row does not attend adds nothing, not even a NaN of its V
+                    dscores = torch.where(st.kept, dscores, torch.zeros((), dtype=cdt, device=dscores.device))
+                dk_tile = torch.matmul(dscores.transpose(1, 2), q)
+                dq_part = kept_matmul(dscores, k[:, start:end], st.kept).transpose(0, 1)
+                dq_splits[split if p.deterministic else 0] += dq_part
+                # MHA writes dk/dv directly; GQA writes per query head into the expanded buffers.
+                dk_rows[start:end] = dk_tile.transpose(0, 1)
+                dv_rows[start:end] = dv_tile.transpose(0, 1)
 
-            # ---- convert_dq: sum the splits, cast to the output dtype --------------------------------
-            dq.copy_(dq_accum.sum(0))
+        # ---- convert_dq: sum the splits, cast to the output dtype --------------------------------
+        dq.copy_(dq_accum.sum(0))
 
 
 BACKEND = ReferenceBackend

@@ -7,7 +7,7 @@ the dropout keep mask at the call's global coordinates. The reference backend co
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -17,13 +17,20 @@ from .dropout import keep_mask
 from .problem import AttentionParams, AttentionProblem
 
 
-def autocast_off(device: torch.device):
-    """A context without `device`'s autocast. These tiles compute in the dtype the problem chose (fp32/fp64, as the
-    kernels accumulate); an autocast around the call would run their matmuls in fp16/bf16 and return an fp32
-    result of bf16 accuracy. torch.compile already runs the ops outside autocast: eager now matches it."""
-    if device.type in ("cpu", "cuda") and torch.is_autocast_enabled(device.type):
-        return torch.autocast(device.type, enabled=False)
-    return contextlib.nullcontext()
+def without_autocast(compute):
+    """`compute(..., problem, ...)` (a function of an AttentionProblem, or a backend's method of one) run without the
+    problem's device's autocast. These tiles compute in the dtype the problem chose (fp32/fp64, as the kernels
+    accumulate); an autocast around the call would run their matmuls in fp16/bf16 and return an fp32 result of bf16
+    accuracy. torch.compile already runs the ops outside autocast: eager now matches it."""
+    @functools.wraps(compute)
+    def run(*args, **kwargs):
+        problem = args[0] if isinstance(args[0], AttentionProblem) else args[1]
+        kind = problem.device.type
+        if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+            with torch.autocast(kind, enabled=False):
+                return compute(*args, **kwargs)
+        return compute(*args, **kwargs)
+    return run
 
 
 @dataclass(frozen=True)
@@ -119,21 +126,21 @@ def heads_first(t: torch.Tensor, dtype: torch.dtype, group: int = 1) -> torch.Te
     return t.repeat_interleave(group, dim=0) if group > 1 else t
 
 
+@without_autocast
 def attention_probs(problem: AttentionProblem, params: AttentionParams, lse: torch.Tensor) -> torch.Tensor:
     """Test-only: the softmax probabilities `(b, h, max_s_q, max_s_k)` with the dropout pattern in
     the sign (negative = dropped; flash-attn's `S_dmask` convention). Varlen rows/columns past a
     sequence's end, and masked entries, are 0. Materialises s_q x s_k per head."""
     p = problem
-    with autocast_off(p.device):
-        probs = torch.zeros(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, dtype=p.accum_dtype, device=p.device)
-        for seq in sequences(p, params):
-            if seq.seqlen_q == 0 or seq.seqlen_k == 0:
-                continue
-            q = heads_first(seq.rows_q(params.q), p.accum_dtype)
-            k = heads_first(seq.rows_k(params.k), p.accum_dtype, p.group_size)
-            st = ScoreTile(p, params, seq, q, k, 0, seq.seqlen_k)
-            tile = torch.exp(st.scores - seq.lse(lse)[..., None])
-            if st.keep is not None:
-                tile = torch.where(st.keep, tile, -tile)
-            probs[seq.index, :, :seq.seqlen_q, :seq.seqlen_k] = tile
-        return probs
+    probs = torch.zeros(p.batch, p.heads_q, p.seqlen_q, p.seqlen_k, dtype=p.accum_dtype, device=p.device)
+    for seq in sequences(p, params):
+        if seq.seqlen_q == 0 or seq.seqlen_k == 0:
+            continue
+        q = heads_first(seq.rows_q(params.q), p.accum_dtype)
+        k = heads_first(seq.rows_k(params.k), p.accum_dtype, p.group_size)
+        st = ScoreTile(p, params, seq, q, k, 0, seq.seqlen_k)
+        tile = torch.exp(st.scores - seq.lse(lse)[..., None])
+        if st.keep is not None:
+            tile = torch.where(st.keep, tile, -tile)
+        probs[seq.index, :, :seq.seqlen_q, :seq.seqlen_k] = tile
+    return probs
