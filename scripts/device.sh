@@ -112,8 +112,9 @@ case $cmd in
       per_test=(--timeout 300 --timeout-method thread)
     fi
     mapfile -t todo < .devrun/gpu-todo.txt    # one node id a line, kept whole: some ids hold spaces
-    limit 540 python3 -m pytest -v -n 14 -p no:cacheprovider -rf "${per_test[@]}" "${todo[@]}" \
-      > "$OUT/gpu-tests.log" 2>&1
+    # At the limit pytest gets SIGINT first, so it still prints the failures' tracebacks and summary (30 s grace).
+    timeout -s INT -k 30 "${TIMEOUT:-540}" python3 -m pytest -v -n 14 -p no:cacheprovider -rf "${per_test[@]}" \
+      "${todo[@]}" > "$OUT/gpu-tests.log" 2>&1
     echo "pytest rc=$?"
     # whole node ids: some hold spaces ("[...-q not a tensor]"), so cut the status prefix and the trailing blank only
     sed -nE 's/^.*PASSED (tests\/.*[^ ]) *$/\1/p' "$OUT/gpu-tests.log" | sort -u >> .devrun/gpu-passed.txt
