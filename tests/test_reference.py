@@ -280,3 +280,19 @@ def test_an_autocast_around_the_call_changes_nothing(dtype, autocast_dtype):
         got = run()
     for name, g, e in zip(("out", "lse", "probs", "dq", "dk", "dv"), got, expected):
         assert g.dtype == e.dtype and torch.equal(g, e), name
+
+
+def test_a_sparse_gradient_of_out_is_read_as_its_dense_values():
+    """out.backward(a sparse tensor): the gradients equal those of the same values dense (before, torch's
+    "unsupported memory format option Contiguous" from the backward)."""
+    cfg = Config(heads_q=4, heads_k=2, seqlen_q=9, seqlen_k=13, head_dim=16, dtype=torch.float64, causal=True)
+    q, k, v, dout, _ = make_inputs(cfg)
+    dout = dout * (torch.rand(dout.shape, generator=torch.Generator().manual_seed(3)) < 0.3)
+
+    def grads(gradient):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fa.flash_attn_func(*leaves, causal=True, backend="reference").backward(gradient)
+        return [t.grad for t in leaves]
+
+    for got, expected in zip(grads(dout.to_sparse()), grads(dout), strict=True):
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
