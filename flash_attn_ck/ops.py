@@ -263,10 +263,11 @@ class _Attention(torch.autograd.Function):
         if dout is None:   # an undefined gradient of `out` (not materialised): zero gradients, as None
             return (None,) * ctx.num_inputs
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state = ctx.saved_tensors
-        if dout.layout != torch.strided:    # a sparse gradient of out (out.backward(sparse)): the kernels read strides
-            dout = dout.to_dense()
-        elif dout.stride(-1) != 1:
-            dout = dout.contiguous()
+        if dout.stride(-1) != 1:
+            # A sparse gradient of out (out.backward(sparse), eager only: compiled backwards may not read layout)
+            # has no strides for the kernels: its dense values.
+            sparse = not torch.compiler.is_compiling() and dout.layout != torch.strided
+            dout = dout.to_dense() if sparse else dout.contiguous()
         # The saved tensors (unpacking them checked that they were not modified in place), which are ctx.options'
         # own unless saved tensor hooks (e.g. offloading) unpacked other objects.
         options = ctx.options
