@@ -9,6 +9,7 @@ balancer for causal, none otherwise)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from functools import partial
 from unittest import mock
@@ -164,16 +165,25 @@ def test_torch_ring_template_runs_the_provider_and_refuses_dropout():
     spawn(_torch_ring_worker, 2)
 
 
-@pytest.mark.parametrize("order", [(0, 1), (1, 0)], ids=["oldest-first", "newest-first"])
+@pytest.mark.parametrize("order", list(itertools.permutations(range(3))), ids=str)
 def test_installations_removed_in_any_order_restore_torchs_entries(order):
-    """Two installations, removed in either order: torch's own entries come back (before, removing the older one
-    first left the newer one's saved copy of our handlers in place for good)."""
+    """Three installations (strict ones replacing more entries than the non-strict one), removed in any order: each
+    removal leaves the entries of the installations still in place, and at the end torch's own entries are back
+    (before, removing an older one first left a newer one's saved copy of our handlers in place for good)."""
     ops = torch_cp_module.custom_ops
     before = dict(ops)
-    handles = [install_torch_cp_handlers(), install_torch_cp_handlers(kv_exchange="allgather")]
+    handles, installed = [], {}       # installed: what each installation set
+    for i, kwargs in enumerate([{}, dict(strict=False, kv_exchange="allgather"), dict(kv_exchange="a2a")]):
+        handles.append(install_torch_cp_handlers(**kwargs))
+        installed[i] = {op: ops[op] for op in handles[i].saved}
     assert ops[FLASH.default] is not before.get(FLASH.default)
-    for i in order:
+    for step, i in enumerate(order):
         handles[i].remove()
+        remaining = [j for j in range(3) if j not in order[:step + 1]]
+        for op in ops:      # an op's entry is the newest remaining installation's that set it, else torch's
+            setters = [j for j in remaining if op in installed[j]]
+            expected = installed[max(setters)][op] if setters else before.get(op)
+            assert ops.get(op) is expected, (order, step, op)
     assert ops == before
 
 

@@ -118,15 +118,19 @@ class TorchCPHandle:
     saved: dict = field(default_factory=dict)
 
     def remove(self) -> None:
-        """Undo this installation, in any order of several: the last one installed puts back what was there
-        before it; an earlier one hands what it saved to the one installed after it."""
+        """Undo this installation, in any order of several: an entry a later installation replaced goes to that
+        one's saved entries (it puts it back when removed); any other entry is put back now."""
         if self not in _INSTALLED:
             return
-        above = _INSTALLED.index(self) + 1
-        if above == len(_INSTALLED):
-            _set_entries(self.saved)
-        else:
-            _INSTALLED[above].saved = self.saved
+        later = _INSTALLED[_INSTALLED.index(self) + 1:]
+        now = {}
+        for op, entry in self.saved.items():
+            successor = next((handle for handle in later if op in handle.saved), None)
+            if successor is None:
+                now[op] = entry
+            else:
+                successor.saved[op] = entry
+        _set_entries(now)
         _INSTALLED.remove(self)
         self.saved = {}
 
