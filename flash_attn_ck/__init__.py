@@ -13,13 +13,14 @@ from .api import (
 )
 from .backends.base import Backend
 from .backends.registry import use_backend
-from .core.errors import ArgumentError, NoBackendError, WorkspaceError
+from .core.errors import ArgumentError, KernelCompileError, NoBackendError, WorkspaceError
 from .core.mask import MaskInfo, MaskKind, MaskType
 from .core.options import AttentionOptions
 from .pipeline.select import select_backend
 
 __all__ = [
-    "ArgumentError", "AttentionOptions", "Backend", "MaskInfo", "MaskKind", "MaskType", "NoBackendError",
+    "ArgumentError", "AttentionOptions", "Backend", "KernelCompileError", "MaskInfo", "MaskKind", "MaskType",
+    "NoBackendError",
     "WorkspaceError",
     "backward_workspace", "flash_attn_bwd", "flash_attn_func", "flash_attn_fwd", "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func",

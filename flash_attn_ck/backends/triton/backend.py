@@ -34,17 +34,20 @@ The choice of defaults and the measurements behind it: docs/triton.md.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import warnings
 
 import torch
 
+from ...core.errors import KernelCompileError
 from ...core.mask import WINDOW_MASK_KINDS, MaskType
 from ...core.plan import BufferSpec, WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
-from . import config, launch, replay
+from . import config, launch, replay, triton_versions
 from .bwd_ws_schedule import semaphore_tiles as bwd_ws_semaphore_tiles
 
 GQA_ENV = "FLASH_ATTN_CK_TRITON_GQA"
@@ -60,6 +63,26 @@ def _capability(device: torch.device) -> tuple[int, int]:
     """Compute capability of a CUDA device (a tensor's device: its index is set); read up to three
     times per call, so cached."""
     return torch.cuda.get_device_capability(device)
+
+
+# Warp-specialised kernel families (GluonRule.option) that failed to compile in this process, with the reason
+# their refusal gives: such a call ran, and every later one runs, on the one-launch kernels.
+_FAILED_TO_COMPILE: dict[str, str] = {}
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A RuntimeWarning, once per process for each message: the Gluon kernels give way to the one-launch ones."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(f"flash_attn_ck: {message}", RuntimeWarning, stacklevel=4)
+
+
+def _failed_to_compile(rule: config.GluonRule, error: KernelCompileError) -> None:
+    """Note that `rule`'s kernel failed to compile (every later call refuses it in words), and warn once."""
+    _FAILED_TO_COMPILE[rule.option] = f"{error.kernel_name} failed to compile with Triton " \
+                                      f"{triton_versions.installed()} ({error.first_error})"
+    _warn_once(f"{_FAILED_TO_COMPILE[rule.option]}; its calls run on the one-launch Triton kernels")
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -241,6 +264,12 @@ class TritonBackend(Backend):
         reasons = []
         if _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] != 9:
             reasons.append("needs an sm_90 GPU (Gluon wgmma/TMA kernel)")
+        elif setting is not True and (outside := triton_versions.gluon_refusal()):
+            _warn_once(f"{outside}: the one-launch Triton kernels run instead (TritonBackend({rule.option}=True) "
+                       "forces them)")
+            reasons.append(outside)
+        if rule.option in _FAILED_TO_COMPILE:
+            reasons.append(_FAILED_TO_COMPILE[rule.option])
         if p.dtype not in (torch.bfloat16, torch.float16):
             reasons.append(f"{p.dtype} inputs (bf16/fp16 only)")
         if p.out_dtype != p.dtype:
@@ -440,9 +469,19 @@ class TritonBackend(Backend):
                 out: torch.Tensor, lse: torch.Tensor) -> None:
         p = problem
         _prepare_launch()
-        if not self._gluon_reasons(p, config.FWD_WS_RULE):
-            self._forward_ws(p, params, out, lse)
-            return
+        if not self._gluon_reasons(p, config.FWD_WS_RULE) and config.FWD_WS_RULE.option not in _FAILED_TO_COMPILE:
+            try:
+                self._forward_ws(p, params, out, lse)
+                return
+            except KernelCompileError as error:     # nothing was written: the older forward runs the call
+                _failed_to_compile(config.FWD_WS_RULE, error)
+                p.memo.clear()
+        with _naming_the_call(p):
+            self._forward_one_launch(p, params, out, lse)
+
+    def _forward_one_launch(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor,
+                            lse: torch.Tensor) -> None:
+        """forward.py: one program per query tile."""
         cfg = self._configs(p)
         tile = cfg.forward
         use_tma = self._tma_plan(p, "forward", params.q, params.k, params.v, out) == "all"
@@ -511,8 +550,27 @@ class TritonBackend(Backend):
                  lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
                  dv: torch.Tensor, workspace: dict[str, torch.Tensor]) -> None:
         _prepare_launch()
-        run = self._backward_ws if not self._gluon_reasons(problem, config.BWD_WS_RULE) else self._backward_one_launch
-        run(problem, params, out, lse, dout, dq, dk, dv, workspace)
+        p = problem
+        if not self._gluon_reasons(p, config.BWD_WS_RULE):
+            if config.BWD_WS_RULE.option not in _FAILED_TO_COMPILE:
+                try:
+                    self._backward_ws(p, params, out, lse, dout, dq, dk, dv, workspace)
+                    return
+                except KernelCompileError as error:    # dq, dk, dv not written yet: the one-launch kernels
+                    _failed_to_compile(config.BWD_WS_RULE, error)
+                    p.memo.clear()
+            # this call's plan is bwd_ws's: its softmax_d is all that the accumulator-free one-launch backward needs
+            with _naming_the_call(p):
+                self._without_accumulators()._backward_one_launch(p, params, out, lse, dout, dq, dk, dv,
+                                                                   {"softmax_d": workspace["softmax_d"]})
+            return
+        with _naming_the_call(p):
+            self._backward_one_launch(p, params, out, lse, dout, dq, dk, dv, workspace)
+
+    def _without_accumulators(self) -> TritonBackend:
+        """This backend's one-launch backward with neither fp32 dQ nor dK/dV accumulators (dQ pass, group loop)."""
+        return TritonBackend("loop", "pass", self.use_tma, self.configs, ws=False, fwd_ws=self.fwd_ws,
+                             fwd_ws_tile=self.fwd_ws_tile, varlen_schedule=self.varlen_schedule)
 
     def _backward_one_launch(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                              lse: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
@@ -615,6 +673,28 @@ class TritonBackend(Backend):
                   p.rows_q // batch, d)
             if kv.stop < p.heads_k:     # the next launch adds into the accumulator and counts in the semaphores
                 launch.zero_flat(*(t for t in (acc, sems) if t is not None)).launch()
+
+
+@contextlib.contextmanager
+def _naming_the_call(p: AttentionProblem):
+    """Within the block a kernel that fails to compile raises KernelCompileError naming the call too."""
+    try:
+        yield
+    except KernelCompileError as error:
+        if error.call:
+            raise
+        raise error.for_call(describe(p)) from None
+
+
+def describe(p: AttentionProblem) -> str:
+    """A call's shape and features in a line: what a compile error names."""
+    rows = f"varlen b {p.batch}, max s_q {p.seqlen_q}, max s_k {p.seqlen_k}" if p.varlen else \
+        f"b {p.batch}, s_q {p.seqlen_q}, s_k {p.seqlen_k}"
+    features = [name for name, on in (("ALiBi", p.has_alibi), (f"softcap {p.softcap}", p.softcap),
+                                      (f"dropout {p.dropout_p}", p.dropout_p), ("deterministic", p.deterministic))
+                if on]
+    return ", ".join([rows, f"h {p.heads_q}/{p.heads_k}, d {p.head_dim}", str(p.dtype).removeprefix("torch."),
+                      f"mask {p.mask.describe()}", *features])
 
 
 def _heads(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:

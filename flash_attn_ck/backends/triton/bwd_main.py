@@ -120,7 +120,7 @@ def key_tile_dkdv(n_block, b, ph, Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq,
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    for g in range(0, n_heads):
+    for g in tl.range(0, n_heads, num_stages=1):
         # ---- one query head: its q / dO sources, lse and D rows, ALiBi slope ----
         h = h_first + g
         q_base = head_rows(Q, strides.q_batch, strides.q_row, strides.q_head, b64, q_start, h)

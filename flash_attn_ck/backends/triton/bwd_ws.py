@@ -57,6 +57,7 @@ from .bwd_ws_schedule import semaphore_tiles
 from .bwd_ws_split import attn_bwd_ws_split_kernel
 from .gluon_common import LOG2E, descriptor, probs_transposed, slot
 from .launch import GluonMask, LaunchSpec
+from .triton_versions import barrier
 
 
 # ---- MMA partition (default) -----------------------------------------------------------------
@@ -129,7 +130,7 @@ def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
         ds_bf = dsT.to(dtype)
         ds_smem.store(ds_bf)
         fence_async_shared()
-        gl.thread_barrier()
+        barrier()
         dq = warpgroup_mma(ds_smem.permute((1, 0)), k_tile, dq_zero, use_acc=False, is_async=True)
         ds_op = gl.convert_layout(ds_bf, a_layout)
         dk = warpgroup_mma(ds_op, q_tile, dk, is_async=True)

@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from . import bwd_ws_workers as workers
 from .gluon_common import LOG2E, aggregate, probs_transposed, slot
+from .triton_versions import barrier
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per half
 
@@ -97,7 +98,7 @@ def _half(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
             mbarrier.wait(xchg.ps_free, phase ^ 1)   # the previous step's matmuls have read P^T and dS^T
             xchg.pt.store(pT.to(dtype))
             fence_async_shared()
-            gl.thread_barrier()
+            barrier()
             mbarrier.arrive(xchg.p_ready, count=1)
             mbarrier.wait(bufs.do.ready.index(stage), ring_phase)   # dV_h reads dO
             mbarrier.wait(xchg.ds_ready, phase)
@@ -111,7 +112,7 @@ def _half(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
             pT = xchg.pt.load(s_layout).to(gl.float32)
             xchg.dst.store((pT * (dpT - gl.expand_dims(delta, 0))).to(dtype))
             fence_async_shared()
-            gl.thread_barrier()
+            barrier()
             mbarrier.arrive(xchg.ds_ready, count=1)
 
         # ---- this half: dV_h += P^T dO_h, dK_h += dS^T Q_h, dQ_h = dS K_h (A operands in shared memory) ----

@@ -13,6 +13,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot
+from .triton_versions import barrier, tma_load
 
 
 class Constants(NamedTuple):
@@ -198,8 +199,8 @@ def loader(cfg, bufs, seqs, mask, descs, rows, group):
     NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(cfg, seqs, mask)
     mbarrier.expect(bufs.kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [k_row0 + n0, kv_head, 0], bufs.kv_ready, bufs.k)
-    tma.async_copy_global_to_shared(v_desc, [k_row0 + n0, kv_head, 0], bufs.kv_ready, bufs.v)
+    tma_load(k_desc, [k_row0 + n0, kv_head, 0], bufs.kv_ready, bufs.k)
+    tma_load(v_desc, [k_row0 + n0, kv_head, 0], bufs.kv_ready, bufs.v)
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     offs_m_tile = gl.arange(0, BLOCK_M, layout=row_layout)
     if seqs.VARLEN:
@@ -215,10 +216,10 @@ def loader(cfg, bufs, seqs, mask, descs, rows, group):
         m0 = m_lo + (step % m_tiles) * BLOCK_M
         mbarrier.wait(bufs.q.empty.index(stage), phase ^ 1)
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0, head, 0], q_ready.index(stage),
+        tma_load(q_desc, [q_row0 + m0, head, 0], q_ready.index(stage),
                                         bufs.q.bufs.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [q_row0 + m0, head, 0], do_ready.index(stage),
+        tma_load(do_desc, [q_row0 + m0, head, 0], do_ready.index(stage),
                                         bufs.do.bufs.index(stage))
         # lse (times log2 e) and D of the tile's rows beside Q, behind q_ready's second arrival; rows past
         # the sequence get lse = +inf (P = 0) and D = 0.
@@ -285,7 +286,7 @@ def hand_dq(cfg, bufs, dq, scale, step, PART: gl.constexpr):
     else:
         slot(bufs.dq.bufs, dq_stage * cfg.DQ_PARTS + PART).store(dq * scale)
     fence_async_shared()
-    gl.thread_barrier()   # every warp's dQ is in shared memory
+    barrier()   # every warp's dQ is in shared memory
     mbarrier.arrive(bufs.dq.ready.index(dq_stage), count=1)
 
 

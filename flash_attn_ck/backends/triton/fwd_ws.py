@@ -60,6 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot, uniform_descriptor
 from .launch import GluonMask, LaunchSpec
+from .triton_versions import tma_load, tma_store
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
 
@@ -172,7 +173,7 @@ def _loader(cfg, bufs, seqs, mask, descs, group):
     m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(cfg, seqs, mask)
     mbarrier.expect(bufs.q_ready, cfg.CONSUMERS * q_desc.block_type.nbytes)
     for wg in gl.static_range(cfg.CONSUMERS):
-        tma.async_copy_global_to_shared(q_desc, [q_row0 + m0 + wg * cfg.ROWS, head, 0], bufs.q_ready,
+        tma_load(q_desc, [q_row0 + m0 + wg * cfg.ROWS, head, 0], bufs.q_ready,
                                         bufs.q.index(wg))
     kv_head = head // group
     for j in range(n_tiles):
@@ -188,7 +189,7 @@ def _load(ring, desc, coord, stage, phase):
     """Load a tile into `ring`'s slot `stage` once it is free (its readers released it in the previous phase)."""
     mbarrier.wait(ring.empty.index(stage), phase ^ 1)
     mbarrier.expect(ring.ready.index(stage), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, coord, ring.ready.index(stage), ring.bufs.index(stage))
+    tma_load(desc, coord, ring.ready.index(stage), ring.bufs.index(stage))
 
 
 # ---- consumer steps --------------------------------------------------------------------------
@@ -328,7 +329,7 @@ def _consumer(cfg, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr):
         # TMA store writes the head's head_dim columns, not the padding)
         slot(bufs.q, WARPGROUP).store(out)
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row0 + m0, head, 0], bufs.q.index(WARPGROUP))
+        tma_store(o_desc, [q_row0 + m0, head, 0], bufs.q.index(WARPGROUP))
         tma.store_wait(0)
     elif m0 < len_q:
         offs_r = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, cfg.o_layout))

@@ -27,12 +27,18 @@ keep compiling), its value where backend.py names the call's flags (`_scores_fea
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
+from ...core.errors import KernelCompileError
+from . import triton_versions
 from .config import Tile
 
 
@@ -264,13 +270,78 @@ _TRITON = None      # (knobs, triton.runtime, native_specialize_impl), imported 
 
 
 def _triton():
-    global _TRITON
+    global _TRITON, _DIRECT
     if _TRITON is None:
         import triton.runtime
         from triton import knobs
-        from triton.runtime.jit import native_specialize_impl
-        _TRITON = knobs, triton.runtime, native_specialize_impl
+        _DIRECT = triton_versions.launch_path_refusal() is None
+        specialize = None
+        if _DIRECT:
+            from triton.runtime.jit import native_specialize_impl as specialize
+        _TRITON = knobs, triton.runtime, specialize
     return _TRITON
+
+
+# Whether launch_kernel launches compiled kernels itself (the private APIs it reads are as it reads them:
+# triton_versions.launch_path_refusal); otherwise every launch goes through `kernel[grid](...)`.
+_DIRECT = True
+
+
+_COMPILER_OUTPUT_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def compiler_output_held(kernel):
+    """Around a launch that may compile `kernel`: what the compiler writes to the process's stderr (MLIR's C++
+    diagnostics go to file descriptor 2, past Python) is held back, then written out where the block succeeds; a
+    compiler failure becomes a KernelCompileError with the first error line. Errors of the launch itself (CUDA
+    errors, bad arguments) pass unchanged."""
+    from triton.compiler.errors import CompilationError
+    with _COMPILER_OUTPUT_LOCK, tempfile.TemporaryFile() as held:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except (CompilationError, RuntimeError) as error:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            held.seek(0)
+            output = held.read().decode(errors="replace")
+            if not _is_compile_failure(error):
+                sys.stderr.write(output)
+                raise
+            name = getattr(kernel, "__name__", str(kernel))
+            raise KernelCompileError(name, f"Triton {triton_versions.installed()}",
+                                     _first_error(error, output), f"{output}\n{error}") from None
+        else:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _is_compile_failure(error: BaseException) -> bool:
+    """Whether an error of a launch came from the compiler: Triton's front end (CompilationError) or an MLIR pass
+    pipeline (a RuntimeError 'PassManager::run failed')."""
+    from triton.compiler.errors import CompilationError
+    return isinstance(error, CompilationError) or "PassManager::run failed" in str(error)
+
+
+def _first_error(error: BaseException, output: str) -> str:
+    """The first line of the compiler's output that says `error:` (without its source position), else the error's
+    own first line."""
+    for line in output.splitlines():
+        if " error: " in line:
+            return line.split(" error: ", 1)[1].strip()
+    from triton.compiler.errors import CompilationError
+    if isinstance(error, CompilationError):
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        return lines[-1].strip() if lines else type(error).__name__
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, num_stages: int,
@@ -281,25 +352,23 @@ def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, nu
     call; here the key is Triton's own specialisation of each runtime argument (`native_specialize_impl`, the
     C++ function its binder calls: dtype, 16-byte alignment, ints == 1 and % 16, descriptors' blocks and
     layouts), the constexprs and compile options by value and the debug knobs, and the first launch of each
-    key goes through `run` (so Triton compiles what it would). Launch hooks (profilers), the interpreter and
-    unhashable arguments take Triton's path. Not re-checked on a hit: the kernel's globals (constants
-    of the modules, fixed once imported)."""
+    key goes through `run` (so Triton compiles what it would). Launch hooks (profilers), the interpreter,
+    unhashable arguments and a Triton whose private APIs moved (triton_versions.launch_path_refusal) take Triton's
+    path. A compiler failure is a KernelCompileError (compiler_output_held). Not re-checked on a hit: the kernel's
+    globals (constants of the modules, fixed once imported)."""
     knobs, runtime_module, specialize = _triton()
     recorded = getattr(_RECORDING, "launches", None)
     entry = _KERNELS.get(id(kernel))
-    if entry is None:
-        if getattr(kernel, "params", None) is None:     # the interpreter's kernels (TRITON_INTERPRET=1)
-            kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
-            if recorded is not None:
-                recorded.append(None)
-            return
-        entry = _KERNELS[id(kernel)] = _Kernel(kernel)
     runtime = knobs.runtime
-    if _installed(runtime.launch_enter_hook) or _installed(runtime.launch_exit_hook):
-        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
+    interpreted = entry is None and getattr(kernel, "params", None) is None     # TRITON_INTERPRET=1's kernels
+    if interpreted or not _DIRECT or _installed(runtime.launch_enter_hook) or _installed(runtime.launch_exit_hook):
+        with compiler_output_held(kernel):
+            kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
         if recorded is not None:
             recorded.append(None)
         return
+    if entry is None:
+        entry = _KERNELS[id(kernel)] = _Kernel(kernel)
     driver = runtime_module.driver.active
     device = driver.get_current_device()
     backend = kernel.device_caches[device][3]
@@ -312,7 +381,8 @@ def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, nu
     except TypeError:       # an unhashable constexpr: nothing to keep
         compiled = key = None
     if compiled is None:
-        compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
+        with compiler_output_held(kernel):
+            compiled = kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **(options or {}))
         if key is not None:
             entry.compiled[key] = compiled
     else:
