@@ -28,17 +28,6 @@ import sys
 from pathlib import Path
 
 
-def variants(head_dims):
-    """(head dim, causal, (TOP_LEFT, HAS_LEFT, HAS_RIGHT), varlen, deterministic, schedule): dense and causal calls at
-    each head dim, the mask and mode every flag turns on (top-left window, varlen, deterministic), and the varlen
-    schedule (backend.TritonBackend(varlen_schedule=True)) with every mask flag, and deterministic with a causal mask
-    (a deterministic call with a left window keeps the grid)."""
-    return [(d, causal, (False, False, causal), False, False, False) for d in head_dims for causal in (False, True)] + \
-           [(d, True, (True, True, True), True, True, False) for d in head_dims] + \
-           [(d, True, masks, True, det, True) for d in head_dims
-            for masks, det in (((True, True, True), False), ((False, False, True), True))]
-
-
 def strip_debug(ptx: str) -> str:
     """The PTX without what only debug information carries."""
     lines = []
@@ -54,39 +43,19 @@ def strip_debug(ptx: str) -> str:
 
 def specs(names: str = ""):
     """(variant name, launch spec) of every variant whose name contains `names` (all by default) at every head dim of
-    the tile tables: the Gluon kernels' built by their own launch_spec functions (through tests/gluon_compile.py)
-    from CPU tensors of the variant's layout, the older kernels' by triton_compile_check.variants."""
-    from gluon_compile import bwd_spec, fwd_spec
-    from triton_compile_check import variants as older_variants
+    the tile tables: scripts/triton_compile_check.py's warp-specialised and older kernels."""
+    from triton_compile_check import gluon_variants, older_variants
 
     from flash_attn_ck.backends.triton import config
-
-    for d, causal, masks, varlen, deterministic, schedule in variants(
-            sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90))):
-        scheduled = f" schedule masks={''.join(f if on else '-' for f, on in zip('TLR', masks))}" if schedule else ""
-        name = f"fwd_ws d{d} causal={causal} varlen={varlen}{scheduled}"
-        if d in config.FWD_WS_SM90 and names in name and not (schedule and deterministic):  # the same forward
-            yield name, fwd_spec(config.FWD_WS_SM90[d][causal], d, varlen, masks, schedule=schedule)
-        if d in config.BWD_WS_SM90:
-            spec = bwd_spec(config.BWD_WS_SM90[d], d, varlen, masks, deterministic, schedule=schedule)
-            name = f"{spec.kernel.fn.__name__} d{d} causal={causal} varlen={varlen} det={deterministic}{scheduled}"
-            if names in name:
-                yield name, spec
-    for d, tag, varlen, role, spec in older_variants(sorted({d for d, _ in config.SM90})):
-        name = f"{spec.kernel.fn.__name__} d{d} {tag} varlen={varlen}" + role.removeprefix("fwd").removeprefix("bwd")
-        if names in name:
-            yield name, spec
+    yield from gluon_variants(sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90)), names)
+    yield from older_variants(sorted({d for d, _ in config.SM90}), names)
 
 
 def dump(names: str = "") -> dict[str, str]:
     """Stripped PTX of this process's tree (flash_attn_ck and tests/ first on sys.path), keyed by variant: the Gluon
     kernels compiled as their CPU tests compile them, the older kernels as launched."""
-    from gluon_compile import compile_spec
-    from triton_compile_check import compile_one
-
-    def ptx(spec) -> str:
-        return compile_spec(spec).asm["ptx"] if spec.kernel.is_gluon() else compile_one(spec, True)["asm"]["ptx"]
-    return {name: strip_debug(ptx(spec)) for name, spec in specs(names)}
+    from triton_compile_check import compile_any
+    return {name: strip_debug(compile_any(spec)["asm"]["ptx"]) for name, spec in specs(names)}
 
 
 def tree_dumps(trees: list[Path], *args: str) -> list[dict[str, str]]:

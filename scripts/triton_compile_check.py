@@ -1,13 +1,18 @@
-"""Compile the Triton backend's kernels for sm_90 on a machine without a GPU (ptxas from the triton
-wheel), and print registers / stack frame (spills) / shared memory / wgmma and TMA instruction counts
-per kernel variant. Catches front-end errors before spending device time.
+"""Compile every kernel of the Triton backend for sm_90a on a machine without a GPU (the ptxas and cuobjdump the
+installed Triton uses), and print registers / stack frame (spills) / shared memory / wgmma and TMA instruction counts
+per kernel variant; the last line is `N compiled, M failed` (exit status 1 when M > 0). Catches front-end, MLIR
+pipeline and ptxas failures under any Triton release before spending device time (scripts/triton_matrix.sh runs it
+under each supported release).
 
-Each variant is a launch spec (flash_attn_ck/backends/triton/launch.py) built from meta tensors by
-the same functions backend.py launches through, so the signatures follow the kernels by
-construction; a variant is a `launch.Features` value (`variants`, which scripts/ptx_compare.py
-compares between two trees, compiled as launched).
+Families: the older Triton kernels (forward; the backward's one launch in each mode, GQA group loop included, at
+every feature set and at one query row, where ints equal to 1 become constants), compiled as a launch of their
+arguments specialises them; the warp-specialised Gluon kernels (fwd_ws, bwd_ws, bwd_ws_split) at every tile of their
+tables over each mask kind, varlen, the varlen schedule and the deterministic mode; the small kernels (D and zeroing,
+casts, zero fill, the outside-rows fill, the varlen schedule builder). Each variant is a launch spec
+(flash_attn_ck/backends/triton/launch.py) built by the functions backend.py launches through, so the signatures
+follow the kernels by construction.
 
-    python scripts/triton_compile_check.py [--quick] [--dump DIR]
+    python scripts/triton_compile_check.py [--quick] [--only NAME_PART] [--dump DIR]
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import torch
 
 from flash_attn_ck.backends.triton import config, launch
@@ -64,7 +70,8 @@ def resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
     """(registers, stack frame bytes) of a cubin, read by cuobjdump from the triton wheel: without a
     GPU the compiled kernel has no n_regs. Register spills live in the stack frame, so stack > 0 means
     spills (or local arrays)."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    from triton import knobs
+    tool = knobs.nvidia.cuobjdump.path
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -86,9 +93,10 @@ FEATURE_SETS = {
 # (lse's head stride) are 1 and a launch specialises them to the constant 1 (Triton 3.6 loses such a constant
 # nested two tuple levels down in an argument handed to a helper: the kernels' stride groups are flat).
 SEQLENS = {"ones": 1}
-# The backward's modes: (LOOP_GROUP, DQ_ATOMIC, DETERMINISTIC). The accumulator epilogue (not LOOP_GROUP) runs for
-# GQA calls, so its variants have two query heads per kv head.
-BWD_MODES = ((True, False, True), (False, False, True), (False, True, False))
+# The backward's modes: (LOOP_GROUP, DQ_ATOMIC, DETERMINISTIC, query heads per kv head). The accumulator epilogue (not
+# LOOP_GROUP) runs for GQA calls, so its variants have two query heads per kv head; the group loop runs for MHA and GQA
+# (at one query row its inner loop has one trip and the group loop is the innermost: the pipeliner must leave it).
+BWD_MODES = ((True, False, True, 1), (False, False, True, 2), (False, True, False, 1), (True, False, True, 2))
 
 
 def variants(block_ds):
@@ -105,45 +113,122 @@ def variants(block_ds):
                     t.q, t.k, t.v, t.q, t.lse, t.seq, t.sizes, t.scores,
                     feats._replace(VARLEN=varlen, USE_TMA=fwd_tma, TMA_LOADS=fwd_tma, EVEN_K=not varlen),
                     cfg.forward, block_d, (1, 1))
-                for loop, atomic, det in BWD_MODES:
-                    t = _Tensors(block_d, varlen, group=1 if loop else 2, seqlen=SEQLENS.get(tag, 256))
+                for loop, atomic, det, group in BWD_MODES:
+                    t = _Tensors(block_d, varlen, group=group, seqlen=SEQLENS.get(tag, 256))
                     features = feats._replace(
                         VARLEN=varlen, LOOP_GROUP=loop, DQ_ATOMIC=atomic, DETERMINISTIC=det, USE_TMA=not varlen,
                         TMA_LOADS=not varlen and cfg.bwd_tma == "all", DP_FIRST=cfg.bwd_dp_first,
                         EVEN_K=cfg.bwd_even_k and not varlen)
-                    yield block_d, tag, varlen, f"bwd loop={loop} dq_atomic={atomic} det={det}", launch.bwd_main(
+                    role = f"bwd loop={loop} dq_atomic={atomic} det={det}" + (" gqa" if loop and group > 1 else "")
+                    yield block_d, tag, varlen, role, launch.bwd_main(
                         t.q, t.k, t.v, t.q, t.lse, t.lse, t.acc if atomic else t.q, t.k, t.v, t.acc, t.acc,
                         t.sems, t.seq, t.batch, t.sizes, t.scores, features, cfg.bwd_kv, cfg.bwd_dq, block_d, (1, 1))
 
 
+def gluon_variants(head_dims, names: str = ""):
+    """(name, launch spec) of the warp-specialised kernels at each of `head_dims` that their tables hold, built by their
+    own launch_spec functions (through tests/gluon_compile.py) from CPU tensors of each variant's layout: dense and
+    causal calls, a top-left window with varlen and the deterministic mode, and the varlen schedule with every mask
+    flag and, deterministic, with a causal mask (a deterministic call with a left window keeps the grid)."""
+    from gluon_compile import bwd_spec, fwd_spec
+    cases = [(d, causal, (False, False, causal), False, False, False)
+             for d in head_dims for causal in (False, True)] + \
+            [(d, True, (True, True, True), True, True, False) for d in head_dims] + \
+            [(d, True, masks, True, det, True) for d in head_dims
+             for masks, det in (((True, True, True), False), ((False, False, True), True))]
+    for d, causal, masks, varlen, deterministic, schedule in cases:
+        scheduled = f" schedule masks={''.join(f if on else '-' for f, on in zip('TLR', masks))}" if schedule else ""
+        name = f"fwd_ws d{d} causal={causal} varlen={varlen}{scheduled}"
+        if d in config.FWD_WS_SM90 and names in name and not (schedule and deterministic):  # the same forward
+            yield name, fwd_spec(config.FWD_WS_SM90[d][causal], d, varlen, masks, schedule=schedule)
+        if d in config.BWD_WS_SM90:
+            spec = bwd_spec(config.BWD_WS_SM90[d], d, varlen, masks, deterministic, schedule=schedule)
+            name = f"{spec.kernel.fn.__name__} d{d} causal={causal} varlen={varlen} det={deterministic}{scheduled}"
+            if names in name:
+                yield name, spec
+
+
+def older_variants(head_blocks, names: str = ""):
+    """(name, launch spec) of the older kernels (`variants`) at `head_blocks`."""
+    for d, tag, varlen, role, spec in variants(head_blocks):
+        name = f"{spec.kernel.fn.__name__} d{d} {tag} varlen={varlen}" + role.removeprefix("fwd").removeprefix("bwd")
+        if names in name:
+            yield name, spec
+
+
+def small_variants(names: str = ""):
+    """(name, launch spec) of the kernels around the attention kernels: D = rowsum(dO * O) with zeroing, the fp32 cast,
+    the zero fill, the outside-rows fill and the varlen schedule builder."""
+    from flash_attn_ck.backends.triton import varlen_schedule
+    t = _Tensors(128, False)
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    walk = varlen_schedule.TileWalk(128, 128, owns_keys=False)
+    specs = {
+        "bwd_preprocess": launch.bwd_preprocess(t.q, t.q, t.lse, (t.acc, t.acc, t.acc, t.sems), t.batch, t.sizes,
+                                                False, 128),
+        "cast_rows": launch.cast_rows(t.acc, t.q, (0, 0, 0), (0, 0, 0), 1, 1, 1, 128, 128),
+        "zero_flat": launch.zero_flat(t.acc, t.sems),
+        "fill_outside": launch.fill_outside(((cu, t.q.flatten(0, 1), 0, 0.0), (cu, t.lse.flatten(0, 1), 1,
+                                                                                 float("inf")))),
+        "varlen_schedule": varlen_schedule.launch_spec(cu, cu, walk, 512),
+    }
+    for name, spec in specs.items():
+        if names in name:
+            yield name, spec
+
+
+def compile_any(spec) -> dict:
+    """compile_one of an older or small kernel as launched; the Gluon kernels as their CPU tests compile them."""
+    if spec.kernel.is_gluon():
+        from gluon_compile import compile_spec
+        t = time.time()
+        kernel = compile_spec(spec)
+        regs, stack = resource_usage(kernel.asm["cubin"])
+        return dict(regs=regs, stack=stack, shared=kernel.metadata.shared, secs=time.time() - t, asm=kernel.asm)
+    return compile_one(spec, as_launched=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="head blocks 64 and 128 only (every family still)")
+    ap.add_argument("--only", default="", metavar="NAME_PART", help="only the variants whose names contain it")
     ap.add_argument("--dump", metavar="DIR", help="write each variant's PTX into DIR (to diff two trees)")
     args = ap.parse_args()
     if args.dump:
         os.makedirs(args.dump, exist_ok=True)
-    for block_d, tag, varlen, role, spec in variants([64, 128] if args.quick else [32, 64, 128, 256]):
-        label = f"d{block_d} {tag:7s} varlen={varlen!s:5s} {role:38s}"
+    head_blocks = [64, 128] if args.quick else [32, 64, 128, 256]
+    gluon_dims = [64, 128] if args.quick else sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90))
+    print(f"triton {triton.__version__}, sm_90a, ptxas {_ptxas()}", flush=True)
+    compiled = failed = 0
+    for name, spec in (*older_variants(head_blocks, args.only), *gluon_variants(gluon_dims, args.only),
+                       *small_variants(args.only)):
         try:
-            r = compile_one(spec)
-            if args.dump:
-                Path(args.dump, "_".join(label.split()) + ".ptx").write_text(r["asm"]["ptx"])
-            ptx = r["asm"]["ptx"]
-            tma = ptx.count("cp.async.bulk.tensor") + ptx.count("cp.reduce.async.bulk")
-            wgmma = ptx.count("wgmma.mma_async")
-            print(f"{label} regs={r['regs']} stack={r['stack']} "
-                  f"smem={r['shared']} wgmma={wgmma} tma={tma} ({r['secs']:.1f}s)", flush=True)
+            r = compile_any(spec)
         except Exception as e:
-            print(f"d{block_d} {tag} varlen={varlen} {role}: FAILED {type(e).__name__}: {str(e)[:400]}")
-    t = _Tensors(128, False)
-    pre = compile_one(launch.bwd_preprocess(t.q, t.q, t.lse, (t.acc, t.acc, t.acc, t.sems),
-                                            t.batch, t.sizes, False, 128))
-    post = compile_one(launch.cast_rows(t.acc, t.q, (0, 0, 0), (0, 0, 0), 1, 1, 1, 128, 128))
-    zero = compile_one(launch.zero_flat(t.acc, t.sems))
-    print(f"preprocess regs={pre['regs']} stack={pre['stack']} smem={pre['shared']} "
-          f"postprocess regs={post['regs']} stack={post['stack']} smem={post['shared']} "
-          f"zero regs={zero['regs']} stack={zero['stack']} smem={zero['shared']}")
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {_first_line(e)}", flush=True)
+            continue
+        compiled += 1
+        ptx = r["asm"]["ptx"]
+        if args.dump:
+            Path(args.dump, "_".join(name.split()) + ".ptx").write_text(ptx)
+        tma = ptx.count("cp.async.bulk.tensor") + ptx.count("cp.reduce.async.bulk")
+        wgmma = ptx.count("wgmma.mma_async")
+        print(f"{name}: regs={r['regs']} stack={r['stack']} smem={r['shared']} wgmma={wgmma} tma={tma} "
+              f"({r['secs']:.1f}s)", flush=True)
+    print(f"{compiled} compiled, {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+def _ptxas() -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+    return Path(get_ptxas(90).path).name
+
+
+def _first_line(error: Exception) -> str:
+    """The compiler's first error line of a failure, not its MLIR dump."""
+    from flash_attn_ck.backends.triton.launch import _first_error
+    return _first_error(error, "")[:300]
 
 
 class _Tensors:

@@ -117,9 +117,10 @@ def compile_as_launched(spec):
 
 
 def ptxas_report(ptx: str) -> dict[str, int]:
-    """ptxas -v of the PTX for sm_90a: registers at launch (warp-specialised partitions then move them with
-    setmaxnreg) and the bytes of spill stores and loads."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    """ptxas -v of the PTX for sm_90a (the ptxas the installed Triton uses): registers at launch (warp-specialised
+    partitions then move them with setmaxnreg) and the bytes of spill stores and loads."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    tool = get_ptxas(90).path       # the ptxas this Triton compiles sm_90 with (3.9: ptxas-blackwell, PTX 9.4)
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp, "k.ptx")
         src.write_text(ptx)

@@ -265,7 +265,7 @@ class TritonBackend(Backend):
         if _INTERPRETING or p.device.type != "cuda" or _capability(p.device)[0] != 9:
             reasons.append("needs an sm_90 GPU (Gluon wgmma/TMA kernel)")
         elif setting is not True and (outside := triton_versions.gluon_refusal()):
-            _warn_once(f"{outside}: the one-launch Triton kernels run instead (TritonBackend({rule.option}=True) "
+            _warn_once(f"{outside}: the one-launch Triton kernels run instead (TritonBackend(fwd_ws=True, ws=True) "
                        "forces them)")
             reasons.append(outside)
         if rule.option in _FAILED_TO_COMPILE:

@@ -75,9 +75,12 @@ def launch_path_refusal() -> str | None:
     binder = inspect.getsource(JITFunction.create_binder) if hasattr(JITFunction, "create_binder") else ""
     if "self.device_caches" not in inspect.getsource(JITFunction.__init__) or "backend, binder" not in binder:
         return f"Triton {installed()}: JITFunction.device_caches is no longer (..., ..., target, backend, binder)"
-    parameters = tuple(inspect.signature(CudaLauncher.__call__).parameters)[1:len(LAUNCHER_PARAMETERS) + 1]
-    if parameters != LAUNCHER_PARAMETERS:
-        return f"Triton {installed()}: the CUDA launcher takes ({', '.join(parameters)}, ...)"
+    parameters = list(inspect.signature(CudaLauncher.__call__).parameters.values())[1:]
+    named = tuple(p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD)
+    # 3.6 names the grid, stream and function and passes the rest on (*args); later releases name all
+    rest = any(p.kind is p.VAR_POSITIONAL for p in parameters)
+    if named != LAUNCHER_PARAMETERS and not (rest and named == LAUNCHER_PARAMETERS[:len(named)] and len(named) >= 5):
+        return f"Triton {installed()}: the CUDA launcher takes ({', '.join(p.name for p in parameters)})"
     return None
 
 

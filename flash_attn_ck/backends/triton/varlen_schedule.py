@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch_kernel
+from .launch import LaunchSpec
 
 # Above this many items the Triton builder's one-program sort gets too large; the torch ops take over.
 TRITON_MAX_ITEMS = 8192
@@ -136,11 +136,19 @@ def _build_triton(cu_seqlens_q, cu_seqlens_k, walk: TileWalk, bound: int) -> tor
     if bound > TRITON_MAX_ITEMS:
         raise ValueError(f"build_schedule: {bound} items exceed the Triton builder's {TRITON_MAX_ITEMS}")
     # through launch_kernel, as every launch of the backend (its compiled-kernel cache; a replay records it)
-    launch_kernel(schedule_kernel, (1,), (
-        cu_seqlens_q, cu_seqlens_k, out, cu_seqlens_q.shape[0] - 1, bound, walk.left, walk.right,
-        walk.own_block, walk.walk_block, walk.owns_keys, walk.top_left, triton.next_power_of_2(bound)),
-        schedule_warps(bound), 3)
+    launch_spec(cu_seqlens_q, cu_seqlens_k, walk, bound, out).launch()
     return out
+
+
+def launch_spec(cu_seqlens_q, cu_seqlens_k, walk: TileWalk, bound: int, out: torch.Tensor | None = None) -> LaunchSpec:
+    """The builder's one launch (schedule_kernel) into `out`, int32 (bound, 2) (a new one on cu_seqlens' device by
+    default)."""
+    if out is None:
+        out = torch.empty((bound, 2), dtype=torch.int32, device=cu_seqlens_q.device)
+    return LaunchSpec(schedule_kernel, (1,), dict(
+        cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, out=out, batch=cu_seqlens_q.shape[0] - 1, bound=bound, left=walk.left,
+        right=walk.right, OWN_BLOCK=walk.own_block, WALK_BLOCK=walk.walk_block, OWNS_KEYS=walk.owns_keys,
+        TOP_LEFT=walk.top_left, ITEMS=triton.next_power_of_2(bound)), schedule_warps(bound), 3)
 
 
 def schedule_warps(bound: int) -> int:
