@@ -48,7 +48,7 @@
 set -u
 cmd=${1:-}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/tests
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}   # then a carried Triton or peer
 
 limit() {  # default-seconds command...: run under TIMEOUT or the default (0: no limit)
   local secs=${TIMEOUT:-$1}; shift
