@@ -3,11 +3,14 @@ instances (`backend=` instances and `use_backend`)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flash_attn_ck as fa
 from cases import MASK_KIND_CASES
@@ -185,3 +188,73 @@ def test_backend_instance_that_cannot_run_says_why():
     mine = type("CudaOnlyReference", (CountingReference,), {"device_types": frozenset({"cuda"})})()
     with pytest.raises(fa.NoBackendError, match="backend 'reference' cannot run"):
         fa.flash_attn_func(q, k, v, backend=mine)
+
+
+# ---- the backward runs on the forward's backend ---------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(change=st.sampled_from(["leave use_backend", "enter use_backend", "set env", "unset env"]),
+       request=st.sampled_from([None, "reference"]), low_level=st.booleans(), compiled_path=st.booleans())
+def test_the_backward_runs_on_the_forward_backend(change, request, low_level, compiled_path):
+    """Property: whatever changes between a forward and its backward (a use_backend block left or entered,
+    $FLASH_ATTN_CK_BACKEND set or unset), a backward that asks what its forward asked runs on the forward's instance:
+    through autograd (eagerly or through the ops, as compiled graphs call them) and through flash_attn_fwd/_bwd."""
+    import os
+    from unittest import mock
+
+    from flash_attn_ck import ops
+    first, second = CountingReference(), CountingReference()
+    q, k, v = qkv()
+    env = {BACKEND_ENV: "reference"} if change == "unset env" else {}
+    with mock.patch.dict(os.environ, env), mock.patch.object(ops, "_direct", return_value=not compiled_path):
+        with fa.use_backend(first) if change != "enter use_backend" else contextlib.nullcontext():
+            if low_level:
+                out, lse, _ = fa.flash_attn_fwd(*(t.detach() for t in (q, k, v)), backend=request)
+            else:
+                out = fa.flash_attn_func(q, k, v, backend=request)
+        with contextlib.ExitStack() as later:
+            if change == "enter use_backend":
+                later.enter_context(fa.use_backend(second))
+            if change == "set env":
+                later.enter_context(mock.patch.dict(os.environ, {BACKEND_ENV: "ck"}))
+            if change == "unset env":
+                os.environ.pop(BACKEND_ENV)
+            if low_level:
+                fa.flash_attn_bwd(torch.ones_like(out), *(t.detach() for t in (q, k, v)), out, lse, backend=request)
+            else:
+                out.sum().backward()
+    ran = first if change != "enter use_backend" else None
+    assert second.calls == []
+    if ran is not None:
+        assert ran.calls == ["forward", "backward"]
+
+
+def test_a_backward_asking_another_backend_gets_it():
+    """The forward's instance is kept only for a backward that asks what the forward asked: an explicit other request
+    is the caller's."""
+    q, k, v = (t.detach() for t in qkv())
+    first, second = CountingReference(), CountingReference()
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, backend=first)
+    fa.flash_attn_bwd(torch.ones_like(out), q, k, v, out, lse, backend=second)
+    assert first.calls == ["forward"] and second.calls == ["backward"]
+
+
+# ---- use_backend: the installed instance is what is judged ------------------------------------
+
+class FussyReference(CountingReference):
+    """A configured reference backend that takes no causal call (its class says so)."""
+
+    @classmethod
+    def extra_reasons(cls, problem):
+        return ["this configuration takes no causal call"] if problem.mask.is_causal else []
+
+
+@pytest.mark.parametrize("request_", [None, "reference"], ids=["automatic", "by-name"])
+def test_use_backend_judges_the_installed_instance(request_):
+    """A call asking for "reference" (or automatic) inside use_backend(instance) is judged by the instance's own
+    capabilities, before and after a call judged by the registered class (no stale memo either way)."""
+    q, k, v = (t.detach() for t in qkv())
+    fa.flash_attn_func(q, k, v, causal=True, backend=request_)          # the registered class takes it
+    with fa.use_backend(FussyReference()), pytest.raises(fa.NoBackendError, match="takes no causal call"):
+        fa.flash_attn_func(q, k, v, causal=True, backend=request_)
+    fa.flash_attn_func(q, k, v, causal=True, backend=request_)          # and again outside

@@ -55,6 +55,11 @@ _defaults: dict[str, Backend] = {}       # one instance per backend with default
 _installed: dict[str, Backend] = {}      # the instances of the innermost `use_backend` blocks
 
 
+def installed_classes() -> tuple[tuple[str, type[Backend]], ...]:
+    """(name, class) of each instance the innermost `use_backend` blocks installed; () outside any."""
+    return tuple((name, type(b)) for name, b in _installed.items()) if _installed else ()
+
+
 def backend_instance(name: str) -> Backend:
     """The instance that runs backend `name`: the one `use_backend` installed, else the default one."""
     if name in _installed:

@@ -27,6 +27,7 @@ from .chunking import (
     workspace_cap,
 )
 from .prepare import PreparedCall, prepare, prepared_backend
+from .select import backward_request
 
 
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -42,7 +43,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         prepared = prepare(q, k, v, options)
         check_backward_operands(prepared.problem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state, options)
     problem = prepared.problem
-    chosen = prepared_backend(prepared, options.backend)
+    chosen = prepared_backend(prepared, backward_request(softmax_lse, options.backend))
     cap = workspace_cap(options.max_workspace_bytes)
 
     # ---- outputs: the caller's, else new ------------------------------------------------------

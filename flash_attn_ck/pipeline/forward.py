@@ -19,6 +19,7 @@ from ..core.inputs import kernel_params
 from ..core.options import AttentionOptions
 from ..core.scores import attention_probs
 from .prepare import PreparedCall, prepare, prepared_backend
+from .select import note_forward_backend
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
@@ -69,6 +70,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
         out = computed
     elif computed is not out:
         out.copy_(computed)
+    note_forward_backend(lse, options.backend, chosen)
     probs = attention_probs(problem, params, lse) if options.return_attn_probs else None
     if probs is not None and options.seqused_k is not None:
         probs = probs[::2].contiguous()      # the kernels' sequences 2i are the call's (core/inputs.py)

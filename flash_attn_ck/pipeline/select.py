@@ -5,8 +5,17 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
 from ..backends.base import Backend
-from ..backends.registry import BACKEND_NAMES, all_backend_classes, backend_class, backend_instance
+from ..backends.registry import (
+    BACKEND_NAMES,
+    all_backend_classes,
+    backend_class,
+    backend_instance,
+    installed_classes,
+)
 from ..core.errors import ArgumentError, NoBackendError
 from ..core.problem import AttentionProblem
 
@@ -26,11 +35,13 @@ def select_backend(problem: AttentionProblem, requested: str | Backend | None = 
     """
     given_instance = isinstance(requested, Backend)     # once: an ABC's isinstance runs Python code
     request = type(requested) if given_instance else requested or backend_from_env()
-    name = None if choices is None else choices.get(request)
+    # a name (or automatic selection) runs the instance `use_backend` installed, so its class is what is judged
+    key = request if given_instance else (request, installed_classes())
+    name = None if choices is None else choices.get(key)
     if name is None:
-        name = _choose(problem, request)        # raises with the reasons when nothing fits
+        name = _choose(problem, request, () if given_instance else key[1])
         if choices is not None:
-            choices[request] = name
+            choices[key] = name
     return requested if given_instance else backend_instance(name)
 
 
@@ -46,14 +57,19 @@ def backend_from_env() -> str | None:
 
 
 @functools.lru_cache(maxsize=256)
-def _choose(problem: AttentionProblem, requested: str | type[Backend] | None) -> str:
-    """The chosen backend's name; `requested`: a name, a backend class or None (automatic).
+def _choose(problem: AttentionProblem, requested: str | type[Backend] | None,
+            installed: tuple[tuple[str, type[Backend]], ...]) -> str:
+    """The chosen backend's name; `requested`: a name, a backend class or None (automatic); `installed`: the classes
+    of the instances `use_backend` installed, by name, which are judged instead of the registered classes.
     Memoised (a choice depends only on the problem, the request and what this process has
     installed): it runs on every call, and small calls are host-bound. Refusals raise and are not cached."""
+    replaced = dict(installed)
     if requested is None:
-        candidates = all_backend_classes()
+        candidates = [replaced.get(cls.name, cls) for cls in all_backend_classes()]
+    elif isinstance(requested, str):
+        candidates = [replaced.get(requested) or backend_class(requested)]
     else:
-        candidates = [backend_class(requested) if isinstance(requested, str) else requested]
+        candidates = [requested]
     refusals = {}
     fitting = []
     for cls in candidates:
@@ -76,3 +92,23 @@ def describe_problem(p: AttentionProblem) -> str:
         f"b={p.batch} s_q={p.seqlen_q} s_k={p.seqlen_k}"
     return (f"{kind} h={p.heads_q}/{p.heads_k} d={p.head_dim} {str(p.dtype).removeprefix('torch.')} "
             f"on {p.device.type}, mask={p.mask.type.name.lower()}")
+
+
+# The backend each forward ran, by the lse it returned (held weakly: an entry goes with its lse), with what the
+# forward asked for. A backward of that lse asking the same runs on that instance, whatever $FLASH_ATTN_CK_BACKEND or
+# the `use_backend` blocks say by then: a CK forward draws its own dropout keep pattern, which no other backend's
+# backward knows.
+_FORWARD_BACKENDS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def note_forward_backend(softmax_lse: torch.Tensor, requested: str | Backend | None, chosen: Backend) -> None:
+    _FORWARD_BACKENDS[softmax_lse] = (requested, chosen)
+
+
+def backward_request(softmax_lse: torch.Tensor, requested: str | Backend | None) -> str | Backend | None:
+    """What the backward of `softmax_lse` asks for: the forward's instance where this lse is a forward's and the
+    backward asks what that forward asked (by identity for an instance); else `requested`."""
+    found = _FORWARD_BACKENDS.get(softmax_lse)
+    if found is not None and (found[0] is requested or (isinstance(requested, str) and found[0] == requested)):
+        return found[1]
+    return requested
