@@ -18,7 +18,7 @@ import torch
 
 from . import ops
 from .backends.registry import backend_class
-from .core.checks import check_packed_slots, check_real_devices, check_rng_state, check_tensor
+from .core.checks import check_packed_slots, check_real_devices, check_rng_state, check_tensor, check_varlen_arguments
 from .core.errors import ArgumentError, WorkspaceError
 from .core.inputs import describe_call, sequence_tensors
 from .core.options import AttentionOptions
@@ -311,6 +311,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ArgumentError("block_table: paged KV caches are not supported by flash_attn_ck (pass None)")
     varlen = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                   max_seqlen_k=max_seqlen_k, seqused_k=seqused_k)
+    if cu_seqlens_q is None or cu_seqlens_k is None:      # else the call would be read as a dense one
+        check_varlen_arguments(varlen)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                       deterministic, return_attn_probs, backend, varlen)
 
@@ -333,9 +335,21 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
         return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                       deterministic, return_attn_probs, backend=backend)
-    except ArgumentError as error:     # name the arguments this function has (one cu_seqlens, one max_seqlen)
-        message = re.sub(r"\b(cu_seqlens|max_seqlen)_[qk]\b", r"\1", str(error))
-        raise ArgumentError(message) from None
+    except ArgumentError as error:
+        raise ArgumentError(_one_cu_seqlens_and_max_seqlen(str(error))) from None
+
+
+def _one_cu_seqlens_and_max_seqlen(message: str) -> str:
+    """A varlen message in the names of a function with one cu_seqlens and one max_seqlen: `cu_seqlens_q`/`_k` become
+    `cu_seqlens` (likewise max_seqlen), each named once where a list named both ("cu_seqlens_q, cu_seqlens_k and
+    max_seqlen_q" -> "cu_seqlens and max_seqlen")."""
+    message = re.sub(r"\b(cu_seqlens|max_seqlen)_[qk]\b", r"\1", message)
+    while True:
+        shorter = re.sub(r"\b(cu_seqlens|max_seqlen)(?:, | and )\1\b", r"\1", message)
+        shorter = re.sub(r"\bcu_seqlens, max_seqlen\b(?= \(| and)", "cu_seqlens and max_seqlen", shorter)
+        if shorter == message:
+            return message
+        message = shorter
 
 
 @_flash_documented(_VARLEN_RETURNS)

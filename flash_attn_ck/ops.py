@@ -37,6 +37,7 @@ from torch._C import _len_torch_dispatch_stack
 
 from .backends.base import Backend
 from .backends.registry import backend_from_key, backend_key
+from .core.inputs import describe_call
 from .core.options import AttentionOptions
 from .core.problem import pad_head_dim, row_stats_shape
 from .pipeline.backward import attention_backward
@@ -150,17 +151,19 @@ def _(q, k, v, *flat, rng_state=None):
     d = q.shape[-1]
     # out is a view of a buffer padded to a multiple of 8, exactly as the real op returns it.
     out = q.new_empty((*q.shape[:-1], pad_head_dim(d)), dtype=_unflatten(flat, _FWD).out_dtype)[..., :d]
-    return out, *_fake_results(q, k, flat)
+    return out, *_fake_results(q, k, v, flat)
 
 
 @torch.library.register_fake("flash_attn_ck::fwd_out")
 def _(q, k, v, out, *flat, rng_state=None):
-    return _fake_results(q, k, flat)
+    return _fake_results(q, k, v, flat)
 
 
-def _fake_results(q, k, flat: tuple) -> tuple[torch.Tensor, ...]:
-    """The fakes' lse, rng_state and probs, as the real forward allocates them."""
+def _fake_results(q, k, v, flat: tuple) -> tuple[torch.Tensor, ...]:
+    """The fakes' lse, rng_state and probs, as the real forward allocates them, after the checks the real forward
+    runs on shapes (describe_call), so that a traced call fails as an eager one does."""
     options = _unflatten(flat, _FWD)
+    describe_call(q, k, v, options)
     accum = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_empty(row_stats_shape(tuple(q.shape[:-2]), q.shape[-2]), dtype=accum)
     if options.varlen:      # the problem's lengths: max_seqlen, bounded by the packed rows (core/inputs.py)
@@ -186,7 +189,9 @@ torch.library.impl("flash_attn_ck::bwd", "CompositeExplicitAutograd", torch.no_g
 
 @torch.library.register_fake("flash_attn_ck::bwd")
 def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
-    dtype = _bwd_options(args)[0].out_dtype
+    options = _bwd_options(args)[0]
+    describe_call(q, k, v, options)
+    dtype = options.out_dtype
     return (*(torch.empty_like(t, dtype=dtype) for t in (q, k, v)), softmax_lse.new_empty(softmax_lse.shape))
 
 
@@ -200,6 +205,7 @@ torch.library.impl("flash_attn_ck::bwd_out", "CompositeExplicitAutograd", torch.
 
 @torch.library.register_fake("flash_attn_ck::bwd_out")
 def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
+    describe_call(q, k, v, _bwd_options(args[3:])[0])
     return softmax_lse.new_empty(softmax_lse.shape)
 
 

@@ -14,9 +14,11 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
-from flash_attn_ck import flash_attn_func, flash_attn_fwd, flash_attn_varlen_func
+from flash_attn_ck import ArgumentError, flash_attn_func, flash_attn_fwd, flash_attn_varlen_func
 
 
 class Block(nn.Module):
@@ -219,3 +221,39 @@ def test_varlen_probs_have_the_shape_the_fake_declares(max_seqlens):
     compiled_shape, compiled_probs = torch.compile(probs_shape, backend="aot_eager", fullgraph=True)(q, k)
     assert eager_shape.shape == compiled_shape.shape == compiled_probs.shape == eager_probs.shape
     assert eager_probs.shape == (2, 2, min(max_seqlens[0], 5), min(max_seqlens[1], 7))
+
+
+def _bad_call(kind: str, q: torch.Tensor):
+    """A call with one class of bad structural argument (what the checks of shapes and options refuse)."""
+    total = q.shape[0]
+    cu = torch.tensor([0, total // 2, total], dtype=torch.int32)
+    dense = q.view(1, *q.shape)
+    if kind == "varlen without max_seqlen":
+        return flash_attn_varlen_func(q, q, q, cu, cu, None, None)
+    if kind == "varlen without max_seqlen_k":
+        return flash_attn_varlen_func(q, q, q, cu, cu, total, None)
+    if kind == "cu_seqlens_k without cu_seqlens_q":
+        return flash_attn_fwd(dense, dense, dense, cu_seqlens_k=cu)[0]
+    if kind == "dense q with cu_seqlens":
+        return flash_attn_fwd(dense, dense, dense, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=total,
+                              max_seqlen_k=total)[0]
+    if kind == "head count":
+        return flash_attn_func(dense, dense[:, :, :1].expand(-1, -1, 3, -1), dense)
+    raise AssertionError(kind)
+
+
+@settings(max_examples=10, deadline=None)
+@given(kind=st.sampled_from(["varlen without max_seqlen", "varlen without max_seqlen_k",
+                             "cu_seqlens_k without cu_seqlens_q", "dense q with cu_seqlens", "head count"]),
+       total=st.integers(2, 9))
+def test_a_compiled_bad_call_fails_with_the_eager_message(kind, total):
+    """Property: a call that eagerly raises ArgumentError fails compiled with that ArgumentError's message (dynamo
+    wraps what the fake raises; the fakes run the eager checks of shapes), not an AssertionError or AttributeError
+    from inside a fake."""
+    q = torch.randn(total, 2, 8)
+    with pytest.raises(ArgumentError) as eager:
+        _bad_call(kind, q)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as compiled:      # noqa: PT011 (dynamo's own wrapper class)
+        torch.compile(lambda t: _bad_call(kind, t), backend="aot_eager", fullgraph=True)(q)
+    assert str(eager.value) in str(compiled.value), compiled.value

@@ -713,3 +713,20 @@ def test_triton_interpreter():
 
 if __name__ == "__main__":      # a case by name, for debugging: python tests/test_edge_cases.py check_window
     print(json.dumps(globals()[sys.argv[1]]() or "ok"))
+
+
+@settings(max_examples=20, deadline=None)
+@given(missing=st.sets(st.sampled_from(["cu_seqlens", "max_seqlen"]), min_size=1), total=st.integers(1, 12))
+def test_a_packed_varlen_call_names_its_own_missing_arguments(missing, total):
+    """flash_attn_varlen_qkvpacked_func has one cu_seqlens and one max_seqlen: a call missing either names exactly
+    the arguments it has, each once (was 'need cu_seqlens, cu_seqlens, max_seqlen and max_seqlen (missing:
+    max_seqlen, max_seqlen)')."""
+    qkv = torch.randn(total, 3, 2, 8)
+    given_args = dict(cu_seqlens=torch.tensor([0, total], dtype=torch.int32), max_seqlen=total)
+    given_args.update({name: None for name in missing})
+    with pytest.raises(fa.ArgumentError) as caught:
+        fa.flash_attn_varlen_qkvpacked_func(qkv, **given_args)
+    message = str(caught.value)
+    assert message.startswith(f"{sorted(missing)[0]}: varlen calls need cu_seqlens and max_seqlen "
+                              f"(missing: {', '.join(sorted(missing))})"), message
+    assert "_q" not in message and "_k" not in message

@@ -423,3 +423,14 @@ def check_like(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.dev
 def check_result(name: str, t: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> None:
     """A preallocated result (out, dq, dk, dv): `check_like` with the call's result dtype, q's or `out_dtype`."""
     check_like(name, t, dtype, q.device, shape, "the dtype of q" if dtype == q.dtype else "out_dtype")
+
+
+VARLEN_ARGUMENTS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+def check_varlen_arguments(given: dict) -> None:
+    """A varlen call has each of VARLEN_ARGUMENTS (`given` by name): the error names the first missing and lists all."""
+    missing = [name for name in VARLEN_ARGUMENTS if given[name] is None]
+    if missing:
+        raise ArgumentError(f"{missing[0]}: varlen calls need cu_seqlens_q, cu_seqlens_k, max_seqlen_q and "
+                            f"max_seqlen_k (missing: {', '.join(missing)})")

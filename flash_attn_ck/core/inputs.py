@@ -50,11 +50,7 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     checks.check_positive_heads(heads_q)
     checks.check_head_counts(heads_q, heads_k)
     if varlen:
-        missing = [name for name in ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
-                   if getattr(o, name) is None]
-        if missing:
-            raise ArgumentError(f"{missing[0]}: varlen calls need cu_seqlens_q, cu_seqlens_k, max_seqlen_q and "
-                                f"max_seqlen_k (missing: {', '.join(missing)})")
+        checks.check_varlen_arguments({name: getattr(o, name) for name in checks.VARLEN_ARGUMENTS})
         checks.check_tensor("cu_seqlens_q", o.cu_seqlens_q, 1)
         batch = o.cu_seqlens_q.numel() - 1
         total_q, total_k = q.shape[0], k.shape[0]
