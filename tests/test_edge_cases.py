@@ -723,7 +723,7 @@ def test_a_packed_varlen_call_names_its_own_missing_arguments(missing, total):
     max_seqlen, max_seqlen)')."""
     qkv = torch.randn(total, 3, 2, 8)
     given_args = dict(cu_seqlens=torch.tensor([0, total], dtype=torch.int32), max_seqlen=total)
-    given_args.update({name: None for name in missing})
+    given_args.update(dict.fromkeys(missing))
     with pytest.raises(fa.ArgumentError) as caught:
         fa.flash_attn_varlen_qkvpacked_func(qkv, **given_args)
     message = str(caught.value)

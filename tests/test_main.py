@@ -11,7 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import flash_attn_ck as fa
 from flash_attn_ck.__main__ import main, parse_args
+from flash_attn_ck.backends.reference import ReferenceBackend
 from flash_attn_ck.core.checks import MAX_HEAD_DIM, MAX_INT64, MAX_WINDOW_SIDE
 
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -24,7 +26,7 @@ def test_main_job_small(capsys):
                  "--max-workspace-bytes", "200000"]) == 0
     text = capsys.readouterr().out
     assert "backend=reference" in text
-    ratios = [float(r) for r in re.findall(r"^  \w+ +max.*ratio (\d+\.\d+)$", text, re.M)]
+    ratios = [float(r) for r in re.findall(r"^  \w+ +max.*ratio (\d+\.\d+)   bound \S+$", text, re.M)]
     assert len(ratios) == 4 and max(ratios) <= 2.0, text
     assert re.search(r"backward +\d+\.\d+ ms +\d+\.\d+ TFLOP/s", text)
     for buffer in ("softmax_d", "dq_accum", "q_padded"):
@@ -151,3 +153,50 @@ def test_small_valid_arguments_run(seqlen, seqlen_k, group, heads_k, head_dim, c
     text = out.getvalue()
     assert len(re.findall(r"^  (out|dq|dk|dv) +max\|ours - fp32 SDPA\| = \d", text, re.M)) == 4, text
     assert f"h={group * heads_k}/{heads_k}" in text and "backward workspace (reference)" in text, text
+
+
+class _Broken(ReferenceBackend):
+    """The reference backend with one result scaled by `factor` (a deliberately broken kernel)."""
+
+    def __init__(self, result: str, factor: float):
+        self.result, self.factor = result, factor
+
+    def forward(self, problem, params, out, lse):
+        super().forward(problem, params, out, lse)
+        if self.result == "out":
+            out.mul_(self.factor)
+
+    def backward(self, problem, params, out, lse, dout, dq, dk, dv, workspace):
+        super().backward(problem, params, out, lse, dout, dq, dk, dv, workspace)
+        grads = dict(dq=dq, dk=dk, dv=dv)
+        if self.result in grads:
+            grads[self.result].mul_(self.factor)
+
+
+@settings(max_examples=12, **SETTINGS)
+@given(result=st.sampled_from(["out", "dq", "dk", "dv"]), factor=st.sampled_from([0.5, 1.25, 1.5, -1.0]),
+       causal=st.booleans())
+def test_the_main_job_fails_a_result_outside_the_rule(result, factor, causal):
+    """A backend whose out, dq, dk or dv is off by a quarter or more: the main job prints FAIL and exits 1; the same
+    call on the unbroken backend PASSes with 0 (MHA: a GQA call's dk/dv are the pipeline's sum of other buffers)."""
+    argv = SMALL[:-2] + ["--seqlen", "24", "--repeats", "1", "--backend", "reference"] + \
+        ["--causal"] * causal
+    for backend, code, verdict in ((_Broken(result, factor), 1, "FAIL"), (_Broken(result, 1.0), 0, "PASS")):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), fa.use_backend(backend):
+            assert main(argv) == code, out.getvalue()
+        assert f"  {verdict}: the 2x rule" in out.getvalue()
+
+
+def test_the_main_job_checks_the_capped_backward(monkeypatch):
+    """With --max-workspace-bytes the backward it judges is the capped one it then times."""
+    import flash_attn_ck.__main__ as job
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("max_workspace_bytes"))
+        return fa.flash_attn_bwd(*args, **kwargs)
+    monkeypatch.setattr(job, "flash_attn_bwd", recording)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main([*SMALL, "--max-workspace-bytes", "200000"]) == 0
+    assert calls and set(calls) == {200000} and "PASS" in out.getvalue()
