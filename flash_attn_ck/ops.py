@@ -37,7 +37,7 @@ from torch._C import _len_torch_dispatch_stack
 
 from .backends.base import Backend
 from .backends.registry import backend_from_key, backend_key
-from .core.inputs import describe_call
+from .core.inputs import check_structure
 from .core.options import AttentionOptions
 from .core.problem import pad_head_dim, row_stats_shape
 from .pipeline.backward import attention_backward
@@ -161,9 +161,9 @@ def _(q, k, v, out, *flat, rng_state=None):
 
 def _fake_results(q, k, v, flat: tuple) -> tuple[torch.Tensor, ...]:
     """The fakes' lse, rng_state and probs, as the real forward allocates them, after the checks the real forward
-    runs on shapes (describe_call), so that a traced call fails as an eager one does."""
+    runs on shapes (check_structure), so that a traced call fails as an eager one does."""
     options = _unflatten(flat, _FWD)
-    describe_call(q, k, v, options)
+    check_structure(q, k, v, options)
     accum = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_empty(row_stats_shape(tuple(q.shape[:-2]), q.shape[-2]), dtype=accum)
     if options.varlen:      # the problem's lengths: max_seqlen, bounded by the packed rows (core/inputs.py)
@@ -190,7 +190,7 @@ torch.library.impl("flash_attn_ck::bwd", "CompositeExplicitAutograd", torch.no_g
 @torch.library.register_fake("flash_attn_ck::bwd")
 def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
     options = _bwd_options(args)[0]
-    describe_call(q, k, v, options)
+    check_structure(q, k, v, options)
     dtype = options.out_dtype
     return (*(torch.empty_like(t, dtype=dtype) for t in (q, k, v)), softmax_lse.new_empty(softmax_lse.shape))
 
@@ -205,7 +205,7 @@ torch.library.impl("flash_attn_ck::bwd_out", "CompositeExplicitAutograd", torch.
 
 @torch.library.register_fake("flash_attn_ck::bwd_out")
 def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
-    describe_call(q, k, v, _bwd_options(args[3:])[0])
+    check_structure(q, k, v, _bwd_options(args[3:])[0])
     return softmax_lse.new_empty(softmax_lse.shape)
 
 

@@ -28,8 +28,9 @@ from .options import AttentionOptions
 from .problem import AttentionParams, AttentionProblem
 
 
-def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> AttentionProblem:
-    """Check q/k/v against each other and the options that depend on their shapes; the problem."""
+def check_structure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> None:
+    """The checks of describe_call that read only the operands' ranks, dtypes, devices, strides and head counts and
+    which options are given: what the ops' fakes run too (no value and no symbolic size is read)."""
     o = options
     varlen = o.varlen
     ndim = 3 if varlen else 4
@@ -38,7 +39,7 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     checks.check_dtype("q", q, checks.SUPPORTED_DTYPES)
     checks.check_same_dtype("k", k, "q", q)
     checks.check_same_dtype("v", v, "q", q)
-    out_dtype = checks.check_out_dtype_for(o.out_dtype, q.dtype)
+    checks.check_out_dtype_for(o.out_dtype, q.dtype)
     for name, t in (("k", k), ("v", v)):
         checks.check_device(name, t, q.device)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -51,6 +52,17 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     checks.check_head_counts(heads_q, heads_k)
     if varlen:
         checks.check_varlen_arguments({name: getattr(o, name) for name in checks.VARLEN_ARGUMENTS})
+
+
+def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> AttentionProblem:
+    """Check q/k/v against each other and the options that depend on their shapes; the problem."""
+    check_structure(q, k, v, options)
+    o = options
+    varlen = o.varlen
+    out_dtype = checks.check_out_dtype_for(o.out_dtype, q.dtype)
+    head_dim, heads_q = q.shape[-1], q.shape[-2]
+    heads_k = k.shape[-2]
+    if varlen:
         checks.check_tensor("cu_seqlens_q", o.cu_seqlens_q, 1)
         batch = o.cu_seqlens_q.numel() - 1
         total_q, total_k = q.shape[0], k.shape[0]
