@@ -26,10 +26,12 @@ from .chunking import (
     plan_chunks,
     workspace_cap,
 )
+from .device import on_the_tensors_device
 from .prepare import PreparedCall, prepare, prepared_backend
 from .select import backward_request
 
 
+@on_the_tensors_device
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, softmax_lse: torch.Tensor, dq: torch.Tensor | None,
                        dk: torch.Tensor | None, dv: torch.Tensor | None, options: AttentionOptions,

@@ -18,10 +18,12 @@ from ..core.errors import ArgumentError
 from ..core.inputs import kernel_params
 from ..core.options import AttentionOptions
 from ..core.scores import attention_probs
+from .device import on_the_tensors_device
 from .prepare import PreparedCall, prepare, prepared_backend
 from .select import note_forward_backend
 
 
+@on_the_tensors_device
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions,
                       rng_state: torch.Tensor | None = None, out: torch.Tensor | None = None,
                       prepared: PreparedCall | None = None):
