@@ -280,3 +280,28 @@ def test_the_group_loop_compiles_at_one_query_row(head_block):
     spec = dict(older_variants([head_block], name))[name]
     assert spec.args["D"].group == 2 and spec.args["D"].max_seqlen_q == 1 and spec.args["F"].TMA_LOADS
     assert "wgmma" in compile_one(spec, as_launched=True)["asm"]["ptx"]
+
+
+def test_a_moved_gluon_name_is_a_compile_error_of_the_kernel():
+    """A kernel calling a name that is no longer a Gluon builtin (as a renamed API leaves it): Triton's JIT raises a
+    plain RuntimeError while reading the kernel's globals ('Unsupported function referenced'), which counts as the
+    kernel failing to compile, not as a launch error. In a fresh process: Triton caches what it read of a kernel."""
+    import subprocess
+    import textwrap
+    root = Path(__file__).resolve().parents[1]
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path[:0] = [{str(root)!r}, {str(root / "tests")!r}]
+        from flash_attn_ck import KernelCompileError
+        from flash_attn_ck.backends.triton import bwd_ws, config, launch
+        from gluon_compile import bwd_spec, compile_spec
+        bwd_ws.barrier = lambda: None
+        try:
+            with launch.compiler_output_held(bwd_ws.attn_bwd_ws_kernel):
+                compile_spec(bwd_spec(config.BWD_WS_SM90[128], 128))
+        except KernelCompileError as error:
+            print("caught:", error)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "caught: kernel attn_bwd_ws_kernel failed to compile with Triton" in run.stdout, run.stdout + run.stderr
+    assert "Unsupported function referenced" in run.stdout

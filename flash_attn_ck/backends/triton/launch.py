@@ -296,14 +296,13 @@ def compiler_output_held(kernel):
     diagnostics go to file descriptor 2, past Python) is held back, then written out where the block succeeds; a
     compiler failure becomes a KernelCompileError with the first error line. Errors of the launch itself (CUDA
     errors, bad arguments) pass unchanged."""
-    from triton.compiler.errors import CompilationError
     with _COMPILER_OUTPUT_LOCK, tempfile.TemporaryFile() as held:
         sys.stderr.flush()
         saved = os.dup(2)
         os.dup2(held.fileno(), 2)
         try:
             yield
-        except (CompilationError, RuntimeError) as error:
+        except Exception as error:
             sys.stderr.flush()
             os.dup2(saved, 2)
             held.seek(0)
@@ -325,10 +324,21 @@ def compiler_output_held(kernel):
 
 
 def _is_compile_failure(error: BaseException) -> bool:
-    """Whether an error of a launch came from the compiler: Triton's front end (CompilationError) or an MLIR pass
-    pipeline (a RuntimeError 'PassManager::run failed')."""
+    """Whether an error of a launch came from compiling the kernel, not from running it: Triton's front end
+    (CompilationError), an MLIR pass pipeline ('PassManager::run failed'), or any error raised inside Triton's own
+    Python code other than its launcher (the JIT's reading of the kernel's globals: 'Unsupported function
+    referenced'; a kernel that needs more shared memory than the GPU has: OutOfResources)."""
     from triton.compiler.errors import CompilationError
-    return isinstance(error, CompilationError) or "PassManager::run failed" in str(error)
+    if isinstance(error, CompilationError) or "PassManager::run failed" in str(error):
+        return True
+    frame = error.__traceback__
+    while frame is not None and frame.tb_next is not None:
+        frame = frame.tb_next
+    where = frame.tb_frame.f_code.co_filename if frame is not None else ""
+    import triton
+    package = os.path.dirname(os.path.abspath(triton.__file__)) + os.sep
+    return where.startswith(package) and not where.endswith("driver.py")
+
 
 
 def _first_error(error: BaseException, output: str) -> str:
