@@ -348,3 +348,19 @@ def test_fa2_op_takes_any_finite_scale(active, scale):
     torch.testing.assert_close(grads[0], sign * ref_grads[0], atol=0, rtol=0)
     for ours, expected in zip(grads[1:], ref_grads[1:], strict=True):
         torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the warning is for machines without a GPU")
+def test_activating_where_nothing_is_overridden_warns_once(monkeypatch):
+    """On a machine without CUDA/ROCm the provider overrides nothing that runs (SDPA on CPU tensors keeps torch's
+    kernels): activating it says so, once per process however often it is activated."""
+    import warnings
+    provider._warn_nothing_overridden.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            attention.activate_flash_attention_impl(provider.PROVIDER)
+            attention.restore_flash_attention_impl()
+    ours = [w for w in caught if provider.PROVIDER in str(w.message)]
+    assert len(ours) == 1 and "without a CUDA or ROCm device" in str(ours[0].message)
+    assert ours[0].category is RuntimeWarning

@@ -47,7 +47,9 @@ Semantics (docs/integrations.md):
 
 from __future__ import annotations
 
+import functools
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -329,6 +331,13 @@ class Handle:
             self.library = None
 
 
+@functools.cache
+def _warn_nothing_overridden() -> None:
+    """Once per process: activated where it overrides nothing that runs."""
+    warnings.warn(f"{PROVIDER}: activated on a machine without a CUDA or ROCm device: it overrides SDPA's flash ops "
+                  "on GPU tensors only, so SDPA here keeps running torch's own kernels", RuntimeWarning, stacklevel=4)
+
+
 def register(device_type: str = "cuda") -> Handle:
     """torch's `register_fn`: override the flash ops on `device_type`'s dispatch key.
 
@@ -338,6 +347,8 @@ def register(device_type: str = "cuda") -> Handle:
     keys = {"cuda": "CUDA", "cpu": "CPU"}
     if device_type not in keys:
         raise ValueError(f"device_type must be one of {sorted(keys)}, got {device_type!r}")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        _warn_nothing_overridden()
     adapters = Adapters(backend="reference" if device_type == "cpu" else None)
     ops = {**_OPS, **(_CPU_OPS if device_type == "cpu" else {})}
     library = Library("aten", "IMPL", keys[device_type])
