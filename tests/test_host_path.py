@@ -304,7 +304,8 @@ def test_the_environment_is_read_on_every_call(counted, monkeypatch):
 
 
 def test_use_backend_applies_to_memoised_calls(counted):
-    """The backend instance is looked up per call: a `use_backend` block after a memoised call runs its instance."""
+    """The backend instance is looked up per call: a `use_backend` block after a memoised call runs its instance,
+    judged once by its own class (which may take other calls than the registered one)."""
     from flash_attn_ck.backends.reference import ReferenceBackend
     ran = []
 
@@ -316,7 +317,10 @@ def test_use_backend_applies_to_memoised_calls(counted):
     fa.flash_attn_func(q, k, v)
     with fa.use_backend(Spy()):
         fa.flash_attn_func(q, k, v)
-    assert ran == ["forward"] and counted["choose"] == 1
+    assert ran == ["forward"] and counted["choose"] == 2
+    with fa.use_backend(Spy()):
+        fa.flash_attn_func(q, k, v)
+    assert ran == ["forward", "forward"] and counted["choose"] == 2    # the same class: the choice is memoised
 
 
 # ---- the API on a memo hit: the checks a signature decides are skipped, every other one runs -------------

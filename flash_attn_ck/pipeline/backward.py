@@ -28,7 +28,7 @@ from .chunking import (
 )
 from .device import on_the_tensors_device
 from .prepare import PreparedCall, prepare, prepared_backend
-from .select import backward_request
+from .select import forward_backend
 
 
 @on_the_tensors_device
@@ -45,7 +45,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         prepared = prepare(q, k, v, options)
         check_backward_operands(prepared.problem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state, options)
     problem = prepared.problem
-    chosen = prepared_backend(prepared, backward_request(softmax_lse, options.backend))
+    chosen = prepared_backend(prepared, options.backend, forward_backend(softmax_lse, options.backend))
     cap = workspace_cap(options.max_workspace_bytes)
 
     # ---- outputs: the caller's, else new ------------------------------------------------------

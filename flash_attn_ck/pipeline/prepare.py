@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.base import Backend
+from ..core.errors import ArgumentError, NoBackendError
 from ..core.inputs import call_signature, check_values, describe_call
 from ..core.options import AttentionOptions
 from ..core.problem import AttentionProblem
@@ -86,6 +87,15 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: Attentio
     return entry
 
 
-def prepared_backend(entry: PreparedCall, requested: str | Backend | None) -> Backend:
-    """`select_backend(entry.problem, requested)`, with the choice memoised in the entry."""
-    return select_backend(entry.problem, requested, entry.choices)
+def prepared_backend(entry: PreparedCall, requested: str | Backend | None, ran: Backend | None = None) -> Backend:
+    """`select_backend(entry.problem, requested)`, with the choice memoised in the entry. `ran`: the instance this
+    call's forward ran (a backward's), which is the answer: judged again only where the request now resolves to
+    another instance or to none (the environment or a use_backend block changed since the forward)."""
+    if ran is None:
+        return select_backend(entry.problem, requested, entry.choices)
+    try:
+        if select_backend(entry.problem, requested, entry.choices) is ran:
+            return ran
+    except (ArgumentError, NoBackendError):
+        pass
+    return select_backend(entry.problem, ran, entry.choices)

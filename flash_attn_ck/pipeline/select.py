@@ -105,10 +105,10 @@ def note_forward_backend(softmax_lse: torch.Tensor, requested: str | Backend | N
     _FORWARD_BACKENDS[softmax_lse] = (requested, chosen)
 
 
-def backward_request(softmax_lse: torch.Tensor, requested: str | Backend | None) -> str | Backend | None:
-    """What the backward of `softmax_lse` asks for: the forward's instance where this lse is a forward's and the
-    backward asks what that forward asked (by identity for an instance); else `requested`."""
+def forward_backend(softmax_lse: torch.Tensor, requested: str | Backend | None) -> Backend | None:
+    """The instance the forward that returned `softmax_lse` ran, where that forward asked what `requested` asks (by
+    identity for an instance); else None."""
     found = _FORWARD_BACKENDS.get(softmax_lse)
     if found is not None and (found[0] is requested or (isinstance(requested, str) and found[0] == requested)):
         return found[1]
-    return requested
+    return None
