@@ -11,7 +11,7 @@ Families (bf16, causal):
 - deterministic: d128 s8192, ours with `deterministic=True` against FA4's deterministic mode.
 
 Useful work only: FLOPs are counted per sequence over the (query, key) pairs the mask keeps (forward
-4·d·h·pairs, backward 2.5x, a step 3.5x: /work/shared/SPEC.md's count, whose causal s²/2 is the large-s limit of
+4·d·h·pairs, backward 2.5x, a step 3.5x: docs/semantics.md's count, whose causal s²/2 is the large-s limit of
 the exact s(s+1)/2 used here). Per row and peer: step, forward and backward TFLOP/s, peak extra memory of one step
 (beyond inputs and dout, MiB), ratios of ours to FA4 and cuDNN. Timing and peers are scripts/bench_bwd.py's.
 FA4 (`flash_attn.cute.interface`) is skipped with a note where it does not import; cuDNN (torch SDPA) runs only
