@@ -11,7 +11,7 @@ Two tables (docs/host-path.md reads them):
    `--gaps`: torch.profiler over the same calls, GPU busy µs per call and the idle gaps between kernels.
 2. Throughput of the short rows, where host cost shows: forward and backward TFLOP/s end to end
    (back-to-back calls, synced at the end) at s512/1024/2048, d64/128/256, causal and not, b = tokens / s,
-   h = hidden / d (SPEC.md: 16384 and 2048), FLOPs = 4 b h s^2 d (halved when causal), x2.5 backward.
+   h = hidden / d (docs/semantics.md §FLOPs: 16384 and 2048), FLOPs = 4 b h s^2 d (halved when causal), x2.5 backward.
    With `--gaps` also the kernels' own TFLOP/s (profiler), which says whether a row is host-bound.
 
 Peers are skipped with a note where they cannot run (no CUDA: everything but ours on the reference
@@ -53,7 +53,7 @@ GPU_BOUND_RATIO = 1.25
 
 
 def flops(b: int, h: int, s: int, d: int, causal: bool, backward: bool) -> float:
-    """SPEC.md: forward 4 b h s_q s_k d, halved when causal; backward 2.5 x forward."""
+    """docs/semantics.md §FLOPs: forward 4 b h s_q s_k d, halved when causal; backward 2.5 x forward."""
     f = 4.0 * b * h * s * s * d / (2 if causal else 1)
     return 2.5 * f if backward else f
 
@@ -587,7 +587,7 @@ def main(argv=None) -> Path:
         return path.with_suffix("")
     device = torch.device(args.device)
     backend = args.backend or ("reference" if device.type == "cpu" else None)
-    # bf16 as SPEC.md's grid; the reference backend on the CPU runs fp32 (what a CPU user would pass).
+    # bf16 as the benchmark grid; the reference backend on the CPU runs fp32 (what a CPU user would pass).
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device.type == "cpu":
         torch.set_num_threads(1)     # tiny tensors: intra-op threads would only add contention to the host path

@@ -41,7 +41,7 @@ MiB = 2 ** 20
 class Costs:
     """µs on one H200 SM. A d128 backward step (64 query rows x 128 keys, one query head) is 10.5 MFLOP: at the
     dense 528 TF/s over 132 SMs, 2.62 µs; a forward step (128 x 128) is 8.4 MFLOP: at 617 TF/s, 1.80 µs
-    (docs/triton.md, SPEC.md §6). A backward CTA also pays `bwd_cta_us` (K/V loads, pipeline fill, dK/dV
+    (docs/triton.md). A backward CTA also pays `bwd_cta_us` (K/V loads, pipeline fill, dK/dV
     stores): 6 µs makes the model's dense causal d128 s8192 backward 476 TF/s against 475 measured (its s2048 is
     then 410 against 370: short CTAs cost more still, so the packed rows are upper bounds). The zero fill and
     the cast are the profile's (notes/profiles-2026-12-01.md: 0.91 ms for four 128 MiB fills, 0.20 ms for four
