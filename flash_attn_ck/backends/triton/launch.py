@@ -303,24 +303,28 @@ def compiler_output_held(kernel):
         try:
             yield
         except Exception as error:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            held.seek(0)
-            output = held.read().decode(errors="replace")
-            if not _is_compile_failure(error):
-                sys.stderr.write(output)
-                raise
-            name = getattr(kernel, "__name__", str(kernel))
-            raise KernelCompileError(name, f"Triton {triton_versions.installed()}",
-                                     _first_error(error, output), f"{output}\n{error}") from None
+            output = _restore_stderr(saved, held)
+            if _is_compile_failure(error):
+                name = getattr(kernel, "__name__", str(kernel))
+                raise KernelCompileError(name, f"Triton {triton_versions.installed()}", _first_error(error, output),
+                                         f"{output}\n{error}") from None
+            sys.stderr.write(output)
+            raise
+        except BaseException:       # an interrupt: what was held is shown
+            sys.stderr.write(_restore_stderr(saved, held))
+            raise
         else:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            held.seek(0)
-            sys.stderr.write(held.read().decode(errors="replace"))
+            sys.stderr.write(_restore_stderr(saved, held))
         finally:
-            os.dup2(saved, 2)
             os.close(saved)
+
+
+def _restore_stderr(saved: int, held) -> str:
+    """File descriptor 2 back to `saved`; what was written to `held` meanwhile."""
+    sys.stderr.flush()
+    os.dup2(saved, 2)
+    held.seek(0)
+    return held.read().decode(errors="replace")
 
 
 def _is_compile_failure(error: BaseException) -> bool:
