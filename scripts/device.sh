@@ -17,8 +17,8 @@
 #                                                 gpu-tests.log, gpu-passed.txt (those ids plus this call's passes; to
 #                                                 resume on a fresh machine, copy it into .devrun/ here and carry .devrun;
 #                                                 a warm machine also keeps it in /root). With a carried
-#                                                 pytest-timeout wheel (pip download --no-deps pytest-timeout -d
-#                                                 .devrun/wheels) a test hung past 300 s fails alone (its worker is
+#                                                 pytest-timeout (the image's, or a carried wheel: pip download --no-deps
+#                                                 pytest-timeout -d .devrun/wheels) a test hung past 300 s fails alone (its worker is
 #                                                 replaced) instead of holding the call to its limit
 #   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
 #                                                 (ws: the warp-specialised kernels' case, synccheck too, and
@@ -94,6 +94,7 @@ case $cmd in
       tests/test_backend_selection.py tests/test_context_parallel.py tests/test_main.py \
       tests/test_triton_ws.py tests/test_triton_fwd_ws.py tests/test_triton_launch.py tests/test_varlen_schedule.py \
       tests/test_varlen_schedule_launch.py tests/test_outside_rows.py tests/test_launch_cache.py tests/test_triton.py \
+      tests/test_triton_versions_gpu.py \
       2>/dev/null | grep '::' > .devrun/gpu-all.txt
     # GPU_TESTS_FIRST=REGEX: the ids it matches go first (workers take the list in order)
     grep -vxF -f .devrun/gpu-passed.txt .devrun/gpu-all.txt > .devrun/gpu-todo.txt
@@ -109,8 +110,8 @@ case $cmd in
     if ls .devrun/wheels/pytest_timeout-*.whl > /dev/null 2>&1; then
       python3 -m pip install -q --no-index --no-deps --target /tmp/test-wheels .devrun/wheels/pytest_timeout-*.whl
       export PYTHONPATH=$PYTHONPATH:/tmp/test-wheels
-      per_test=(--timeout 300 --timeout-method thread)
     fi
+    python3 -c "import pytest_timeout" 2> /dev/null && per_test=(--timeout 300 --timeout-method thread)
     mapfile -t todo < .devrun/gpu-todo.txt    # one node id a line, kept whole: some ids hold spaces
     # At the limit pytest gets SIGINT first, so it still prints the failures' tracebacks and summary (30 s grace).
     timeout -s INT -k 30 "${TIMEOUT:-540}" python3 -m pytest -v -n 14 -p no:cacheprovider -rf "${per_test[@]}" \
