@@ -550,6 +550,37 @@ def _compile_worker(rank, world, port):
         teardown()
 
 
+def _compile_group_worker(rank, world, port):
+    from torch.distributed.device_mesh import init_device_mesh
+    init(rank, world, port)
+    try:
+        q, k, v, dout = (shard(t.transpose(1, 2), seq_dim=2) for t in _full_inputs(4 * world, 4, 2))
+        groups = {"the default ProcessGroup": dist.group.WORLD, "a new ProcessGroup": dist.new_group(range(world)),
+                  "a 1-D DeviceMesh": init_device_mesh("cpu", (world,))}
+        for what, group in groups.items():
+            def attend(q, k, v, group=group):
+                return context_parallel_sdpa(q, k, v, group, is_causal=True, enable_gqa=True, backend="reference")
+
+            results = []
+            for fn in (attend, torch.compile(attend, fullgraph=True, backend="aot_eager")):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = fn(*leaves)
+                results.append((out, *torch.autograd.grad(out, leaves, dout)))
+            for name, eager, compiled in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+                torch.testing.assert_close(compiled, eager, atol=0, rtol=0,
+                                           msg=lambda m, n=name, w=what: f"{w} {n}: {m}")
+            torch._dynamo.reset()
+    finally:
+        teardown()
+
+
+def test_compile_fullgraph_takes_a_process_group():
+    """torch.compile(fullgraph=True) of context_parallel_sdpa given a ProcessGroup (what the HF registration passes)
+    or a 1-D DeviceMesh equals eager, gradients included: under compile a ProcessGroup is an opaque object whose
+    unregistered attributes raise, so mesh and group are told apart by type, never by `hasattr`."""
+    spawn(_compile_group_worker, 2)
+
+
 def test_compile_fullgraph_captures_the_call():
     """torch.compile(fullgraph=True) traces context_parallel_attn as one custom op (process group by name), and
     the compiled forward and gradients equal eager ones."""

@@ -89,3 +89,31 @@ def test_what_the_attention_cannot_run_is_refused_not_ignored():
     """A sliding window (Mistral), logit softcapping (Gemma2) and packed documents (position_ids restarting inside a
     row, cu_seq_lens) each raise, naming the argument; before, the model silently ran full causal attention."""
     spawn(_refusal_worker, 2)
+
+
+def _compile_worker(rank, world, port):
+    from flash_attn_ck.integrations.hf import register_hf_attention, shard_for_causal_lm
+    init(rank, world, port)
+    try:
+        input_ids = torch.randint(0, 61, (2, 4 * world), generator=torch.Generator().manual_seed(1))
+        kwargs = shard_for_causal_lm(input_ids)
+        name = register_hf_attention(backend="reference")
+        runs = []
+        for compiled in (False, True):
+            model = _model(name)
+            forward = torch.compile(model, fullgraph=True, backend="aot_eager") if compiled else model
+            loss = forward(**kwargs, use_cache=False).loss
+            loss.backward()
+            runs.append({"loss": loss.detach(), **{n: p.grad for n, p in model.named_parameters()}})
+        eager, compiled = runs
+        for what in eager:
+            torch.testing.assert_close(compiled[what], eager[what], atol=1e-12, rtol=1e-10,
+                                       msg=lambda m, w=what: f"{w}: {m}")
+    finally:
+        teardown()
+
+
+def test_compiled_llama_with_cp_equals_eager():
+    """torch.compile(fullgraph=True) of the model with the registered attention (which passes a ProcessGroup) runs
+    and gives the eager loss and gradients; it raised UnsafeScriptObjectError where the group was probed by hasattr."""
+    spawn(_compile_worker, 2)

@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..api import flash_attn_bwd, flash_attn_fwd
@@ -89,8 +90,14 @@ def chunk_ids(rank: int, world: int, layout: str) -> tuple[int, int]:
     return _CHUNK_IDS[layout](rank, world)
 
 
+def _is_mesh(mesh_or_group) -> bool:
+    """A DeviceMesh, not a ProcessGroup: by type, since under torch.compile a ProcessGroup is an opaque object whose
+    unregistered attributes (even `hasattr`) raise."""
+    return isinstance(mesh_or_group, DeviceMesh)
+
+
 def _mesh_2d(mesh) -> bool:
-    return hasattr(mesh, "get_group") and mesh.ndim == 2
+    return _is_mesh(mesh) and mesh.ndim == 2
 
 
 def _shard_ids(group, layout: str) -> tuple[int, tuple[int, int]]:
@@ -107,7 +114,7 @@ def process_group(mesh_or_group=None):
     """A ProcessGroup from a 1-D DeviceMesh, a ProcessGroup, or None (the default group)."""
     if mesh_or_group is None:
         return dist.group.WORLD
-    if hasattr(mesh_or_group, "get_group"):
+    if _is_mesh(mesh_or_group):
         if mesh_or_group.ndim != 1:
             raise ArgumentError(f"mesh: expected a 1-D DeviceMesh (the context-parallel dimension), got "
                                 f"{mesh_or_group.ndim} dimensions; pass mesh['cp'] or its process group")
