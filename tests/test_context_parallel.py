@@ -581,6 +581,41 @@ def test_compile_fullgraph_takes_a_process_group():
     spawn(_compile_group_worker, 2)
 
 
+def _comm_hook_worker(rank, world, port):
+    from torch.nn.parallel import DistributedDataParallel
+    init(rank, world, port)
+    try:
+        inputs = torch.randn(world, 3, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        local_grads = []
+        for r in range(world):
+            torch.manual_seed(0)
+            linear = torch.nn.Linear(4, 2).double()
+            linear(inputs[r]).square().sum().backward()
+            local_grads.append(linear.weight.grad)
+        alone = [dist.new_group([r]) for r in range(world)]      # every rank calls new_group for every group
+        # (CP group, expected): DDP over the CP group sums; CP groups of one rank are data-parallel replicas: averaged
+        for group, expected in ((dist.group.WORLD, sum(local_grads)), (alone[rank], sum(local_grads) / world)):
+            torch.manual_seed(0)
+            model = DistributedDataParallel(torch.nn.Linear(4, 2).double())
+            cp.register_cp_comm_hook(model, group)
+            model(inputs[rank]).square().sum().backward()
+            torch.testing.assert_close(model.module.weight.grad, expected, atol=1e-12, rtol=1e-12)
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(4, 2).double()
+        linear(inputs[rank]).square().sum().backward()
+        cp.sum_gradients(linear.parameters())
+        torch.testing.assert_close(linear.weight.grad, sum(local_grads), atol=1e-12, rtol=1e-12)
+    finally:
+        teardown()
+
+
+def test_cp_comm_hook_sums_over_cp_ranks_and_averages_over_replicas():
+    """`register_cp_comm_hook`: DDP over the CP group sums the ranks' gradients (each rank's loss is a share of the
+    global loss); over CP groups of one rank (data-parallel replicas) it averages as DDP does. `sum_gradients`
+    sums without DDP."""
+    spawn(_comm_hook_worker, 2)
+
+
 def test_compile_fullgraph_captures_the_call():
     """torch.compile(fullgraph=True) traces context_parallel_attn as one custom op (process group by name), and
     the compiled forward and gradients equal eager ones."""
