@@ -1,4 +1,4 @@
-"""Context parallelism (flash_attn_ck/integrations/context_parallel.py) on CPU: gloo, 2, 3 and 4 processes on
+"""Context parallelism (flash_attn_ck/integrations/context_parallel/) on CPU: gloo, 2, 3 and 4 processes on
 localhost (torch.multiprocessing.spawn), reference backend, float64. Every rank checks its shard of the
 output and of dq/dk/dv against single-process `flash_attn_func` on the full sequence, for each case, and the
 varlen cases (ring, one cu_seqlens, an empty sequence among them) against `flash_attn_varlen_func`; dropout
@@ -31,7 +31,16 @@ from hypothesis import strategies as st
 
 from flash_attn_ck import ArgumentError, flash_attn_bwd, flash_attn_func, flash_attn_fwd, flash_attn_varlen_func
 from flash_attn_ck.integrations import context_parallel as cp
-from flash_attn_ck.integrations.context_parallel import context_parallel_attn, context_parallel_sdpa, shard, unshard
+from flash_attn_ck.integrations.context_parallel import (
+    a2a,
+    allgather,
+    context_parallel_attn,
+    context_parallel_sdpa,
+    ring,
+    shard,
+    transfers,
+    unshard,
+)
 from tests.oracle import assert_close_2x
 
 # (kv_exchange, layout, causal, window, h, h_k)
@@ -361,10 +370,13 @@ def _recorded_communication():
 
 
 def _failing_kernel(kernel):
-    """`kernel` (flash_attn_fwd or _bwd as context parallelism calls it) that raises on its first call."""
+    """`kernel` (flash_attn_fwd or _bwd as every exchange module calls it) that raises on its first call."""
     def call(*args, **kwargs):
         raise RuntimeError(f"injected failure of {kernel.__name__}")
-    return mock.patch.object(cp, kernel.__name__, call)
+    stack = contextlib.ExitStack()
+    for module in (ring, allgather, a2a):
+        stack.enter_context(mock.patch.object(module, kernel.__name__, call))
+    return stack
 
 
 def _assert_group_usable(world, after):
@@ -650,10 +662,8 @@ def test_allgather_computes_while_the_second_slot_travels(one_process_group, mon
     """The all-gather exchange posts one collective per local chunk slot and a query chunk waits only for the
     slots holding its keys: a causal chunk of the first half runs before slot 1 is waited for, in the forward and
     the backward, and the result equals flash_attn_func's (a one-process group)."""
-    import flash_attn_ck.integrations.context_parallel as cp
-
     events = []
-    original_gather = cp._PostedTransfers.gather
+    original_gather = transfers.PostedTransfers.gather
 
     def recording_gather(self, buffer, call):
         work, received = original_gather(self, buffer, call)
@@ -673,9 +683,9 @@ def test_allgather_computes_while_the_second_slot_travels(one_process_group, mon
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(cp._PostedTransfers, "gather", recording_gather)
-    monkeypatch.setattr(cp, "flash_attn_fwd", recording(cp.flash_attn_fwd))
-    monkeypatch.setattr(cp, "flash_attn_bwd", recording(cp.flash_attn_bwd))
+    monkeypatch.setattr(transfers.PostedTransfers, "gather", recording_gather)
+    monkeypatch.setattr(allgather, "flash_attn_fwd", recording(allgather.flash_attn_fwd))
+    monkeypatch.setattr(allgather, "flash_attn_bwd", recording(allgather.flash_attn_bwd))
     q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(_full_inputs(8, 2, 1, d=8, b=1)))
     out = context_parallel_attn(q, k, v, causal=causal, layout=layout, kv_exchange="allgather", backend="reference")
     forward_events = [e for e in events if not e.startswith("posted")]
