@@ -16,8 +16,6 @@ from .transfers import PostedTransfers
 
 _FORWARD = {"ring": ring_forward, "allgather": allgather_forward, "a2a": a2a_forward,
             "a2a+ring": hybrid_forward}
-
-
 _BACKWARD = {"ring": ring_backward, "allgather": allgather_backward, "a2a": a2a_backward,
              "a2a+ring": hybrid_backward}
 
