@@ -1,4 +1,4 @@
-"""Context parallelism (flash_attn_ck/integrations/context_parallel.py) on CPU: gloo, 2, 3 and 4 processes on
+"""Context parallelism (flash_attn_ck/integrations/context_parallel/) on CPU: gloo, 2, 3 and 4 processes on
 localhost (torch.multiprocessing.spawn), reference backend, float64. Every rank checks its shard of the
 output and of dq/dk/dv against single-process `flash_attn_func` on the full sequence, for each case, and the
 varlen cases (ring, one cu_seqlens, an empty sequence among them) against `flash_attn_varlen_func`; dropout
@@ -31,7 +31,16 @@ from hypothesis import strategies as st
 
 from flash_attn_ck import ArgumentError, flash_attn_bwd, flash_attn_func, flash_attn_fwd, flash_attn_varlen_func
 from flash_attn_ck.integrations import context_parallel as cp
-from flash_attn_ck.integrations.context_parallel import context_parallel_attn, context_parallel_sdpa, shard, unshard
+from flash_attn_ck.integrations.context_parallel import (
+    a2a,
+    allgather,
+    context_parallel_attn,
+    context_parallel_sdpa,
+    ring,
+    shard,
+    transfers,
+    unshard,
+)
 from tests.oracle import assert_close_2x
 
 # (kv_exchange, layout, causal, window, h, h_k)
@@ -361,10 +370,13 @@ def _recorded_communication():
 
 
 def _failing_kernel(kernel):
-    """`kernel` (flash_attn_fwd or _bwd as context parallelism calls it) that raises on its first call."""
+    """`kernel` (flash_attn_fwd or _bwd as every exchange module calls it) that raises on its first call."""
     def call(*args, **kwargs):
         raise RuntimeError(f"injected failure of {kernel.__name__}")
-    return mock.patch.object(cp, kernel.__name__, call)
+    stack = contextlib.ExitStack()
+    for module in (ring, allgather, a2a):
+        stack.enter_context(mock.patch.object(module, kernel.__name__, call))
+    return stack
 
 
 def _assert_group_usable(world, after):
@@ -550,6 +562,72 @@ def _compile_worker(rank, world, port):
         teardown()
 
 
+def _compile_group_worker(rank, world, port):
+    from torch.distributed.device_mesh import init_device_mesh
+    init(rank, world, port)
+    try:
+        q, k, v, dout = (shard(t.transpose(1, 2), seq_dim=2) for t in _full_inputs(4 * world, 4, 2))
+        groups = {"the default ProcessGroup": dist.group.WORLD, "a new ProcessGroup": dist.new_group(range(world)),
+                  "a 1-D DeviceMesh": init_device_mesh("cpu", (world,))}
+        for what, group in groups.items():
+            def attend(q, k, v, group=group):
+                return context_parallel_sdpa(q, k, v, group, is_causal=True, enable_gqa=True, backend="reference")
+
+            results = []
+            for fn in (attend, torch.compile(attend, fullgraph=True, backend="aot_eager")):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = fn(*leaves)
+                results.append((out, *torch.autograd.grad(out, leaves, dout)))
+            for name, eager, compiled in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+                torch.testing.assert_close(compiled, eager, atol=0, rtol=0,
+                                           msg=lambda m, n=name, w=what: f"{w} {n}: {m}")
+            torch._dynamo.reset()
+    finally:
+        teardown()
+
+
+def test_compile_fullgraph_takes_a_process_group():
+    """torch.compile(fullgraph=True) of context_parallel_sdpa given a ProcessGroup (what the HF registration passes)
+    or a 1-D DeviceMesh equals eager, gradients included: under compile a ProcessGroup is an opaque object whose
+    unregistered attributes raise, so mesh and group are told apart by type, never by `hasattr`."""
+    spawn(_compile_group_worker, 2)
+
+
+def _comm_hook_worker(rank, world, port):
+    from torch.nn.parallel import DistributedDataParallel
+    init(rank, world, port)
+    try:
+        inputs = torch.randn(world, 3, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        local_grads = []
+        for r in range(world):
+            torch.manual_seed(0)
+            linear = torch.nn.Linear(4, 2).double()
+            linear(inputs[r]).square().sum().backward()
+            local_grads.append(linear.weight.grad)
+        alone = [dist.new_group([r]) for r in range(world)]      # every rank calls new_group for every group
+        # (CP group, expected): DDP over the CP group sums; CP groups of one rank are data-parallel replicas: averaged
+        for group, expected in ((dist.group.WORLD, sum(local_grads)), (alone[rank], sum(local_grads) / world)):
+            torch.manual_seed(0)
+            model = DistributedDataParallel(torch.nn.Linear(4, 2).double())
+            cp.register_cp_comm_hook(model, group)
+            model(inputs[rank]).square().sum().backward()
+            torch.testing.assert_close(model.module.weight.grad, expected, atol=1e-12, rtol=1e-12)
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(4, 2).double()
+        linear(inputs[rank]).square().sum().backward()
+        cp.sum_gradients(linear.parameters())
+        torch.testing.assert_close(linear.weight.grad, sum(local_grads), atol=1e-12, rtol=1e-12)
+    finally:
+        teardown()
+
+
+def test_cp_comm_hook_sums_over_cp_ranks_and_averages_over_replicas():
+    """`register_cp_comm_hook`: DDP over the CP group sums the ranks' gradients (each rank's loss is a share of the
+    global loss); over CP groups of one rank (data-parallel replicas) it averages as DDP does. `sum_gradients`
+    sums without DDP."""
+    spawn(_comm_hook_worker, 2)
+
+
 def test_compile_fullgraph_captures_the_call():
     """torch.compile(fullgraph=True) traces context_parallel_attn as one custom op (process group by name), and
     the compiled forward and gradients equal eager ones."""
@@ -584,10 +662,8 @@ def test_allgather_computes_while_the_second_slot_travels(one_process_group, mon
     """The all-gather exchange posts one collective per local chunk slot and a query chunk waits only for the
     slots holding its keys: a causal chunk of the first half runs before slot 1 is waited for, in the forward and
     the backward, and the result equals flash_attn_func's (a one-process group)."""
-    import flash_attn_ck.integrations.context_parallel as cp
-
     events = []
-    original_gather = cp._PostedTransfers.gather
+    original_gather = transfers.PostedTransfers.gather
 
     def recording_gather(self, buffer, call):
         work, received = original_gather(self, buffer, call)
@@ -607,9 +683,9 @@ def test_allgather_computes_while_the_second_slot_travels(one_process_group, mon
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(cp._PostedTransfers, "gather", recording_gather)
-    monkeypatch.setattr(cp, "flash_attn_fwd", recording(cp.flash_attn_fwd))
-    monkeypatch.setattr(cp, "flash_attn_bwd", recording(cp.flash_attn_bwd))
+    monkeypatch.setattr(transfers.PostedTransfers, "gather", recording_gather)
+    monkeypatch.setattr(allgather, "flash_attn_fwd", recording(allgather.flash_attn_fwd))
+    monkeypatch.setattr(allgather, "flash_attn_bwd", recording(allgather.flash_attn_bwd))
     q, k, v, dout = (t.requires_grad_(i < 3) for i, t in enumerate(_full_inputs(8, 2, 1, d=8, b=1)))
     out = context_parallel_attn(q, k, v, causal=causal, layout=layout, kv_exchange="allgather", backend="reference")
     forward_events = [e for e in events if not e.startswith("posted")]

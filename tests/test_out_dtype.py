@@ -168,13 +168,13 @@ def test_the_triton_backend_says_when_fp32_results_would_take_slower_kernels():
 
 def test_context_parallel_steps_take_fp32_only_without_a_cost(monkeypatch):
     from flash_attn_ck.backends.reference import ReferenceBackend
-    from flash_attn_ck.integrations import context_parallel as cp
+    from flash_attn_ck.integrations.context_parallel.plan import choose_step_dtype
     q, k, v, _ = _inputs(torch.bfloat16, d=64)
     options = AttentionOptions(backend="reference")
-    assert cp._step_dtype(q, k, v, options) == torch.float32
+    assert choose_step_dtype(q, k, v, options) == torch.float32
     monkeypatch.setattr(ReferenceBackend, "fp32_outputs_slower", lambda self, problem: "a faster kernel")
-    assert cp._step_dtype(q, k, v, options) is None
-    assert cp._step_dtype(q.double(), k.double(), v.double(), AttentionOptions(backend="reference")) is None
+    assert choose_step_dtype(q, k, v, options) is None
+    assert choose_step_dtype(q.double(), k.double(), v.double(), AttentionOptions(backend="reference")) is None
 
 
 def test_the_fakes_allocate_the_asked_dtype():

@@ -63,7 +63,7 @@ def _check_matches_sdpa(mesh, world):
                                     (True, (4, 2), -0.3), (False, (4, 4), 0.0)):
         q, k, v, dout = _inputs(world, h, h_k, seed=world)
         local = _torch_shards(mesh, (q, k, v, dout), causal)
-        with mock.patch("flash_attn_ck.integrations.context_parallel.flash_attn_fwd",
+        with mock.patch("flash_attn_ck.integrations.context_parallel.ring.flash_attn_fwd",
                         wraps=provider.flash_attn_fwd) as spy:
             ours = _cp_flash(mesh, local[:3], local[3], is_causal=causal, scale=scale)
         assert spy.call_count > 0, "our ring ran"

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..core.errors import ArgumentError
 from ..core.options import AttentionOptions
 from . import context_parallel as cp
 from .sdpa import UnsupportedCall, positive_scale, rng_input, rng_outputs
@@ -171,7 +172,7 @@ def install_torch_cp_handlers(*, strict: bool = True, kv_exchange: str = "ring",
         a handle whose `remove()` (or a `with` block's end) restores torch's own entries.
     """
     if kv_exchange not in TORCH_CP_EXCHANGES:
-        raise cp.ArgumentError(f"kv_exchange: expected one of {TORCH_CP_EXCHANGES} (torch's CP mesh is 1-D; "
+        raise ArgumentError(f"kv_exchange: expected one of {TORCH_CP_EXCHANGES} (torch's CP mesh is 1-D; "
                                f"a2a+ring needs a 2-D one), got {kv_exchange!r}")
     ring = _RingHandlers(kv_exchange, backend)
     entries = dict(zip(FLASH_OPS, (_on_dtensors(ring.forward), _on_dtensors(ring.backward)), strict=True))
