@@ -215,3 +215,13 @@ def test_a_static_cache_without_its_mask_is_refused():
     with pytest.raises(ArgumentError, match=r"^attention_mask: .* static KV cache"):
         _model("llama", NAME).generate(input_ids=_ids(1, 5), max_new_tokens=2, do_sample=False,
                                        cache_implementation="static")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padding_mask", "restarting_positions"])
+def test_the_host_reads_the_mask_or_positions_once_per_forward_not_per_layer(packed, monkeypatch):
+    nonzero, calls = torch.Tensor.nonzero, []
+    monkeypatch.setattr(torch.Tensor, "nonzero", lambda t, *a, **kw: calls.append(t.shape) or nonzero(t, *a, **kw))
+    inputs = dict(input_ids=_ids(1, 9), position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1]])) if packed else \
+        dict(input_ids=_ids(2, 9), attention_mask=torch.tensor([[1] * 9, [0] * 3 + [1] * 6]))
+    _model("llama", NAME)(**inputs, use_cache=False)
+    assert len(calls) == 1, calls

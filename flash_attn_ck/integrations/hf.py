@@ -32,6 +32,9 @@ static cache without its mask) is refused with the argument named.
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 
 from ..api import flash_attn_func, flash_attn_varlen_func
@@ -195,18 +198,45 @@ def _given_lengths(kwargs: dict) -> tuple | None:
 
 def _lengths_from_positions(position_ids: torch.Tensor | None, shape: tuple[int, int]) -> tuple | None:
     """The documents of rows whose positions restart (a position other than the previous one + 1 starts one),
-    as varlen lengths over the flattened rows; None where no row restarts. Reads the positions on the host,
-    as transformers' FA2 path does; under torch.compile they must not restart (checked on the device)."""
+    as varlen lengths over the flattened rows; None where no row restarts. Read on the host, as transformers'
+    FA2 path does; under torch.compile they must not restart (checked on the device)."""
     if position_ids is None:
         return None
     if position_ids.dim() != 2:
         raise ArgumentError(f"position_ids: expected (b, s) or (1, s), got shape {tuple(position_ids.shape)}")
+    if torch.compiler.is_compiling():
+        torch._assert_async(~_starts(position_ids, shape)[:, 1:].any(), "position_ids: restarting inside a row "
+                            "(packed documents) under torch.compile; pass cu_seq_lens_q/k and max_length_q/k")
+        return None
+    return _documents(position_ids, shape)
+
+
+def _once_per_forward(read):
+    """`read(tensor, *args)` on the host once for the same tensor (unchanged) and args: transformers hands every
+    layer the same position_ids and mask objects, so they are read once per forward, not once per layer."""
+    last = {}
+
+    @functools.wraps(read)
+    def cached(tensor: torch.Tensor, *args):
+        key = (tensor._version, args)
+        if last and last["tensor"]() is tensor and last["key"] == key:
+            return last["value"]
+        value = read(tensor, *args)
+        last.update(tensor=weakref.ref(tensor), key=key, value=value)
+        return value
+
+    return cached
+
+
+def _starts(position_ids: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     starts = torch.ones(shape, dtype=torch.bool, device=position_ids.device)
     starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    if torch.compiler.is_compiling():
-        torch._assert_async(~starts[:, 1:].any(), "position_ids: restarting inside a row (packed documents) under "
-                            "torch.compile; pass cu_seq_lens_q/k and max_length_q/k instead")
-        return None
+    return starts
+
+
+@_once_per_forward
+def _documents(position_ids: torch.Tensor, shape: tuple[int, int]) -> tuple | None:
+    starts = _starts(position_ids, shape)
     if not starts[:, 1:].any():
         return None
     cu = torch.nn.functional.pad(starts.flatten().nonzero().flatten(), (0, 1), value=starts.numel())
@@ -230,6 +260,7 @@ def _unpadded(q, k, v, attention_mask: torch.Tensor, options: dict) -> torch.Ten
     return padded.view(*q.shape[:2], *out.shape[1:])
 
 
+@_once_per_forward
 def _tokens(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The flat indices of the real tokens, their cu_seqlens and the longest row (read on the host)."""
     lengths = mask.sum(dim=-1, dtype=torch.int32)
