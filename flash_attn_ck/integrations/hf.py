@@ -218,6 +218,8 @@ def _once_per_forward(read):
 
     @functools.wraps(read)
     def cached(tensor: torch.Tensor, *args):
+        if torch.compiler.is_compiling():     # traced once per graph anyway; no state inside a graph
+            return read(tensor, *args)
         key = (tensor._version, args)
         if last and last["tensor"]() is tensor and last["key"] == key:
             return last["value"]
