@@ -148,9 +148,9 @@ def register_hf_attention_local(*, name: str = LOCAL_NAME, backend: str | None =
 
 
 # Options transformers may pass that the one-device attention cannot honour, with what they ask for.
-LOCAL_UNSUPPORTED = {"output_attentions": "attention weights (flash kernels never form them)",
-                     "block_table": "paged KV caches (continuous batching)", "k_cache": "paged KV caches",
-                     "v_cache": "paged KV caches"}
+LOCAL_UNSUPPORTED = {"output_attentions": "return attention weights (flash kernels never form them)",
+                     "block_table": "run paged KV caches (continuous batching)", "k_cache": "run paged KV caches",
+                     "v_cache": "run paged KV caches"}
 
 
 def _refuse_unsupported(name: str, s_aux, kwargs: dict) -> None:
@@ -159,8 +159,7 @@ def _refuse_unsupported(name: str, s_aux, kwargs: dict) -> None:
                             "use attn_implementation=\"eager\" for this model")
     for option, what in LOCAL_UNSUPPORTED.items():
         if kwargs.get(option) is not None and kwargs[option] is not False:
-            raise ArgumentError(f"{option}: {name} does not return {what}" if option == "output_attentions" else
-                                f"{option}: {name} does not run {what}")
+            raise ArgumentError(f"{option}: {name} does not {what}")
 
 
 def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
