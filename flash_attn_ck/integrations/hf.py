@@ -15,16 +15,34 @@ count of predicted tokens, so each rank's loss is its share of the global mean (
 the parameters' gradients likewise). One sequence per row: padding masks, packed documents (position_ids that
 restart inside a row, `cu_seq_lens_*`) and what the attention cannot run (sliding windows, softcapping, sinks)
 are refused with the argument named, never ignored.
+
+One device, every flash-attn feature (`register_hf_attention_local`, "ck_attention"):
+
+    from flash_attn_ck.integrations.hf import register_hf_attention_local
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=register_hf_attention_local())
+
+The layers' (b, h, s, d) projections go to `flash_attn_func` as (b, s, h, d) views: causal bottom-right aligned
+(decode steps against a KV cache included), GQA unexpanded, the layer's scaling, sliding window (HF's
+`sliding_window` keys including the query's own: window (sliding_window - 1, 0)), softcap, and dropout while
+the module trains. Rows with padding (the 2-D attention_mask), documents packed in a row (`cu_seq_lens_q/k`
+with `max_length_q/k`, or `position_ids` restarting) run as `flash_attn_varlen_func`, as transformers' FA2
+path does. What it cannot run (`s_aux` sinks, `output_attentions`, paged caches, custom mask functions, a
+static cache without its mask) is refused with the argument named.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 
+from ..api import flash_attn_func, flash_attn_varlen_func
 from ..core.errors import ArgumentError
 from .context_parallel import context_parallel_sdpa, process_group, shard
 
 NAME = "context_parallel_ck"    # no "flash" in it: transformers would try to load a flash-attn kernel of that name
+LOCAL_NAME = "ck_attention"
 IGNORE_INDEX = -100
 
 
@@ -104,3 +122,171 @@ def shard_for_causal_lm(input_ids: torch.Tensor, mesh_or_group=None, *, layout: 
     local = {name: shard(t, group, layout=layout) for name, t in
              (("input_ids", input_ids), ("position_ids", positions), ("shift_labels", shifted))}
     return dict(local, labels=local["shift_labels"], num_items_in_batch=(shifted != IGNORE_INDEX).sum())
+
+
+# ---- one device -----------------------------------------------------------------------------------
+
+def register_hf_attention_local(*, name: str = LOCAL_NAME, backend: str | None = None) -> str:
+    """Register one-device attention through `flash_attn_func` / `flash_attn_varlen_func` as `name` in
+    transformers' AttentionInterface and AttentionMaskInterface; returns `name`."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                  softcap=None, is_causal=None, s_aux=None, **kwargs):
+        _refuse_unsupported(name, s_aux, kwargs)
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        options = dict(dropout_p=dropout if module.training else 0.0, softmax_scale=scaling, causal=causal,
+                       window_size=_window(sliding_window, causal), softcap=softcap or 0.0,
+                       deterministic=bool(kwargs.get("deterministic")), backend=backend)
+        q, k, v = (t.transpose(1, 2) for t in (query, key, value))      # (b, s, h, d) views
+        return local_attention(q, k, v, attention_mask, kwargs, options), None
+
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, _local_mask(name))
+    return name
+
+
+# Options transformers may pass that the one-device attention cannot honour, with what they ask for.
+LOCAL_UNSUPPORTED = {"output_attentions": "return attention weights (flash kernels never form them)",
+                     "block_table": "run paged KV caches (continuous batching)", "k_cache": "run paged KV caches",
+                     "v_cache": "run paged KV caches"}
+
+
+def _refuse_unsupported(name: str, s_aux, kwargs: dict) -> None:
+    if s_aux is not None:
+        raise ArgumentError(f"s_aux: {name} does not run attention sinks yet (the layer passes {_short(s_aux)}); "
+                            "use attn_implementation=\"eager\" for this model")
+    for option, what in LOCAL_UNSUPPORTED.items():
+        if kwargs.get(option) is not None and kwargs[option] is not False:
+            raise ArgumentError(f"{option}: {name} does not {what}")
+
+
+def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
+    """HF's `sliding_window` counts the query's own key: a query sees keys i - sliding_window < j <= i."""
+    if sliding_window is None:
+        return -1, -1
+    return sliding_window - 1, 0 if causal else sliding_window - 1
+
+
+def local_attention(q, k, v, attention_mask, kwargs: dict, options: dict) -> torch.Tensor:
+    """(b, s_q, h, d) attention of q on k, v (b, s_k, h_k, d): dense, or varlen for padding and packing."""
+    if attention_mask is not None:
+        return _unpadded(q, k, v, attention_mask, options)
+    lengths = _given_lengths(kwargs)
+    if lengths is None and q.shape[1] == k.shape[1] > 1:
+        lengths = _lengths_from_positions(kwargs.get("position_ids"), q.shape[:2])
+    if lengths is None:
+        return flash_attn_func(q, k, v, **options)
+    out = flash_attn_varlen_func(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), *lengths, **options)
+    return out.view(q.shape)
+
+
+def _given_lengths(kwargs: dict) -> tuple | None:
+    """`cu_seq_lens_q/k` and `max_length_q/k` (HF's DataCollatorWithFlattening(return_flash_attn_kwargs=True)):
+    used as given, without reading them on the host."""
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    if cu_q is None and cu_k is None:
+        return None
+    for option in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+        if kwargs.get(option) is None:
+            raise ArgumentError(f"{option}: packed documents need cu_seq_lens_q, cu_seq_lens_k, max_length_q and "
+                                "max_length_k together")
+    return (cu_q.to(torch.int32), cu_k.to(torch.int32), kwargs["max_length_q"], kwargs["max_length_k"])
+
+
+def _lengths_from_positions(position_ids: torch.Tensor | None, shape: tuple[int, int]) -> tuple | None:
+    """The documents of rows whose positions restart (a position other than the previous one + 1 starts one),
+    as varlen lengths over the flattened rows; None where no row restarts. Read on the host, as transformers'
+    FA2 path does; under torch.compile they must not restart (checked on the device)."""
+    if position_ids is None:
+        return None
+    if position_ids.dim() != 2:
+        raise ArgumentError(f"position_ids: expected (b, s) or (1, s), got shape {tuple(position_ids.shape)}")
+    if torch.compiler.is_compiling():
+        torch._assert_async(~_starts(position_ids, shape)[:, 1:].any(), "position_ids: restarting inside a row "
+                            "(packed documents) under torch.compile; pass cu_seq_lens_q/k and max_length_q/k")
+        return None
+    return _documents(position_ids, shape)
+
+
+def _once_per_forward(read):
+    """`read(tensor, *args)` on the host once for the same tensor (unchanged) and args: transformers hands every
+    layer the same position_ids and mask objects, so they are read once per forward, not once per layer."""
+    last = {}
+
+    @functools.wraps(read)
+    def cached(tensor: torch.Tensor, *args):
+        if torch.compiler.is_compiling():     # traced once per graph anyway; no state inside a graph
+            return read(tensor, *args)
+        key = (tensor._version, args)
+        if last and last["tensor"]() is tensor and last["key"] == key:
+            return last["value"]
+        value = read(tensor, *args)
+        last.update(tensor=weakref.ref(tensor), key=key, value=value)
+        return value
+
+    return cached
+
+
+def _starts(position_ids: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    starts = torch.ones(shape, dtype=torch.bool, device=position_ids.device)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    return starts
+
+
+@_once_per_forward
+def _documents(position_ids: torch.Tensor, shape: tuple[int, int]) -> tuple | None:
+    starts = _starts(position_ids, shape)
+    if not starts[:, 1:].any():
+        return None
+    cu = torch.nn.functional.pad(starts.flatten().nonzero().flatten(), (0, 1), value=starts.numel())
+    cu = cu.to(torch.int32)
+    longest = int(cu.diff().max())
+    return cu, cu, longest, longest
+
+
+def _unpadded(q, k, v, attention_mask: torch.Tensor, options: dict) -> torch.Tensor:
+    """Rows with padding (attention_mask (b, s_k), True for a real token; the queries are its last s_q columns)
+    run as varlen on their real tokens; padded query rows come back zero."""
+    if attention_mask.dim() != 2:
+        raise ArgumentError(f"attention_mask: expected a 2-D (b, s_k) padding mask, got shape "
+                            f"{tuple(attention_mask.shape)}; other masks cannot be run by flash kernels")
+    k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]   # a static cache's unfilled slots
+    keys = _tokens(attention_mask)
+    queries = keys if q.shape[1] == k.shape[1] else _tokens(attention_mask[:, -q.shape[1]:])
+    out = flash_attn_varlen_func(_rows(q, queries[0]), _rows(k, keys[0]), _rows(v, keys[0]), queries[1], keys[1],
+                                 queries[2], keys[2], **options)
+    padded = out.new_zeros(q.shape[0] * q.shape[1], *out.shape[1:]).index_copy(0, queries[0], out)
+    return padded.view(*q.shape[:2], *out.shape[1:])
+
+
+@_once_per_forward
+def _tokens(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The flat indices of the real tokens, their cu_seqlens and the longest row (read on the host)."""
+    lengths = mask.sum(dim=-1, dtype=torch.int32)
+    cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+    return mask.flatten().nonzero().flatten(), cu, int(lengths.max())
+
+
+def _rows(t: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, *t.shape[2:])[indices]
+
+
+def _local_mask(name: str):
+    """transformers' mask for flash-attn (None, or the 2-D padding mask), refusing what it would drop: custom
+    mask functions and a static cache's unfilled keys without a mask to find them."""
+    from transformers.masking_utils import flash_attention_mask
+
+    def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, attention_mask=None, use_vmap=False,
+             **kwargs):
+        if use_vmap:
+            raise ArgumentError(f"mask_function: {name} runs causal, sliding-window and padding masks only; this "
+                                "model adds its own mask function (e.g. bidirectional image tokens)")
+        if attention_mask is None and (isinstance(q_offset, torch.Tensor) or q_offset + q_length < kv_length):
+            raise ArgumentError(f"attention_mask: {name} needs the 2-D mask with a static KV cache (keys past the "
+                                "cache's filled length); use the default DynamicCache")
+        return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
+                                    attention_mask=attention_mask, **kwargs)
+
+    return mask
