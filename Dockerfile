@@ -3,23 +3,27 @@
 # package (flash_attn_ck/backends/ck/, where the ck backend looks), installs the package, and runs
 # the test suite by default. See docs/ck.md.
 #
-#   docker build -t flash_attn_ck:rocm --build-arg GPU_ARCHS=gfx942 .
+#   docker build -t flash_attn_ck:rocm --build-arg BASE_IMAGE=rocm/pytorch:<tag with torch >= 2.11> \
+#       --build-arg GPU_ARCHS=gfx942 .
 #   docker run --rm --device=/dev/kfd --device=/dev/dri --group-add video --ipc=host flash_attn_ck:rocm
 #
 # Build arguments:
-#   BASE_IMAGE     an image with Python, a HIP clang at /opt/rocm/llvm/bin/clang++, the HIP runtime and torch.
-#                  The package needs torch >= 2.4; its SDPA provider and torch-CP integrations need torch >= 2.11
-#                  (on older torch importing them raises an ImportError that says so). The default ships
-#                  ROCm 6.4.3 and torch 2.6. scripts/docker_standin_base.sh makes a registry-free stand-in from
-#                  Debian's packages (CPU torch, Debian's clang-19 and HIP 5.2: compiles, never runs a kernel).
+#   BASE_IMAGE     (required) an image with Python, a HIP clang at /opt/rocm/llvm/bin/clang++, the HIP runtime
+#                  and a ROCm build of torch >= 2.11 (the package's floor; the build stops on an older one):
+#                  a rocm/pytorch tag with pytorch_release_2.11 or newer (torch 2.6, as in the tag this file used
+#                  to name, fails the torch.compile and main-job tests; the integrations refuse it).
+#                  scripts/docker_standin_base.sh makes a registry-free stand-in from Debian's packages (CPU torch
+#                  2.13, Debian's clang-19 and HIP 5.2: the library compiles, no kernel ever runs).
 #   CK_INSTANCES   all (default): every CK instance the dispatcher can reach, about 1100 files per target;
 #                  minimal: the CI compile check's two forward and two backward instances (minutes, not hours).
 #   GPU_ARCHS      comma-separated targets (gfx942,gfx950 or gfx90a); each multiplies the build time.
 #   JOBS           parallel compiles (memory: about 1-2 GB per job); default: every core.
 #   CK_CMAKE_ARGS  extra CMake options, e.g. -DCK_EARLY_INLINE=OFF for a clang older than ROCm 6.2's.
 #   HIP_PYTHON_VERSION  must match the image's ROCm release.
-ARG BASE_IMAGE=rocm/pytorch:rocm6.4.3_ubuntu24.04_py3.12_pytorch_release_2.6.0
+ARG BASE_IMAGE
 FROM ${BASE_IMAGE}
+RUN python3 -c "import sys, torch; v = tuple(map(int, torch.__version__.split('+')[0].split('.')[:2])); \
+sys.exit(0 if v >= (2, 11) else f'BASE_IMAGE has torch {torch.__version__}; flash_attn_ck needs torch >= 2.11')"
 
 ARG GPU_ARCHS=gfx942
 ARG CK_INSTANCES=all

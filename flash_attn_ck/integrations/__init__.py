@@ -4,18 +4,16 @@
   (`torch.nn.attention.activate_flash_attention_impl("FLASH_ATTN_CK")` after importing it).
 - `context_parallel`: ring attention over sequence shards on torch.distributed, for the (b, s, h, d) API.
 
-They all build on the SDPA provider, which needs torch >= 2.11 (its provider registry); the core API
-(`flash_attn_ck.flash_attn_func` and the rest) needs torch >= 2.4. On an older torch, importing any of
-them raises an ImportError that says so.
+They all build on the SDPA provider, which needs torch >= 2.11 (its provider registry), the package's floor.
+Where an older torch is installed anyway (`pip install --no-deps` into an image), importing any of them raises
+an ImportError that says so.
 """
 
 import torch.nn.attention
 
-NEEDS_TORCH = "2.11"
-CORE_NEEDS_TORCH = "2.4"     # pyproject.toml's floor
+NEEDS_TORCH = "2.11"     # pyproject.toml's floor
 
 if not hasattr(torch.nn.attention, "register_flash_attention_impl"):
     raise ImportError(f"flash_attn_ck.integrations (sdpa, torch_cp, context_parallel, hf) needs torch >= "
                       f"{NEEDS_TORCH} (torch.nn.attention.register_flash_attention_impl); this is torch "
-                      f"{torch.__version__}. The core API, flash_attn_ck.flash_attn_func and the rest, needs torch >= "
-                      f"{CORE_NEEDS_TORCH}.")
+                      f"{torch.__version__}")
