@@ -106,7 +106,8 @@ def test_the_library_is_looked_up_in_the_environment_then_the_package_then_the_b
 def test_the_sdist_holds_what_the_build_and_the_tests_need(tmp_path):
     sdist = build_sdist(tmp_path)
     with tarfile.open(sdist) as archive:
-        archive.extractall(tmp_path / "unpacked", filter="data")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}   # Python 3.11.4+, 3.10.12+
+        archive.extractall(tmp_path / "unpacked", **safe)
     (tree,) = (tmp_path / "unpacked").iterdir()
     for needed in ["csrc_ck/CMakeLists.txt", "scripts/ck_fetch.py", "scripts/ck_generate.py", "tests/cases.py",
                    "tests/conftest.py", "docs/ck.md", "licenses/LICENSE-CK", "Dockerfile"]:
