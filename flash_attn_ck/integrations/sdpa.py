@@ -60,11 +60,6 @@ from ..api import flash_attn_bwd, flash_attn_fwd
 
 PROVIDER = "FLASH_ATTN_CK"
 
-if not hasattr(_attention, "register_flash_attention_impl"):
-    raise ImportError(f"flash_attn_ck.integrations.sdpa needs torch >= 2.11 (register_flash_attention_impl); "
-                      f"this is torch {torch.__version__}")
-
-
 class UnsupportedCall(RuntimeError):
     """A call the provider cannot run as asked (the message says why)."""
 

@@ -27,8 +27,11 @@ from ..base import Backend
 from .plan import ck_backward_plan
 
 LIBRARY_ENV = "FLASH_ATTN_CK_LIBRARY"
-# Where csrc_ck/CMakeLists.txt builds by default (`cmake -S csrc_ck -B build/ck`).
-DEFAULT_LIBRARY = Path(__file__).resolve().parents[3] / "build" / "ck" / "libflash_attn_ck.so"
+LIBRARY_NAME = "libflash_attn_ck.so"
+# A wheel built with the library copied here carries it (package data; the Dockerfile does this).
+PACKAGED_LIBRARY = Path(__file__).resolve().parent / LIBRARY_NAME
+# Where csrc_ck/CMakeLists.txt builds by default in a source checkout (`cmake -S csrc_ck -B build/ck`).
+DEFAULT_LIBRARY = Path(__file__).resolve().parents[3] / "build" / "ck" / LIBRARY_NAME
 
 ABI_VERSION = 2          # FACK_ABI_VERSION of csrc_ck/include/flash_attn_ck.h
 DTYPES = {torch.float16: 0, torch.bfloat16: 1}      # fack_dtype
@@ -214,7 +217,10 @@ def tile_query_args(problem: AttentionProblem) -> FackBwdArgs:
 # ---- loading ----------------------------------------------------------------------------------
 
 def library_path() -> Path:
-    return Path(os.environ.get(LIBRARY_ENV) or DEFAULT_LIBRARY)
+    """$FLASH_ATTN_CK_LIBRARY, else the library inside the installed package, else the source tree's build."""
+    if os.environ.get(LIBRARY_ENV):
+        return Path(os.environ[LIBRARY_ENV])
+    return PACKAGED_LIBRARY if PACKAGED_LIBRARY.is_file() else DEFAULT_LIBRARY
 
 
 class CkError(RuntimeError):
@@ -228,8 +234,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "torch is not a ROCm build (torch.version.hip is None)"
     path = library_path()
     if not path.is_file():
-        return None, (f"the CK library {path} does not exist (build csrc_ck/ with CMake, "
-                      f"or point ${LIBRARY_ENV} at libflash_attn_ck.so)")
+        return None, (f"the CK library {path} does not exist (build csrc_ck/ with CMake, copy it to "
+                      f"{PACKAGED_LIBRARY}, or point ${LIBRARY_ENV} at {LIBRARY_NAME})")
     try:
         import hip  # noqa: F401  (hip-python: arch queries and error strings)
     except ImportError:
