@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import NamedTuple
 
 import torch
 
@@ -255,18 +256,25 @@ def _unpadded(q, k, v, attention_mask: torch.Tensor, options: dict) -> torch.Ten
     k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]   # a static cache's unfilled slots
     keys = _tokens(attention_mask)
     queries = keys if q.shape[1] == k.shape[1] else _tokens(attention_mask[:, -q.shape[1]:])
-    out = flash_attn_varlen_func(_rows(q, queries[0]), _rows(k, keys[0]), _rows(v, keys[0]), queries[1], keys[1],
-                                 queries[2], keys[2], **options)
-    padded = out.new_zeros(q.shape[0] * q.shape[1], *out.shape[1:]).index_copy(0, queries[0], out)
+    out = flash_attn_varlen_func(_rows(q, queries.indices), _rows(k, keys.indices), _rows(v, keys.indices),
+                                 queries.cu_seqlens, keys.cu_seqlens, queries.longest, keys.longest, **options)
+    padded = out.new_zeros(q.shape[0] * q.shape[1], *out.shape[1:]).index_copy(0, queries.indices, out)
     return padded.view(*q.shape[:2], *out.shape[1:])
 
 
+class Tokens(NamedTuple):
+    """The real tokens of padded rows, as a varlen call takes them."""
+    indices: torch.Tensor       # flat indices into the (b * s) rows
+    cu_seqlens: torch.Tensor
+    longest: int
+
+
 @_once_per_forward
-def _tokens(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The flat indices of the real tokens, their cu_seqlens and the longest row (read on the host)."""
+def _tokens(mask: torch.Tensor) -> Tokens:
+    """The real tokens of a (b, s) padding mask (read on the host)."""
     lengths = mask.sum(dim=-1, dtype=torch.int32)
     cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-    return mask.flatten().nonzero().flatten(), cu, int(lengths.max())
+    return Tokens(mask.flatten().nonzero().flatten(), cu, int(lengths.max()))
 
 
 def _rows(t: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
