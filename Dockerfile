@@ -30,8 +30,9 @@ ARG CK_INSTANCES=all
 ARG JOBS=
 ARG CK_CMAKE_ARGS=
 ARG HIP_PYTHON_VERSION=6.4.3.555.40
-# The `test` extra's test-runner part; its Triton and transformers are left out (the image's torch stays).
-ARG TEST_DEPS="pytest>=8 hypothesis>=6.100 numpy>=1.26 pytest-timeout>=2.3 setuptools>=77"
+# The `test` extra less its Triton (the image's torch brings its own; none of these replaces torch).
+ARG TEST_DEPS="pytest>=8 hypothesis>=6.100 numpy>=1.26 pytest-timeout>=2.3 setuptools>=77 matplotlib>=3.8 \
+transformers>=5.0"
 
 WORKDIR /opt/flash_attn_ck
 # The library first, from what it is built of, so a change elsewhere does not rebuild it.

@@ -9,7 +9,8 @@
 #
 # What stands in for ROCm: Debian's clang-19, HIP 5.2 (libamdhip64-dev) and device libraries, with the
 # gfx942 overlays of scripts/ck_debian_overlay.py, behind /opt/rocm/llvm/bin/clang++ (a wrapper that adds
-# the overlays to HIP compiles). torch is a CPU build (TORCH, default torch==2.13.0 from TORCH_INDEX).
+# the overlays to HIP compiles). torch is a CPU build (TORCH, default torch==2.13.0 from TORCH_INDEX), with
+# TRITON (default triton==3.6.0) for the tests that compile the Hopper kernels on the CPU.
 # CK_EARLY_INLINE=OFF: clang-19 spends over 35 minutes on a backward kernel with it (docs/ck.md).
 # Needs root, debootstrap and a running dockerd; the rootfs (about 1.5 GB) stays in ROOTFS for reuse.
 set -euo pipefail
@@ -20,8 +21,10 @@ MIRROR=${MIRROR:-http://deb.debian.org/debian}
 TORCH=${TORCH:-torch==2.13.0}          # a requirement, or the path of a wheel (copied in)
 TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 CA_BUNDLE=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}   # this machine's, for pip behind a proxy
+# The Triton a ROCm image brings with its torch; here the one the CPU tests run under (CI's).
+TRITON=${TRITON:-triton==3.6.0}
 PACKAGES=python3,python3-pip,python3-venv,ca-certificates,clang-19,clang-tools-19,lld-19,llvm-19
-PACKAGES+=,libamdhip64-dev,rocm-device-libs,cmake,make
+PACKAGES+=,libamdhip64-dev,rocm-device-libs,cmake,make,gcc,g++
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 in_root() { chroot "$ROOTFS" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root "$@"; }
@@ -30,8 +33,10 @@ if [[ ! -x $ROOTFS/usr/bin/clang++-19 ]]; then
     rm -rf "$ROOTFS"
     debootstrap --variant=minbase --include="$PACKAGES" bookworm "$ROOTFS" "$MIRROR"
 fi
-cp "$CA_BUNDLE" "$ROOTFS/etc/ssl/certs/ca-certificates.crt"
 cp /etc/resolv.conf "$ROOTFS/etc/resolv.conf"
+# A rootfs kept from an earlier run gets what PACKAGES has gained since.
+in_root apt-get install -y -q --no-install-recommends ${PACKAGES//,/ } > /dev/null
+cp "$CA_BUNDLE" "$ROOTFS/etc/ssl/certs/ca-certificates.crt"
 rm -f "$ROOTFS"/usr/lib/python3*/EXTERNALLY-MANAGED       # pip installs into the image's Python, as in ROCm's
 
 echo "== gfx942 overlays and /opt/rocm/llvm/bin/clang++"
@@ -55,8 +60,9 @@ if [[ -f $TORCH ]]; then
 else
     in_root python3 -m pip install --no-cache-dir "$TORCH" --extra-index-url "$TORCH_INDEX"
 fi
+in_root python3 -m pip install --no-cache-dir --no-deps "$TRITON"
 rm -f "$ROOTFS"/tmp/*.whl "$ROOTFS/tmp/ck_debian_overlay.py"
-in_root python3 -c "import torch; print('torch', torch.__version__)"
+in_root python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 
 echo "== docker import $IMAGE"
 tar -C "$ROOTFS" --exclude=./proc --exclude=./sys --exclude=./dev -c . \
