@@ -23,7 +23,7 @@ TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 CA_BUNDLE=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}   # this machine's, for pip behind a proxy
 # The Triton a ROCm image brings with its torch; here the one the CPU tests run under (CI's).
 TRITON=${TRITON:-triton==3.6.0}
-PACKAGES=python3,python3-pip,python3-venv,ca-certificates,clang-19,clang-tools-19,lld-19,llvm-19
+PACKAGES=python3,python3-dev,python3-pip,python3-venv,ca-certificates,clang-19,clang-tools-19,lld-19,llvm-19
 PACKAGES+=,libamdhip64-dev,rocm-device-libs,cmake,make,gcc,g++
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
