@@ -34,6 +34,11 @@ def fold_sink(sink: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     lse.copy_(total.masked_fill(total == -inf, inf))
 
 
+def rows_dot(dout: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """D = rowsum(dO * O) in `dtype`, laid out as lse: out `(b, s, h, d)` -> `(b, h, s)`, `(t, h, d)` -> `(h, t)`."""
+    return (dout.to(dtype) * out.to(dtype)).sum(-1).transpose(-1, -2)
+
+
 def sink_gradient(sink: torch.Tensor, lse: torch.Tensor, softmax_d: torch.Tensor) -> torch.Tensor:
     """`dsink[h] = -sum over batch and rows of exp(sink[h] - L) * D`, accumulated in lse's dtype, in the sink's."""
     p_sink = torch.exp(_per_head(sink, lse) - lse)      # L = +inf (rows in no sequence): 0
