@@ -185,6 +185,20 @@ def test_packed_variants_take_the_sink():
         torch.testing.assert_close(result, expected.flatten(0, 1), rtol=0, atol=1e-6)
 
 
+def test_a_given_out_and_fp32_results_are_folded_alike():
+    q, k, v = (torch.randn(2, 7, 2, 16, dtype=torch.bfloat16) for _ in range(3))
+    sink = torch.tensor([0.5, 2.0])
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, causal=True, learnable_sink=sink, backend="reference")
+    given = torch.empty_like(q)
+    assert torch.equal(fa.flash_attn_fwd(q, k, v, causal=True, learnable_sink=sink, out=given,
+                                         backend="reference")[1], lse)
+    assert torch.equal(given, out)
+    out32, lse32, _ = fa.flash_attn_fwd(q, k, v, causal=True, learnable_sink=sink, out_dtype=torch.float32,
+                                        backend="reference")
+    torch.testing.assert_close(out32.bfloat16(), out, rtol=0, atol=2 ** -7 * out.abs().max().item())
+    assert torch.equal(lse32, lse)
+
+
 def test_probs_include_the_sink():
     """return_attn_probs: each row's probabilities over its keys sum to 1 - p_sink."""
     q, k, v = (torch.randn(1, 5, 2, 8) for _ in range(3))
