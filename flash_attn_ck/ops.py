@@ -295,12 +295,12 @@ class _Attention(torch.autograd.Function):
         else:
             dq, dk, dv, softmax_d = _bwd_op(dout, q, k, v, out, lse, *_flatten(options, _COMMON), rng_state,
                                             *_flatten(options, _BWD_TAIL[:1]))
-        dsink = None if sink is None else sink_gradient(sink, lse, softmax_d)
+        dsink = sink_gradient(sink, lse, softmax_d) if sink is not None and ctx.needs_input_grad[3] else None
         if create_graph and not torch.compiler.is_compiling():
             # create_graph=True: the gradients are not differentiable (flash-attn's backward is not either).
             # Rather than returning dq/dk/dv without a graph (a silent zero second-order term), they carry a
             # node that raises when anything differentiates through them.
-            if sink is None:
+            if dsink is None:
                 dq, dk, dv = not_twice_differentiable((dq, dk, dv), (q, k, v, dout))
             else:
                 dq, dk, dv, dsink = not_twice_differentiable((dq, dk, dv, dsink), (q, k, v, sink, dout))

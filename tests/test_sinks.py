@@ -134,6 +134,18 @@ def test_flash_attn_bwd_returns_dsink_and_autograd_agrees():
         assert torch.equal(ours, autograd)
 
 
+def test_a_sink_without_grad_gets_none_and_double_backward_raises():
+    q, k, v = (torch.randn(1, 6, 2, 8, requires_grad=True) for _ in range(3))
+    sink = torch.zeros(2)
+    fa.flash_attn_func(q, k, v, learnable_sink=sink, backend="reference").sum().backward()
+    assert sink.grad is None and q.grad is not None
+    sink.requires_grad_()
+    out = fa.flash_attn_func(q, k, v, learnable_sink=sink, backend="reference")
+    dsink, = torch.autograd.grad(out.sum(), sink, create_graph=True)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        dsink.sum().backward()
+
+
 def test_chunked_backward_under_a_workspace_cap():
     """The fold sits outside the chunks (the backward needs only the folded out and lse): a backward in chunks, split
     GQA groups included, matches the oracle, dsink too."""
