@@ -18,13 +18,21 @@ import torch
 
 from . import ops
 from .backends.registry import backend_class
-from .core.checks import check_packed_slots, check_real_devices, check_rng_state, check_tensor, check_varlen_arguments
+from .core.checks import (
+    check_learnable_sink,
+    check_packed_slots,
+    check_real_devices,
+    check_rng_state,
+    check_tensor,
+    check_varlen_arguments,
+)
 from .core.errors import ArgumentError, WorkspaceError
 from .core.inputs import describe_call, sequence_tensors
 from .core.options import AttentionOptions
 from .core.problem import AttentionParams
 from .pipeline.backward import gradient_outputs
 from .pipeline.chunking import ChunkPlan, plan_chunks, workspace_cap
+from .pipeline.sink import sink_gradient
 
 _COMMON_ARGS = """
         dropout_p: dropout probability in [0, 1); the keep pattern comes from `rng_state`.
@@ -34,6 +42,9 @@ _COMMON_ARGS = """
         softcap: 0, or c > 0 for scores c * tanh(s / c).
         alibi_slopes: fp32 (h,) or (b, h): score bias -slope * |i + s_k - s_q - j|.
         deterministic: a bit-identical backward across runs (slower, more workspace on some backends).
+        learnable_sink: None, or a (h,) tensor of logits (fp32, bf16, fp16 or fp64, on q's device), one per query
+            head: each row's softmax also runs over `learnable_sink[h]`, which has no value (FA4's attention
+            sinks; docs/semantics.md §Learnable sinks); differentiable.
         backend: a backend name, a Backend instance, or None (automatic)."""
 
 
@@ -49,7 +60,7 @@ def _documented(fn):
 def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                    seqused_k=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                    alibi_slopes=None, deterministic=False, return_attn_probs=False, rng_state=None, out=None,
-                   out_dtype=None, backend=None):
+                   out_dtype=None, learnable_sink=None, backend=None):
     """The forward alone, returning what a backward (or a context-parallel merge) needs.
 
     Args:
@@ -74,7 +85,8 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
 
     Returns:
         `(out, softmax_lse, rng_state)`, plus `probs` with `return_attn_probs`: out like q (dtype `out_dtype`); lse fp32
-        (b, h, s_q) or varlen (h, total_q); rng_state int64 [seed, offset] with dropout, else None;
+        (b, h, s_q) or varlen (h, total_q) (with a sink: over the keys and the sink); rng_state int64 [seed, offset]
+        with dropout, else None;
         probs (b, h, s_q, s_k) with dropped entries negated.
 
     Raises:
@@ -85,7 +97,7 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic,
-        return_attn_probs=return_attn_probs, backend=backend, out_dtype=out_dtype)
+        return_attn_probs=return_attn_probs, backend=backend, out_dtype=out_dtype, learnable_sink=learnable_sink)
     # Before the op: its schema would reject a non-tensor with a less helpful message, and a meta
     # tensor anywhere would route the call to the op's fake (uninitialised results, no error).
     call = ops.prepared(q, k, v, options)
@@ -103,16 +115,16 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         check_rng_state(rng_state, q.device)
     # Only a result in another dtype, or a given out, cannot be differentiated: the common call asks nothing more.
     if out_dtype not in (None, q.dtype) or out is not None:
-        differentiated = torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                                         for t in (q, k, v, out, options.alibi_slopes))
+        differentiated = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, out, options.alibi_slopes, learnable_sink))
         if differentiated and out_dtype not in (None, q.dtype):
             raise ArgumentError(f"out_dtype: results in {str(out_dtype).removeprefix('torch.')}, not q's dtype, are "
-                                "not differentiable, and q, k, v, alibi_slopes or out requires grad; call it under "
-                                "torch.no_grad(), or without out_dtype")
+                                "not differentiable, and q, k, v, alibi_slopes, learnable_sink or out requires "
+                                "grad; call it under torch.no_grad(), or without out_dtype")
         if differentiated:      # with out (the error above names out_dtype first)
             raise ArgumentError("out: the forward into a given out is not differentiable (as torch's out= "
-                                "functions), and q, k, v, alibi_slopes or out requires grad; call it under "
-                                "torch.no_grad(), or without out")
+                                "functions), and q, k, v, alibi_slopes, learnable_sink or out requires grad; call "
+                                "it under torch.no_grad(), or without out")
     if out is None:
         out, lse, rng_state, probs = ops.attention(q, k, v, options, rng_state, call)
     else:
@@ -125,7 +137,8 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
 def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *, cu_seqlens_q=None,
                    cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_k=None, alibi_slopes=None,
                    dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                   deterministic=False, rng_state=None, backend=None, max_workspace_bytes=None, out_dtype=None):
+                   deterministic=False, rng_state=None, backend=None, max_workspace_bytes=None, out_dtype=None,
+                   learnable_sink=None):
     """The backward alone, shaped like flash-attention's `mha_bwd`.
 
     Args:
@@ -137,11 +150,13 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
             before their rounding to q's dtype, for callers that add partial gradients (context parallelism
             does); refused as by `flash_attn_fwd`.
         max_workspace_bytes: cap on the backward's workspace (default `$FLASH_ATTN_CK_MAX_WORKSPACE_BYTES`,
-            else 4 GiB; -1: no cap); larger calls run in chunks (pipeline/chunking.py).{common}
+            else 4 GiB; -1: no cap); larger calls run in chunks (pipeline/chunking.py).
+        learnable_sink: the forward's; out and softmax_lse are then the forward's with the sink, and the
+            result has `dsink` too.{common}
 
     Returns:
-        `(dq, dk, dv, softmax_d)`: dq like q, dk/dv like k (dtype `out_dtype`); softmax_d = rowsum(dout * out),
-        like lse.
+        `(dq, dk, dv, softmax_d)`, and `dsink` after them with a learnable_sink: dq like q, dk/dv like k (dtype
+        `out_dtype`); softmax_d = rowsum(dout * out), like lse; dsink like learnable_sink.
 
     Raises:
         ArgumentError: a bad argument. NoBackendError: no backend can run the call.
@@ -151,7 +166,7 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic, backend=backend,
-        max_workspace_bytes=max_workspace_bytes, out_dtype=out_dtype)
+        max_workspace_bytes=max_workspace_bytes, out_dtype=out_dtype, learnable_sink=learnable_sink)
     operands = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse))
     for name, t in operands:
         check_tensor(name, t)
@@ -160,8 +175,11 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
             check_tensor(name, t)
     check_real_devices((("q", q), *operands, ("dq", dq), ("dk", dk), ("dv", dv), *options.tensors(),
                         ("rng_state", rng_state)))
+    if learnable_sink is not None:      # the backward ops take no sink (ops.py): checked here
+        check_learnable_sink(learnable_sink, q.shape[-2], q.device)
     if dq is None and dk is None and dv is None:
-        return ops.backward(dout, q, k, v, out, softmax_lse, options, rng_state)
+        return _with_sink_gradient(ops.backward(dout, q, k, v, out, softmax_lse, options, rng_state),
+                                   learnable_sink, softmax_lse)
     if torch.is_grad_enabled():
         for name, t in (("dq", dq), ("dk", dk), ("dv", dv)):
             if t is not None and t.requires_grad:
@@ -170,7 +188,14 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
                                     "pass a tensor that does not require grad")
     dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, options.out_dtype)
     softmax_d = ops.backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options, rng_state)
-    return dq, dk, dv, softmax_d
+    return _with_sink_gradient((dq, dk, dv, softmax_d), learnable_sink, softmax_lse)
+
+
+def _with_sink_gradient(grads: tuple, sink, softmax_lse) -> tuple:
+    """The backward's results, with dsink after them where the call has a learnable sink."""
+    if sink is None:
+        return grads
+    return (*grads, sink_gradient(sink, softmax_lse, grads[3]))
 
 
 @_documented
@@ -212,10 +237,11 @@ def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
 # ---- flash-attn 2.x functions -------------------------------------------------------------------
 
 def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-               return_attn_probs, backend, varlen=None):
+               return_attn_probs, backend, varlen=None, learnable_sink=None):
     result = flash_attn_fwd(q, k, v, **(varlen or {}), dropout_p=dropout_p, softmax_scale=softmax_scale,
                             causal=causal, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-                            deterministic=deterministic, return_attn_probs=return_attn_probs, backend=backend)
+                            deterministic=deterministic, return_attn_probs=return_attn_probs,
+                            learnable_sink=learnable_sink, backend=backend)
     if return_attn_probs:
         out, lse, _, probs = result
         return out, lse, probs
@@ -244,7 +270,8 @@ def _flash_documented(returns: str):
 
 @_flash_documented(_BATCH_RETURNS)
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, backend=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, learnable_sink=None,
+                    backend=None):
     """Exact attention softmax(scale * q k^T) v, differentiable in q, k and v.
 
     Args:
@@ -253,13 +280,13 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 {returns}
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs, backend)
+                      deterministic, return_attn_probs, backend, learnable_sink=learnable_sink)
 
 
 @_flash_documented(_BATCH_RETURNS)
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                              backend=None):
+                              learnable_sink=None, backend=None):
     """`flash_attn_func` on q, k, v packed in one tensor (self-attention, h_k = h).
 
     Args:
@@ -270,13 +297,14 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     check_packed_slots("qkv", qkv, 2, 3)
     check_real_devices((("qkv", qkv),))
     return _attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes, deterministic, return_attn_probs, backend)
+                      softcap, alibi_slopes, deterministic, return_attn_probs, backend,
+                      learnable_sink=learnable_sink)
 
 
 @_flash_documented(_BATCH_RETURNS)
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                             backend=None):
+                             learnable_sink=None, backend=None):
     """`flash_attn_func` with k and v packed in one tensor.
 
     Args:
@@ -288,14 +316,14 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     check_packed_slots("kv", kv, 2, 2)
     check_real_devices((("kv", kv),))
     return _attention(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                      alibi_slopes, deterministic, return_attn_probs, backend)
+                      alibi_slopes, deterministic, return_attn_probs, backend, learnable_sink=learnable_sink)
 
 
 @_flash_documented(_VARLEN_RETURNS)
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, seqused_k=None,
-                           backend=None):
+                           learnable_sink=None, backend=None):
     """`flash_attn_func` on sequences of different lengths packed along the first dim.
 
     Args:
@@ -314,13 +342,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_seqlens_q is None or cu_seqlens_k is None:      # else the call would be read as a dense one
         check_varlen_arguments(varlen)
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs, backend, varlen)
+                      deterministic, return_attn_probs, backend, varlen, learnable_sink)
 
 
 @_flash_documented(_VARLEN_RETURNS)
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False, *, backend=None):
+                                     return_attn_probs=False, *, learnable_sink=None, backend=None):
     """`flash_attn_varlen_func` on q, k, v packed in one tensor (self-attention, h_k = h).
 
     Args:
@@ -334,7 +362,8 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     try:
         return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                      deterministic, return_attn_probs, backend=backend)
+                                      deterministic, return_attn_probs, learnable_sink=learnable_sink,
+                                  backend=backend)
     except ArgumentError as error:
         raise ArgumentError(_one_cu_seqlens_and_max_seqlen(str(error))) from None
 
@@ -356,7 +385,7 @@ def _one_cu_seqlens_and_max_seqlen(message: str) -> str:
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
-                                    backend=None):
+                                    learnable_sink=None, backend=None):
     """`flash_attn_varlen_func` with k and v packed in one tensor.
 
     Args:
@@ -369,4 +398,5 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     check_real_devices((("kv", kv),))
     return flash_attn_varlen_func(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                  deterministic, return_attn_probs, backend=backend)
+                                  deterministic, return_attn_probs, learnable_sink=learnable_sink,
+                                  backend=backend)

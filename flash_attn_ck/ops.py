@@ -43,6 +43,7 @@ from .core.problem import pad_head_dim, row_stats_shape
 from .pipeline.backward import attention_backward
 from .pipeline.forward import attention_forward
 from .pipeline.prepare import PreparedCall, memoised
+from .pipeline.sink import sink_gradient
 
 # ---- the options as schema arguments: one table, one flatten, one unflatten ----------------------
 
@@ -54,12 +55,15 @@ _SCHEMA = {
     "causal": "bool causal", "window_size": "int window_left, int window_right", "softcap": "float softcap",
     "deterministic": "bool deterministic", "return_attn_probs": "bool return_probs", "backend": "str backend",
     "max_workspace_bytes": "int? max_workspace_bytes=None", "out_dtype": "ScalarType? out_dtype=None",
+    "learnable_sink": "Tensor? learnable_sink=None",
 }
 assert set(_SCHEMA) == {f.name for f in fields(AttentionOptions)}, "every option needs its schema arguments"
 # Which options each op takes, in schema order (rng_state, an operand, sits between them in the backward).
 _COMMON = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seqlen_k", "alibi_slopes", "dropout_p",
            "softmax_scale", "causal", "window_size", "softcap", "deterministic")
-_FWD = (*_COMMON, "return_attn_probs", "backend", "out_dtype")
+_FWD = (*_COMMON, "return_attn_probs", "backend", "out_dtype", "learnable_sink")
+# The backward ops take no sink: given the folded out and lse, the kernels' gradients are the sink's, and dsink is
+# computed from softmax_d around them (pipeline/sink.py).
 _BWD_TAIL = ("backend", "max_workspace_bytes", "out_dtype")
 _DEFAULT_OPTIONS = AttentionOptions()
 # Schema arguments with a default (at the end of a schema): a call of the op may leave them out.
@@ -238,16 +242,19 @@ class _Attention(torch.autograd.Function):
     `AttentionOptions`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, given_rng_state, *flat):
-        # `attention` passes validated options after the rng_state to draw (None: fresh): eagerly (it checked
-        # `_direct`) the options whole and the call's PreparedCall or None, else flattened
+    def forward(ctx, q, k, v, sink, given_rng_state, *flat):
+        # `attention` passes the learnable sink (an input of its own, so that it gets a gradient) and validated
+        # options after the rng_state to draw (None: fresh): eagerly (it checked `_direct`) the options whole and
+        # the call's PreparedCall or None, else flattened without the sink
         if type(flat[0]) is AttentionOptions:      # Function.forward runs under no_grad already
             options = flat[0]
             out, lse, rng_state, probs, ctx.prepared = attention_forward(q, k, v, options, given_rng_state, None,
                                                                          flat[1])
         else:
             options = _unflatten(flat, _FWD, checked=True)
-            out, lse, rng_state, probs = _fwd_op(q, k, v, *flat, rng_state=given_rng_state)
+            if sink is not None:
+                options = options.replace_checked(learnable_sink=sink)
+            out, lse, rng_state, probs = _fwd_op(q, k, v, *_flatten(options, _FWD), rng_state=given_rng_state)
             ctx.prepared = None
         # Only `out` carries a gradient: the backward has no term for lse or probs, so they are marked
         # non-differentiable instead of having their gradients silently dropped.
@@ -259,16 +266,16 @@ class _Attention(torch.autograd.Function):
         # an lse-sized gradient (one more fill kernel) on every backward.
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(q, k, v, out, lse, options.cu_seqlens_q, options.cu_seqlens_k, options.seqused_k,
-                              options.alibi_slopes, rng_state)
+                              options.alibi_slopes, rng_state, sink)
         ctx.options = options
-        ctx.num_inputs = 4 + len(flat)
+        ctx.num_inputs = 5 + len(flat)
         return out, lse, rng_state, probs
 
     @staticmethod
     def backward(ctx, dout, *_non_differentiable):
         if dout is None:   # an undefined gradient of `out` (not materialised): zero gradients, as None
             return (None,) * ctx.num_inputs
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state = ctx.saved_tensors
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes, rng_state, sink = ctx.saved_tensors
         if dout.stride(-1) != 1:
             # A sparse gradient of out (out.backward(sparse), eager only: compiled backwards may not read layout)
             # has no strides for the kernels: its dense values.
@@ -283,17 +290,21 @@ class _Attention(torch.autograd.Function):
                                               seqused_k=seqused_k, alibi_slopes=alibi_slopes)
         create_graph = torch.is_grad_enabled()
         if ctx.prepared is not None and not create_graph and _direct(q):      # create_graph: the op
-            dq, dk, dv, _ = attention_backward(dout, q, k, v, out, lse, None, None, None, options, _drawn(rng_state),
-                                               prepared=ctx.prepared)
+            dq, dk, dv, softmax_d = attention_backward(dout, q, k, v, out, lse, None, None, None, options,
+                                                       _drawn(rng_state), prepared=ctx.prepared)
         else:
-            dq, dk, dv, _ = _bwd_op(dout, q, k, v, out, lse, *_flatten(options, _COMMON), rng_state,
-                                    *_flatten(options, _BWD_TAIL[:1]))
+            dq, dk, dv, softmax_d = _bwd_op(dout, q, k, v, out, lse, *_flatten(options, _COMMON), rng_state,
+                                            *_flatten(options, _BWD_TAIL[:1]))
+        dsink = sink_gradient(sink, lse, softmax_d) if sink is not None and ctx.needs_input_grad[3] else None
         if create_graph and not torch.compiler.is_compiling():
             # create_graph=True: the gradients are not differentiable (flash-attn's backward is not either).
             # Rather than returning dq/dk/dv without a graph (a silent zero second-order term), they carry a
             # node that raises when anything differentiates through them.
-            dq, dk, dv = not_twice_differentiable((dq, dk, dv), (q, k, v, dout))
-        return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+            if dsink is None:
+                dq, dk, dv = not_twice_differentiable((dq, dk, dv), (q, k, v, dout))
+            else:
+                dq, dk, dv, dsink = not_twice_differentiable((dq, dk, dv, dsink), (q, k, v, sink, dout))
+        return (dq, dk, dv, dsink) + (None,) * (ctx.num_inputs - 4)
 
 
 DOUBLE_BACKWARD_MESSAGE = (
@@ -366,13 +377,16 @@ def attention(q, k, v, options: AttentionOptions, rng_state=None, call: Prepared
         _check_backend(options)
         if not torch.is_grad_enabled():    # nothing to differentiate: the Function would add only its cost
             return attention_forward(q, k, v, options, rng_state, None, call)[:4]
-        return _Attention.apply(q, k, v, rng_state, options, call)
+        return _Attention.apply(q, k, v, options.learnable_sink, rng_state, options, call)
     # Dynamo cannot trace a Function given one tensor twice (self-attention on one tensor, shared
     # cu_seqlens): repeats become views, which change nothing else (gradients flow through them).
     q, k, v, cu_seqlens_q, cu_seqlens_k = _distinct(q, k, v, options.cu_seqlens_q, options.cu_seqlens_k)
     if cu_seqlens_q is not options.cu_seqlens_q or cu_seqlens_k is not options.cu_seqlens_k:
         options = options.replace_checked(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    return _Attention.apply(q, k, v, rng_state, *_flatten(options, _FWD))
+    sink = options.learnable_sink
+    if sink is not None:
+        options = options.replace_checked(learnable_sink=None)
+    return _Attention.apply(q, k, v, sink, rng_state, *_flatten(options, _FWD))
 
 
 def attention_into(q, k, v, out, options: AttentionOptions, rng_state=None, call: PreparedCall | None = None):

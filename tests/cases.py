@@ -72,6 +72,15 @@ def make_inputs(cfg: Config, device="cpu", seed=0):
     return q, k, v, dout, slopes
 
 
+def make_sink(cfg: Config, device="cpu", seed=0) -> torch.Tensor | None:
+    """The case's learnable sink (cfg.sink_dtype), or None: logits near a row's lse over the keys, so that the sink
+    takes a sizeable share of every row."""
+    if cfg.sink_dtype is None:
+        return None
+    gen = torch.Generator().manual_seed(seed + 1)
+    return (torch.randn(cfg.heads_q, generator=gen) + 3.0).to(device=device, dtype=cfg.sink_dtype)
+
+
 def varlen_meta(cfg: Config, device="cpu"):
     lengths_q = torch.tensor([0] + [s for s, _ in cfg.seqlens])
     lengths_k = torch.tensor([0] + [s for _, s in cfg.seqlens])
@@ -80,11 +89,13 @@ def varlen_meta(cfg: Config, device="cpu"):
     return cu_q, cu_k, max(s for s, _ in cfg.seqlens), max(s for _, s in cfg.seqlens)
 
 
-def run_ours(cfg: Config, q, k, v, dout, slopes, backend="reference"):
-    """Forward with probs (for lse and rng_state) + backward through autograd."""
+def run_ours(cfg: Config, q, k, v, dout, slopes, backend="reference", sink=None):
+    """Forward with probs (for lse and rng_state) + backward through autograd; with a sink, the gradients end
+    with dsink."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    sink = None if sink is None else sink.detach().clone().requires_grad_()
     common = dict(dropout_p=cfg.dropout_p, causal=cfg.causal, window_size=cfg.window, softcap=cfg.softcap,
-                  alibi_slopes=slopes, deterministic=cfg.deterministic, backend=backend)
+                  alibi_slopes=slopes, deterministic=cfg.deterministic, learnable_sink=sink, backend=backend)
     if cfg.seqlens is None:
         out, lse, rng_state = fa.flash_attn_fwd(q, k, v, **common)
         out_autograd = fa.flash_attn_func(q, k, v, **{**common, "dropout_p": 0.0}) if cfg.dropout_p == 0 else None
@@ -97,17 +108,19 @@ def run_ours(cfg: Config, q, k, v, dout, slopes, backend="reference"):
         # The autograd path must reproduce the low-level forward exactly and give the same gradients.
         assert torch.equal(out_autograd, out)
         out_autograd.backward(dout)
-        grads = q.grad, k.grad, v.grad
+        grads = (q.grad, k.grad, v.grad) + (() if sink is None else (sink.grad,))
     else:
         varlen = {} if cfg.seqlens is None else varlen
         grads = fa.flash_attn_bwd(dout, q.detach(), k.detach(), v.detach(), out, lse, **varlen, **common,
-                                  rng_state=rng_state)[:3]
+                                  rng_state=rng_state)
+        grads = grads[:3] + grads[4:]
     return out.detach(), lse, rng_state, grads
 
 
-def run_oracle(cfg: Config, q, k, v, dout, slopes, rng_state, compute_dtype):
-    """Per sequence naive attention; gradients by autograd. Returns out, lse, dq, dk, dv."""
+def run_oracle(cfg: Config, q, k, v, dout, slopes, rng_state, compute_dtype, sink=None):
+    """Per sequence naive attention; gradients by autograd. Returns out, lse, dq, dk, dv (and dsink with a sink)."""
     q, k, v = (t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v))
+    sink = None if sink is None else sink.detach().to(compute_dtype).requires_grad_()
     outs, lses = [], []
     if cfg.seqlens is None:
         pieces = [(b, q[b], k[b], v[b]) for b in range(cfg.batch)]
@@ -121,31 +134,34 @@ def run_oracle(cfg: Config, q, k, v, dout, slopes, rng_state, compute_dtype):
                                  softcap=cfg.softcap,
                                  alibi_slopes=None if slopes is None else slopes[b], dropout_p=cfg.dropout_p,
                                  rng_state=rng_state, batch_index=b, heads=cfg.heads_q, max_seqlen_q=max_q,
-                                 max_seqlen_k=max_k, compute_dtype=compute_dtype)
+                                 max_seqlen_k=max_k, sink=sink, compute_dtype=compute_dtype)
         outs.append(o)
         lses.append(lse)
     out = torch.stack(outs) if cfg.seqlens is None else torch.cat(outs)
     lse = torch.stack(lses) if cfg.seqlens is None else torch.cat(lses, dim=1)
     out.backward(dout.to(compute_dtype))
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+    return (out.detach(), lse.detach(), q.grad, k.grad, v.grad) + (() if sink is None else (sink.grad,))
 
 
 def check_case(cfg: Config, backend="reference", device="cpu", seed=0):
     q, k, v, dout, slopes = make_inputs(cfg, device, seed)
-    out, lse, rng_state, (dq, dk, dv) = run_ours(cfg, q, k, v, dout, slopes, backend)
-    return judge(cfg, (q, k, v, dout, slopes), out, lse, rng_state, (dq, dk, dv))
+    sink = make_sink(cfg, device, seed)
+    out, lse, rng_state, grads = run_ours(cfg, q, k, v, dout, slopes, backend, sink)
+    return judge(cfg, (q, k, v, dout, slopes), out, lse, rng_state, grads, sink)
 
 
-def judge(cfg: Config, inputs, out, lse, rng_state, grads):
+def judge(cfg: Config, inputs, out, lse, rng_state, grads, sink=None):
     """Our outputs against the float64 oracle under the 2x rule (the same-precision oracle is the yardstick),
-    lse exactly +inf on the rows that see no key; returns out and the gradients."""
+    lse exactly +inf on the rows that see no key (with a sink: none); returns out and dq, dk, dv. With a sink,
+    `grads` ends with dsink, judged by the same rule (the same-precision oracle's sink in the inputs' dtype)."""
     q, k, v, dout, slopes = inputs
-    dq, dk, dv = grads
+    dq, dk, dv = grads[:3]
     cpu = [t.cpu() for t in (q, k, v, dout)]
     slopes_cpu = None if slopes is None else slopes.cpu()
     rng_cpu = None if rng_state is None else rng_state.cpu()
-    ref = run_oracle(cfg, *cpu, slopes_cpu, rng_cpu, torch.float64)
-    pt = run_oracle(cfg, *cpu, slopes_cpu, rng_cpu, cfg.dtype)
+    sink_cpu = None if sink is None else sink.cpu()
+    ref = run_oracle(cfg, *cpu, slopes_cpu, rng_cpu, torch.float64, sink_cpu)
+    pt = run_oracle(cfg, *cpu, slopes_cpu, rng_cpu, cfg.dtype, sink_cpu)
     # Scale of a gradient entry, for the degenerate case of assert_close_2x.
     unit = max([t.abs().max().item() for t in cpu if t.numel()] or [1.0]) ** 3 / (1 - cfg.dropout_p)
     for name, ours, r, p in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref[0], *ref[2:]), (pt[0], *pt[2:])):
@@ -153,6 +169,9 @@ def judge(cfg: Config, inputs, out, lse, rng_state, grads):
         # dK/dV of GQA: each of the group's per-head gradients may be rounded to the input dtype (CK contract)
         roundings = 1 + (cfg.heads_q // cfg.heads_k if name in ("dk", "dv") and cfg.heads_q != cfg.heads_k else 0)
         assert_close_2x(name, ours.cpu(), r, p, unit=unit, roundings=roundings)
+    if sink is not None:
+        assert grads[3].dtype == sink.dtype, "dsink: in the sink's dtype"
+        assert_close_2x("dsink", grads[3].cpu(), ref[5], pt[5], unit=unit)
     finite = torch.isfinite(ref[1])
     assert torch.equal(torch.isfinite(lse.cpu()), finite), "lse: +inf exactly on the rows with no key"
     assert (lse.cpu()[~finite] == float("inf")).all()

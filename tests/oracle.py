@@ -28,12 +28,15 @@ class Config:
     deterministic: bool = False
     dtype: torch.dtype = torch.bfloat16
     seqlens: list[tuple[int, int]] | None = field(default=None)  # varlen: (s_q, s_k) per sequence
+    sink_dtype: torch.dtype | None = None      # a learnable sink of this dtype (make_sink), None: no sink
 
 
 def naive_attention(q, k, v, *, causal=False, window=(-1, -1), diagonal=None, softcap=0.0, alibi_slopes=None,
                     dropout_p=0.0, rng_state=None, batch_index=0, heads=None, max_seqlen_q=None, max_seqlen_k=None,
-                    softmax_scale=None, compute_dtype=torch.float64):
+                    softmax_scale=None, sink=None, compute_dtype=torch.float64):
     """One sequence: q (s_q, h, d), k/v (s_k, h_k, d) -> out (s_q, h, d), lse (h, s_q).
+
+    `sink`: None, or (h,) logits, one more entry of every row's softmax, with no value (a learnable sink).
 
     Row i keeps keys j with i + c - left <= j <= i + c + right, -1 unbounded, causal: right = 0, where
     c = `diagonal` (row 0's diagonal key; 0 is top-left alignment), by default s_k - s_q: flash-attn's
@@ -63,7 +66,11 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), diagonal=None, so
     if right >= 0:
         allowed &= j <= kept_diag + right
     scores = scores.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
+    if sink is None:
+        lse = torch.logsumexp(scores, dim=-1)
+    else:
+        sink_column = sink.to(compute_dtype)[:, None, None].expand(h, s_q, 1)
+        lse = torch.logsumexp(torch.cat((scores, sink_column), dim=-1), dim=-1)
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
     if dropout_p > 0:
         keep = keep_mask(tuple(rng_state.tolist()), dropout_p, batch_index, heads or h, torch.arange(h),

@@ -29,6 +29,9 @@ CONFIGS = {
                                                         attn_logit_softcapping=2.0, final_logit_softcapping=None,
                                                         query_pre_attn_scalar=6,
                                                         layer_types=["sliding_attention", "full_attention"]),
+    # attention sinks (`s_aux`: per-head `sinks`, set to sizeable logits in _model), GQA, a window on every other layer
+    "gpt_oss_sinks": lambda: transformers.GptOssConfig(**SMALL, num_key_value_heads=2, sliding_window=4,
+                                                       num_local_experts=4, num_experts_per_tok=2),
 }
 TOL = dict(atol=1e-10, rtol=1e-9)
 
@@ -47,7 +50,13 @@ def eager_softmax_in_float64(monkeypatch):
 
 def _model(kind: str, attn_implementation: str):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()).double().eval()
+    # eager experts (MoE models): the grouped-mm kernels take no float64
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind](), experts_implementation="eager")
+    model = model.double().eval()
+    with torch.no_grad():       # initialised near 0; logits near a row's lse over its keys take a real share
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.copy_(torch.randn(module.sinks.shape, generator=torch.Generator().manual_seed(4)) + 1.5)
     model.set_attn_implementation(attn_implementation)
     return model
 
@@ -198,7 +207,7 @@ def test_dropout_applies_only_while_the_module_trains():
 
 
 @pytest.mark.parametrize(("option", "kwargs"), [
-    ("s_aux", dict(s_aux=torch.zeros(4))),
+    ("learnable_sink", dict(s_aux=torch.zeros(3, dtype=torch.float64))),     # s_aux runs as learnable_sink
     ("output_attentions", dict(output_attentions=True)),
     ("block_table", dict(block_table=torch.zeros(1, 1, dtype=torch.int32))),
     ("attention_mask", dict(attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool))),

@@ -356,6 +356,16 @@ def check_alibi_slopes(slopes: torch.Tensor, batch: int, heads_q: int, device: t
                             f"got {tuple(slopes.shape)}")
 
 
+def check_learnable_sink(sink: torch.Tensor, heads_q: int, device: torch.device) -> None:
+    """One sink logit per query head: a floating (h,) tensor on q's device."""
+    check_tensor("learnable_sink", sink)
+    check_dtype("learnable_sink", sink, SUPPORTED_DTYPES)
+    check_device("learnable_sink", sink, device)
+    if tuple(sink.shape) != (heads_q,):
+        raise ArgumentError(f"learnable_sink: expected shape ({heads_q},) (one logit per query head), "
+                            f"got {tuple(sink.shape)}")
+
+
 def check_cu_seqlens(name: str, cu: torch.Tensor, batch: int, total: int, max_seqlen: int,
                      device: torch.device) -> None:
     """Shape and dtype always; the values only on the CPU (reading them from a GPU would sync)."""

@@ -52,6 +52,8 @@ def check_structure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: 
     checks.check_head_counts(heads_q, heads_k)
     if varlen:
         checks.check_varlen_arguments({name: getattr(o, name) for name in checks.VARLEN_ARGUMENTS})
+    if o.learnable_sink is not None:
+        checks.check_learnable_sink(o.learnable_sink, heads_q, q.device)
 
 
 def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> AttentionProblem:
@@ -118,10 +120,11 @@ def call_signature(q, k, v, options: AttentionOptions) -> tuple | None:
                o.deterministic, o.out_dtype)
     except RuntimeError:        # a nested tensor's sizes and strides raise
         return None
-    if o.cu_seqlens_q is None and o.cu_seqlens_k is None and o.seqused_k is None and o.alibi_slopes is None:
+    if o.cu_seqlens_q is None and o.cu_seqlens_k is None and o.seqused_k is None and o.alibi_slopes is None \
+            and o.learnable_sink is None:
         return key
     return (*key, _tensor_signature(o.cu_seqlens_q), _tensor_signature(o.cu_seqlens_k),
-            _tensor_signature(o.seqused_k), _tensor_signature(o.alibi_slopes))
+            _tensor_signature(o.seqused_k), _tensor_signature(o.alibi_slopes), _tensor_signature(o.learnable_sink))
 
 
 def check_values(problem: AttentionProblem, options: AttentionOptions) -> None:

@@ -25,7 +25,9 @@ class AttentionOptions:
     `max_workspace_bytes`: the backward's workspace cap (None: the environment's or the default).
     `out_dtype`: the dtype of out (forward) and dq, dk, dv (backward): None (q's), or fp32 for fp16/bf16 q, the
     kernels' results before their rounding, for callers that merge partial results (context parallelism);
-    checked against q in `describe_call`."""
+    checked against q in `describe_call`.
+    `learnable_sink`: None, or (h,) logits, one per query head (docs/semantics.md §Learnable sinks); checked
+    against q in `check_structure`."""
     cu_seqlens_q: torch.Tensor | None = None     # int32 (b + 1,): varlen calls only
     cu_seqlens_k: torch.Tensor | None = None
     seqused_k: torch.Tensor | None = None        # int32 (b,): varlen only, the keys each sequence uses
@@ -42,6 +44,7 @@ class AttentionOptions:
     backend: Any = None
     max_workspace_bytes: int | None = None
     out_dtype: torch.dtype | None = None
+    learnable_sink: torch.Tensor | None = None   # (h,) logits: each row's softmax has one more, valueless, logit
 
     def __post_init__(self):
         # eq=False: tensors inside, so options compare by identity; everything cached is keyed on the problem.
@@ -87,7 +90,7 @@ class AttentionOptions:
     def tensors(self) -> tuple[tuple[str, torch.Tensor | None], ...]:
         """The tensor options by name (inputs that a preallocated output must not alias)."""
         return (("cu_seqlens_q", self.cu_seqlens_q), ("cu_seqlens_k", self.cu_seqlens_k), ("seqused_k", self.seqused_k),
-                ("alibi_slopes", self.alibi_slopes))
+                ("alibi_slopes", self.alibi_slopes), ("learnable_sink", self.learnable_sink))
 
     @property
     def varlen(self) -> bool:

@@ -26,8 +26,9 @@ The layers' (b, h, s, d) projections go to `flash_attn_func` as (b, s, h, d) vie
 `sliding_window` keys including the query's own: window (sliding_window - 1, 0)), softcap, and dropout while
 the module trains. Rows with padding (the 2-D attention_mask), documents packed in a row (`cu_seq_lens_q/k`
 with `max_length_q/k`, or `position_ids` restarting) run as `flash_attn_varlen_func`, as transformers' FA2
-path does. What it cannot run (`s_aux` sinks, `output_attentions`, paged caches, custom mask functions, a
-static cache without its mask) is refused with the argument named.
+path does. Attention sinks (`s_aux`, GPT-OSS's per-head `sinks`) run as `learnable_sink`. What it cannot run
+(`output_attentions`, paged caches, custom mask functions, a static cache without its mask) is refused with the
+argument named.
 """
 
 from __future__ import annotations
@@ -135,11 +136,11 @@ def register_hf_attention_local(*, name: str = LOCAL_NAME, backend: str | None =
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
                   softcap=None, is_causal=None, s_aux=None, **kwargs):
-        _refuse_unsupported(name, s_aux, kwargs)
+        _refuse_unsupported(name, kwargs)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         options = dict(dropout_p=dropout if module.training else 0.0, softmax_scale=scaling, causal=causal,
                        window_size=_window(sliding_window, causal), softcap=softcap or 0.0,
-                       deterministic=bool(kwargs.get("deterministic")), backend=backend)
+                       deterministic=bool(kwargs.get("deterministic")), learnable_sink=s_aux, backend=backend)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))      # (b, s, h, d) views
         return local_attention(q, k, v, attention_mask, kwargs, options), None
 
@@ -154,10 +155,7 @@ LOCAL_UNSUPPORTED = {"output_attentions": "return attention weights (flash kerne
                      "v_cache": "run paged KV caches"}
 
 
-def _refuse_unsupported(name: str, s_aux, kwargs: dict) -> None:
-    if s_aux is not None:
-        raise ArgumentError(f"s_aux: {name} does not run attention sinks yet (the layer passes {_short(s_aux)}); "
-                            "use attn_implementation=\"eager\" for this model")
+def _refuse_unsupported(name: str, kwargs: dict) -> None:
     for option, what in LOCAL_UNSUPPORTED.items():
         if kwargs.get(option) is not None and kwargs[option] is not False:
             raise ArgumentError(f"{option}: {name} does not {what}")

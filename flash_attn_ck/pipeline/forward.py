@@ -5,7 +5,8 @@ Returns `(out, softmax_lse, rng_state, probs, prepared)`; lse is fp32 `(b, h, s_
 same call may reuse. A caller's `out` (any strides with a unit last one) is written and returned.
 Empty calls run no kernel: without query rows (none in any sequence) or without key rows, out is zero and
 lse is +inf (flash-attn's convention for empty rows). Varlen rows in no sequence (after
-`cu_seqlens_q[-1]`) get the same: out 0, lse +inf.
+`cu_seqlens_q[-1]`) get the same: out 0, lse +inf. With a learnable sink, the kernels' out and lse are folded
+into the sink's (pipeline/sink.py): a row without keys then has out 0 and lse = sink[h].
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..core.scores import attention_probs
 from .device import on_the_tensors_device
 from .prepare import PreparedCall, prepare, prepared_backend
 from .select import note_forward_backend
+from .sink import fold_sink
 
 
 @on_the_tensors_device
@@ -63,6 +65,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
     else:       # an empty grid is an invalid launch: no kernel; every row sees no key
         target.zero_()
         lse.fill_(float("inf"))
+    if options.learnable_sink is not None:      # before the rows in no sequence are filled: they keep +inf
+        fold_sink(options.learnable_sink, target, lse)
     if problem.varlen:      # rows after cu_seqlens_q[-1] belong to no sequence: out 0, lse +inf (every backend)
         chosen.fill_outside_sequences((options.cu_seqlens_q, target, 0, 0.0),
                                       (options.cu_seqlens_q, lse, 1, float("inf")))

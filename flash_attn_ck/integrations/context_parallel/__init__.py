@@ -46,6 +46,10 @@ pattern from one `[seed, offset]` drawn per forward, with the seed advanced by t
 (rank, step, chunk); the backward re-derives the same states, so forward and backward drop the same elements
 and no two calls of the group share a pattern.
 
+Learnable sinks (`learnable_sink`): the steps run without the sink; `directions.forward` folds it once into each
+shard's merged out and lse (`pipeline/sink.py`), the backward's steps need only those, and each rank's dsink is its
+rows' part (summed over the group like any parameter's gradient).
+
 Everything is validated before the first communication (options with `flash_attn_func`'s own rules, the
 operands of the first kernel call, the backend's ability to run it): an argument error raises on every rank
 that gets it without leaving sends or receives posted. Refused, with an error that says why: varlen with the

@@ -15,7 +15,7 @@ from .plan import plan_call
 
 def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                           dropout_p=0.0, deterministic=False, layout="zigzag", kv_exchange="ring", backend=None,
-                          return_lse=False, cu_seqlens=None, **unsupported):
+                          return_lse=False, cu_seqlens=None, learnable_sink=None, **unsupported):
     """Attention over a sequence sharded across `group` (see the module docstring), differentiable.
 
     Args:
@@ -33,6 +33,9 @@ def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=Fal
             "a2a+ring" (see the module docstring).
         return_lse: also return this shard's softmax lse (b, h, s / W), varlen (h, total / W) (fp32; fp64 for
             fp64 inputs).
+        learnable_sink: as for `flash_attn_func`: a (h,) tensor of logits, folded once into the merged lse (the
+            steps run without it); its gradient on each rank is that rank's rows' part (sum it over the group, as
+            the parameters' gradients: `sum_gradients`, `register_cp_comm_hook`).
 
     Returns:
         this rank's shard of the output (b, s / W, h, d), varlen (total / W, h, d), as `shard` cuts the full output.
@@ -48,13 +51,14 @@ def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=Fal
     if torch.compiler.is_compiling():
         out, lse = compiled_call(q, k, v, group, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                  dropout_p=dropout_p, deterministic=deterministic, layout=layout,
-                                 kv_exchange=kv_exchange, backend=backend, cu_seqlens=cu_seqlens)
+                                 kv_exchange=kv_exchange, backend=backend, cu_seqlens=cu_seqlens,
+                                 learnable_sink=learnable_sink)
         return (out, lse) if return_lse else out
     options = AttentionOptions(softmax_scale=softmax_scale, causal=causal, window_size=window_size, dropout_p=dropout_p,
-                               deterministic=deterministic, backend=backend)
+                               deterministic=deterministic, backend=backend, learnable_sink=learnable_sink)
     k, v = (t.contiguous() if isinstance(t, torch.Tensor) else t for t in (k, v))
     call = plan_call(q, k, v, group, options=options, layout=layout, kv_exchange=kv_exchange, cu_seqlens=cu_seqlens)
-    out, lse = ContextParallelAttention.apply(q, k, v, call)
+    out, lse = ContextParallelAttention.apply(q, k, v, learnable_sink, call)
     return (out, lse) if return_lse else out
 
 

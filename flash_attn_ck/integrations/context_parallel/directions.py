@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...core.dropout import new_rng_state
+from ...pipeline.sink import fold_sink, rows_dot, sink_gradient
 from .a2a import a2a_backward, a2a_forward
 from .allgather import allgather_backward, allgather_forward
 from .hybrid import hybrid_backward, hybrid_forward
@@ -38,12 +39,20 @@ def forward(q, k, v, call: Call, out: torch.Tensor | None = None,
     except BaseException:
         transfers.drain()
         raise
+    if call.options.learnable_sink is not None:     # once, on the merged lse: the steps run without it
+        fold_sink(call.options.learnable_sink, out, lse)
     return out, lse, call
+
+
+def shard_sink_gradient(dout, out, lse, sink: torch.Tensor) -> torch.Tensor:
+    """This shard's part of dsink (the sink is replicated: the ranks' parts sum to its gradient, as any parameter's)."""
+    return sink_gradient(sink, lse, rows_dot(dout, out, lse.dtype))
 
 
 def backward(dout, q, k, v, out, lse, call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv in the accumulation dtype (fp32; fp64 for fp64 inputs), like q, k, v. `call`: forward's (or
-    `plan_call`'s `.with_rng(the forward's rng_base)`)."""
+    `plan_call`'s `.with_rng(the forward's rng_base)`). With a learnable sink, out and lse are the folded ones, which
+    is all the steps need; dsink is `sink_gradient` of this shard's rows (`shard_sink_gradient`)."""
     accum = accum_dtype(q)
     if call.chunks.empty:
         return tuple(torch.zeros(t.shape, dtype=accum, device=t.device) for t in (q, k, v))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ...core.checks import check_learnable_sink
 from ...core.errors import ArgumentError
 from ...core.inputs import describe_call
 from ...core.options import AttentionOptions
@@ -118,6 +119,8 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
         if not isinstance(t, torch.Tensor) or t.dim() != len(expected.split(",")):
             raise ArgumentError(f"{name}: expected a {expected} tensor, got {type(t).__name__} "
                                 f"{tuple(getattr(t, 'shape', ()))}")
+    if options.learnable_sink is not None:      # every rank, empty shards too: the sink is folded once per shard
+        check_learnable_sink(options.learnable_sink, q.shape[-2], q.device)
     if layout not in LAYOUTS:
         raise ArgumentError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     if (kv_exchange == "a2a+ring") != is_mesh_2d(group):
