@@ -21,7 +21,7 @@ Options (constructor arguments, defaults from the environment):
                 "pass": separate query-tile pass, no dQ accumulator, deterministic.
                 "atomic": fp32 dQ accumulator laid out like q, added by the key-tile programs
                 (refused in deterministic mode).       env FLASH_ATTN_CK_TRITON_DQ
-  use_tma       None = TMA tensor descriptors (tiles.py) on sm_90+ when the tensors are dense and 16-byte
+  use_tma       None = TMA tensor descriptors (row_io.py) on sm_90+ when the tensors are dense and 16-byte
                 aligned, for the forward when config.Configs.fwd_tma and for the backward tiles that
                 Configs.bwd_tma names (neither for short sequences); True: every tile, forward and
                 backward, where the tensors allow; False: masked pointers.
@@ -48,7 +48,7 @@ from ...core.plan import BufferSpec, WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
 from . import config, launch, replay, triton_versions
-from .bwd_ws_schedule import semaphore_tiles as bwd_ws_semaphore_tiles
+from .bwd_ws_shapes import semaphore_tiles as bwd_ws_semaphore_tiles
 
 GQA_ENV = "FLASH_ATTN_CK_TRITON_GQA"
 DQ_ENV = "FLASH_ATTN_CK_TRITON_DQ"

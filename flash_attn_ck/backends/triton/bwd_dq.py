@@ -8,7 +8,7 @@ extra matrix products per tile (Q K^T and dO V^T again) against the atomic mode 
 Per key tile: s = Q K^T -> scores; p = exp2(s - lse); dp = drop(dO V^T);
 ds = p (dp - D) [* (1 - tanh^2)]; dQ += ds K.
 
-F.USE_TMA / F.TMA_LOADS: the dQ store / the tile loads through TMA descriptors (tiles.py). Arguments
+F.USE_TMA / F.TMA_LOADS: the dQ store / the tile loads through TMA descriptors (row_io.py). Arguments
 as bwd_main.attn_bwd_kernel's (seq, strides, D, S, F); dQ is its grads.dq.
 """
 
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from .scores import LOG2E, alibi_shift, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
-from .tiles import head_rows, load_rows, row_tiles, store_rows
+from .row_io import head_rows, load_rows, row_tiles, store_rows
 
 
 @triton.jit

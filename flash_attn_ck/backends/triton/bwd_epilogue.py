@@ -14,7 +14,7 @@
 import triton
 import triton.language as tl
 
-from .tiles import add_rows
+from .row_io import add_rows
 
 
 @triton.jit

@@ -23,7 +23,7 @@ Per (key tile, query tile), transposed so that keys are rows:
   dsT = pT (dpT - D) [* (1 - tanh^2) with softcap]; dK += dsT Q; (dQ += dsT^T K).
 
 USE_TMA: tile stores and adds (the epilogue, atomic dQ) through TMA descriptors; TMA_LOADS: tile
-loads too (config.Configs.bwd_tma; tiles.py says what changes). DP_FIRST: dpT (dp in the dQ pass) is
+loads too (config.Configs.bwd_tma; row_io.py says what changes). DP_FIRST: dpT (dp in the dQ pass) is
 issued right after the scores' product, before the exp2 (config.Configs.bwd_dp_first). EVEN_K: every
 key tile of both roles is full (dense, s_k a multiple of BLOCK_N and DQ_BLOCK_N), so without a window
 bound no tile needs the mask (scores.block_needs_mask); config.Configs.bwd_even_k turns it off per row.
@@ -52,7 +52,7 @@ from .scores import (
     scores_log2,
     sequence_bounds,
 )
-from .tiles import add_rows, head_rows, load_rows, row_tiles, store_rows
+from .row_io import add_rows, head_rows, load_rows, row_tiles, store_rows
 
 
 @triton.jit

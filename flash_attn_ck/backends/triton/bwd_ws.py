@@ -53,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import bwd_ws_workers as workers
-from .bwd_ws_schedule import semaphore_tiles
+from .bwd_ws_shapes import semaphore_tiles
 from .bwd_ws_split import attn_bwd_ws_split_kernel
 from .gluon_common import LOG2E, descriptor, probs_transposed, slot
 from .launch import GluonMask, LaunchSpec

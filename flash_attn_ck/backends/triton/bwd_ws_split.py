@@ -53,7 +53,7 @@ class Exchange:
 
 # ---- one MMA warpgroup: its role in S^T / dP^T, then its half of the columns ----------------------
 @gluon.jit
-def _half(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
+def _mma_warpgroup(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
     """`grads`: (dK, dV, their strides); `sizes`: the kernel's."""
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(cfg, seqs, mask)
     head_dim, group, scale = sizes[2], sizes[3], sizes[4]
@@ -161,8 +161,8 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
     # One literal list (no comprehension): the code generator then wraps a launch's constant 1 (sem_m_tiles, an lse
     # stride) as a constexpr, which crosses into a worker partition; a comprehension's plain int does not.
     gl.warp_specialize([
-        (_half, (cfg, bufs, xchg, seqs, mask, grads, sizes, 0)),
-        (_half, (cfg, bufs, xchg, seqs, mask, grads, sizes, 1)),
+        (_mma_warpgroup, (cfg, bufs, xchg, seqs, mask, grads, sizes, 0)),
+        (_mma_warpgroup, (cfg, bufs, xchg, seqs, mask, grads, sizes, 1)),
         (workers.loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse), group)),
         (workers.dq_writer, (cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
     ], [MMA_WARPS, 1, 1], [C.MMA_REGS, C.LOADER_REGS, C.WRITER_REGS])

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .scores import LOG2E, alibi_shift, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
-from .tiles import head_rows, store_rows
+from .row_io import head_rows, store_rows
 
 
 @triton.jit

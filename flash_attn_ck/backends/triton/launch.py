@@ -52,7 +52,7 @@ class Features(NamedTuple):
     HAS_SOFTCAP: bool = False    # score = softcap * tanh(score / softcap)
     HAS_DROPOUT: bool = False    # Philox dropout (rng_state, dropout_p)
     EVEN_K: bool = False         # every key tile is full: no mask branch without a window bound
-    USE_TMA: bool = False        # tile stores and adds through TMA descriptors (tiles.py)
+    USE_TMA: bool = False        # tile stores and adds through TMA descriptors (row_io.py)
     TMA_LOADS: bool = False      # tile loads through TMA descriptors too
     # backward (bwd_main) only
     LOOP_GROUP: bool = False     # a key-tile program loops over its kv head's query heads

@@ -18,7 +18,7 @@ Conventions (checked by the tests against core/mask.py and core/dropout.py):
 import triton
 import triton.language as tl
 
-from .tiles import head_rows, load_rows, row_tiles
+from .row_io import head_rows, load_rows, row_tiles
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
