@@ -50,11 +50,11 @@ def test_specs_match_their_kernels(varlen):
     # flat: no int two tuple levels down (Triton 3.6 loses one specialised to 1 there: launch.ForwardStrides)
     assert fwd_sig["strides"] == launch.ForwardStrides(*["i32"] * len(launch.ForwardStrides._fields))
     assert specs[2].signature()[0]["strides"] == launch.BackwardStrides(*["i32"] * len(launch.BackwardStrides._fields))
-    assert fwd_sig["S"] == ScoreArgs("fp32", "fp32", "fp32", "i32", "i32")
+    assert fwd_sig["score_args"] == ScoreArgs("fp32", "fp32", "fp32", "i32", "i32")
     bwd_sig, bwd_constexprs = specs[2].signature()
     assert bwd_sig["grads"] == launch.Gradients("*fp32", "*bf16", "*bf16")   # the atomic mode's fp32 dQ buffer
     assert bwd_sig["kv_acc"] == launch.KVAccumulators("*fp32", "*fp32", "*fp32")   # none: lse (Delta) stands in
-    assert bwd_constexprs["F"] is features
+    assert bwd_constexprs["features"] is features
 
 
 def test_split_named_refuses_unknown_names():
