@@ -79,8 +79,8 @@ def test_gluon_specs_match_their_kernels(varlen):
             spec = fwd_spec(tile, block * 3 // 4, varlen, masks)
             sig, constexprs = spec.signature()
             assert spec.kernel is fwd_ws.attn_fwd_ws_kernel and list(sig) == spec.kernel.arg_names
-            assert constexprs["C"] == fwd_ws.Constants(tile.block_m, tile.block_n, block, tile.num_stages,
-                                                       tile.consumers, tile.overlap, tile.pingpong, tile.longest_first,
+            assert constexprs["CONSTANTS"] == fwd_ws.Constants(tile.block_m, tile.block_n, block, tile.num_stages,
+                                                       tile.consumers, tile.overlap, tile.pingpong, tile.query_major,
                                                        varlen, tile.consumer_regs, tile.loader_regs)
             assert constexprs["MASK"] == launch.MaskFlags(*masks)
     for block, tile in config.BWD_WS_SM90.items():
@@ -89,7 +89,7 @@ def test_gluon_specs_match_their_kernels(varlen):
             sig, constexprs = spec.signature()
             kernel = bwd_ws_split.attn_bwd_ws_split_kernel if tile.split_d else bwd_ws.attn_bwd_ws_kernel
             assert spec.kernel is kernel and list(sig) == kernel.arg_names
-            c = constexprs["C"]
+            c = constexprs["CONSTANTS"]
             assert (block, deterministic, varlen) == (c.HEAD_D, c.DETERMINISTIC, c.VARLEN)
             assert spec.num_warps == tile.num_warps and spec.options == (
                 {"maxnreg": tile.max_registers} if tile.max_registers else {})

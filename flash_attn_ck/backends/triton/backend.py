@@ -525,7 +525,7 @@ class TritonBackend(Backend):
                 notes.append("two warpgroups split the head dim")
             if self._schedule_walk(p, "backward"):
                 notes.append("varlen schedule: the longest key tiles first")
-            elif tile.longest_first:
+            elif tile.key_major:
                 notes.append("key-major grid: the longest causal key tiles first")
             kernel = f"{'bwd_ws_split' if tile.split_d else 'bwd_ws'} ({'; '.join(notes)})"
             return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False, kernel=kernel)

@@ -1,7 +1,7 @@
 """The warp-specialised backward's workers that bwd_ws.py and bwd_ws_split.py share: the kernels' prologue (their
 aggregates from their arguments, the exit of a CTA with no work), the schedule every partition derives from the
 program id, the loader partition (TMA loads of K, V and the Q/dO ring; lse·log2e
-and D staged in shared memory) and the dQ writer (TMA reduce-adds into the fp32 dq_accum, ordered in the
+and delta staged in shared memory) and the dQ writer (TMA reduce-adds into the fp32 dq_accum, ordered in the
 deterministic mode). bwd_ws.py's docstring describes the protocol."""
 
 from typing import NamedTuple
@@ -17,7 +17,7 @@ from .triton_versions import barrier, tma_load
 
 
 class Constants(NamedTuple):
-    """The warp-specialised backward kernels' compile-time arguments but the mask's (their constexpr `C`;
+    """The warp-specialised backward kernels' compile-time arguments but the mask's (their constexpr `CONSTANTS`;
     bwd_ws.launch_spec makes it)."""
     BLOCK_M: int
     BLOCK_N: int
@@ -48,18 +48,18 @@ class Config:
     KEY_MAJOR: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, C, DQ_PARTS):
+    def __init__(self, CONSTANTS, DQ_PARTS):
         for name in ("BLOCK_M", "BLOCK_N", "HEAD_D", "NUM_STAGES", "DQ_STAGES", "NUM_WARPS", "DETERMINISTIC",
                      "KEY_MAJOR"):
-            setattr(self, name, gl.constexpr(getattr(C, name)))
+            setattr(self, name, gl.constexpr(getattr(CONSTANTS, name)))
         self.DQ_PARTS = gl.constexpr(DQ_PARTS)
 
 
 @aggregate
 class Buffers:
     """The loader's shared memory and barriers: K, V (behind kv_ready) and the Q/dO rings ((rows, 1, HEAD_D) boxes of
-    one head) with lse·log2e and D beside them (q's ready barrier counts Q's bytes and the loader's lse/D stores);
-    Q and dO share their "empty" barriers, released by every MMA partition. `dq`: the dQ hand-off ring (ready:
+    one head) with lse·log2e and delta beside them (q's ready barrier counts Q's bytes and the loader's lse/delta
+    stores); Q and dO share their "empty" barriers, released by every MMA partition. `dq`: the dQ hand-off ring (ready:
     "dq_full", one arrival per part; empty: the writer's)."""
     q: Ring
     do: Ring
@@ -127,11 +127,11 @@ def tile_schedule(cfg, seqs, mask):
 
 # ---- the kernels' shared prologue ------------------------------------------------------------------
 @gluon.jit
-def prologue(C, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, window, MASK):
+def prologue(CONSTANTS, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, window, MASK):
     """(Config, Sequences, Mask) of a kernel from its arguments (bwd_ws.attn_bwd_ws_kernel's; DQ_PARTS: Config's)."""
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, sizes[0], sizes[1], C.VARLEN, schedule)
-    return Config(C, DQ_PARTS), seqs, Mask(window, MASK)
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, sizes.seqlen_q, sizes.seqlen_k, CONSTANTS.VARLEN, schedule)
+    return Config(CONSTANTS, DQ_PARTS), seqs, Mask(window, MASK)
 
 
 @gluon.jit
@@ -221,8 +221,8 @@ def loader(cfg, bufs, seqs, mask, descs, rows, group):
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
         tma_load(do_desc, [q_row0 + m0, head, 0], do_ready.index(stage),
                                         bufs.do.bufs.index(stage))
-        # lse (times log2 e) and D of the tile's rows beside Q, behind q_ready's second arrival; rows past
-        # the sequence get lse = +inf (P = 0) and D = 0.
+        # lse (times log2 e) and delta of the tile's rows beside Q, behind q_ready's second arrival; rows past
+        # the sequence get lse = +inf (P = 0) and delta = 0.
         offs_m = m0 + offs_m_tile
         row_ok = offs_m < len_q
         head_offset = b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h

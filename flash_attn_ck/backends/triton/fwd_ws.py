@@ -59,14 +59,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot, uniform_descriptor
-from .launch import GluonMask, LaunchSpec
+from .launch import GluonMask, GluonSizes, LaunchSpec
 from .triton_versions import tma_load, tma_store
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
 
 
 class Constants(NamedTuple):
-    """attn_fwd_ws_kernel's compile-time arguments but the mask's (its constexpr `C`; launch_spec makes it)."""
+    """attn_fwd_ws_kernel's compile-time arguments but the mask's (its constexpr `CONSTANTS`; launch_spec makes it)."""
     BLOCK_M: int
     BLOCK_N: int
     HEAD_D: int          # the head dim in shared memory: the power of two at or above head_dim
@@ -99,15 +99,15 @@ class Config:
     row_layout: gl.constexpr   # one value per query row
 
     @gluon.constexpr_function
-    def __init__(self, C):
+    def __init__(self, CONSTANTS):
         for name in ("BLOCK_M", "BLOCK_N", "HEAD_D", "NUM_STAGES", "CONSUMERS", "OVERLAP", "PINGPONG", "QUERY_MAJOR"):
-            setattr(self, name, gl.constexpr(getattr(C, name)))
-        self.ROWS = gl.constexpr(C.BLOCK_M // C.CONSUMERS)
+            setattr(self, name, gl.constexpr(getattr(CONSTANTS, name)))
+        self.ROWS = gl.constexpr(CONSTANTS.BLOCK_M // CONSTANTS.CONSUMERS)
         warps = CONSUMER_WARPS.value
         self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                               instr_shape=[16, C.BLOCK_N, 16]))
+                                                               instr_shape=[16, CONSTANTS.BLOCK_N, 16]))
         self.o_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                               instr_shape=[16, C.HEAD_D, 16]))
+                                                               instr_shape=[16, CONSTANTS.HEAD_D, 16]))
         self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.o_layout.value, k_width=2))
         self.row_layout = gl.constexpr(gl.SliceLayout(1, self.s_layout.value))
 
@@ -267,7 +267,7 @@ def _consumer(cfg, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr):
     batch, lse head) strides); `sizes`: the kernel's."""
     o_desc, Out, Lse, strides = outputs
     stride_out_row, stride_lse_b, stride_lse_h = strides
-    head_dim, scale = sizes[2], sizes[4]
+    head_dim, scale = sizes.head_dim, sizes.scale
     m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(cfg, seqs, mask)
     ROWS: gl.constexpr = cfg.ROWS
     m0 = m0_cta + WARPGROUP * ROWS
@@ -342,17 +342,17 @@ def _consumer(cfg, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr):
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, schedule, strides, sizes, window,
-                       C: gl.constexpr, MASK: gl.constexpr):
+                       CONSTANTS: gl.constexpr, MASK: gl.constexpr):
     """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR, or with a
     `schedule` (varlen: int32 (rows, 2) [sequence, query tile], else a constexpr None) (query heads, rows); num_warps =
-    CONSUMER_WARPS (consumer 0). `cu_seqlens`: (q, k); `strides`: (out row, lse batch, lse head); `sizes`: (seqlen_q,
-    seqlen_k, head_dim, group, scale); `window`: (left, right); C: Constants; MASK: launch.MaskFlags. See the module
+    CONSUMER_WARPS (consumer 0). `cu_seqlens`: (q, k); `strides`: (out row, lse batch, lse head); `sizes`:
+    launch.GluonSizes; `window`: (left, right); CONSTANTS: Constants; MASK: launch.MaskFlags. See the module
     docstring."""
-    cfg = Config(C)
-    seqlen_q, seqlen_k, group = sizes[0], sizes[1], sizes[3]
+    cfg = Config(CONSTANTS)
+    seqlen_q, seqlen_k, group = sizes.seqlen_q, sizes.seqlen_k, sizes.group
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN, schedule)
-    if C.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, CONSTANTS.VARLEN, schedule)
+    if CONSTANTS.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
         if _past_sequence(seqs, cfg):
             return
     dtype: gl.constexpr = q_desc.dtype
@@ -385,7 +385,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
     gl.warp_specialize(
         [(_consumer, (cfg, bufs, seqs, mask, outputs, sizes, wg)) for wg in (0, 1, 2)[:CONSUMERS]]
         + [(_loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc), group))],
-        [CONSUMER_WARPS] * (CONSUMERS - 1) + [1], [C.CONSUMER_REGS] * (CONSUMERS - 1) + [C.LOADER_REGS])
+        [CONSUMER_WARPS] * (CONSUMERS - 1) + [1], [CONSTANTS.CONSUMER_REGS] * (CONSUMERS - 1) + [CONSTANTS.LOADER_REGS])
 
 
 # ---- host side -------------------------------------------------------------------------------
@@ -407,16 +407,16 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
         assert varlen, "a schedule lists the items of a varlen call"
         grid = (q.shape[-2], schedule.shape[0])
     else:
-        grid = (q.shape[-2], batch, query_tiles) if tile.longest_first else (query_tiles, batch, q.shape[-2])
+        grid = (q.shape[-2], batch, query_tiles) if tile.query_major else (query_tiles, batch, q.shape[-2])
     constants = Constants(tile.block_m, tile.block_n, out_desc.block_shape[-1], tile.num_stages, tile.consumers,
-                          tile.overlap, tile.pingpong, tile.longest_first, varlen, tile.consumer_regs,
+                          tile.overlap, tile.pingpong, tile.query_major, varlen, tile.consumer_regs,
                           tile.loader_regs)
     return LaunchSpec(attn_fwd_ws_kernel, grid, dict(
         q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=out_desc, Out=target, Lse=lse,
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
-        sizes=(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
-        C=constants, MASK=mask.flags), CONSUMER_WARPS.value), target
+        sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
+        CONSTANTS=constants, MASK=mask.flags), CONSUMER_WARPS.value), target
 
 
 def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, **kwargs):

@@ -75,6 +75,15 @@ class GluonMask(NamedTuple):
     flags: MaskFlags
 
 
+class GluonSizes(NamedTuple):
+    """A call's sizes and softmax scale as the Gluon kernels take them (runtime `sizes` of fwd_ws/bwd_ws)."""
+    seqlen_q: int        # the longest query sequence (dense: every sequence's length)
+    seqlen_k: int
+    head_dim: int
+    group: int           # query heads per kv head
+    scale: float         # softmax scale
+
+
 class Sizes(NamedTuple):
     """Problem sizes (runtime `sizes`). The batch is not one of them: only the backward's epilogue needs it
     (an argument of its own there), and an unused kernel parameter moves ptxas's register allocation."""
