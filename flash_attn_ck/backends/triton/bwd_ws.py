@@ -62,14 +62,14 @@ from .triton_versions import barrier
 
 # ---- MMA partition (default) -----------------------------------------------------------------
 @gluon.jit
-def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
+def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes):
     """`grads`: (dK, dV, their strides); `sizes`: the kernel's."""
-    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(cfg, seqs, mask)
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
     head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
-    BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    BLOCK_N: gl.constexpr = cfg.BLOCK_N
-    HEAD_D: gl.constexpr = cfg.HEAD_D
-    num_warps: gl.constexpr = cfg.NUM_WARPS
+    BLOCK_M: gl.constexpr = consts.BLOCK_M
+    BLOCK_N: gl.constexpr = consts.BLOCK_N
+    HEAD_D: gl.constexpr = consts.HEAD_D
+    num_warps: gl.constexpr = consts.NUM_WARPS
     dtype: gl.constexpr = bufs.k.dtype
     k_tile, v_tile = bufs.kv()
 
@@ -105,7 +105,7 @@ def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
     for step in range(steps):
         sT = bufs.q.issue_mma(k_tile, s_zero, step)
         dpT = bufs.do.issue_mma(v_tile, s_zero, step)
-        stage = step % cfg.NUM_STAGES
+        stage = step % consts.NUM_STAGES
         m0 = m_lo + (step % m_tiles) * BLOCK_M
         q_tile = slot(bufs.q.bufs, stage)
         do_tile = slot(bufs.do.bufs, stage)
@@ -137,7 +137,7 @@ def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
         dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))   # dK stays on the tensor cores during the hand-off
 
         # ---- hand dQ (scaled) to the writer ----
-        workers.hand_dq(cfg, bufs, dq, scale, step, 0)
+        workers.hand_dq(consts, bufs, dq, scale, step, 0)
         dk = warpgroup_mma_wait(0, deps=(dk, ds_op))[0]
         bufs.q.release(step)   # dK and dV, the last readers of Q and dO, are done
 
@@ -155,19 +155,20 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
     num_warps = CONSTANTS.NUM_WARPS. `cu_seqlens`: (q, k); `stride_lse`: (batch, head); `stride_dk`, `stride_dv`:
     (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); CONSTANTS: workers.Constants; MASK:
     launch.MaskFlags. See the module docstring."""
-    cfg, seqs, mask = workers.prologue(CONSTANTS, 1, cu_seqlens, schedule, sizes, window, MASK)
-    if workers.past_sequence(cfg, seqs):
+    consts, seqs, mask = workers.prologue(CONSTANTS, 1, cu_seqlens, schedule, sizes, window, MASK)
+    if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
-    bufs = workers.allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, 1)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], ds_layout)
+    bufs = workers.allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, 1)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([consts.BLOCK_N, consts.BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], ds_layout)
 
     group = sizes.group
     gl.warp_specialize([
-        (_mma, (cfg, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes)),
-        (workers.loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse), group)),
-        (workers.dq_writer, (cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
+        (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes)),
+        (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
+                          group)),
+        (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
     ], [1, 1], [CONSTANTS.LOADER_REGS, CONSTANTS.WRITER_REGS])
 
 

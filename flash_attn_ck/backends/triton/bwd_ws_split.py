@@ -53,14 +53,14 @@ class Exchange:
 
 # ---- one MMA warpgroup: its role in S^T / dP^T, then its half of the columns ----------------------
 @gluon.jit
-def _mma_warpgroup(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
+def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
     """`grads`: (dK, dV, their strides); `sizes`: the kernel's."""
-    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(cfg, seqs, mask)
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
     head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
-    BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    BLOCK_N: gl.constexpr = cfg.BLOCK_N
-    HEAD_D: gl.constexpr = cfg.HEAD_D
-    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+    BLOCK_M: gl.constexpr = consts.BLOCK_M
+    BLOCK_N: gl.constexpr = consts.BLOCK_N
+    HEAD_D: gl.constexpr = consts.HEAD_D
+    NUM_STAGES: gl.constexpr = consts.NUM_STAGES
     dtype: gl.constexpr = bufs.k.dtype
     HALF_D: gl.constexpr = HEAD_D // 2
     k_tile, v_tile = bufs.kv()
@@ -126,7 +126,7 @@ def _mma_warpgroup(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr
         bufs.q.release(step)
 
         # ---- hand dQ_h (scaled) to the writer ----
-        workers.hand_dq(cfg, bufs, dq, scale, step, HALF)
+        workers.hand_dq(consts, bufs, dq, scale, step, HALF)
 
     # ---- epilogue: dK_h (scaled) and dV_h in the output dtype ----
     workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, head_dim, scale, HALF * HALF_D, seqs.VARLEN)
@@ -139,14 +139,14 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
                              CONSTANTS: gl.constexpr, MASK: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
-    cfg, seqs, mask = workers.prologue(CONSTANTS, 2, cu_seqlens, schedule, sizes, window, MASK)   # dQ in halves
-    if workers.past_sequence(cfg, seqs):
+    consts, seqs, mask = workers.prologue(CONSTANTS, 2, cu_seqlens, schedule, sizes, window, MASK)   # dQ in halves
+    if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
-    bufs = workers.allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, 2)   # a slot is released by both
-    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_M], dtype)
-    pt_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], st_layout)
-    dst_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], st_layout)
+    bufs = workers.allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, 2)   # a slot is released by both
+    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([consts.BLOCK_N, consts.BLOCK_M], dtype)
+    pt_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], st_layout)
+    dst_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], st_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -161,8 +161,9 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
     # One literal list (no comprehension): the code generator then wraps a launch's constant 1 (sem_m_tiles, an lse
     # stride) as a constexpr, which crosses into a worker partition; a comprehension's plain int does not.
     gl.warp_specialize([
-        (_mma_warpgroup, (cfg, bufs, xchg, seqs, mask, grads, sizes, 0)),
-        (_mma_warpgroup, (cfg, bufs, xchg, seqs, mask, grads, sizes, 1)),
-        (workers.loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse), group)),
-        (workers.dq_writer, (cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
+        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, 0)),
+        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, 1)),
+        (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
+                          group)),
+        (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
     ], [MMA_WARPS, 1, 1], [CONSTANTS.MMA_REGS, CONSTANTS.LOADER_REGS, CONSTANTS.WRITER_REGS])
