@@ -56,8 +56,8 @@ def test_variants_cover_every_kernel_and_flag():
     kernels, flags = set(), set()
     for _, spec in specs():
         kernels.add(spec.kernel.fn.__name__)
-        if isinstance(spec.args.get("F"), Features):
-            flags |= set(spec.args["F"]._asdict().items())
+        if isinstance(spec.args.get("features"), Features):
+            flags |= set(spec.args["features"]._asdict().items())
     assert kernels == {"attn_fwd_ws_kernel", "attn_bwd_ws_kernel", "attn_bwd_ws_split_kernel", "attn_fwd_kernel",
                        "attn_bwd_kernel"}
     assert flags == {(field, value) for field in Features._fields for value in (False, True)}
@@ -71,7 +71,7 @@ def test_older_kernels_compile_as_launched():
     from triton_compile_check import compile_one
 
     spec = dict(specs("attn_fwd_kernel d64 causal varlen=False"))["attn_fwd_kernel d64 causal varlen=False"]
-    assert spec.args["D"].group == 1
+    assert spec.args["sizes"].group == 1
 
     def parameters(ptx: str) -> int:
         return ptx.count(".param .")

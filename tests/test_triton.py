@@ -353,11 +353,11 @@ def test_the_dq_cast_copies_its_whole_source(rows, heads):
 
 @pytest.mark.parametrize("head_dim", BOTH_WS_TABLES)
 def test_longest_first_grids_match(head_dim):
-    """The key-major backward and query-major forward grids (WsTile/FwdWsTile.longest_first) on every head dim's
-    tile: varlen with empty sequences, causal GQA, within the 2x rule, and the deterministic mode
+    """The key-major backward and query-major forward grids (WsTile.key_major / FwdWsTile.query_major) on every head
+    dim's tile: varlen with empty sequences, causal GQA, within the 2x rule, and the deterministic mode
     bit-identical over its repeats (its ordered dQ adds rely on each head's key tiles starting in ascending order)."""
-    ws_tile = replace(config.BWD_WS_SM90[head_dim], longest_first=True)
-    fwd_tile = replace(config.FWD_WS_SM90[head_dim][True], longest_first=True)
+    ws_tile = replace(config.BWD_WS_SM90[head_dim], key_major=True)
+    fwd_tile = replace(config.FWD_WS_SM90[head_dim][True], query_major=True)
     backend = TritonBackend(ws=True, ws_tile=ws_tile, fwd_ws=True, fwd_ws_tile=fwd_tile)
     seqlens = [(700, 900), (0, 64), (1024, 1024), (300, 129), (64, 0)]
     cfg = Config(seqlens=seqlens, heads_q=8, heads_k=2, head_dim=head_dim, causal=True, deterministic=True)

@@ -236,21 +236,21 @@ def test_a_tile_needs_64_query_rows_per_consumer(block_m, consumers):
 
 
 @settings(max_examples=20, deadline=None)
-@given(batch=st.integers(1, 3), seqlen=st.integers(1, 700), heads=st.integers(1, 4), longest_first=st.booleans())
-def test_the_grid_is_query_major_when_asked(batch, seqlen, heads, longest_first):
+@given(batch=st.integers(1, 3), seqlen=st.integers(1, 700), heads=st.integers(1, 4), query_major=st.booleans())
+def test_the_grid_is_query_major_when_asked(batch, seqlen, heads, query_major):
     """fwd_ws.launch_spec (CPU tensors): the grid is (query tiles, batch, heads), or (heads, batch, query tiles) with
-    FwdWsTile.longest_first, and the kernel is told which (QUERY_MAJOR)."""
+    FwdWsTile.query_major, and the kernel is told which (QUERY_MAJOR)."""
     from flash_attn_ck.backends.triton import fwd_ws
     from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
 
-    tile = config.FwdWsTile(128, 128, longest_first=longest_first)
+    tile = config.FwdWsTile(128, 128, query_major=query_major)
     q = torch.zeros(batch, seqlen, heads, 64, dtype=torch.bfloat16)
     spec, _ = fwd_ws.launch_spec(q, q.clone(), q.clone(), torch.empty_like(q), torch.empty(batch, heads, seqlen), None,
                                  None, varlen=False, batch=batch, seqlen_q=seqlen, seqlen_k=seqlen, scale=0.1,
                                  mask=GluonMask((0, 0), MaskFlags(HAS_RIGHT=True)), tile=tile)
     tiles = -(-seqlen // tile.block_m)
-    assert spec.grid == ((heads, batch, tiles) if longest_first else (tiles, batch, heads))
-    assert spec.args["C"].QUERY_MAJOR is longest_first
+    assert spec.grid == ((heads, batch, tiles) if query_major else (tiles, batch, heads))
+    assert spec.args["CONSTANTS"].QUERY_MAJOR is query_major
     assert config.FwdWsTile.parse(str(tile)) == tile
 
 
@@ -258,6 +258,6 @@ def test_a_query_major_grid_counts_query_tiles_in_z():
     """QUERY_MAJOR swaps the axes the kernel reads: the last-tile-first order counts the query tiles in the grid's z
     dimension (%nctaid.z) instead of x."""
     tile = config.FWD_WS_SM90[128][True]
-    for longest_first, axis in ((False, "x"), (True, "z")):
-        ptx = _compile(replace(tile, longest_first=longest_first), 128, True, (False, False, True), True).asm["ptx"]
+    for query_major, axis in ((False, "x"), (True, "z")):
+        ptx = _compile(replace(tile, query_major=query_major), 128, True, (False, False, True), True).asm["ptx"]
         assert f"%nctaid.{axis}" in ptx and f"%nctaid.{'xz'.replace(axis, '')}" not in ptx

@@ -50,11 +50,11 @@ def test_specs_match_their_kernels(varlen):
     # flat: no int two tuple levels down (Triton 3.6 loses one specialised to 1 there: launch.ForwardStrides)
     assert fwd_sig["strides"] == launch.ForwardStrides(*["i32"] * len(launch.ForwardStrides._fields))
     assert specs[2].signature()[0]["strides"] == launch.BackwardStrides(*["i32"] * len(launch.BackwardStrides._fields))
-    assert fwd_sig["S"] == ScoreArgs("fp32", "fp32", "fp32", "i32", "i32")
+    assert fwd_sig["score_args"] == ScoreArgs("fp32", "fp32", "fp32", "i32", "i32")
     bwd_sig, bwd_constexprs = specs[2].signature()
     assert bwd_sig["grads"] == launch.Gradients("*fp32", "*bf16", "*bf16")   # the atomic mode's fp32 dQ buffer
     assert bwd_sig["kv_acc"] == launch.KVAccumulators("*fp32", "*fp32", "*fp32")   # none: lse (Delta) stands in
-    assert bwd_constexprs["F"] is features
+    assert bwd_constexprs["features"] is features
 
 
 def test_split_named_refuses_unknown_names():
@@ -79,8 +79,8 @@ def test_gluon_specs_match_their_kernels(varlen):
             spec = fwd_spec(tile, block * 3 // 4, varlen, masks)
             sig, constexprs = spec.signature()
             assert spec.kernel is fwd_ws.attn_fwd_ws_kernel and list(sig) == spec.kernel.arg_names
-            assert constexprs["C"] == fwd_ws.Constants(tile.block_m, tile.block_n, block, tile.num_stages,
-                                                       tile.consumers, tile.overlap, tile.pingpong, tile.longest_first,
+            assert constexprs["CONSTANTS"] == fwd_ws.Constants(tile.block_m, tile.block_n, block, tile.num_stages,
+                                                       tile.consumers, tile.overlap, tile.pingpong, tile.query_major,
                                                        varlen, tile.consumer_regs, tile.loader_regs)
             assert constexprs["MASK"] == launch.MaskFlags(*masks)
     for block, tile in config.BWD_WS_SM90.items():
@@ -89,7 +89,7 @@ def test_gluon_specs_match_their_kernels(varlen):
             sig, constexprs = spec.signature()
             kernel = bwd_ws_split.attn_bwd_ws_split_kernel if tile.split_d else bwd_ws.attn_bwd_ws_kernel
             assert spec.kernel is kernel and list(sig) == kernel.arg_names
-            c = constexprs["C"]
+            c = constexprs["CONSTANTS"]
             assert (block, deterministic, varlen) == (c.HEAD_D, c.DETERMINISTIC, c.VARLEN)
             assert spec.num_warps == tile.num_warps and spec.options == (
                 {"maxnreg": tile.max_registers} if tile.max_registers else {})

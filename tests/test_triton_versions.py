@@ -278,7 +278,7 @@ def test_the_group_loop_compiles_at_one_query_row(head_block):
     from triton_compile_check import compile_one, older_variants
     name = f"attn_bwd_kernel d{head_block} ones varlen=False loop=True dq_atomic=False det=True gqa"
     spec = dict(older_variants([head_block], name))[name]
-    assert spec.args["D"].group == 2 and spec.args["D"].max_seqlen_q == 1 and spec.args["F"].TMA_LOADS
+    assert spec.args["sizes"].group == 2 and spec.args["sizes"].max_seqlen_q == 1 and spec.args["features"].TMA_LOADS
     assert "wgmma" in compile_one(spec, as_launched=True)["asm"]["ptx"]
 
 

@@ -210,16 +210,16 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, d
 
 @settings(max_examples=20, deadline=None)
 @given(batch=st.integers(1, 3), seqlen=st.integers(1, 700), heads_k=st.integers(1, 3), group=st.sampled_from([1, 2, 4]),
-       split=st.booleans(), longest_first=st.booleans())
-def test_the_grid_is_key_major_when_asked(batch, seqlen, heads_k, group, split, longest_first):
+       split=st.booleans(), key_major=st.booleans())
+def test_the_grid_is_key_major_when_asked(batch, seqlen, heads_k, group, split, key_major):
     """bwd_ws.launch_spec (CPU tensors): the grid is (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with
-    WsTile.longest_first, and the kernel is told which (KEY_MAJOR)."""
+    WsTile.key_major, and the kernel is told which (KEY_MAJOR)."""
     from flash_attn_ck.backends.triton import bwd_ws
     from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
 
     d = 256 if split else 64
     tile = config.WsTile(64, 64 if split else 128, num_warps=4 if split else 8, split_d=split,
-                         longest_first=longest_first)
+                         key_major=key_major)
     q = torch.zeros(batch, seqlen, heads_k * group, d, dtype=torch.bfloat16)
     k = torch.zeros(batch, seqlen, heads_k, d, dtype=torch.bfloat16)
     rows = torch.zeros(batch, heads_k * group, seqlen)
@@ -228,8 +228,8 @@ def test_the_grid_is_key_major_when_asked(batch, seqlen, heads_k, group, split, 
                               mask=GluonMask((0, 0), MaskFlags(HAS_RIGHT=True)), tile=tile)
     key_tiles = -(-seqlen // tile.block_n)
     assert spec.kernel is (bwd_ws.attn_bwd_ws_split_kernel if split else bwd_ws.attn_bwd_ws_kernel)
-    assert spec.grid == ((heads_k, batch, key_tiles) if longest_first else (key_tiles, batch, heads_k))
-    assert spec.args["C"].KEY_MAJOR is longest_first
+    assert spec.grid == ((heads_k, batch, key_tiles) if key_major else (key_tiles, batch, heads_k))
+    assert spec.args["CONSTANTS"].KEY_MAJOR is key_major
 
 
 @pytest.mark.parametrize("head_dim", sorted(config.BWD_WS_SM90))
@@ -237,8 +237,8 @@ def test_a_key_major_grid_reads_the_head_count_from_x(head_dim):
     """KEY_MAJOR swaps the axes the kernel reads: the deterministic writer counts the kv heads in the grid's x
     dimension (%nctaid.x) instead of z; the default reads z."""
     tile = config.BWD_WS_SM90[head_dim]
-    for longest_first, axis in ((False, "z"), (True, "x")):
-        kernel = _compile(replace(tile, longest_first=longest_first), head_dim, True, (False, False, True), True)
+    for key_major, axis in ((False, "z"), (True, "x")):
+        kernel = _compile(replace(tile, key_major=key_major), head_dim, True, (False, False, True), True)
         ptx = kernel.asm["ptx"]
         assert f"%nctaid.{axis}" in ptx and f"%nctaid.{'xz'.replace(axis, '')}" not in ptx
 
@@ -312,8 +312,8 @@ def test_causal_gqa_or_deterministic_at_d128_starts_the_longest_key_tiles_first(
     with pretend_capability():
         tile, plan = TritonBackend()._ws_tile(p), TritonBackend().backward_plan(p)
     expected = causal and (group >= 4 or deterministic) and config.head_block(head_dim) == 128
-    assert tile.longest_first is expected
-    assert tile == replace(config.BWD_WS_SM90[config.head_block(head_dim)], longest_first=expected)
+    assert tile.key_major is expected
+    assert tile == replace(config.BWD_WS_SM90[config.head_block(head_dim)], key_major=expected)
     assert tile == config.bwd_ws_tile(head_dim, causal, group, deterministic)
     assert ("key-major grid" in plan.kernel) is expected
 

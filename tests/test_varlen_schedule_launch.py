@@ -224,7 +224,7 @@ def test_the_launches_run_the_schedule_of_the_model(lens, mask, group, heads_k, 
             assert spec_off.args["schedule"] is None and len(spec_off.grid) == 3
     for spec, spec_off in zip([fwd, *bwds], [fwd_off, *bwds_off]):      # the rest as the grid's launch has it
         assert spec.kernel is spec_off.kernel and spec.num_warps == spec_off.num_warps
-        for name in ("C", "MASK", "window", "sizes"):
+        for name in ("CONSTANTS", "MASK", "window", "sizes"):
             assert spec.args[name] == spec_off.args[name], name
 
 

@@ -1,4 +1,4 @@
-"""scripts/lab/wave_schedule.py, the model behind the longest-first grids (WsTile/FwdWsTile.longest_first)."""
+"""scripts/lab/wave_schedule.py, the model behind the longest-first grids (WsTile.key_major / FwdWsTile.query_major)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Deterministic causal backward: the warp-specialised kernel's head-major grid beside the key-major one
-(config.WsTile.longest_first), d128, MHA and GQA at s8192 (docs/workloads.md §Deterministic). Per case: backward
+(config.WsTile.key_major), d128, MHA and GQA at s8192 (docs/workloads.md §Deterministic). Per case: backward
 ms and TF/s (median of --repeats, CUDA events), whether two runs are bit-identical, and the largest difference
 from the non-deterministic backward.
 
@@ -40,8 +40,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     head_major = config.BWD_WS_SM90[128]
-    tiles = {"head-major": replace(head_major, longest_first=False),
-             "key-major": replace(head_major, longest_first=True)}
+    tiles = {"head-major": replace(head_major, key_major=False),
+             "key-major": replace(head_major, key_major=True)}
     for shape in args.shapes.split(","):
         b, h, h_k, s = map(int, shape.split(":"))
         torch.manual_seed(0)

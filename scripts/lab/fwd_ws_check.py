@@ -8,7 +8,7 @@ forward and torch SDPA (flash, cuDNN) in the same process.
 
 Tiles: config.FWD_WS_SM90's (each head block's causal and non-causal tiles), or per head block (config.head_block
 of a head dim: d96 and d80 run in the 128 tiles, d192 in the 256 ones) the list of a --tiles spec, a tile in
-config.FwdWsTile.parse's 'BMxBNxSTAGESxOVERLAPxPINGPONG[xLONGEST_FIRST]' (BM 192: three consumer warpgroups), e.g.
+config.FwdWsTile.parse's 'BMxBNxSTAGESxOVERLAPxPINGPONG[xQUERY_MAJOR]' (BM 192: three consumer warpgroups), e.g.
 --tiles 128=128x128x2x1x0,128x128x2x1x1. Every case runs with every tile of its block. Prints PASS/FAIL per case
 and a TIME line per shape; a variant that fails to compile or run prints its error and the script goes on. Exits
 non-zero if a check fails. Needs an sm_90 GPU.

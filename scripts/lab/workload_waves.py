@@ -114,13 +114,13 @@ def model(w: Workload, costs: Costs) -> dict:
     lengths, group = list(w.lengths), w.heads // w.kv_heads
     fwd_tile = config.FWD_WS_SM90[128][w.causal]
     fwd_now = makespan(grid_order(lengths, fwd_walk, costs.fwd_step_us, 0.0, w.heads, costs,
-                                  not fwd_tile.longest_first, reverse_tiles=True), costs.sms)
+                                  not fwd_tile.query_major, reverse_tiles=True), costs.sms)
     fwd_new = makespan(scheduled(lengths, fwd_walk, costs.fwd_step_us, 0.0, w.heads, costs), costs.sms)
     rows = sum(lengths)
     per_kv_head = rows * group * 128 * 4
     kv_per_launch = max(1, min(w.kv_heads, config.BWD_WS_DQ_ACCUM_BYTES // per_kv_head))
     launches = -(-w.kv_heads // kv_per_launch)
-    key_major = config.bwd_ws_tile(128, w.causal, group, w.deterministic).longest_first
+    key_major = config.bwd_ws_tile(128, w.causal, group, w.deterministic).key_major
     per_cta = costs.bwd_step_us * group
     fixed = costs.bwd_cta_us
     bwd_now = launches * makespan(grid_order(lengths, bwd_walk, per_cta, fixed, kv_per_launch, costs, not key_major,

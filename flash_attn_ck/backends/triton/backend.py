@@ -2,7 +2,7 @@
 
 Forward: forward.py, or the warp-specialised fwd_ws.py (Gluon, sm_90) where `fwd_ws_reasons` names no
 reason (`forward_kernel` says which, and why). Backward, in launch order:
-  1. bwd_preprocess: D = rowsum(dO * O) into workspace['softmax_d']; zero the fp32 accumulators
+  1. bwd_preprocess: delta = rowsum(dO * O) into workspace['softmax_d']; zero the fp32 accumulators
      and semaphores of this plan.
   2. bwd_main: one launch with two program roles: one program per key tile (dK/dV on chip;
      epilogue per bwd_epilogue, docs/semantics.md) and, in dq_mode "pass" (always when deterministic), one
@@ -21,7 +21,7 @@ Options (constructor arguments, defaults from the environment):
                 "pass": separate query-tile pass, no dQ accumulator, deterministic.
                 "atomic": fp32 dQ accumulator laid out like q, added by the key-tile programs
                 (refused in deterministic mode).       env FLASH_ATTN_CK_TRITON_DQ
-  use_tma       None = TMA tensor descriptors (tiles.py) on sm_90+ when the tensors are dense and 16-byte
+  use_tma       None = TMA tensor descriptors (row_io.py) on sm_90+ when the tensors are dense and 16-byte
                 aligned, for the forward when config.Configs.fwd_tma and for the backward tiles that
                 Configs.bwd_tma names (neither for short sequences); True: every tile, forward and
                 backward, where the tensors allow; False: masked pointers.
@@ -48,7 +48,7 @@ from ...core.plan import BufferSpec, WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
 from . import config, launch, replay, triton_versions
-from .bwd_ws_schedule import semaphore_tiles as bwd_ws_semaphore_tiles
+from .bwd_ws_shapes import semaphore_tiles as bwd_ws_semaphore_tiles
 
 GQA_ENV = "FLASH_ATTN_CK_TRITON_GQA"
 DQ_ENV = "FLASH_ATTN_CK_TRITON_DQ"
@@ -171,7 +171,7 @@ class TritonBackend(Backend):
     # Every kernel, the warp-specialised ones included, rebuilds its diagonal per sequence from the
     # alignment and left/right; none takes CK's generic (y, x).
     mask_kinds = WINDOW_MASK_KINDS
-    # forward.py and bwd_main (with bwd_dq, bwd_postprocess) store through tiles.store_rows / cast_rows, which
+    # forward.py and bwd_main (with bwd_dq, bwd_postprocess) store through row_io.store_rows / cast_rows, which
     # convert to the output's element type: fp32 outputs of fp16/bf16 inputs need nothing else. The
     # warp-specialised kernels cannot (`_gluon_reasons`), so such calls run these.
     fp32_outputs_refusal = None
@@ -505,7 +505,8 @@ class TritonBackend(Backend):
     @_per_problem
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:
         p, d = problem, problem.head_dim_padded
-        buffers = [BufferSpec("softmax_d", p.lse_shape, torch.float32, False, "D = rowsum(dO * O), strided like lse")]
+        buffers = [BufferSpec("softmax_d", p.lse_shape, torch.float32, False,
+                                  "delta = rowsum(dO * O), strided like lse")]
         ws_reasons = self.ws_reasons(p)
         if not ws_reasons:
             heads = self._ws_kv_heads_per_launch(p) * p.group_size
@@ -524,7 +525,7 @@ class TritonBackend(Backend):
                 notes.append("two warpgroups split the head dim")
             if self._schedule_walk(p, "backward"):
                 notes.append("varlen schedule: the longest key tiles first")
-            elif tile.longest_first:
+            elif tile.key_major:
                 notes.append("key-major grid: the longest causal key tiles first")
             kernel = f"{'bwd_ws_split' if tile.split_d else 'bwd_ws'} ({'; '.join(notes)})"
             return WorkspacePlan(self.name, tuple(buffers), reduce_expanded_kv=False, kernel=kernel)
@@ -588,7 +589,7 @@ class TritonBackend(Backend):
         assert launch.lse_strides(delta, p.varlen) == launch.lse_strides(lse, p.varlen), \
             "softmax_d must be strided like lse"
 
-        # ---- 1. D = rowsum(dO * O); zero the accumulators and semaphores ----
+        # ---- 1. delta = rowsum(dO * O); zero the accumulators and semaphores ----
         self._preprocess(p, out, dout, delta, (dq_acc, dk_acc, dv_acc, sems), sizes)
 
         # ---- 2. one launch: key-tile programs (dK/dV, and dQ in atomic mode), then the dQ pass ----
@@ -619,7 +620,7 @@ class TritonBackend(Backend):
     @staticmethod
     def _preprocess(p: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
                     accumulators: tuple, sizes: launch.Sizes) -> None:
-        """D = rowsum(dO * O) into `delta`; zero the plan's fp32 accumulators and semaphores (None: absent)."""
+        """delta = rowsum(dO * O) into `delta`; zero the plan's fp32 accumulators and semaphores (None: absent)."""
         launch.bwd_preprocess(out, dout, delta, accumulators, p.batch, sizes, p.varlen,
                               config.head_block(sizes.head_dim)).launch()
 
@@ -640,7 +641,7 @@ class TritonBackend(Backend):
     def _backward_ws(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor,
                      dout: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                      workspace: dict[str, torch.Tensor]) -> None:
-        """The warp-specialised backward: D (zeroing dq_accum and the semaphores), then per group of kv heads:
+        """The warp-specialised backward: delta (zeroing dq_accum and the semaphores), then per group of kv heads:
         bwd_ws, the dQ cast, and a zeroing of dq_accum and the semaphores where another group follows. Kernel
         launches and views only (`launch.derived`), so that the replay re-issues every group's launches."""
         from . import bwd_ws, gluon_common

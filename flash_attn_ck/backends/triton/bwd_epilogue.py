@@ -1,10 +1,10 @@
 """Backward epilogue (docs/semantics.md §The Hopper epilogue contract): what a key-tile program does with its dK/dV.
 
 - MHA, and GQA when one program loops over its group's query heads: the finished tile goes to
-  global memory in the output dtype through `tiles.store_rows`, a TMA tensor-descriptor store when
+  global memory in the output dtype through `row_io.store_rows`, a TMA tensor-descriptor store when
   the tensor is dense (`USE_TMA`), a row-masked store for varlen (never past the sequence's last key).
 - `accumulate_kv` (GQA accumulator epilogue): each query head's program adds its dK/dV into the
-  fp32 `(b, h_k, s_k, d)` accumulators (`tiles.add_rows`: TMA bulk reduce-add when dense, else
+  fp32 `(b, h_k, s_k, d)` accumulators (`row_io.add_rows`: TMA bulk reduce-add when dense, else
   `tl.atomic_add`); deterministic mode orders the adds of the `group` query
   heads with an int32 semaphore per (key tile, batch, kv head): the program of rank g waits until
   the semaphore equals g, adds, waits until its adds are complete in global memory, and releases
@@ -14,7 +14,7 @@
 import triton
 import triton.language as tl
 
-from .tiles import add_rows
+from .row_io import add_rows
 
 
 @triton.jit

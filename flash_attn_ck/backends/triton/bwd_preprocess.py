@@ -1,4 +1,4 @@
-"""Backward pre-process: D = rowsum(dO * O) in fp32 (strided like lse), and zeroing of the fp32
+"""Backward pre-process: delta = rowsum(dO * O) in fp32 (strided like lse), and zeroing of the fp32
 accumulators (dK/dV for the GQA accumulator epilogue, dQ for the atomic dQ mode) and of the
 deterministic semaphores, so the frontend can hand them over uninitialised.
 
@@ -37,7 +37,7 @@ def bwd_preprocess_kernel(
         if ZERO[i]:
             zero_share(zero_ptrs[i], zero_numels[i], pid, nprog, ZERO_BLOCK)
 
-    # ---- D = rowsum(dO * O) ----
+    # ---- delta = rowsum(dO * O) ----
     bh = tl.program_id(1)
     b = bh // heads
     h = bh % heads

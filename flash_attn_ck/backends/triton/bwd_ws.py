@@ -7,12 +7,12 @@ bwd_ws_split.py, the kernel for head dims above 128):
 
   loader   (1 warp)   TMA: K, V once; then per step the Q and dO tiles into a ring of NUM_STAGES
                       buffers, each behind its own "ready" mbarrier (TMA byte count), and the tile's
-                      lse (times log2 e) and D rows into shared memory beside Q (q_ready's second
+                      lse (times log2 e) and delta rows into shared memory beside Q (q_ready's second
                       arrival); one "tile_empty" mbarrier per slot, released by the MMA partition.
   MMA      (default,  per step, 5 matmuls and no recomputation:
             8 warps)    S^T = K Q^T, dP^T = V dO^T                 (shared-memory operands)
                         P^T = exp2(S^T * scale * log2e - lse * log2e), masked
-                        dS^T = P^T * (dP^T - D)
+                        dS^T = P^T * (dP^T - delta)
                         dV += P^T dO, dK += dS^T Q                  (P^T, dS^T from registers)
                         dQ = dS K                                   (dS staged in shared memory)
                       dQ (scaled) goes to a shared-memory buffer for the writer while dK is still
@@ -53,23 +53,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from . import bwd_ws_workers as workers
-from .bwd_ws_schedule import semaphore_tiles
+from .bwd_ws_shapes import semaphore_tiles
 from .bwd_ws_split import attn_bwd_ws_split_kernel
 from .gluon_common import LOG2E, descriptor, probs_transposed, slot
-from .launch import GluonMask, LaunchSpec
+from .launch import GluonMask, GluonSizes, LaunchSpec
 from .triton_versions import barrier
 
 
 # ---- MMA partition (default) -----------------------------------------------------------------
 @gluon.jit
-def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
+def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes):
     """`grads`: (dK, dV, their strides); `sizes`: the kernel's."""
-    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(cfg, seqs, mask)
-    head_dim, group, scale = sizes[2], sizes[3], sizes[4]
-    BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    BLOCK_N: gl.constexpr = cfg.BLOCK_N
-    HEAD_D: gl.constexpr = cfg.HEAD_D
-    num_warps: gl.constexpr = cfg.NUM_WARPS
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
+    head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
+    BLOCK_M: gl.constexpr = consts.BLOCK_M
+    BLOCK_N: gl.constexpr = consts.BLOCK_N
+    HEAD_D: gl.constexpr = consts.HEAD_D
+    num_warps: gl.constexpr = consts.NUM_WARPS
     dtype: gl.constexpr = bufs.k.dtype
     k_tile, v_tile = bufs.kv()
 
@@ -95,22 +95,22 @@ def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
 
-    # D (per query, beside lse in the ring) is read after the exp2 where the mask has bounds: its registers are then not
-    # live across it (ptxas spills 84 -> 16 bytes causal; H200 +1.5-6% causal). Without bounds the read beside lse
+    # delta (per query, beside lse in the ring) is read after the exp2 where the mask has bounds: its registers are then
+    # not live across it (ptxas spills 84 -> 16 bytes causal; H200 +1.5-6% causal). Without bounds the read beside lse
     # measured faster although ptxas spills 16 bytes (d128 s8192 dense 532 vs 522 TF/s, 2026-12-02).
-    D_AFTER_EXP2: gl.constexpr = mask.HAS_LEFT or mask.HAS_RIGHT
+    DELTA_AFTER_EXP2: gl.constexpr = mask.HAS_LEFT or mask.HAS_RIGHT
 
     steps = m_tiles * group
     mbarrier.wait(bufs.kv_ready, 0)
     for step in range(steps):
         sT = bufs.q.issue_mma(k_tile, s_zero, step)
         dpT = bufs.do.issue_mma(v_tile, s_zero, step)
-        stage = step % cfg.NUM_STAGES
+        stage = step % consts.NUM_STAGES
         m0 = m_lo + (step % m_tiles) * BLOCK_M
         q_tile = slot(bufs.q.bufs, stage)
         do_tile = slot(bufs.do.bufs, stage)
-        lse2 = bufs.lse.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it, and D)
-        if not D_AFTER_EXP2:
+        lse2 = bufs.lse.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it, and delta)
+        if not DELTA_AFTER_EXP2:
             delta = bufs.delta.index(stage).load(col_layout)
         offs_m = m0 + offs_m_tile
 
@@ -118,8 +118,8 @@ def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
         sT = warpgroup_mma_wait(1, deps=(sT,))
         pT = probs_transposed(mask, sT, lse2, scale_log2, offs_m, offs_n, m0, n0, len_k, shift, BLOCK_M, BLOCK_N)
 
-        # ---- dS^T = P^T (dP^T - D); dV += P^T dO ----
-        if D_AFTER_EXP2:
+        # ---- dS^T = P^T (dP^T - delta); dV += P^T dO ----
+        if DELTA_AFTER_EXP2:
             delta = bufs.delta.index(stage).load(col_layout)
         dpT = warpgroup_mma_wait(0, deps=(dpT,))
         dsT = pT * (dpT - gl.expand_dims(delta, 0))
@@ -137,7 +137,7 @@ def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
         dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))   # dK stays on the tensor cores during the hand-off
 
         # ---- hand dQ (scaled) to the writer ----
-        workers.hand_dq(cfg, bufs, dq, scale, step, 0)
+        workers.hand_dq(consts, bufs, dq, scale, step, 0)
         dk = warpgroup_mma_wait(0, deps=(dk, ds_op))[0]
         bufs.q.release(step)   # dK and dV, the last readers of Q and dO, are done
 
@@ -149,27 +149,27 @@ def _mma(cfg, bufs, ds_smem, seqs, mask, grads, sizes):
 @gluon.jit
 def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem, cu_seqlens, schedule,
                        stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
-                       C: gl.constexpr, MASK: gl.constexpr):
+                       CONSTANTS: gl.constexpr, MASK: gl.constexpr):
     """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR, or with a `schedule`
     (varlen: int32 (rows, 2) [sequence, key tile], else a constexpr None) (kv heads, rows) (workers.cta_coords);
-    num_warps = C.NUM_WARPS. `cu_seqlens`: (q, k); `stride_lse`: (batch, head); `stride_dk`, `stride_dv`: (batch,
-    row, head); `sizes`:
-    (seqlen_q, seqlen_k, head_dim, group, scale); `window`: (left, right); C: workers.Constants; MASK:
+    num_warps = CONSTANTS.NUM_WARPS. `cu_seqlens`: (q, k); `stride_lse`: (batch, head); `stride_dk`, `stride_dv`:
+    (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); CONSTANTS: workers.Constants; MASK:
     launch.MaskFlags. See the module docstring."""
-    cfg, seqs, mask = workers.prologue(C, 1, cu_seqlens, schedule, sizes, window, MASK)
-    if workers.past_sequence(cfg, seqs):
+    consts, seqs, mask = workers.prologue(CONSTANTS, 1, cu_seqlens, schedule, sizes, window, MASK)
+    if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
-    bufs = workers.allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, 1)
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_M], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], ds_layout)
+    bufs = workers.allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, 1)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([consts.BLOCK_N, consts.BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], ds_layout)
 
-    group = sizes[3]
+    group = sizes.group
     gl.warp_specialize([
-        (_mma, (cfg, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes)),
-        (workers.loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse), group)),
-        (workers.dq_writer, (cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
-    ], [1, 1], [C.LOADER_REGS, C.WRITER_REGS])
+        (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes)),
+        (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
+                          group)),
+        (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
+    ], [1, 1], [CONSTANTS.LOADER_REGS, CONSTANTS.WRITER_REGS])
 
 
 # ---- host side -------------------------------------------------------------------------------
@@ -194,21 +194,21 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
         assert varlen, "a schedule lists the items of a varlen call"
         grid = (heads_k, schedule.shape[0])
     else:
-        grid = (heads_k, batch, key_tiles) if tile.longest_first else (key_tiles, batch, heads_k)
+        grid = (heads_k, batch, key_tiles) if tile.key_major else (key_tiles, batch, heads_k)
     # split_d: its two MMA warpgroups hand dQ over in halves of the columns
     kernel, dq_parts = (attn_bwd_ws_split_kernel, 2) if tile.split_d else (attn_bwd_ws_kernel, 1)
     q_desc = descriptor(q, varlen, tile.block_m)
     constants = workers.Constants(
         tile.block_m, tile.block_n, q_desc.block_shape[-1], tile.num_stages, tile.dq_stages, tile.num_warps, varlen,
-        semaphores is not None, tile.longest_first, tile.loader_regs, tile.writer_regs, tile.mma_regs)
+        semaphores is not None, tile.key_major, tile.loader_regs, tile.writer_regs, tile.mma_regs)
     return LaunchSpec(kernel, grid, dict(
         q_desc=q_desc, k_desc=descriptor(k, varlen, tile.block_n), v_desc=descriptor(v, varlen, tile.block_n),
         do_desc=descriptor(dout, varlen, tile.block_m), dq_desc=descriptor(dq_accum, varlen, tile.block_m, dq_parts),
         Lse=lse, Delta=delta, dK=dk, dV=dv, Sem=semaphores if semaphores is not None else lse,
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         stride_lse=lse_strides, stride_dk=dk_strides, stride_dv=dv_strides,
-        sizes=(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
-        sem_m_tiles=semaphore_tiles(seqlen_q, tile), C=constants, MASK=mask.flags),
+        sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
+        sem_m_tiles=semaphore_tiles(seqlen_q, tile), CONSTANTS=constants, MASK=mask.flags),
         tile.num_warps, options={"maxnreg": tile.max_registers} if tile.max_registers else {})
 
 

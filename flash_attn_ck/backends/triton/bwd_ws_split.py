@@ -7,11 +7,11 @@ S^T and dP^T need every column, so they are not split but shared out: warpgroup 
 warpgroup 1 dP^T and dS^T, and they exchange P^T and dS^T through shared memory, from where both read them
 as the A operand of their halves of the three gradient matmuls.
 
-  loader   (1 warp)       bwd_ws_workers.loader: K, V once; per step Q, dO, lse·log2e and D (one stage: at d256
+  loader   (1 warp)       bwd_ws_workers.loader: K, V once; per step Q, dO, lse·log2e and delta (one stage: at d256
                           two stages of Q and dO do not fit beside K, V and the dQ buffers)
   scores   (default,      S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse * log2e), masked
             4 warps)      -> P^T to shared memory ("p_ready")
-  dP       (4 warps)      dP^T = V dO^T; dS^T = P^T (dP^T - D) -> shared memory ("ds_ready")
+  dP       (4 warps)      dP^T = V dO^T; dS^T = P^T (dP^T - delta) -> shared memory ("ds_ready")
   both, on their half h of the columns:
                           dV_h += P^T dO_h, dK_h += dS^T Q_h, dQ_h = dS K_h
                           then P^T/dS^T ("ps_free") and the Q/dO slot ("tile_empty") are released and dQ_h
@@ -53,14 +53,14 @@ class Exchange:
 
 # ---- one MMA warpgroup: its role in S^T / dP^T, then its half of the columns ----------------------
 @gluon.jit
-def _half(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
+def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
     """`grads`: (dK, dV, their strides); `sizes`: the kernel's."""
-    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(cfg, seqs, mask)
-    head_dim, group, scale = sizes[2], sizes[3], sizes[4]
-    BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    BLOCK_N: gl.constexpr = cfg.BLOCK_N
-    HEAD_D: gl.constexpr = cfg.HEAD_D
-    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
+    head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
+    BLOCK_M: gl.constexpr = consts.BLOCK_M
+    BLOCK_N: gl.constexpr = consts.BLOCK_N
+    HEAD_D: gl.constexpr = consts.HEAD_D
+    NUM_STAGES: gl.constexpr = consts.NUM_STAGES
     dtype: gl.constexpr = bufs.k.dtype
     HALF_D: gl.constexpr = HEAD_D // 2
     k_tile, v_tile = bufs.kv()
@@ -103,9 +103,9 @@ def _half(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
             mbarrier.wait(bufs.do.ready.index(stage), ring_phase)   # dV_h reads dO
             mbarrier.wait(xchg.ds_ready, phase)
         else:
-            # ---- dS^T = P^T (dP^T - D), to shared memory ----
+            # ---- dS^T = P^T (dP^T - delta), to shared memory ----
             dpT = bufs.do.issue_mma(v_tile, s_zero, step)
-            mbarrier.wait(bufs.q.ready.index(stage), ring_phase)   # D, and Q for dK_h
+            mbarrier.wait(bufs.q.ready.index(stage), ring_phase)   # delta, and Q for dK_h
             delta = bufs.delta.index(stage).load(col_layout)
             dpT = warpgroup_mma_wait(0, deps=(dpT,))
             mbarrier.wait(xchg.p_ready, phase)   # after scores' wait on ps_free: dS^T's buffer is free too
@@ -126,7 +126,7 @@ def _half(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
         bufs.q.release(step)
 
         # ---- hand dQ_h (scaled) to the writer ----
-        workers.hand_dq(cfg, bufs, dq, scale, step, HALF)
+        workers.hand_dq(consts, bufs, dq, scale, step, HALF)
 
     # ---- epilogue: dK_h (scaled) and dV_h in the output dtype ----
     workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, head_dim, scale, HALF * HALF_D, seqs.VARLEN)
@@ -136,17 +136,17 @@ def _half(cfg, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
 @gluon.jit
 def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem,
                              cu_seqlens, schedule, stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
-                             C: gl.constexpr, MASK: gl.constexpr):
+                             CONSTANTS: gl.constexpr, MASK: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
-    cfg, seqs, mask = workers.prologue(C, 2, cu_seqlens, schedule, sizes, window, MASK)   # dQ in halves
-    if workers.past_sequence(cfg, seqs):
+    consts, seqs, mask = workers.prologue(CONSTANTS, 2, cu_seqlens, schedule, sizes, window, MASK)   # dQ in halves
+    if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
-    bufs = workers.allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, 2)   # a slot is released by both
-    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([cfg.BLOCK_N, cfg.BLOCK_M], dtype)
-    pt_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], st_layout)
-    dst_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, cfg.BLOCK_M], st_layout)
+    bufs = workers.allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, 2)   # a slot is released by both
+    st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([consts.BLOCK_N, consts.BLOCK_M], dtype)
+    pt_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], st_layout)
+    dst_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], st_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -156,13 +156,14 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
     mbarrier.init(ps_free, count=2)   # both warpgroups' matmuls have read P^T and dS^T
     xchg = Exchange(pt_smem, dst_smem, p_ready, ds_ready, ps_free)
 
-    group = sizes[3]
+    group = sizes.group
     grads = (dK, dV, stride_dk, stride_dv)
     # One literal list (no comprehension): the code generator then wraps a launch's constant 1 (sem_m_tiles, an lse
     # stride) as a constexpr, which crosses into a worker partition; a comprehension's plain int does not.
     gl.warp_specialize([
-        (_half, (cfg, bufs, xchg, seqs, mask, grads, sizes, 0)),
-        (_half, (cfg, bufs, xchg, seqs, mask, grads, sizes, 1)),
-        (workers.loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse), group)),
-        (workers.dq_writer, (cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
-    ], [MMA_WARPS, 1, 1], [C.MMA_REGS, C.LOADER_REGS, C.WRITER_REGS])
+        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, 0)),
+        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, 1)),
+        (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
+                          group)),
+        (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
+    ], [MMA_WARPS, 1, 1], [CONSTANTS.MMA_REGS, CONSTANTS.LOADER_REGS, CONSTANTS.WRITER_REGS])

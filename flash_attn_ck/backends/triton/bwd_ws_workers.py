@@ -1,7 +1,7 @@
 """The warp-specialised backward's workers that bwd_ws.py and bwd_ws_split.py share: the kernels' prologue (their
 aggregates from their arguments, the exit of a CTA with no work), the schedule every partition derives from the
 program id, the loader partition (TMA loads of K, V and the Q/dO ring; lse·log2e
-and D staged in shared memory) and the dQ writer (TMA reduce-adds into the fp32 dq_accum, ordered in the
+and delta staged in shared memory) and the dQ writer (TMA reduce-adds into the fp32 dq_accum, ordered in the
 deterministic mode). bwd_ws.py's docstring describes the protocol."""
 
 from typing import NamedTuple
@@ -17,7 +17,7 @@ from .triton_versions import barrier, tma_load
 
 
 class Constants(NamedTuple):
-    """The warp-specialised backward kernels' compile-time arguments but the mask's (their constexpr `C`;
+    """The warp-specialised backward kernels' compile-time arguments but the mask's (their constexpr `CONSTANTS`;
     bwd_ws.launch_spec makes it)."""
     BLOCK_M: int
     BLOCK_N: int
@@ -34,7 +34,7 @@ class Constants(NamedTuple):
 
 
 @aggregate
-class Config:
+class PartitionConstants:
     """The constants every partition reads; DQ_PARTS: the dQ hand-off's column parts (one per MMA warpgroup that
     owns a part of the head dim: 2 in bwd_ws_split)."""
     BLOCK_M: gl.constexpr
@@ -48,18 +48,18 @@ class Config:
     KEY_MAJOR: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, C, DQ_PARTS):
+    def __init__(self, CONSTANTS, DQ_PARTS):
         for name in ("BLOCK_M", "BLOCK_N", "HEAD_D", "NUM_STAGES", "DQ_STAGES", "NUM_WARPS", "DETERMINISTIC",
                      "KEY_MAJOR"):
-            setattr(self, name, gl.constexpr(getattr(C, name)))
+            setattr(self, name, gl.constexpr(getattr(CONSTANTS, name)))
         self.DQ_PARTS = gl.constexpr(DQ_PARTS)
 
 
 @aggregate
 class Buffers:
     """The loader's shared memory and barriers: K, V (behind kv_ready) and the Q/dO rings ((rows, 1, HEAD_D) boxes of
-    one head) with lse·log2e and D beside them (q's ready barrier counts Q's bytes and the loader's lse/D stores);
-    Q and dO share their "empty" barriers, released by every MMA partition. `dq`: the dQ hand-off ring (ready:
+    one head) with lse·log2e and delta beside them (q's ready barrier counts Q's bytes and the loader's lse/delta
+    stores); Q and dO share their "empty" barriers, released by every MMA partition. `dq`: the dQ hand-off ring (ready:
     "dq_full", one arrival per part; empty: the writer's)."""
     q: Ring
     do: Ring
@@ -113,29 +113,30 @@ def cta_coords(seqs, KEY_MAJOR: gl.constexpr):
 
 
 @gluon.jit
-def tile_schedule(cfg, seqs, mask):
+def tile_schedule(consts, seqs, mask):
     """Everything every partition derives from the program id, computed the same way in each."""
-    n_tile, b, kv_head, _ = cta_coords(seqs, cfg.KEY_MAJOR)
-    n0 = n_tile * cfg.BLOCK_N
+    n_tile, b, kv_head, _ = cta_coords(seqs, consts.KEY_MAJOR)
+    n0 = n_tile * consts.BLOCK_N
     q_row0, len_q = seqs.query(b)
     k_row0, len_k = seqs.key(b)
     shift = mask.shift(len_q, len_k)
-    m_lo, m_hi = mask.query_range(n0, len_q, shift, cfg.BLOCK_M, cfg.BLOCK_N)
-    m_tiles = gl.maximum(gl.cdiv(m_hi - m_lo, cfg.BLOCK_M), 0)
+    m_lo, m_hi = mask.query_range(n0, len_q, shift, consts.BLOCK_M, consts.BLOCK_N)
+    m_tiles = gl.maximum(gl.cdiv(m_hi - m_lo, consts.BLOCK_M), 0)
     return n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles
 
 
 # ---- the kernels' shared prologue ------------------------------------------------------------------
 @gluon.jit
-def prologue(C, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, window, MASK):
-    """(Config, Sequences, Mask) of a kernel from its arguments (bwd_ws.attn_bwd_ws_kernel's; DQ_PARTS: Config's)."""
+def prologue(CONSTANTS, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, window, MASK):
+    """(PartitionConstants, Sequences, Mask) of a kernel from its arguments (bwd_ws.attn_bwd_ws_kernel's; DQ_PARTS:
+    PartitionConstants's)."""
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, sizes[0], sizes[1], C.VARLEN, schedule)
-    return Config(C, DQ_PARTS), seqs, Mask(window, MASK)
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, sizes.seqlen_q, sizes.seqlen_k, CONSTANTS.VARLEN, schedule)
+    return PartitionConstants(CONSTANTS, DQ_PARTS), seqs, Mask(window, MASK)
 
 
 @gluon.jit
-def past_sequence(cfg, seqs):
+def past_sequence(consts, seqs):
     """Whether this CTA has nothing to do: a varlen CTA whose row of the schedule is padding, or without one whose key
     tile starts past its sequence; a constexpr False for a dense call (which compiles no cu_seqlens loads)."""
     past = False
@@ -143,23 +144,23 @@ def past_sequence(cfg, seqs):
         if seqs.schedule is not None:
             past = seqs.scheduled_item()[0] < 0
         else:
-            n_tile, b, _, _ = cta_coords(seqs, cfg.KEY_MAJOR)
-            past = n_tile * cfg.BLOCK_N >= gl.load(seqs.cu_seqlens_k + b + 1) - gl.load(seqs.cu_seqlens_k + b)
+            n_tile, b, _, _ = cta_coords(seqs, consts.KEY_MAJOR)
+            past = n_tile * consts.BLOCK_N >= gl.load(seqs.cu_seqlens_k + b + 1) - gl.load(seqs.cu_seqlens_k + b)
     return past
 
 
 @gluon.jit
-def allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, RELEASES: gl.constexpr):
+def allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, RELEASES: gl.constexpr):
     """The workers' Buffers; `tile_empty` (the Q/dO rings' "empty") completes with RELEASES arrivals, one per MMA
     partition."""
-    BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    HEAD_D: gl.constexpr = cfg.HEAD_D
-    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+    BLOCK_M: gl.constexpr = consts.BLOCK_M
+    HEAD_D: gl.constexpr = consts.HEAD_D
+    NUM_STAGES: gl.constexpr = consts.NUM_STAGES
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, 1, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [cfg.BLOCK_N, 1, HEAD_D], v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, 1, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, 1, HEAD_D], v_desc.layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
@@ -175,8 +176,8 @@ def allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, RELEASES: gl.constex
     mbarrier.init(kv_ready, count=1)
 
     # the dQ writer's fp32 buffers: DQ_STAGES x DQ_PARTS of HEAD_D / DQ_PARTS columns
-    DQ_STAGES: gl.constexpr = cfg.DQ_STAGES
-    DQ_PARTS: gl.constexpr = cfg.DQ_PARTS
+    DQ_STAGES: gl.constexpr = consts.DQ_STAGES
+    DQ_PARTS: gl.constexpr = consts.DQ_PARTS
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES * DQ_PARTS, BLOCK_M, 1, HEAD_D // DQ_PARTS],
                                         dq_desc.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
@@ -190,14 +191,14 @@ def allocate(cfg, q_desc, k_desc, v_desc, do_desc, dq_desc, RELEASES: gl.constex
 
 # ---- loader partition ------------------------------------------------------------------------
 @gluon.jit
-def loader(cfg, bufs, seqs, mask, descs, rows, group):
+def loader(consts, bufs, seqs, mask, descs, rows, group):
     """`descs`: (q, k, v, dO) descriptors; `rows`: (Lse, Delta, (batch, head) strides of both)."""
     q_desc, k_desc, v_desc, do_desc = descs
     Lse, Delta, stride_lse = rows
     stride_lse_b, stride_lse_h = stride_lse
-    BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
-    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(cfg, seqs, mask)
+    BLOCK_M: gl.constexpr = consts.BLOCK_M
+    NUM_STAGES: gl.constexpr = consts.NUM_STAGES
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(consts, seqs, mask)
     mbarrier.expect(bufs.kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [k_row0 + n0, kv_head, 0], bufs.kv_ready, bufs.k)
     tma_load(v_desc, [k_row0 + n0, kv_head, 0], bufs.kv_ready, bufs.v)
@@ -221,8 +222,8 @@ def loader(cfg, bufs, seqs, mask, descs, rows, group):
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
         tma_load(do_desc, [q_row0 + m0, head, 0], do_ready.index(stage),
                                         bufs.do.bufs.index(stage))
-        # lse (times log2 e) and D of the tile's rows beside Q, behind q_ready's second arrival; rows past
-        # the sequence get lse = +inf (P = 0) and D = 0.
+        # lse (times log2 e) and delta of the tile's rows beside Q, behind q_ready's second arrival; rows past
+        # the sequence get lse = +inf (P = 0) and delta = 0.
         offs_m = m0 + offs_m_tile
         row_ok = offs_m < len_q
         head_offset = b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h
@@ -241,15 +242,15 @@ def _bulk_wait_all(token):
 
 
 @gluon.jit
-def dq_writer(cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
+def dq_writer(consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
     """Per step: the query tile's dQ, in DQ_PARTS buffers of HEAD_D / DQ_PARTS columns each (bwd_ws_split.py
     hands it over in halves), reduce-added into dq_accum."""
-    BLOCK_M: gl.constexpr = cfg.BLOCK_M
-    BLOCK_N: gl.constexpr = cfg.BLOCK_N
-    DQ_STAGES: gl.constexpr = cfg.DQ_STAGES
-    DQ_PARTS: gl.constexpr = cfg.DQ_PARTS
-    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(cfg, seqs, mask)
-    n_tile, _, _, kv_heads = cta_coords(seqs, cfg.KEY_MAJOR)
+    BLOCK_M: gl.constexpr = consts.BLOCK_M
+    BLOCK_N: gl.constexpr = consts.BLOCK_N
+    DQ_STAGES: gl.constexpr = consts.DQ_STAGES
+    DQ_PARTS: gl.constexpr = consts.DQ_PARTS
+    n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(consts, seqs, mask)
+    n_tile, _, _, kv_heads = cta_coords(seqs, consts.KEY_MAJOR)
     heads = kv_heads * group
     for step in range(m_tiles * group):
         stage = step % DQ_STAGES
@@ -257,7 +258,7 @@ def dq_writer(cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
         head = kv_head * group + step // m_tiles
         m0 = m_lo + (step % m_tiles) * BLOCK_M
         mbarrier.wait(bufs.dq.ready.index(stage), phase)
-        if cfg.DETERMINISTIC:
+        if consts.DETERMINISTIC:
             # Key tiles add into a query tile in ascending order: tile n waits until the tiles before it
             # that see this query tile (from the first one, Mask.first_key_tile) have added theirs.
             turn = n_tile - mask.first_key_tile(m0, shift, BLOCK_N)
@@ -265,9 +266,9 @@ def dq_writer(cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
             while gl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass
         for part in gl.static_range(DQ_PARTS):
-            tma_reduce_add(dq_desc, [q_row0 + m0, head, part * (cfg.HEAD_D // DQ_PARTS)],
+            tma_reduce_add(dq_desc, [q_row0 + m0, head, part * (consts.HEAD_D // DQ_PARTS)],
                            bufs.dq.bufs.index(stage * DQ_PARTS + part))
-        if cfg.DETERMINISTIC:
+        if consts.DETERMINISTIC:
             _bulk_wait_all(step)
             gl.atomic_add(sem, 1, sem="release")
         else:
@@ -276,15 +277,15 @@ def dq_writer(cfg, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
 
 
 @gluon.jit
-def hand_dq(cfg, bufs, dq, scale, step, PART: gl.constexpr):
-    """Hand step's dQ (scaled; its part PART of cfg.DQ_PARTS) to the writer once its buffer is free: every warp's
+def hand_dq(consts, bufs, dq, scale, step, PART: gl.constexpr):
+    """Hand step's dQ (scaled; its part PART of consts.DQ_PARTS) to the writer once its buffer is free: every warp's
     rows in shared memory, then one arrival on "dq_full"."""
-    dq_stage = step % cfg.DQ_STAGES
-    mbarrier.wait(bufs.dq.empty.index(dq_stage), ((step // cfg.DQ_STAGES) & 1) ^ 1)
-    if cfg.DQ_PARTS == 1:
+    dq_stage = step % consts.DQ_STAGES
+    mbarrier.wait(bufs.dq.empty.index(dq_stage), ((step // consts.DQ_STAGES) & 1) ^ 1)
+    if consts.DQ_PARTS == 1:
         slot(bufs.dq.bufs, dq_stage).store(dq * scale)
     else:
-        slot(bufs.dq.bufs, dq_stage * cfg.DQ_PARTS + PART).store(dq * scale)
+        slot(bufs.dq.bufs, dq_stage * consts.DQ_PARTS + PART).store(dq * scale)
     fence_async_shared()
     barrier()   # every warp's dQ is in shared memory
     mbarrier.arrive(bufs.dq.ready.index(dq_stage), count=1)

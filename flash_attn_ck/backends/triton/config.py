@@ -47,7 +47,7 @@ class WsTile:
     above 128): num_warps is then its first warpgroup's, and `mma_regs` the second's register budget.
     `max_registers`: registers per thread at launch (ptxas maxnreg), 0 for Triton's choice, which hands one CTA
     the whole register file; 128 with a 4-warp MMA partition (8 warps in all) lets two CTAs share an SM.
-    `longest_first`: a key-major grid (bwd_ws_workers.cta_coords), which under a causal mask starts the longest
+    `key_major`: a key-major grid (bwd_ws_workers.cta_coords), which under a causal mask starts the longest
     key tiles of every head before any shorter one."""
     block_m: int
     block_n: int
@@ -59,21 +59,21 @@ class WsTile:
     split_d: bool = False
     mma_regs: int = 240
     max_registers: int = 0
-    longest_first: bool = False
+    key_major: bool = False
 
     @classmethod
     def parse(cls, text: str) -> WsTile:
-        """'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xLONGEST_FIRST]]]]]' (the flag 0 or 1), as the
+        """'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xKEY_MAJOR]]]]]' (the flag 0 or 1), as the
         benchmark scripts take it."""
-        names = ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "max_registers", "longest_first")
+        names = ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "max_registers", "key_major")
         values = list(map(int, text.split("x")))
         values[6:] = map(bool, values[6:])
         return cls(**dict(zip(names, values)))
 
     def __str__(self) -> str:
         text = f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}"
-        if (self.num_warps, self.max_registers, self.longest_first) != (8, 0, False):
-            text += f"x{self.num_warps}x{self.max_registers}x{int(self.longest_first)}"
+        if (self.num_warps, self.max_registers, self.key_major) != (8, 0, False):
+            text += f"x{self.num_warps}x{self.max_registers}x{int(self.key_major)}"
         return text
 
 
@@ -136,16 +136,16 @@ BWD_WS_SM90 = {64: WsTile(64, 64, num_stages=2, dq_stages=1, num_warps=4, max_re
                128: WsTile(64, 128, num_stages=2, dq_stages=1),
                256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
 # Key-major grid for causal GQA 4+ and deterministic causal calls: same section, "Longest first"; docs/workloads.md.
-BWD_WS_LONGEST_FIRST = {128: replace(BWD_WS_SM90[128], longest_first=True)}
-BWD_WS_LONGEST_FIRST_MIN_GROUP = 4
+BWD_WS_KEY_MAJOR = {128: replace(BWD_WS_SM90[128], key_major=True)}
+BWD_WS_KEY_MAJOR_MIN_GROUP = 4
 
 
 def bwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1, deterministic: bool = False) -> WsTile | None:
     """The warp-specialised backward's tile for a call (the tables above; None: no tile for the head dim)."""
     key = head_block(head_dim)
-    key_major = deterministic or group_size >= BWD_WS_LONGEST_FIRST_MIN_GROUP
-    if causal and key_major and key in BWD_WS_LONGEST_FIRST:
-        return BWD_WS_LONGEST_FIRST[key]
+    key_major = deterministic or group_size >= BWD_WS_KEY_MAJOR_MIN_GROUP
+    if causal and key_major and key in BWD_WS_KEY_MAJOR:
+        return BWD_WS_KEY_MAJOR[key]
     return BWD_WS_SM90.get(key)
 
 
@@ -174,7 +174,7 @@ class FwdWsTile:
     rows each), key rows per step, K/V ring stages, whether the next key tile's S = Q K^T is issued before the
     current P V (intra-warpgroup overlap), whether the consumers take turns issuing their matmuls (ping-pong), the
     register budgets of a consumer warpgroup (None: FWD_WS_CONSUMER_REGS) and of the 1-warp loader, and whether the
-    grid is query-tile-major (`longest_first`: under a causal mask the longest query tiles of every head start before
+    grid is query-tile-major (`query_major`: under a causal mask the longest query tiles of every head start before
     any shorter one; fwd_ws._cta_coords)."""
     block_m: int
     block_n: int
@@ -183,7 +183,7 @@ class FwdWsTile:
     pingpong: bool = False
     consumer_regs: int | None = None
     loader_regs: int = 24
-    longest_first: bool = False
+    query_major: bool = False
     consumers: int = 2
 
     def __post_init__(self):
@@ -195,16 +195,16 @@ class FwdWsTile:
 
     @classmethod
     def parse(cls, text: str) -> FwdWsTile:
-        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG[xLONGEST_FIRST]]]]' (flags 0 or 1), as scripts/lab/fwd_ws_check.py
+        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG[xQUERY_MAJOR]]]]' (flags 0 or 1), as scripts/lab/fwd_ws_check.py
         takes it; BM 192 means three consumer warpgroups."""
-        names = ("block_m", "block_n", "num_stages", "overlap", "pingpong", "longest_first")
+        names = ("block_m", "block_n", "num_stages", "overlap", "pingpong", "query_major")
         values = list(map(int, text.split("x")))
         values[3:] = map(bool, values[3:])
         return cls(**dict(zip(names, values)), consumers=values[0] // 64)
 
     def __str__(self) -> str:
         text = f"{self.block_m}x{self.block_n}x{self.num_stages}x{int(self.overlap)}x{int(self.pingpong)}"
-        return text + "x1" if self.longest_first else text
+        return text + "x1" if self.query_major else text
 
 
 # Tiles per head block, then causal: docs/triton.md §Tuning rounds, "Warp-specialised forward".

@@ -5,25 +5,25 @@ is 0). MQA/GQA read K/V of head h // group directly (no expansion). Varlen tenso
 `(total, h, d)` with batch stride 0 and per-sequence starts from cu_seqlens.
 
 Arguments (launch.forward builds them): the tensors, seq (launch.SequenceArgs), strides
-(launch.ForwardStrides), D (launch.Sizes), S (launch.ScoreArgs) and the constexpr flags F
-(launch.Features; the forward reads USE_TMA for its store and TMA_LOADS, set alike, for its loads).
+(launch.ForwardStrides), sizes (launch.Sizes), score_args (launch.ScoreArgs) and the constexpr flags
+features (launch.Features; the forward reads USE_TMA for its store and TMA_LOADS, set alike, for its loads).
 """
 
 import triton
 import triton.language as tl
 
+from .row_io import head_rows, store_rows
 from .scores import LOG2E, alibi_shift, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
-from .tiles import head_rows, store_rows
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, D, S,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
+def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, features: tl.constexpr):
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
-    b = tl.program_id(1) // D.heads
-    h = tl.program_id(1) % D.heads
-    m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(m_block, b, seq, D, BLOCK_M, F)
+    b = tl.program_id(1) // sizes.heads
+    h = tl.program_id(1) % sizes.heads
+    m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(m_block, b, seq, sizes, BLOCK_M, features)
     if m0 >= len_q:
         return
 
@@ -31,25 +31,25 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, D, S,
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < len_q
     q, k_src, v_src, slope, seed, offset = query_tile_operands(
-        Q, K, V, seq, strides, b, h, D, m0, q_start, len_q, k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, F)
+        Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, features)
 
     # ---- online softmax over the visible key tiles (log2 units) ----
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    lo, hi = key_range(m0, len_k, shift, S, BLOCK_M, BLOCK_N, F)
-    bias_shift = alibi_shift(len_q, len_k, shift, F)
+    lo, hi = key_range(m0, len_k, shift, score_args, BLOCK_M, BLOCK_N, features)
+    bias_shift = alibi_shift(len_q, len_k, shift, features)
     for n0 in range(lo, hi, BLOCK_N):
         cols, k, v, s, _ = key_tile_scores(q, k_src, v_src, strides.k_row, strides.v_row, offs_m, n0, offs_n, m0,
-                                           len_k, D.head_dim, shift, bias_shift, S, slope, BLOCK_M, BLOCK_N, BLOCK_D,
-                                           F)
+                                           len_k, sizes.head_dim, shift, bias_shift, score_args, slope, BLOCK_M,
+                                           BLOCK_N, BLOCK_D, features)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if F.HAS_DROPOUT:
-            kept = dropout_keep(seed, offset, b * D.heads + h, offs_m[:, None], cols[None, :], S.dropout_p)
+        if features.HAS_DROPOUT:
+            kept = dropout_keep(seed, offset, b * sizes.heads + h, offs_m[:, None], cols[None, :], score_args.dropout_p)
             p = tl.where(kept, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -57,12 +57,12 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, D, S,
     # ---- normalise; empty rows give out = 0, lse = +inf ----
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, 1.0 / l_i)
-    if F.HAS_DROPOUT:
-        inv_l = inv_l / (1.0 - S.dropout_p)
+    if features.HAS_DROPOUT:
+        inv_l = inv_l / (1.0 - score_args.dropout_p)
     out = acc * inv_l[:, None]
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
     b64 = b.to(tl.int64)
     out_base = head_rows(Out, strides.out_batch, strides.out_row, strides.out_head, b64, q_start, h)
-    store_rows(out, out_base, strides.out_row, m0, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.USE_TMA)
+    store_rows(out, out_base, strides.out_row, m0, len_q, sizes.head_dim, BLOCK_M, BLOCK_D, features.USE_TMA)
     lse_base = Lse + b64 * strides.lse_batch + h.to(tl.int64) * strides.lse_head + q_start
     tl.store(lse_base + offs_m, lse, mask=row_ok)

@@ -59,14 +59,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot, uniform_descriptor
-from .launch import GluonMask, LaunchSpec
+from .launch import GluonMask, GluonSizes, LaunchSpec
 from .triton_versions import tma_load, tma_store
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
 
 
 class Constants(NamedTuple):
-    """attn_fwd_ws_kernel's compile-time arguments but the mask's (its constexpr `C`; launch_spec makes it)."""
+    """attn_fwd_ws_kernel's compile-time arguments but the mask's (its constexpr `CONSTANTS`; launch_spec makes it)."""
     BLOCK_M: int
     BLOCK_N: int
     HEAD_D: int          # the head dim in shared memory: the power of two at or above head_dim
@@ -81,7 +81,7 @@ class Constants(NamedTuple):
 
 
 @aggregate
-class Config:
+class PartitionConstants:
     """The kernel's constants and the consumers' register layouts: the warpgroup's 4 warps split the rows of S and
     O; P is the register A operand of P V."""
     BLOCK_M: gl.constexpr
@@ -99,15 +99,15 @@ class Config:
     row_layout: gl.constexpr   # one value per query row
 
     @gluon.constexpr_function
-    def __init__(self, C):
+    def __init__(self, CONSTANTS):
         for name in ("BLOCK_M", "BLOCK_N", "HEAD_D", "NUM_STAGES", "CONSUMERS", "OVERLAP", "PINGPONG", "QUERY_MAJOR"):
-            setattr(self, name, gl.constexpr(getattr(C, name)))
-        self.ROWS = gl.constexpr(C.BLOCK_M // C.CONSUMERS)
+            setattr(self, name, gl.constexpr(getattr(CONSTANTS, name)))
+        self.ROWS = gl.constexpr(CONSTANTS.BLOCK_M // CONSTANTS.CONSUMERS)
         warps = CONSUMER_WARPS.value
         self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                               instr_shape=[16, C.BLOCK_N, 16]))
+                                                               instr_shape=[16, CONSTANTS.BLOCK_N, 16]))
         self.o_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                               instr_shape=[16, C.HEAD_D, 16]))
+                                                               instr_shape=[16, CONSTANTS.HEAD_D, 16]))
         self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.o_layout.value, k_width=2))
         self.row_layout = gl.constexpr(gl.SliceLayout(1, self.s_layout.value))
 
@@ -143,43 +143,43 @@ def _cta_coords(seqs, BLOCK_M: gl.constexpr, QUERY_MAJOR: gl.constexpr):
 
 
 @gluon.jit
-def _past_sequence(seqs, cfg):
+def _past_sequence(seqs, consts):
     """Whether this CTA has nothing to do (varlen): its row of the schedule is padding, or without one its query tile
     starts past its sequence."""
     if seqs.schedule is not None:
         past = seqs.scheduled_item()[0] < 0
     else:
-        m0, b, _ = _cta_coords(seqs, cfg.BLOCK_M, cfg.QUERY_MAJOR)
+        m0, b, _ = _cta_coords(seqs, consts.BLOCK_M, consts.QUERY_MAJOR)
         past = m0 >= gl.load(seqs.cu_seqlens_q + b + 1) - gl.load(seqs.cu_seqlens_q + b)
     return past
 
 
 @gluon.jit
-def _tile_schedule(cfg, seqs, mask):
+def _tile_schedule(consts, seqs, mask):
     """Everything every partition derives from the program id, computed the same way in each."""
-    m0, b, head = _cta_coords(seqs, cfg.BLOCK_M, cfg.QUERY_MAJOR)
+    m0, b, head = _cta_coords(seqs, consts.BLOCK_M, consts.QUERY_MAJOR)
     q_row0, len_q = seqs.query(b)
     k_row0, len_k = seqs.key(b)
     shift = mask.shift(len_q, len_k)
-    n_lo, n_hi = mask.key_range(m0, len_q, len_k, shift, cfg.BLOCK_M, cfg.BLOCK_N)
-    n_tiles = gl.maximum(gl.cdiv(n_hi - n_lo, cfg.BLOCK_N), 0)
+    n_lo, n_hi = mask.key_range(m0, len_q, len_k, shift, consts.BLOCK_M, consts.BLOCK_N)
+    n_tiles = gl.maximum(gl.cdiv(n_hi - n_lo, consts.BLOCK_N), 0)
     return m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles
 
 
 # ---- loader partition ------------------------------------------------------------------------
 @gluon.jit
-def _loader(cfg, bufs, seqs, mask, descs, group):
+def _loader(consts, bufs, seqs, mask, descs, group):
     q_desc, k_desc, v_desc = descs
-    m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(cfg, seqs, mask)
-    mbarrier.expect(bufs.q_ready, cfg.CONSUMERS * q_desc.block_type.nbytes)
-    for wg in gl.static_range(cfg.CONSUMERS):
-        tma_load(q_desc, [q_row0 + m0 + wg * cfg.ROWS, head, 0], bufs.q_ready,
+    m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(consts, seqs, mask)
+    mbarrier.expect(bufs.q_ready, consts.CONSUMERS * q_desc.block_type.nbytes)
+    for wg in gl.static_range(consts.CONSUMERS):
+        tma_load(q_desc, [q_row0 + m0 + wg * consts.ROWS, head, 0], bufs.q_ready,
                                         bufs.q.index(wg))
     kv_head = head // group
     for j in range(n_tiles):
-        stage = j % cfg.NUM_STAGES
-        phase = (j // cfg.NUM_STAGES) & 1
-        row = k_row0 + n_lo + j * cfg.BLOCK_N
+        stage = j % consts.NUM_STAGES
+        phase = (j // consts.NUM_STAGES) & 1
+        row = k_row0 + n_lo + j * consts.BLOCK_N
         _load(bufs.k, k_desc, [row, kv_head, 0], stage, phase)
         _load(bufs.v, v_desc, [row, kv_head, 0], stage, phase)
 
@@ -194,56 +194,56 @@ def _load(ring, desc, coord, stage, phase):
 
 # ---- consumer steps --------------------------------------------------------------------------
 @gluon.jit
-def _issue_pv(cfg, p, v, j, acc):
+def _issue_pv(consts, p, v, j, acc):
     """Issue O += P V of key tile j (async) once its V has landed; P from registers."""
     v.wait_ready(j)
-    p_op = gl.convert_layout(p.to(v.bufs.dtype), cfg.p_layout)
+    p_op = gl.convert_layout(p.to(v.bufs.dtype), consts.p_layout)
     return warpgroup_mma(p_op, v.tile(j), acc, is_async=True)
 
 
 @gluon.jit
-def _s_round(cfg, bufs, q_tile, s_zero, j, rounds, WARPGROUP: gl.constexpr):
+def _s_round(consts, bufs, q_tile, s_zero, j, rounds, WARPGROUP: gl.constexpr):
     """A matmul round of S = Q K^T alone (key tile j): issue it in turn, wait for it, release K's slot."""
-    rounds = _take_turn(cfg, bufs.turn, rounds, WARPGROUP)
+    rounds = _take_turn(consts, bufs.turn, rounds, WARPGROUP)
     s = bufs.k.issue_mma(q_tile, s_zero, j)
-    _pass_turn(cfg, bufs.turn, WARPGROUP)
+    _pass_turn(consts, bufs.turn, WARPGROUP)
     s = warpgroup_mma_wait(0, deps=(s,))
     bufs.k.release(j)
     return s, rounds
 
 
 @gluon.jit
-def _pv_round(cfg, bufs, p, j, acc, rounds, WARPGROUP: gl.constexpr):
+def _pv_round(consts, bufs, p, j, acc, rounds, WARPGROUP: gl.constexpr):
     """A matmul round of P V alone (key tile j): issue it in turn, wait for it, release V's slot."""
-    rounds = _take_turn(cfg, bufs.turn, rounds, WARPGROUP)
-    acc = _issue_pv(cfg, p, bufs.v, j, acc)
-    _pass_turn(cfg, bufs.turn, WARPGROUP)
+    rounds = _take_turn(consts, bufs.turn, rounds, WARPGROUP)
+    acc = _issue_pv(consts, p, bufs.v, j, acc)
+    _pass_turn(consts, bufs.turn, WARPGROUP)
     acc = warpgroup_mma_wait(0, deps=(acc,))
     bufs.v.release(j)
     return acc, rounds
 
 
 @gluon.jit
-def _take_turn(cfg, turn, rounds, WARPGROUP: gl.constexpr):
+def _take_turn(consts, turn, rounds, WARPGROUP: gl.constexpr):
     """PINGPONG: wait until the previous consumer has issued its matmuls of the round (turn[WARPGROUP] completes
     once per round), so the warpgroups' matmuls reach the tensor cores one round each, in consumer order."""
-    if cfg.PINGPONG:
+    if consts.PINGPONG:
         mbarrier.wait(turn.index(WARPGROUP), rounds & 1)
     return rounds + 1
 
 
 @gluon.jit
-def _pass_turn(cfg, turn, WARPGROUP: gl.constexpr):
+def _pass_turn(consts, turn, WARPGROUP: gl.constexpr):
     """PINGPONG: this consumer's matmuls of the round are issued; the next one's turn (one turn barrier each)."""
-    if cfg.PINGPONG:
+    if consts.PINGPONG:
         mbarrier.arrive(turn.index((WARPGROUP + 1) % turn.shape[0]), count=1)
 
 
 @gluon.jit
-def _softmax_step(cfg, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shift, scale_log2):
+def _softmax_step(consts, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shift, scale_log2):
     """One key tile's online-softmax update of raw scores s: (P, alpha that rescales O, new max, new sum).
     The max is kept on raw scores; exp2 takes s * scale * log2e - m * scale * log2e (one FFMA)."""
-    if mask.tile_needs_mask(m0, n0, len_k, shift, cfg.ROWS, cfg.BLOCK_N):
+    if mask.tile_needs_mask(m0, n0, len_k, shift, consts.ROWS, consts.BLOCK_N):
         # (relative to the tile: columns 0..BLOCK_N - 1 against per-row bounds, no per-column key index)
         keep = mask.keep(gl.expand_dims(offs_m - n0, 1), gl.expand_dims(offs_n, 0), len_k - n0, shift)
         s = gl.where(keep, s, float("-inf"))
@@ -262,63 +262,63 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 # ---- consumer partitions (default and worker: one warpgroup each) ------------------------------
 @gluon.jit
-def _consumer(cfg, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr):
+def _consumer(consts, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr):
     """Query rows [m0 + ROWS * WARPGROUP, + ROWS) of the CTA's tile. `outputs`: (o_desc, Out, Lse, (out row, lse
     batch, lse head) strides); `sizes`: the kernel's."""
     o_desc, Out, Lse, strides = outputs
     stride_out_row, stride_lse_b, stride_lse_h = strides
-    head_dim, scale = sizes[2], sizes[4]
-    m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(cfg, seqs, mask)
-    ROWS: gl.constexpr = cfg.ROWS
+    head_dim, scale = sizes.head_dim, sizes.scale
+    m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(consts, seqs, mask)
+    ROWS: gl.constexpr = consts.ROWS
     m0 = m0_cta + WARPGROUP * ROWS
     dtype: gl.constexpr = bufs.q.dtype
 
-    offs_m = m0 + gl.arange(0, ROWS, layout=cfg.row_layout)
-    offs_n = gl.arange(0, cfg.BLOCK_N, layout=gl.SliceLayout(0, cfg.s_layout))
+    offs_m = m0 + gl.arange(0, ROWS, layout=consts.row_layout)
+    offs_n = gl.arange(0, consts.BLOCK_N, layout=gl.SliceLayout(0, consts.s_layout))
     scale_log2 = scale * LOG2E
     q_tile = slot(bufs.q, WARPGROUP)
 
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, cfg.row_layout)
-    l_i = gl.zeros([ROWS], gl.float32, cfg.row_layout)
-    acc = gl.zeros([ROWS, cfg.HEAD_D], gl.float32, cfg.o_layout)
-    s_zero = gl.zeros([ROWS, cfg.BLOCK_N], gl.float32, cfg.s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, consts.row_layout)
+    l_i = gl.zeros([ROWS], gl.float32, consts.row_layout)
+    acc = gl.zeros([ROWS, consts.HEAD_D], gl.float32, consts.o_layout)
+    s_zero = gl.zeros([ROWS, consts.BLOCK_N], gl.float32, consts.s_layout)
     mbarrier.wait(bufs.q_ready, 0)   # also before an empty key range: the epilogue reuses the Q buffer
     rounds = 0   # matmul-issue rounds taken (PINGPONG)
-    if cfg.PINGPONG and WARPGROUP == cfg.CONSUMERS - 1:
-        _pass_turn(cfg, bufs.turn, WARPGROUP)   # consumer 0 issues first
+    if consts.PINGPONG and WARPGROUP == consts.CONSUMERS - 1:
+        _pass_turn(consts, bufs.turn, WARPGROUP)   # consumer 0 issues first
 
     # ---- online softmax over the visible key tiles ----
-    if cfg.OVERLAP:
+    if consts.OVERLAP:
         # S_{j+1} is issued before P V_j; the softmax of tile j + 1 overlaps P V_j.
         if n_tiles > 0:
-            s, rounds = _s_round(cfg, bufs, q_tile, s_zero, 0, rounds, WARPGROUP)
-            p, _, m_i, l_i = _softmax_step(cfg, mask, s, m_i, l_i, n_lo, offs_m, offs_n, m0, len_k, shift,
+            s, rounds = _s_round(consts, bufs, q_tile, s_zero, 0, rounds, WARPGROUP)
+            p, _, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo, offs_m, offs_n, m0, len_k, shift,
                                            scale_log2)
             for j in range(1, n_tiles):
-                rounds = _take_turn(cfg, bufs.turn, rounds, WARPGROUP)
+                rounds = _take_turn(consts, bufs.turn, rounds, WARPGROUP)
                 s = bufs.k.issue_mma(q_tile, s_zero, j)
-                acc = _issue_pv(cfg, p, bufs.v, j - 1, acc)
-                _pass_turn(cfg, bufs.turn, WARPGROUP)
+                acc = _issue_pv(consts, p, bufs.v, j - 1, acc)
+                _pass_turn(consts, bufs.turn, WARPGROUP)
                 s = warpgroup_mma_wait(1, deps=(s,))
                 bufs.k.release(j)
-                p, alpha, m_i, l_i = _softmax_step(cfg, mask, s, m_i, l_i, n_lo + j * cfg.BLOCK_N, offs_m, offs_n,
+                p, alpha, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo + j * consts.BLOCK_N, offs_m, offs_n,
                                                    m0, len_k, shift, scale_log2)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
                 bufs.v.release(j - 1)
-                acc = _rescale(acc, alpha, cfg.o_layout)
-            acc, rounds = _pv_round(cfg, bufs, p, n_tiles - 1, acc, rounds, WARPGROUP)
+                acc = _rescale(acc, alpha, consts.o_layout)
+            acc, rounds = _pv_round(consts, bufs, p, n_tiles - 1, acc, rounds, WARPGROUP)
     else:
         for j in range(n_tiles):
-            s, rounds = _s_round(cfg, bufs, q_tile, s_zero, j, rounds, WARPGROUP)
-            p, alpha, m_i, l_i = _softmax_step(cfg, mask, s, m_i, l_i, n_lo + j * cfg.BLOCK_N, offs_m, offs_n, m0,
+            s, rounds = _s_round(consts, bufs, q_tile, s_zero, j, rounds, WARPGROUP)
+            p, alpha, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo + j * consts.BLOCK_N, offs_m, offs_n, m0,
                                                len_k, shift, scale_log2)
-            acc = _rescale(acc, alpha, cfg.o_layout)
-            acc, rounds = _pv_round(cfg, bufs, p, j, acc, rounds, WARPGROUP)
+            acc = _rescale(acc, alpha, consts.o_layout)
+            acc, rounds = _pv_round(consts, bufs, p, j, acc, rounds, WARPGROUP)
 
     # ---- epilogue: O / l and lse; rows that see no key get O = 0, lse = +inf ----
     empty = l_i == 0.0
     inv_l = gl.where(empty, 0.0, 1.0 / l_i)
-    out = _rescale(acc, inv_l, cfg.o_layout).to(dtype)
+    out = _rescale(acc, inv_l, consts.o_layout).to(dtype)
     lse = gl.where(empty, float("inf"), m_i * scale + gl.log2(gl.where(empty, 1.0, l_i)) / LOG2E)
     lse_rows = Lse + b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + offs_m
     if seqs.VARLEN:
@@ -332,8 +332,8 @@ def _consumer(cfg, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr):
         tma_store(o_desc, [q_row0 + m0, head, 0], bufs.q.index(WARPGROUP))
         tma.store_wait(0)
     elif m0 < len_q:
-        offs_r = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, cfg.o_layout))
-        offs_d = gl.arange(0, cfg.HEAD_D, layout=gl.SliceLayout(0, cfg.o_layout))
+        offs_r = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, consts.o_layout))
+        offs_d = gl.arange(0, consts.HEAD_D, layout=gl.SliceLayout(0, consts.o_layout))
         rows = (q_row0 + offs_r).to(gl.int64)
         ptrs = Out + gl.expand_dims(rows * stride_out_row, 1) + head * head_dim + gl.expand_dims(offs_d, 0)
         gl.store(ptrs, out, mask=gl.expand_dims(offs_r < len_q, 1) & gl.expand_dims(offs_d < head_dim, 0))
@@ -342,26 +342,26 @@ def _consumer(cfg, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr):
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, schedule, strides, sizes, window,
-                       C: gl.constexpr, MASK: gl.constexpr):
+                       CONSTANTS: gl.constexpr, MASK: gl.constexpr):
     """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR, or with a
     `schedule` (varlen: int32 (rows, 2) [sequence, query tile], else a constexpr None) (query heads, rows); num_warps =
-    CONSUMER_WARPS (consumer 0). `cu_seqlens`: (q, k); `strides`: (out row, lse batch, lse head); `sizes`: (seqlen_q,
-    seqlen_k, head_dim, group, scale); `window`: (left, right); C: Constants; MASK: launch.MaskFlags. See the module
+    CONSUMER_WARPS (consumer 0). `cu_seqlens`: (q, k); `strides`: (out row, lse batch, lse head); `sizes`:
+    launch.GluonSizes; `window`: (left, right); CONSTANTS: Constants; MASK: launch.MaskFlags. See the module
     docstring."""
-    cfg = Config(C)
-    seqlen_q, seqlen_k, group = sizes[0], sizes[1], sizes[3]
+    consts = PartitionConstants(CONSTANTS)
+    seqlen_q, seqlen_k, group = sizes.seqlen_q, sizes.seqlen_k, sizes.group
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, C.VARLEN, schedule)
-    if C.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
-        if _past_sequence(seqs, cfg):
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, CONSTANTS.VARLEN, schedule)
+    if CONSTANTS.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
+        if _past_sequence(seqs, consts):
             return
     dtype: gl.constexpr = q_desc.dtype
-    CONSUMERS: gl.constexpr = cfg.CONSUMERS
-    NUM_STAGES: gl.constexpr = cfg.NUM_STAGES
+    CONSUMERS: gl.constexpr = consts.CONSUMERS
+    NUM_STAGES: gl.constexpr = consts.NUM_STAGES
     # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor); `slot` views them 2-D
-    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, cfg.ROWS, 1, cfg.HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, cfg.BLOCK_N, 1, cfg.HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, cfg.BLOCK_N, 1, cfg.HEAD_D], v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, consts.ROWS, 1, consts.HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, consts.BLOCK_N, 1, consts.HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, consts.BLOCK_N, 1, consts.HEAD_D], v_desc.layout)
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -383,9 +383,9 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
     mask = Mask(window, MASK)
     outputs = (o_desc, Out, Lse, strides)
     gl.warp_specialize(
-        [(_consumer, (cfg, bufs, seqs, mask, outputs, sizes, wg)) for wg in (0, 1, 2)[:CONSUMERS]]
-        + [(_loader, (cfg, bufs, seqs, mask, (q_desc, k_desc, v_desc), group))],
-        [CONSUMER_WARPS] * (CONSUMERS - 1) + [1], [C.CONSUMER_REGS] * (CONSUMERS - 1) + [C.LOADER_REGS])
+        [(_consumer, (consts, bufs, seqs, mask, outputs, sizes, wg)) for wg in (0, 1, 2)[:CONSUMERS]]
+        + [(_loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc), group))],
+        [CONSUMER_WARPS] * (CONSUMERS - 1) + [1], [CONSTANTS.CONSUMER_REGS] * (CONSUMERS - 1) + [CONSTANTS.LOADER_REGS])
 
 
 # ---- host side -------------------------------------------------------------------------------
@@ -407,16 +407,16 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
         assert varlen, "a schedule lists the items of a varlen call"
         grid = (q.shape[-2], schedule.shape[0])
     else:
-        grid = (q.shape[-2], batch, query_tiles) if tile.longest_first else (query_tiles, batch, q.shape[-2])
+        grid = (q.shape[-2], batch, query_tiles) if tile.query_major else (query_tiles, batch, q.shape[-2])
     constants = Constants(tile.block_m, tile.block_n, out_desc.block_shape[-1], tile.num_stages, tile.consumers,
-                          tile.overlap, tile.pingpong, tile.longest_first, varlen, tile.consumer_regs,
+                          tile.overlap, tile.pingpong, tile.query_major, varlen, tile.consumer_regs,
                           tile.loader_regs)
     return LaunchSpec(attn_fwd_ws_kernel, grid, dict(
         q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=out_desc, Out=target, Lse=lse,
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
-        sizes=(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
-        C=constants, MASK=mask.flags), CONSUMER_WARPS.value), target
+        sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
+        CONSTANTS=constants, MASK=mask.flags), CONSUMER_WARPS.value), target
 
 
 def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, **kwargs):

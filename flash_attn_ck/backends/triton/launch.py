@@ -12,10 +12,10 @@ register and no instruction):
   head)` of a (b, s, h, d) tensor or (0, row, head) of a varlen (total, h, d) one (`rows3`), `(batch, head)` of
   lse (`lse_strides`), and last the slopes' batch stride (`slope_batch_stride`);
 - the backward's `Gradients` (dq, dk, dv) and `KVAccumulators` (the GQA accumulator epilogue's buffers);
-- `D`, a `Sizes` (heads, group, max_seqlen_q, max_seqlen_k, head_dim) and `S`, a
+- `sizes`, a `Sizes` (heads, group, max_seqlen_q, max_seqlen_k, head_dim) and `score_args`, a
   `ScoreArgs` (scale, softcap, dropout_p, window_left, window_right): runtime named tuples;
-- `F`, the `Features`: one constexpr named tuple of every compile-time flag, read in the kernels
-  as `F.HAS_ALIBI`, ... and handed whole to the helpers of scores.py.
+- `features`, the `Features`: one constexpr named tuple of every compile-time flag, read in the kernels
+  as `features.HAS_ALIBI`, ... and handed whole to the helpers of scores.py.
 Reordering a group's fields reorders the kernel's parameters (and moves ptxas's register allocation): the groups
 keep the order of the flat parameters they replaced, so the kernels' machine code did not change with them.
 
@@ -43,7 +43,7 @@ from .config import Tile
 
 
 class Features(NamedTuple):
-    """The kernels' compile-time flags (constexpr `F`). Each distinct value compiles its own variant."""
+    """The kernels' compile-time flags (constexpr `features`). Each distinct value compiles its own variant."""
     VARLEN: bool = False         # packed (total, h, d) tensors with cu_seqlens; else dense (b, s, h, d)
     TOP_LEFT: bool = False       # mask diagonal aligned top-left (else bottom-right, per sequence)
     HAS_LEFT: bool = False       # the mask has a left (sliding window) bound: window_left
@@ -52,7 +52,7 @@ class Features(NamedTuple):
     HAS_SOFTCAP: bool = False    # score = softcap * tanh(score / softcap)
     HAS_DROPOUT: bool = False    # Philox dropout (rng_state, dropout_p)
     EVEN_K: bool = False         # every key tile is full: no mask branch without a window bound
-    USE_TMA: bool = False        # tile stores and adds through TMA descriptors (tiles.py)
+    USE_TMA: bool = False        # tile stores and adds through TMA descriptors (row_io.py)
     TMA_LOADS: bool = False      # tile loads through TMA descriptors too
     # backward (bwd_main) only
     LOOP_GROUP: bool = False     # a key-tile program loops over its kv head's query heads
@@ -75,8 +75,17 @@ class GluonMask(NamedTuple):
     flags: MaskFlags
 
 
+class GluonSizes(NamedTuple):
+    """A call's sizes and softmax scale as the Gluon kernels take them (runtime `sizes` of fwd_ws/bwd_ws)."""
+    seqlen_q: int        # the longest query sequence (dense: every sequence's length)
+    seqlen_k: int
+    head_dim: int
+    group: int           # query heads per kv head
+    scale: float         # softmax scale
+
+
 class Sizes(NamedTuple):
-    """Problem sizes (runtime `D`). The batch is not one of them: only the backward's epilogue needs it
+    """Problem sizes (runtime `sizes`). The batch is not one of them: only the backward's epilogue needs it
     (an argument of its own there), and an unused kernel parameter moves ptxas's register allocation."""
     heads: int           # query heads
     group: int           # query heads per kv head
@@ -86,7 +95,7 @@ class Sizes(NamedTuple):
 
 
 class ScoreArgs(NamedTuple):
-    """Runtime values of the scores (runtime `S`); window bounds are >= 0 (Features says which apply)."""
+    """Runtime values of the scores (runtime `score_args`); window bounds are >= 0 (Features says which apply)."""
     scale: float
     softcap: float
     dropout_p: float
@@ -117,13 +126,13 @@ the slopes' batch stride (slope_batch_stride)."""
 BackwardStrides = NamedTuple("BackwardStrides", _stride_fields(
     ("q", "k", "v", "dout", "dq", "dk", "dv"), ("kv_acc_batch", "kv_acc_head", "lse_batch", "lse_head", "slope_batch")))
 BackwardStrides.__doc__ = """The backward's strides (runtime `strides`): `rows3` of q, k, v, dO and the gradients;
-(batch, head) of the fp32 dK/dV accumulators, whose rows are head_dim apart; `lse_strides` of lse (and D, strided
+(batch, head) of the fp32 dK/dV accumulators, whose rows are head_dim apart; `lse_strides` of lse (and delta, strided
 alike); the slopes' batch stride."""
 
 
 class Gradients(NamedTuple):
-    """What the backward writes (runtime `grads`): dQ (in the atomic mode, F.DQ_ATOMIC, an fp32 buffer laid out like
-    q that bwd_postprocess casts), dK and dV."""
+    """What the backward writes (runtime `grads`): dQ (in the atomic mode, features.DQ_ATOMIC, an fp32 buffer laid out
+    like q that bwd_postprocess casts), dK and dV."""
     dq: torch.Tensor
     dk: torch.Tensor
     dv: torch.Tensor
@@ -434,16 +443,17 @@ def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArg
     strides = ForwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(out, varlen),
                              *lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
     return LaunchSpec(attn_fwd_kernel, grid, dict(
-        Q=q, K=k, V=v, Out=out, Lse=lse, seq=seq, strides=strides, D=sizes, S=scores,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, F=features), tile.num_warps, tile.num_stages)
+        Q=q, K=k, V=v, Out=out, Lse=lse, seq=seq, strides=strides, sizes=sizes, score_args=scores,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, features=features),
+        tile.num_warps, tile.num_stages)
 
 
 def bwd_preprocess(out, dout, delta, zero: tuple[torch.Tensor | None, ...], batch: int,
                    sizes: Sizes, varlen: bool, block_d: int, block_m: int = 64) -> LaunchSpec:
-    """D = rowsum(dO * O) into delta; zero the buffers of `zero` (dq, dk, dv accumulators, semaphores;
+    """delta = rowsum(dO * O) into `delta`; zero the buffers of `zero` (dq, dk, dv accumulators, semaphores;
     None where the plan has none)."""
     from .bwd_preprocess import ZERO_BLOCK, bwd_preprocess_kernel
-    # A varlen call's D is per packed row whichever sequence holds it: one grid over the rows, as one batch entry,
+    # A varlen call's delta is per packed row whichever sequence holds it: one grid over the rows, as one batch entry,
     # not batch x tiles(max_seqlen) programs that mostly exit (9x as many on a 38-document pack). Rows in no
     # sequence get a value the pipeline's outside-rows fill then replaces.
     rows, batch = (out.shape[0], 1) if varlen else (sizes.max_seqlen_q, batch)
@@ -475,8 +485,8 @@ def bwd_main(q, k, v, dout, lse, delta, dq, dk, dv, dk_acc, dv_acc, sems, seq: S
                             sems if sems is not None else delta)
     return LaunchSpec(attn_bwd_kernel, grid, dict(
         Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta, grads=Gradients(dq, dk, dv), kv_acc=kv_acc, seq=seq,
-        strides=strides, batch=batch, D=sizes, S=scores, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
-        DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n, BLOCK_D=block_d, F=features),
+        strides=strides, batch=batch, sizes=sizes, score_args=scores, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
+        DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n, BLOCK_D=block_d, features=features),
         kv.num_warps, kv.num_stages)
 
 

@@ -10,7 +10,8 @@ Conventions (checked by the tests against core/mask.py and core/dropout.py):
   (when a right bound exists) and `j < len_k`.
 - Helpers are elementwise in `rows`/`cols`, so a caller may use (rows[:, None], cols[None, :]) or
   the transposed orientation (rows[None, :], cols[:, None]).
-- `F` is the call's launch.Features (constexpr), `S` its launch.ScoreArgs, `D` its launch.Sizes,
+- `features` is the call's launch.Features (constexpr), `score_args` its launch.ScoreArgs, `sizes` its
+  launch.Sizes,
   `seq` its launch.SequenceArgs, `strides` its launch.ForwardStrides or BackwardStrides: a helper
   reads the flags and values it needs, so a new flag changes no signature.
 """
@@ -18,7 +19,7 @@ Conventions (checked by the tests against core/mask.py and core/dropout.py):
 import triton
 import triton.language as tl
 
-from .tiles import head_rows, load_rows, row_tiles
+from .row_io import head_rows, load_rows, row_tiles
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -38,100 +39,101 @@ def sequence_bounds(cu_seqlens_ptr, b, max_len, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def diagonal_shift(len_q, len_k, F: tl.constexpr):
-    """Row i's diagonal key is i + shift: the sequence's bottom-right corner, or 0 with F.TOP_LEFT."""
-    return 0 if F.TOP_LEFT else len_k - len_q
+def diagonal_shift(len_q, len_k, features: tl.constexpr):
+    """Row i's diagonal key is i + shift: the sequence's bottom-right corner, or 0 with features.TOP_LEFT."""
+    return 0 if features.TOP_LEFT else len_k - len_q
 
 
 @triton.jit
-def alibi_shift(len_q, len_k, shift, F: tl.constexpr):
+def alibi_shift(len_q, len_k, shift, features: tl.constexpr):
     """Row i's ALiBi distance is |i + alibi_shift - j|: from the bottom-right diagonal whatever the mask's
     alignment (docs/semantics.md), so a top-left mask changes which keys are kept, not their bias."""
-    return len_k - len_q if F.TOP_LEFT else shift
+    return len_k - len_q if features.TOP_LEFT else shift
 
 
 @triton.jit
-def query_tile_bounds(m_block, b, seq, D, BLOCK_M: tl.constexpr, F: tl.constexpr):
+def query_tile_bounds(m_block, b, seq, sizes, BLOCK_M: tl.constexpr, features: tl.constexpr):
     """Query tile m_block of sequence b: (first row m0, q start, q length, k start, k length, diagonal shift)."""
-    q_start, len_q = sequence_bounds(seq.cu_seqlens_q, b, D.max_seqlen_q, F.VARLEN)
-    k_start, len_k = sequence_bounds(seq.cu_seqlens_k, b, D.max_seqlen_k, F.VARLEN)
-    return m_block * BLOCK_M, q_start, len_q, k_start, len_k, diagonal_shift(len_q, len_k, F)
+    q_start, len_q = sequence_bounds(seq.cu_seqlens_q, b, sizes.max_seqlen_q, features.VARLEN)
+    k_start, len_k = sequence_bounds(seq.cu_seqlens_k, b, sizes.max_seqlen_k, features.VARLEN)
+    return m_block * BLOCK_M, q_start, len_q, k_start, len_k, diagonal_shift(len_q, len_k, features)
 
 
 @triton.jit
-def query_tile_operands(Q, K, V, seq, strides, b, h, D, m0, q_start, len_q, k_start, len_k, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
+def query_tile_operands(Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, k_start, len_k, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, features: tl.constexpr):
     """What a query-tile program (forward, dQ pass) reads before its key loop: its q tile, the K and V
-    sources of its kv head (tiles.row_tiles, for key_tile_scores), the ALiBi slope, and the dropout
-    seed and offset (0 when unused). Tiles load through TMA with F.TMA_LOADS. `strides`: the call's
+    sources of its kv head (row_io.row_tiles, for key_tile_scores), the ALiBi slope, and the dropout
+    seed and offset (0 when unused). Tiles load through TMA with features.TMA_LOADS. `strides`: the call's
     launch.ForwardStrides or BackwardStrides (the q, k, v strides and slope_batch of either)."""
     b64 = b.to(tl.int64)
     q_base = head_rows(Q, strides.q_batch, strides.q_row, strides.q_head, b64, q_start, h)
-    q = load_rows(row_tiles(q_base, strides.q_row, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS), strides.q_row,
-                  m0, len_q, D.head_dim, BLOCK_M, BLOCK_D, F.TMA_LOADS)
+    q = load_rows(row_tiles(q_base, strides.q_row, len_q, sizes.head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS),
+                  strides.q_row, m0, len_q, sizes.head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS)
     # (the kv head's offset written out, not through head_rows: the same operation order as before keeps
     # the generated code identical)
     k_src = row_tiles(K + b64 * strides.k_batch + k_start.to(tl.int64) * strides.k_row
-                      + (h // D.group) * strides.k_head,
-                      strides.k_row, len_k, D.head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
+                      + (h // sizes.group) * strides.k_head,
+                      strides.k_row, len_k, sizes.head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
     v_src = row_tiles(V + b64 * strides.v_batch + k_start.to(tl.int64) * strides.v_row
-                      + (h // D.group) * strides.v_head,
-                      strides.v_row, len_k, D.head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
-    slope = alibi_slope(seq, strides, b, h, F)
-    seed, offset = dropout_seed(seq, F)
+                      + (h // sizes.group) * strides.v_head,
+                      strides.v_row, len_k, sizes.head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
+    slope = alibi_slope(seq, strides, b, h, features)
+    seed, offset = dropout_seed(seq, features)
     return q, k_src, v_src, slope, seed, offset
 
 
 # ---- the mask: visible tile ranges, which tiles need it, the per-element test ----
 
 @triton.jit
-def key_range(m0, len_k, shift, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F: tl.constexpr):
+def key_range(m0, len_k, shift, score_args, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, features: tl.constexpr):
     """Key blocks [lo, hi) that rows [m0, m0 + BLOCK_M) can see; lo is a multiple of BLOCK_N."""
     lo = 0
     hi = len_k
-    if F.HAS_LEFT:
-        lo = tl.maximum(m0 + shift - S.window_left, 0)
+    if features.HAS_LEFT:
+        lo = tl.maximum(m0 + shift - score_args.window_left, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
-    if F.HAS_RIGHT:
-        hi = tl.minimum(m0 + BLOCK_M + shift + S.window_right, len_k)
+    if features.HAS_RIGHT:
+        hi = tl.minimum(m0 + BLOCK_M + shift + score_args.window_right, len_k)
     return lo, hi
 
 
 @triton.jit
-def query_range(n0, len_q, shift, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F: tl.constexpr):
+def query_range(n0, len_q, shift, score_args, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, features: tl.constexpr):
     """Query blocks [lo, hi) that see keys [n0, n0 + BLOCK_N); lo is a multiple of BLOCK_M."""
     lo = 0
     hi = len_q
-    if F.HAS_RIGHT:
-        lo = tl.maximum(n0 - shift - S.window_right, 0)
+    if features.HAS_RIGHT:
+        lo = tl.maximum(n0 - shift - score_args.window_right, 0)
         lo = (lo // BLOCK_M) * BLOCK_M
-    if F.HAS_LEFT:
-        hi = tl.minimum(n0 + BLOCK_N + S.window_left - shift, len_q)
+    if features.HAS_LEFT:
+        hi = tl.minimum(n0 + BLOCK_N + score_args.window_left - shift, len_q)
     return lo, hi
 
 
 @triton.jit
-def block_needs_mask(m0, n0, len_k, shift, S, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, F: tl.constexpr):
+def block_needs_mask(m0, n0, len_k, shift, score_args, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     features: tl.constexpr):
     """False when every (row, key) of the tile is kept, so the per-element mask can be skipped.
     EVEN_K (every key tile full) with no window bound: False at compile time, so the loop carries no
     branch (that branch cost 2-3% of the d128 non-causal backward, docs/triton.md)."""
-    if F.EVEN_K and not F.HAS_LEFT and not F.HAS_RIGHT:
+    if features.EVEN_K and not features.HAS_LEFT and not features.HAS_RIGHT:
         return False
     partial = n0 + BLOCK_N > len_k
-    if F.HAS_LEFT:
-        partial = partial | (n0 < m0 + BLOCK_M - 1 + shift - S.window_left)
-    if F.HAS_RIGHT:
-        partial = partial | (n0 + BLOCK_N - 1 > m0 + shift + S.window_right)
+    if features.HAS_LEFT:
+        partial = partial | (n0 < m0 + BLOCK_M - 1 + shift - score_args.window_left)
+    if features.HAS_RIGHT:
+        partial = partial | (n0 + BLOCK_N - 1 > m0 + shift + score_args.window_right)
     return partial
 
 
 @triton.jit
-def keep_positions(rows, cols, len_k, shift, S, F: tl.constexpr):
+def keep_positions(rows, cols, len_k, shift, score_args, features: tl.constexpr):
     keep = cols < len_k
-    if F.HAS_LEFT:
-        keep = keep & (cols >= rows + shift - S.window_left)
-    if F.HAS_RIGHT:
-        keep = keep & (cols <= rows + shift + S.window_right)
+    if features.HAS_LEFT:
+        keep = keep & (cols >= rows + shift - score_args.window_left)
+    if features.HAS_RIGHT:
+        keep = keep & (cols <= rows + shift + score_args.window_right)
     return keep
 
 
@@ -148,45 +150,47 @@ def accurate_tanh(x):
 
 
 @triton.jit
-def scores_log2(qk, rows, cols, bias_shift, S, slope, F: tl.constexpr):
+def scores_log2(qk, rows, cols, bias_shift, score_args, slope, features: tl.constexpr):
     """Raw q.k -> (score in log2 units, tanh of the softcap argument or None).
 
     score = softcap * tanh(scale * qk / softcap) (or scale * qk), minus slope * |i + bias_shift - j|
     (bias_shift: `alibi_shift`)."""
-    if F.HAS_SOFTCAP:
-        x = qk * (S.scale / S.softcap)
+    if features.HAS_SOFTCAP:
+        x = qk * (score_args.scale / score_args.softcap)
         tanh = accurate_tanh(x)
-        s2 = (tanh * S.softcap) * LOG2E     # in this order: softcap * LOG2E overflows fp32 for caps > 2.4e38
+        s2 = (tanh * score_args.softcap) * LOG2E     # in this order: softcap * LOG2E overflows fp32 for caps > 2.4e38
     else:
         tanh = qk  # unused: a placeholder of the right shape
-        s2 = qk * (S.scale * LOG2E)
-    if F.HAS_ALIBI:
+        s2 = qk * (score_args.scale * LOG2E)
+    if features.HAS_ALIBI:
         distance = tl.abs(rows + bias_shift - cols).to(tl.float32)
         s2 = s2 - (slope * LOG2E) * distance
     return s2, tanh
 
 
 @triton.jit
-def alibi_slope(seq, strides, b, h, F: tl.constexpr):
+def alibi_slope(seq, strides, b, h, features: tl.constexpr):
     """Query head h's ALiBi slope in sequence b (0 without ALiBi); `strides.slope_batch` is 0 for (h,) slopes."""
     slope = 0.0
-    if F.HAS_ALIBI:
+    if features.HAS_ALIBI:
         slope = tl.load(seq.slopes + b * strides.slope_batch + h)
     return slope
 
 
 @triton.jit
 def key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m0, len_k, head_dim, shift, bias_shift,
-                    S, slope, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, F: tl.constexpr):
+                    score_args, slope, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    features: tl.constexpr):
     """One key tile as a query tile sees it: (columns, K, V, scores in log2 units with softcap/ALiBi and
-    -inf outside the mask, softcap tanh). k_src/v_src come from tiles.row_tiles; key rows past the
+    -inf outside the mask, softcap tanh). k_src/v_src come from row_io.row_tiles; key rows past the
     sequence load as 0."""
     cols = n0 + offs_n
-    k = load_rows(k_src, stride_ks, n0, len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
-    v = load_rows(v_src, stride_vs, n0, len_k, head_dim, BLOCK_N, BLOCK_D, F.TMA_LOADS)
-    s, tanh = scores_log2(tl.dot(q, tl.trans(k)), offs_m[:, None], cols[None, :], bias_shift, S, slope, F)
-    if block_needs_mask(m0, n0, len_k, shift, S, BLOCK_M, BLOCK_N, F):
-        keep = keep_positions(offs_m[:, None], cols[None, :], len_k, shift, S, F)
+    k = load_rows(k_src, stride_ks, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
+    v = load_rows(v_src, stride_vs, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
+    s, tanh = scores_log2(tl.dot(q, tl.trans(k)), offs_m[:, None], cols[None, :], bias_shift, score_args, slope,
+                          features)
+    if block_needs_mask(m0, n0, len_k, shift, score_args, BLOCK_M, BLOCK_N, features):
+        keep = keep_positions(offs_m[:, None], cols[None, :], len_k, shift, score_args, features)
         s = tl.where(keep, s, float("-inf"))
     return cols, k, v, s, tanh
 
@@ -194,11 +198,11 @@ def key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m
 # ---- dropout ----
 
 @triton.jit
-def dropout_seed(seq, F: tl.constexpr):
+def dropout_seed(seq, features: tl.constexpr):
     """The call's (seed, offset) from rng_state (0, 0 without dropout)."""
     seed = 0
     offset = 0
-    if F.HAS_DROPOUT:
+    if features.HAS_DROPOUT:
         seed = tl.load(seq.rng_state)
         offset = tl.load(seq.rng_state + 1)
     return seed, offset
