@@ -94,7 +94,7 @@ case $cmd in
       tests/test_backend_selection.py tests/test_context_parallel.py tests/test_main.py \
       tests/test_triton_ws.py tests/test_triton_fwd_ws.py tests/test_triton_launch.py tests/test_varlen_schedule.py \
       tests/test_varlen_schedule_launch.py tests/test_outside_rows.py tests/test_launch_cache.py tests/test_triton.py \
-      tests/test_triton_versions_gpu.py \
+      tests/test_triton_versions_gpu.py tests/test_hf_local.py \
       2>/dev/null | grep '::' > .devrun/gpu-all.txt
     # GPU_TESTS_FIRST=REGEX: the ids it matches go first (workers take the list in order)
     grep -vxF -f .devrun/gpu-passed.txt .devrun/gpu-all.txt > .devrun/gpu-todo.txt
