@@ -6,6 +6,7 @@
 #   docker build -t flash_attn_ck:rocm --build-arg BASE_IMAGE=rocm/pytorch:<tag with torch >= 2.11> \
 #       --build-arg GPU_ARCHS=gfx942 .
 #   docker run --rm --device=/dev/kfd --device=/dev/dri --group-add video --ipc=host flash_attn_ck:rocm
+#   (--ipc=host, or --shm-size=2g: the context-parallel tests' gloo ranks share tensors through /dev/shm)
 #
 # Build arguments:
 #   BASE_IMAGE     (required) an image with Python, a HIP clang at /opt/rocm/llvm/bin/clang++, the HIP runtime
