@@ -239,8 +239,8 @@ def test_the_host_reads_the_mask_or_positions_once_per_forward_not_per_layer(pac
 
 
 # ---- on a GPU: the default backend (Triton) in bf16 against float64 eager, under the 2x rule ----------------------
-# GPT-OSS's sinks are left to the float64 tests above: in bf16 the folded sink's gradient measured 1.4-4x eager's
-# error on these models (the fold rounds out a second time; docs/semantics.md §Learnable sinks).
+# GPT-OSS's sinks are left to the float64 tests above: through these models in bf16 the sinks' gradients measured
+# 1.4-4x eager's error, for a cause not yet established (docs/semantics.md §Learnable sinks, "Precision").
 
 NAME_BEST = register_hf_attention_local(name="ck_attention_best")     # the best backend of the call
 
