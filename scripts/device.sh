@@ -101,11 +101,16 @@ case $cmd in
     # files whose CPU tests are long (interpreted kernels, gradchecks): their GPU tests only
     python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_sinks.py 2>/dev/null | grep '::' \
       >> .devrun/gpu-all.txt
-    # GPU_TESTS_FIRST=REGEX: the ids it matches go first (workers take the list in order)
+    # GPU_TESTS_FIRST=A|B|...: the ids A matches go first, then B's, ... (workers take the list in order)
     grep -vxF -f ".devrun/$passed" .devrun/gpu-all.txt > .devrun/gpu-todo.txt
     first=${GPU_TESTS_FIRST:-}
-    if [ -n "$first" ]; then
-      { grep -E -- "$first" .devrun/gpu-todo.txt; grep -vE -- "$first" .devrun/gpu-todo.txt; } > .devrun/gpu-todo.sorted
+    if [ -n "$first" ]; then    # in the order of the alternatives: "a|b" puts a's ids before b's
+      IFS='|' read -ra patterns <<< "$first"
+      : > .devrun/gpu-todo.sorted
+      for pattern in "${patterns[@]}"; do
+        grep -E -- "$pattern" .devrun/gpu-todo.txt | grep -vxF -f .devrun/gpu-todo.sorted >> .devrun/gpu-todo.sorted
+      done
+      grep -vxF -f .devrun/gpu-todo.sorted .devrun/gpu-todo.txt >> .devrun/gpu-todo.sorted
       mv .devrun/gpu-todo.sorted .devrun/gpu-todo.txt
     fi
     cp .devrun/gpu-all.txt .devrun/gpu-todo.txt "$OUT/"

@@ -25,6 +25,7 @@ mkdir "$tmp/tree" && (cd "$tmp/tree" && unzip -q "$tmp"/triton-*.whl)
 rm -rf "$tmp/tree/triton/backends/nvidia/lib/cupti" "$tmp/tree/triton/backends/nvidia/lib/cupti-blackwell" \
   "$tmp/tree/triton/_C/libproton.so" "$tmp/tree/triton/instrumentation/libGPUInstrumentationTestLib.so" \
   "$tmp/tree/triton/backends/amd"
+sed -i '/backends.amd/d' "$tmp"/tree/triton-*.dist-info/entry_points.txt    # backends are found by entry point
 tar -C "$tmp/tree" -c . | xz -6 -T0 > "$tmp/triton.tar.xz"
 size=$(stat -c %s "$tmp/triton.tar.xz")
 rm -rf .triton-parts-a .triton-parts-b && mkdir -p .triton-parts-a .triton-parts-b
