@@ -42,7 +42,7 @@ from .core.options import AttentionOptions
 from .core.problem import pad_head_dim, row_stats_shape
 from .pipeline.backward import attention_backward
 from .pipeline.forward import attention_forward
-from .pipeline.prepare import PreparedCall, memoised
+from .pipeline.prepare import PreparedCall, prepare
 from .pipeline.sink import sink_gradient
 
 # ---- the options as schema arguments: one table, one flatten, one unflatten ----------------------
@@ -362,11 +362,12 @@ def _drawn(rng_state: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def prepared(q, k, v, options: AttentionOptions) -> PreparedCall | None:
-    """Eagerly (`_direct`: where `attention` runs the pipeline itself), the call's memoised preparation when its
-    signature was prepared before (pipeline/prepare.py; its value checks run), else None. A hit has passed
-    every check that the metadata of q, k, v and the options' tensors decides (types, dtypes, shapes, strides,
-    devices, each tensor on q's device); pass it to `attention` / `attention_into`."""
-    return memoised(q, k, v, options) if _direct(q) else None
+    """Eagerly (`_direct`: where `attention` runs the pipeline itself), the call's preparation (pipeline/prepare.py:
+    memoised per signature; a hit runs only its value checks), else None: the op prepares it where it runs, and a
+    q on the meta device is the caller's to refuse first. It has passed every check that the metadata of q, k, v
+    and the options' tensors decides (types, dtypes, shapes, strides, devices, each tensor on q's device); pass it
+    to `attention` / `attention_into`."""
+    return prepare(q, k, v, options) if _direct(q) and not q.is_meta else None
 
 
 def attention(q, k, v, options: AttentionOptions, rng_state=None, call: PreparedCall | None = None):

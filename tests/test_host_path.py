@@ -669,7 +669,7 @@ def test_backends_made_per_call_are_not_kept_alive_by_the_memo():
     gc.collect()
     alive = sum(ref() is not None for ref in made)
     assert 0 < alive <= MEMO_ENTRIES
-    problem = prepare.memoised(q, q, q, AttentionOptions(backend=ReferenceBackend())).problem
+    problem = prepare.prepare(q, q, q, AttentionOptions(backend=ReferenceBackend())).problem
     kept = ReferenceBackend()
     fa.flash_attn_func(q, q, q, backend=kept).sum().backward()
     entries = {key: value for key, value in problem.memo.items() if kept in key}

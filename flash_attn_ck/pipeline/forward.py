@@ -31,7 +31,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
                       prepared: PreparedCall | None = None):
     """`rng_state`: with dropout, the keep pattern of this `[seed, offset]` (checked by the caller); None draws one.
     `out`: the caller's output (like q), written in place; None allocates one. `prepared`: this call's
-    `prepare(q, k, v, options)` where the caller has it already (`memoised`: a hit, value checks run)."""
+    `prepare(q, k, v, options)` where the caller made it already (the eager entry does)."""
     # ---- validate and choose the backend before allocating anything ------------------------------
     call = prepare(q, k, v, options) if prepared is None else prepared
     problem = call.problem
