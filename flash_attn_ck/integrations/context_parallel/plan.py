@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from ...core.checks import check_learnable_sink
 from ...core.errors import ArgumentError
@@ -32,7 +33,7 @@ class StepCall:
 
 @dataclass(frozen=True)
 class Call:
-    group: object
+    group: dist.ProcessGroup
     world: int
     rank: int
     layout: str
@@ -44,6 +45,12 @@ class Call:
     inner: Call | None = None               # the hybrid's a2a group (this call is then its ring across groups)
     rng_rank: int | None = None              # this rank's index for the rng derivation (default: rank)
     step_dtype: torch.dtype | None = None    # out_dtype of the calls whose results are merged (`choose_step_dtype`)
+
+    def inner_call(self) -> Call:
+        """The hybrid's a2a call (only a hybrid call has one)."""
+        if self.inner is None:
+            raise TypeError(f"a {self.kv_exchange!r} call has no inner a2a call")
+        return self.inner
 
     @property
     def calls(self) -> int:
