@@ -1,10 +1,10 @@
 """The flash_attn_ck operators (namespace `flash_attn_ck`) and the autograd function around them.
 
 Ops are declared with `torch.library.define` + `impl` + `register_fake` rather than
-`@torch.library.custom_op`, and autograd is a `torch.autograd.Function` outside them: on the H200
-the custom_op wrapper and its registered autograd cost ~0.25 ms of host time per backward
-(`scripts/launch_overhead.py --breakdown`), as much as the kernels of a small call (PyTorch
-issues #139500, #176592). `torch.compile(fullgraph=True)` traces the Function and sees the ops
+`@torch.library.custom_op`, and autograd is a `torch.autograd.Function` outside them: the custom_op
+wrapper and its registered autograd cost as much host time per backward as the kernels of a small call
+take on the GPU (`scripts/launch_overhead.py --breakdown` measures it; PyTorch issues #139500, #176592).
+`torch.compile(fullgraph=True)` traces the Function and sees the ops
 through their fakes, so compiled graphs keep one opaque op per direction; in plain eager mode the
 Function calls the ops' implementations itself (`_direct`) and its backward reuses the forward's
 validated problem. Ops cannot return None:
@@ -228,9 +228,9 @@ def _direct(q) -> bool:
     """Whether the Function may call the ops' implementations directly instead of through the
     dispatcher: in plain eager mode (no compile tracing, no dispatch mode such as FakeTensorMode or
     FlopCounterMode, no tensor subclass), where the dispatcher would only box and unbox the 20-odd
-    arguments and call the same Python function (0.14 ms of host time per backward on the H200
-    host, `launch_overhead.py --breakdown`), and the backward can reuse the forward's validated
-    problem. Everywhere else the ops run, so graphs, fakes and modes see one opaque op per direction."""
+    arguments and call the same Python function (host time a small call feels, `launch_overhead.py
+    --breakdown`), and the backward can reuse the forward's validated problem.
+    Everywhere else the ops run, so graphs, fakes and modes see one opaque op per direction."""
     # is_compiling() first: dynamo folds it to True and never traces the mode query (the dispatch mode stack's
     # depth: what torch.utils._python_dispatch._get_current_dispatch_mode reads, without its Python wrapper).
     return not torch.compiler.is_compiling() and type(q) is torch.Tensor and not _len_torch_dispatch_stack()
@@ -354,8 +354,7 @@ def backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options: Attentio
 def _direct_backward(dout, q, k, v, out, softmax_lse) -> bool:
     """Whether `backward`/`backward_into` may run the ops' implementation directly, as `_direct` says for the
     forward, with every operand a plain tensor: the dispatcher would box ~25 arguments, and the implementation
-    rebuild and re-check the options the API has just built (48 -> 26 µs per call on the CPU with null kernels,
-    docs/host-path.md)."""
+    rebuild and re-check the options the API has just built (about half a small call's host time: bench/cpu.md)."""
     return _direct(q) and type(dout) is type(k) is type(v) is type(out) is type(softmax_lse) is torch.Tensor
 
 

@@ -160,7 +160,7 @@ BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, bwd_ws_tile, BWD_WS_DEFAULT_HEAD_DIMS
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
 # ---- varlen schedule (varlen_schedule.py) of the warp-specialised kernels (TritonBackend(varlen_schedule=...)) ------
-VARLEN_SCHEDULE = True   # H200: step 1.01-1.06x packed, 0.94-1.11x windows, 1.02-1.20x det (bench/*-varlen-schedule.md)
+VARLEN_SCHEDULE = True   # faster on packed documents, deterministic above all (bench/nvidia-h200.md)
 GRID_Y_MAX = 65535   # a CUDA grid's y dimension: a schedule of more items keeps the grid over every (batch, tile)
 
 # ---- warp-specialised forward (fwd_ws.py) on sm_90 ------------------------------------------------------
