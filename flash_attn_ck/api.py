@@ -225,7 +225,7 @@ def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     problem = describe_call(q, k, v, options)
     params = AttentionParams(q, k, v, *sequence_tensors(options))
     cap = workspace_cap(max_workspace_bytes)
-    report = {}
+    report: dict[str, ChunkPlan | str] = {}
     for name in backends:
         try:     # a backend whose module failed to import refuses to plan with its reason (registry.py)
             report[name] = plan_chunks(problem, backend_class(name)(), cap, params)
