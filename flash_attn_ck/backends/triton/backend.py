@@ -175,6 +175,8 @@ class TritonBackend(Backend):
     # convert to the output's element type: fp32 outputs of fp16/bf16 inputs need nothing else. The
     # warp-specialised kernels cannot (`_gluon_reasons`), so such calls run these.
     fp32_outputs_refusal = None
+    # Every kernel here loads q, k, v, out and dout with one head block (config.head_block of d).
+    value_head_dim_refusal = "the Triton kernels have one head block for q, k and v (d_v must equal d)"
 
     def __init__(self, gqa_epilogue: str | None = None, dq_mode: str | None = None,
                  use_tma: bool | None = None, configs: config.Configs | None = None,
