@@ -262,8 +262,8 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 _RETURNS = """
     Returns:
-        out, q's rows and heads with v's head dim d_v; with `return_attn_probs` (testing only) `(out, softmax_lse, probs)`: lse fp32
-        {lse}, probs {probs} softmax probabilities with dropped entries negated.
+        out, q's rows and heads with v's head dim d_v; with `return_attn_probs` (testing only)
+        `(out, softmax_lse, probs)`: lse fp32 {lse}, probs {probs} softmax probabilities with dropped entries negated.
 
     Raises:
         ArgumentError: a bad argument (the message names it). NoBackendError: no backend can run the call."""
