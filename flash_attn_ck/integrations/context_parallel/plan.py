@@ -106,7 +106,7 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
               cu_seqlens: torch.Tensor | None = None) -> Call:
     """Validate everything a context-parallel call needs, before any communication: the options (flash-attn's
     rules, `options`), the CP arguments, and the first kernel call's operands and backend; the `Call`.
-    q, k, v: this rank's (b, s / W, h, d) views (varlen (total / W, h, d))."""
+    q, k, v: this rank's (b, s / W, h, d) views (varlen (total / W, h, d)); v's head dim d_v may differ from d."""
     if kv_exchange not in KV_EXCHANGES:
         raise ArgumentError(f"kv_exchange: expected one of {KV_EXCHANGES}, got {kv_exchange!r}")
     if kv_exchange in ("ring", "a2a+ring") and options.window_size != (-1, -1):
