@@ -105,5 +105,5 @@ def test_a_group_of_one_with_d_v(one_process_group, case, compiled):
 
 def test_a_v_of_other_rows_is_refused_before_any_communication(one_process_group):
     q, k, v, _ = _inputs((2, 8), 4, 2)
-    with pytest.raises(ArgumentError, match=r"^v: expected shape \(2, 4, 2, 11\)"):
+    with pytest.raises(ArgumentError, match=r"^v: expected shape \(2, 8, 2, 11\), got \(2, 4, 2, 11\)"):
         context_parallel_attn(q, k, v[:, :4], causal=True, backend="reference")
