@@ -64,7 +64,8 @@ BAD_VARLEN = {
 
 def _tensor_variants(t: torch.Tensor, reference: bool = False):
     """Bad versions of a tensor argument: not a tensor, wrong dtype, meta, wrong shape, strided last dim.
-    `reference`: q, whose shape the others are checked against (a q of another head dim blames k)."""
+    `reference`: q or v, whose head dims are their own (a q of another head dim blames k, a v of another one out and
+    dout: `bad_calls` adds that case)."""
     out = [t.tolist() if t.numel() < 50 else None, t.to(torch.int32), t.to("meta"), t.unsqueeze(0)]
     if not reference and t.shape[-1] > 1:     # (a last dim of 1 is already that shape: not a bad value)
         out.append(t[..., :1].clone())
@@ -157,7 +158,9 @@ def bad_calls(draw):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         common.update(dq=dq, dk=dk, dv=dv)
         for name, t in positional.items():
-            cases += [(name, {name: bad}) for bad in _tensor_variants(t, name == "q") if bad is not None]
+            cases += [(name, {name: bad}) for bad in _tensor_variants(t, name in ("q", "v")) if bad is not None]
+        if d > 1:       # v of another head dim d_v than the forward's: out (and dout) no longer have v's
+            cases.append(("out", {"v": v[..., :1].clone()}))
         cases += [("dq", {"dq": q}), ("dk", {"dk": k}), ("dv", {"dv": v}), ("dq", {"dq": dout}), ("dq", {"dq": out}),
                   ("dk", {"dk": dv}),
                   ("dq", {"dq": dq.float()}), ("dq", {"dq": dq.to("meta")}), ("dv", {"dv": dv[..., :1]}),
@@ -182,7 +185,7 @@ def bad_calls(draw):
             if kind == "workspace":
                 cases += [(name, {name: bad}) for bad in (positional[name].to(torch.int32), [1.0])]
             else:
-                cases += [(name, {name: bad}) for bad in _tensor_variants(positional[name], name == "q")
+                cases += [(name, {name: bad}) for bad in _tensor_variants(positional[name], name in ("q", "v"))
                           if bad is not None]
     if kind not in ("workspace",):
         cases += [("alibi_slopes", {"alibi_slopes": bad}) for bad in (torch.ones(h, dtype=torch.float64),
