@@ -175,8 +175,6 @@ class TritonBackend(Backend):
     # convert to the output's element type: fp32 outputs of fp16/bf16 inputs need nothing else. The
     # warp-specialised kernels cannot (`_gluon_reasons`), so such calls run these.
     fp32_outputs_refusal = None
-    # Every kernel here loads q, k, v, out and dout with one head block (config.head_block of d).
-    value_head_dim_refusal = "the Triton kernels have one head block for q, k and v (d_v must equal d)"
 
     def __init__(self, gqa_epilogue: str | None = None, dq_mode: str | None = None,
                  use_tma: bool | None = None, configs: config.Configs | None = None,
@@ -237,7 +235,9 @@ class TritonBackend(Backend):
         if self.configs is not None:
             return self.configs
         cap = _capability(p.device) if p.device.type == "cuda" else None
-        return config.select(p.head_dim_padded, p.mask.is_causal, cap, _INTERPRETING, max(p.seqlen_q, p.seqlen_k))
+        # The tiles of the wider head block: v's where it is wider (its dV and out tiles are the larger ones).
+        return config.select(p.widest_head_dim_padded, p.mask.is_causal, cap, _INTERPRETING,
+                             max(p.seqlen_q, p.seqlen_k))
 
     @_per_problem
     def _dq_atomic(self, p: AttentionProblem) -> bool:
@@ -278,6 +278,8 @@ class TritonBackend(Backend):
             reasons.append(f"out_dtype {str(p.out_dtype).removeprefix('torch.')} (its TMA stores go through shared "
                            "tiles of the input dtype)")
         d = p.head_dim_padded
+        if p.head_dim_v_padded != d:
+            reasons.append(f"value head dim {p.head_dim_v} != head dim {p.head_dim} (the kernel has one head block)")
         if rule.tile(d, p.mask.is_causal, p.group_size) is None:
             reasons.append(f"head dim {d}: the kernel has tiles for head dims (padded to a power of two) "
                            f"{sorted(rule.tiles)}")
@@ -376,7 +378,17 @@ class TritonBackend(Backend):
         return build_schedule(params.cu_seqlens_q, params.cu_seqlens_k, *found)
 
     def _accumulate_kv(self, p: AttentionProblem) -> bool:
-        return p.is_gqa and self.gqa_epilogue == "accumulate"
+        """The GQA accumulator epilogue (fp32 dK/dV rows of one width): asked for, and where q/k and v have one
+        kernel head dim; else the key-tile programs loop over the group."""
+        return p.is_gqa and self.gqa_epilogue == "accumulate" and self._value_head_dim(p) is None
+
+    @staticmethod
+    def _value_head_dim(p: AttentionProblem) -> launch.ValueHeadDim | None:
+        """v's kernel head dim and block where they are not q/k's (padded head dims differ), else None: the
+        one-launch kernels then run as with one head dim."""
+        if p.head_dim_v_padded == p.head_dim_padded:
+            return None
+        return launch.ValueHeadDim(p.head_dim_v_padded, config.head_block(p.head_dim_v_padded))
 
     def _tma_plan(self, p: AttentionProblem, role: str, *tensors: torch.Tensor) -> str:
         """Which tiles of a `role` ("forward" or "backward") launch move through TMA descriptors: "all"
@@ -492,7 +504,7 @@ class TritonBackend(Backend):
         sizes = self._sizes(p, params.q.shape[-1])
         launch.forward(params.q, params.k, params.v, out, lse, self._sequence_args(p, params, lse), sizes, scores,
                        features, tile, config.head_block(sizes.head_dim),
-                       (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)).launch()
+                       (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q), self._value_head_dim(p)).launch()
 
     def _forward_ws(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                     lse: torch.Tensor) -> None:
@@ -592,7 +604,8 @@ class TritonBackend(Backend):
             "softmax_d must be strided like lse"
 
         # ---- 1. delta = rowsum(dO * O); zero the accumulators and semaphores ----
-        self._preprocess(p, out, dout, delta, (dq_acc, dk_acc, dv_acc, sems), sizes)
+        value = self._value_head_dim(p)
+        self._preprocess(p, out, dout, delta, (dq_acc, dk_acc, dv_acc, sems), sizes, value)
 
         # ---- 2. one launch: key-tile programs (dK/dV, and dQ in atomic mode), then the dQ pass ----
         kv, dq_tile = cfg.bwd_kv, cfg.bwd_dq
@@ -614,17 +627,18 @@ class TritonBackend(Backend):
                 ("EVEN_K", cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n)))
             launch.bwd_main(params.q, params.k, params.v, dout, lse, delta, dq_target, dk, dv, dk_acc, dv_acc, sems,
                             seq, p.batch, sizes, scores, features, kv, dq_tile, block_d,
-                            (programs, p.batch * prog_heads)).launch()
+                            (programs, p.batch * prog_heads), value).launch()
 
         # ---- 3. fp32 accumulators -> output dtype ----
         self._postprocess(p, dq, dk, dv, dq_acc, dk_acc, dv_acc, d)
 
     @staticmethod
     def _preprocess(p: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
-                    accumulators: tuple, sizes: launch.Sizes) -> None:
-        """delta = rowsum(dO * O) into `delta`; zero the plan's fp32 accumulators and semaphores (None: absent)."""
+                    accumulators: tuple, sizes: launch.Sizes, value: launch.ValueHeadDim | None = None) -> None:
+        """delta = rowsum(dO * O) into `delta` (over v's head dim, `value`'s where it is not q/k's); zero the plan's
+        fp32 accumulators and semaphores (None: absent)."""
         launch.bwd_preprocess(out, dout, delta, accumulators, p.batch, sizes, p.varlen,
-                              config.head_block(sizes.head_dim)).launch()
+                              config.head_block(sizes.head_dim), value=value).launch()
 
     @staticmethod
     def _postprocess(p: AttentionProblem, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,

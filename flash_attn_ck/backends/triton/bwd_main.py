@@ -30,8 +30,9 @@ bound no tile needs the mask (scores.block_needs_mask); config.Configs.bwd_even_
 
 Arguments (launch.bwd_main builds them): the inputs, grads (launch.Gradients), kv_acc
 (launch.KVAccumulators), seq (launch.SequenceArgs), strides (launch.BackwardStrides), batch, sizes
-(launch.Sizes), score_args (launch.ScoreArgs) and every compile-time flag above in features (launch.Features,
-constexpr), handed whole to the roles and to the helpers of scores.py.
+(launch.Sizes), score_args (launch.ScoreArgs), head_dim_v (v's, dO's and dV's head dim where it is not q/k's,
+else None; BLOCK_DV its block) and every compile-time flag above in features (launch.Features, constexpr), handed
+whole to the roles and to the helpers of scores.py.
 """
 
 import triton
@@ -57,9 +58,11 @@ from .scores import (
 
 @triton.jit
 def attn_bwd_kernel(
-        Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, sizes, score_args,
+        Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, sizes, score_args, head_dim_v,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, features: tl.constexpr):
+        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, features: tl.constexpr):
+    if head_dim_v is None:      # v's head dim is q/k's: the launch passes None, which is no kernel argument
+        head_dim_v = sizes.head_dim
     # ---- program -> role, sequence and program head ----
     prog_tile = tl.program_id(0)
     if features.LOOP_GROUP:
@@ -71,7 +74,7 @@ def attn_bwd_kernel(
     key_tiles = tl.cdiv(sizes.max_seqlen_k, BLOCK_N)
     if prog_tile < key_tiles:
         key_tile_dkdv(prog_tile, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, sizes,
-                      score_args, BLOCK_M, BLOCK_N, BLOCK_D, features)
+                      score_args, head_dim_v, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, features)
     elif not features.DQ_ATOMIC:
         # ---- dQ pass: query tile of one of the slot's query heads, counted from the last tile ----
         query_tiles = tl.cdiv(sizes.max_seqlen_q, DQ_BLOCK_M)
@@ -81,15 +84,16 @@ def attn_bwd_kernel(
         else:
             h = prog_head
         query_tile_dq(query_tiles - 1 - prog_tile % query_tiles, b, h, Q, K, V, dOut, Lse, Delta, grads.dq, seq,
-                      strides, sizes, score_args, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, features)
+                      strides, sizes, score_args, head_dim_v, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, BLOCK_DV, features)
 
 
 @triton.jit
 def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, sizes,
-                  score_args, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  features: tl.constexpr):
+                  score_args, head_dim_v, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, features: tl.constexpr):
     """One key tile of kv head hk (LOOP_GROUP: prog_head = hk) or query head prog_head (the accumulator epilogue, into
-    kv_acc; `batch` places its semaphore)."""
+    kv_acc; `batch` places its semaphore; only where head_dim_v is q/k's: the accumulators have one row width).
+    V, dO and dV have head_dim_v columns (BLOCK_DV)."""
     # ---- program -> kv head, its query heads, the key tile ----
     if features.LOOP_GROUP:
         hk = prog_head
@@ -114,20 +118,20 @@ def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_ac
     v_base = head_rows(V, strides.v_batch, strides.v_row, strides.v_head, b64, k_start, hk)
     k = load_rows(row_tiles(k_base, strides.k_row, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS),
                   strides.k_row, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
-    v = load_rows(row_tiles(v_base, strides.v_row, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS),
-                  strides.v_row, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
+    v = load_rows(row_tiles(v_base, strides.v_row, len_k, head_dim_v, BLOCK_N, BLOCK_DV, features.TMA_LOADS),
+                  strides.v_row, n0, len_k, head_dim_v, BLOCK_N, BLOCK_DV, features.TMA_LOADS)
     seed, offset = dropout_seed(seq, features)
     m_lo, m_hi = query_range(n0, len_q, shift, score_args, BLOCK_M, BLOCK_N, features)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for g in tl.range(0, n_heads, num_stages=1):
         # ---- one query head: its q / dO sources, lse and D rows, ALiBi slope ----
         h = h_first + g
         q_base = head_rows(Q, strides.q_batch, strides.q_row, strides.q_head, b64, q_start, h)
         q_src = row_tiles(q_base, strides.q_row, len_q, head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS)
         do_base = head_rows(dOut, strides.dout_batch, strides.dout_row, strides.dout_head, b64, q_start, h)
-        do_src = row_tiles(do_base, strides.dout_row, len_q, head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS)
+        do_src = row_tiles(do_base, strides.dout_row, len_q, head_dim_v, BLOCK_M, BLOCK_DV, features.TMA_LOADS)
         row_base = b64 * strides.lse_batch + h.to(tl.int64) * strides.lse_head + q_start
         slope = alibi_slope(seq, strides, b, h, features)
         for m0 in range(m_lo, m_hi, BLOCK_M):
@@ -135,7 +139,7 @@ def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_ac
             offs_m = m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < len_q
             q = load_rows(q_src, strides.q_row, m0, len_q, head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS)
-            do = load_rows(do_src, strides.dout_row, m0, len_q, head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS)
+            do = load_rows(do_src, strides.dout_row, m0, len_q, head_dim_v, BLOCK_M, BLOCK_DV, features.TMA_LOADS)
             lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
             delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
             qkT = tl.dot(k, tl.trans(q))
@@ -173,7 +177,7 @@ def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_ac
         dk_base = head_rows(grads.dk, strides.dk_batch, strides.dk_row, strides.dk_head, b64, k_start, hk)
         store_rows(dk, dk_base, strides.dk_row, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.USE_TMA)
         dv_base = head_rows(grads.dv, strides.dv_batch, strides.dv_row, strides.dv_head, b64, k_start, hk)
-        store_rows(dv, dv_base, strides.dv_row, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.USE_TMA)
+        store_rows(dv, dv_base, strides.dv_row, n0, len_k, head_dim_v, BLOCK_N, BLOCK_DV, features.USE_TMA)
     else:
         # ---- GQA accumulator epilogue: this query head's share, in rank order if deterministic ----
         lock = kv_acc.semaphores + (n_block * batch + b) * (sizes.heads // sizes.group) + hk

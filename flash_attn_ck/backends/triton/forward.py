@@ -5,8 +5,10 @@ is 0). MQA/GQA read K/V of head h // group directly (no expansion). Varlen tenso
 `(total, h, d)` with batch stride 0 and per-sequence starts from cu_seqlens.
 
 Arguments (launch.forward builds them): the tensors, seq (launch.SequenceArgs), strides
-(launch.ForwardStrides), sizes (launch.Sizes), score_args (launch.ScoreArgs) and the constexpr flags
-features (launch.Features; the forward reads USE_TMA for its store and TMA_LOADS, set alike, for its loads).
+(launch.ForwardStrides), sizes (launch.Sizes), score_args (launch.ScoreArgs), head_dim_v (v's and out's head
+dim where it is not q/k's, else None) and the constexpr flags features (launch.Features; the forward reads
+USE_TMA for its store and TMA_LOADS, set alike, for its loads). BLOCK_DV: v's head block (BLOCK_D when one head
+dim).
 """
 
 import triton
@@ -17,8 +19,11 @@ from .scores import LOG2E, alibi_shift, dropout_keep, key_range, key_tile_scores
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, features: tl.constexpr):
+def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args, head_dim_v,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    features: tl.constexpr):
+    if head_dim_v is None:      # v's head dim is q/k's: the launch passes None, which is no kernel argument
+        head_dim_v = sizes.head_dim
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // sizes.heads
@@ -31,18 +36,19 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args,
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < len_q
     q, k_src, v_src, slope, seed, offset = query_tile_operands(
-        Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, features)
+        Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, k_start, len_k, head_dim_v, BLOCK_M, BLOCK_N, BLOCK_D,
+        BLOCK_DV, features)
 
     # ---- online softmax over the visible key tiles (log2 units) ----
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     lo, hi = key_range(m0, len_k, shift, score_args, BLOCK_M, BLOCK_N, features)
     bias_shift = alibi_shift(len_q, len_k, shift, features)
     for n0 in range(lo, hi, BLOCK_N):
         cols, k, v, s, _ = key_tile_scores(q, k_src, v_src, strides.k_row, strides.v_row, offs_m, n0, offs_n, m0,
-                                           len_k, sizes.head_dim, shift, bias_shift, score_args, slope, BLOCK_M,
-                                           BLOCK_N, BLOCK_D, features)
+                                           len_k, sizes.head_dim, head_dim_v, shift, bias_shift, score_args, slope,
+                                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, features)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -63,6 +69,6 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args,
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
     b64 = b.to(tl.int64)
     out_base = head_rows(Out, strides.out_batch, strides.out_row, strides.out_head, b64, q_start, h)
-    store_rows(out, out_base, strides.out_row, m0, len_q, sizes.head_dim, BLOCK_M, BLOCK_D, features.USE_TMA)
+    store_rows(out, out_base, strides.out_row, m0, len_q, head_dim_v, BLOCK_M, BLOCK_DV, features.USE_TMA)
     lse_base = Lse + b64 * strides.lse_batch + h.to(tl.int64) * strides.lse_head + q_start
     tl.store(lse_base + offs_m, lse, mask=row_ok)
