@@ -8,9 +8,9 @@ Families: the older Triton kernels (forward; the backward's one launch in each m
 every feature set and at one query row, where ints equal to 1 become constants; and with v's own head dim d_v),
 compiled as a launch of their arguments specialises them; the warp-specialised Gluon kernels (fwd_ws, bwd_ws,
 bwd_ws_split) at every tile of their tables over each mask kind, varlen, the varlen schedule and the deterministic
-mode; the small kernels (D and zeroing, casts, zero fill, the outside-rows fill, the varlen schedule builder). Each variant is a launch spec
-(flash_attn_ck/backends/triton/launch.py) built by the functions backend.py launches through, so the signatures
-follow the kernels by construction.
+mode; the small kernels (D and zeroing, casts, zero fill, the outside-rows fill, the varlen schedule builder). Each
+variant is a launch spec (flash_attn_ck/backends/triton/launch.py) built by the functions backend.py launches
+through, so the signatures follow the kernels by construction.
 
     python scripts/triton_compile_check.py [--quick] [--only NAME_PART] [--dump DIR]
 """
