@@ -134,24 +134,25 @@ def value_head_dim_variants(names: str = ""):
     forward and the backward's group-loop and atomic-dQ modes (the accumulator epilogue has one row width), causal and
     with every score feature, dense and varlen, with the sm_90 tiles of the wider head block."""
     for d, d_v in VALUE_HEAD_DIMS:
-        block_d, value = config.head_block(d), launch.ValueHeadDim(d_v, config.head_block(d_v))
-        cfg = config.SM90[(max(block_d, value.block), True)]
+        block_d, block_dv = config.head_block(d), config.head_block(d_v)
+        cfg = config.SM90[(max(block_d, block_dv), True)]
         for tag in ("causal", "all"):
             for varlen in (False, True):
                 t = _Tensors(d, varlen, d_v=d_v)
                 fwd_tma = cfg.fwd_tma and not varlen
                 specs = [("", launch.forward(
                     t.q, t.k, t.v, t.out, t.lse, t.seq, t.sizes, t.scores,
-                    FEATURE_SETS[tag]._replace(VARLEN=varlen, USE_TMA=fwd_tma, TMA_LOADS=fwd_tma, EVEN_K=not varlen),
-                    cfg.forward, block_d, (1, 1), value))]
+                    FEATURE_SETS[tag]._replace(VARLEN=varlen, USE_TMA=fwd_tma, TMA_LOADS=fwd_tma, EVEN_K=not varlen,
+                                               HEAD_DIM_V=d_v, BLOCK_DV=block_dv),
+                    cfg.forward, block_d, (1, 1)))]
                 for atomic in (False, True):
                     features = FEATURE_SETS[tag]._replace(
                         VARLEN=varlen, LOOP_GROUP=True, DQ_ATOMIC=atomic, DETERMINISTIC=not atomic,
                         USE_TMA=not varlen, TMA_LOADS=not varlen and cfg.bwd_tma == "all", DP_FIRST=cfg.bwd_dp_first,
-                        EVEN_K=cfg.bwd_even_k and not varlen)
+                        EVEN_K=cfg.bwd_even_k and not varlen, HEAD_DIM_V=d_v, BLOCK_DV=block_dv)
                     specs.append((f" dq_atomic={atomic}", launch.bwd_main(
                         t.q, t.k, t.v, t.out, t.lse, t.lse, t.acc if atomic else t.q, t.k, t.v, None, None, None,
-                        t.seq, t.batch, t.sizes, t.scores, features, cfg.bwd_kv, cfg.bwd_dq, block_d, (1, 1), value)))
+                        t.seq, t.batch, t.sizes, t.scores, features, cfg.bwd_kv, cfg.bwd_dq, block_d, (1, 1))))
                 for role, spec in specs:
                     name = f"{spec.kernel.fn.__name__} d{d}/d_v{d_v} {tag} varlen={varlen}{role}"
                     if names in name:

@@ -17,8 +17,6 @@ from test_edge_cases import SETTINGS
 
 import flash_attn_ck as fa
 from cases import check_case, make_inputs
-from flash_attn_ck.backends.ck.backend import CkBackend
-from flash_attn_ck.backends.registry import backend_class
 from flash_attn_ck.core.errors import ArgumentError
 from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.mask import MaskInfo
@@ -97,8 +95,8 @@ def test_hypothesis_emulated_ck(cfg, seed):
 
 # ---- CK's head-dim buckets ----------------------------------------------------------------------------
 
-def _problem(head_dim, head_dim_v, device="cpu"):
-    return AttentionProblem(batch=1, seqlen_q=8, seqlen_k=8, heads_q=2, heads_k=2, head_dim=head_dim,
+def _problem(head_dim, head_dim_v, device="cpu", heads=(2, 2)):
+    return AttentionProblem(batch=1, seqlen_q=8, seqlen_k=8, heads_q=heads[0], heads_k=heads[1], head_dim=head_dim,
                             head_dim_v=head_dim_v, dtype=torch.bfloat16, device=torch.device(device),
                             mask=MaskInfo.from_flash_args(False, (-1, -1), 8, 8), softmax_scale=0.1)
 
@@ -140,21 +138,20 @@ def test_a_refused_ck_call_runs_elsewhere_or_says_why():
     assert select_backend(problem).name == "reference"
 
 
-# ---- the Triton backend: declared refusal -----------------------------------------------------------------
+# ---- the Triton backend: which kernels run d_v != d ---------------------------------------------------------
 
-def test_triton_refuses_d_v_other_than_d_in_words():
-    triton = backend_class("triton")
-    reasons = triton.not_supported_reasons(_problem(192, 128, "cuda"))
-    assert "value head dim 128 != head dim 192: the Triton kernels have one head block for q, k and v (d_v must " \
-           "equal d)" in reasons
-    assert not any("value head dim" in r for r in triton.not_supported_reasons(_problem(128, 128, "cuda")))
-    for cls in (CkBackend, backend_class("reference")):
-        assert cls.value_head_dim_refusal is None
-    q, k, v = torch.randn(1, 5, 2, 16, device="meta"), torch.randn(1, 6, 2, 16, device="meta"), \
-        torch.randn(1, 6, 2, 8, device="meta")
-    plans = fa.backward_workspace(q, k, v, backends=("reference", "triton"))
-    assert plans["triton"].startswith("value head dim 8 != head dim 16: the Triton kernels")
-    assert not isinstance(plans["reference"], str)
+def test_triton_runs_d_v_on_the_one_launch_kernels_and_says_why_not_the_others():
+    """The one-launch kernels take v's head dim (tests/test_triton_interpret.py runs them); the warp-specialised
+    kernels (one head block) and the GQA accumulator epilogue (one row width) say why they do not run such a call."""
+    from flash_attn_ck.backends.triton import TritonBackend
+    assert not any("head dim" in r for r in TritonBackend.not_supported_reasons(_problem(192, 128, "cuda")))
+    backend = TritonBackend(gqa_epilogue="accumulate")
+    problem = _problem(192, 128)        # (on the CPU: the Gluon reasons then ask no GPU for its capability)
+    why = "value head dim 128 != head dim 192 (the kernel has one head block)"
+    assert why in backend.ws_reasons(problem) and why in backend.fwd_ws_reasons(problem)
+    assert why not in backend.ws_reasons(_problem(192, 192))
+    assert not backend._accumulate_kv(_problem(192, 128, heads=(4, 2)))
+    assert backend._accumulate_kv(_problem(192, 190, heads=(4, 2)))     # padded alike: one kernel head dim
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

@@ -27,8 +27,6 @@ class Backend(abc.ABC):
     device_types: ClassVar[frozenset[str]] = frozenset()
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
     max_head_dim: ClassVar[int] = 256             # of q/k's head dim d and of v's d_v alike
-    # Why the kernels cannot run a value head dim d_v other than q/k's d, or None where they can.
-    value_head_dim_refusal: ClassVar[str | None] = None
     # The mask kinds the kernels run (core/mask.py); a call with another kind is refused in the kind's words.
     mask_kinds: ClassVar[frozenset[MaskKind]] = API_MASK_KINDS
     supports_alibi: ClassVar[bool] = True
@@ -76,9 +74,6 @@ class Backend(abc.ABC):
             reasons.append(f"head dim {problem.head_dim} > {cls.max_head_dim}")
         if problem.head_dim_v > cls.max_head_dim:
             reasons.append(f"value head dim {problem.head_dim_v} > {cls.max_head_dim}")
-        if problem.head_dim_v != problem.head_dim and cls.value_head_dim_refusal:
-            reasons.append(f"value head dim {problem.head_dim_v} != head dim {problem.head_dim}: "
-                           f"{cls.value_head_dim_refusal}")
         if problem.mask.kind not in cls.mask_kinds:
             reasons.append(f"mask: {problem.mask.kind.value} is not supported (runs: {describe_kinds(cls.mask_kinds)})")
         features = [("ALiBi", problem.has_alibi, cls.supports_alibi),

@@ -383,12 +383,17 @@ class TritonBackend(Backend):
         return p.is_gqa and self.gqa_epilogue == "accumulate" and self._value_head_dim(p) is None
 
     @staticmethod
-    def _value_head_dim(p: AttentionProblem) -> launch.ValueHeadDim | None:
-        """v's kernel head dim and block where they are not q/k's (padded head dims differ), else None: the
-        one-launch kernels then run as with one head dim."""
+    def _value_head_dim(p: AttentionProblem) -> tuple[int, int] | None:
+        """v's kernel head dim and block (launch.Features.HEAD_DIM_V, BLOCK_DV) where they are not q/k's (padded head
+        dims differ), else None: the one-launch kernels then run as with one head dim."""
         if p.head_dim_v_padded == p.head_dim_padded:
             return None
-        return launch.ValueHeadDim(p.head_dim_v_padded, config.head_block(p.head_dim_v_padded))
+        return p.head_dim_v_padded, config.head_block(p.head_dim_v_padded)
+
+    def _value_flags(self, p: AttentionProblem) -> tuple[tuple[str, int], tuple[str, int]]:
+        """The Features pairs of v's head dim and block: (0, q/k's block) with one head dim."""
+        head_dim_v, block_dv = self._value_head_dim(p) or (0, config.head_block(p.head_dim_padded))
+        return ("HEAD_DIM_V", head_dim_v), ("BLOCK_DV", block_dv)
 
     def _tma_plan(self, p: AttentionProblem, role: str, *tensors: torch.Tensor) -> str:
         """Which tiles of a `role` ("forward" or "backward") launch move through TMA descriptors: "all"
@@ -500,11 +505,11 @@ class TritonBackend(Backend):
         tile = cfg.forward
         use_tma = self._tma_plan(p, "forward", params.q, params.k, params.v, out) == "all"
         scores, features = self._scores_features(p, ("VARLEN", p.varlen), ("USE_TMA", use_tma), ("TMA_LOADS", use_tma),
-                                                 ("EVEN_K", self._even_keys(p, tile.block_n)))
+                                                 ("EVEN_K", self._even_keys(p, tile.block_n)), *self._value_flags(p))
         sizes = self._sizes(p, params.q.shape[-1])
         launch.forward(params.q, params.k, params.v, out, lse, self._sequence_args(p, params, lse), sizes, scores,
                        features, tile, config.head_block(sizes.head_dim),
-                       (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q), self._value_head_dim(p)).launch()
+                       (triton_cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)).launch()
 
     def _forward_ws(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                     lse: torch.Tensor) -> None:
@@ -624,17 +629,17 @@ class TritonBackend(Backend):
                 p, ("VARLEN", p.varlen), ("LOOP_GROUP", loop_group), ("DQ_ATOMIC", dq_acc is not None),
                 ("DETERMINISTIC", p.deterministic), ("USE_TMA", use_tma),
                 ("TMA_LOADS", use_tma and tma_mode == "all"), ("DP_FIRST", cfg.bwd_dp_first),
-                ("EVEN_K", cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n)))
+                ("EVEN_K", cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n)), *self._value_flags(p))
             launch.bwd_main(params.q, params.k, params.v, dout, lse, delta, dq_target, dk, dv, dk_acc, dv_acc, sems,
                             seq, p.batch, sizes, scores, features, kv, dq_tile, block_d,
-                            (programs, p.batch * prog_heads), value).launch()
+                            (programs, p.batch * prog_heads)).launch()
 
         # ---- 3. fp32 accumulators -> output dtype ----
         self._postprocess(p, dq, dk, dv, dq_acc, dk_acc, dv_acc, d)
 
     @staticmethod
     def _preprocess(p: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
-                    accumulators: tuple, sizes: launch.Sizes, value: launch.ValueHeadDim | None = None) -> None:
+                    accumulators: tuple, sizes: launch.Sizes, value: tuple[int, int] | None = None) -> None:
         """delta = rowsum(dO * O) into `delta` (over v's head dim, `value`'s where it is not q/k's); zero the plan's
         fp32 accumulators and semaphores (None: absent)."""
         launch.bwd_preprocess(out, dout, delta, accumulators, p.batch, sizes, p.varlen,

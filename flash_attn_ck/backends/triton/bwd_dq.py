@@ -9,20 +9,30 @@ Per key tile: s = Q K^T -> scores; p = exp2(s - lse); dp = drop(dO V^T);
 ds = p (dp - delta) [* (1 - tanh^2)]; dQ += ds K.
 
 features.USE_TMA / features.TMA_LOADS: the dQ store / the tile loads through TMA descriptors (row_io.py). Arguments
-as bwd_main.attn_bwd_kernel's (seq, strides, sizes, score_args, head_dim_v, features); dQ is its grads.dq.
+as bwd_main.attn_bwd_kernel's (seq, strides, sizes, score_args, features); dQ is its grads.dq.
 """
 
 import triton
 import triton.language as tl
 
 from .row_io import head_rows, load_rows, row_tiles, store_rows
-from .scores import LOG2E, alibi_shift, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
+from .scores import (
+    LOG2E,
+    alibi_shift,
+    dropout_keep,
+    key_range,
+    key_tile_scores,
+    query_tile_bounds,
+    query_tile_operands,
+    value_head_dim,
+)
 
 
 @triton.jit
-def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, sizes, score_args, head_dim_v,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  features: tl.constexpr):
+def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, sizes, score_args,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, features: tl.constexpr):
+    BLOCK_DV: tl.constexpr = features.BLOCK_DV       # dO's (v's) head block
+    head_dim_v = value_head_dim(sizes.head_dim, features)
     # ---- the query tile: bounds, q / dO tiles, lse and delta rows ----
     m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(m_block, b, seq, sizes, BLOCK_M, features)
     if m0 >= len_q:
@@ -32,8 +42,7 @@ def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, si
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < len_q
     q, k_src, v_src, slope, seed, offset = query_tile_operands(
-        Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, k_start, len_k, head_dim_v, BLOCK_M, BLOCK_N, BLOCK_D,
-        BLOCK_DV, features)
+        Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, features)
     b64 = b.to(tl.int64)
     do_base = head_rows(dOut, strides.dout_batch, strides.dout_row, strides.dout_head, b64, q_start, h)
     do = load_rows(row_tiles(do_base, strides.dout_row, len_q, head_dim_v, BLOCK_M, BLOCK_DV, features.TMA_LOADS),
@@ -48,8 +57,8 @@ def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, si
     bias_shift = alibi_shift(len_q, len_k, shift, features)
     for n0 in range(lo, hi, BLOCK_N):
         cols, k, v, s, tanh = key_tile_scores(q, k_src, v_src, strides.k_row, strides.v_row, offs_m, n0, offs_n, m0,
-                                              len_k, sizes.head_dim, head_dim_v, shift, bias_shift, score_args, slope,
-                                              BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, features)
+                                              len_k, sizes.head_dim, shift, bias_shift, score_args, slope, BLOCK_M,
+                                              BLOCK_N, BLOCK_D, features)
         if features.DP_FIRST:
             dp = tl.dot(do, tl.trans(v))
         p = tl.exp2(s - lse2[:, None])

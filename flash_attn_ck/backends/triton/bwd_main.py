@@ -30,9 +30,9 @@ bound no tile needs the mask (scores.block_needs_mask); config.Configs.bwd_even_
 
 Arguments (launch.bwd_main builds them): the inputs, grads (launch.Gradients), kv_acc
 (launch.KVAccumulators), seq (launch.SequenceArgs), strides (launch.BackwardStrides), batch, sizes
-(launch.Sizes), score_args (launch.ScoreArgs), head_dim_v (v's, dO's and dV's head dim where it is not q/k's,
-else None; BLOCK_DV its block) and every compile-time flag above in features (launch.Features, constexpr), handed
-whole to the roles and to the helpers of scores.py.
+(launch.Sizes), score_args (launch.ScoreArgs) and every compile-time flag above in features (launch.Features,
+constexpr; HEAD_DIM_V / BLOCK_DV: v's, dO's and dV's head dim and block), handed whole to the roles and to the
+helpers of scores.py.
 """
 
 import triton
@@ -53,16 +53,15 @@ from .scores import (
     query_range,
     scores_log2,
     sequence_bounds,
+    value_head_dim,
 )
 
 
 @triton.jit
 def attn_bwd_kernel(
-        Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, sizes, score_args, head_dim_v,
+        Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, sizes, score_args,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DQ_BLOCK_M: tl.constexpr, DQ_BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, features: tl.constexpr):
-    if head_dim_v is None:      # v's head dim is q/k's: the launch passes None, which is no kernel argument
-        head_dim_v = sizes.head_dim
+        BLOCK_D: tl.constexpr, features: tl.constexpr):
     # ---- program -> role, sequence and program head ----
     prog_tile = tl.program_id(0)
     if features.LOOP_GROUP:
@@ -74,7 +73,7 @@ def attn_bwd_kernel(
     key_tiles = tl.cdiv(sizes.max_seqlen_k, BLOCK_N)
     if prog_tile < key_tiles:
         key_tile_dkdv(prog_tile, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, sizes,
-                      score_args, head_dim_v, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, features)
+                      score_args, BLOCK_M, BLOCK_N, BLOCK_D, features)
     elif not features.DQ_ATOMIC:
         # ---- dQ pass: query tile of one of the slot's query heads, counted from the last tile ----
         query_tiles = tl.cdiv(sizes.max_seqlen_q, DQ_BLOCK_M)
@@ -84,16 +83,17 @@ def attn_bwd_kernel(
         else:
             h = prog_head
         query_tile_dq(query_tiles - 1 - prog_tile % query_tiles, b, h, Q, K, V, dOut, Lse, Delta, grads.dq, seq,
-                      strides, sizes, score_args, head_dim_v, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, BLOCK_DV, features)
+                      strides, sizes, score_args, DQ_BLOCK_M, DQ_BLOCK_N, BLOCK_D, features)
 
 
 @triton.jit
 def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_acc, seq, strides, batch, sizes,
-                  score_args, head_dim_v, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, features: tl.constexpr):
+                  score_args, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  features: tl.constexpr):
     """One key tile of kv head hk (LOOP_GROUP: prog_head = hk) or query head prog_head (the accumulator epilogue, into
-    kv_acc; `batch` places its semaphore; only where head_dim_v is q/k's: the accumulators have one row width).
-    V, dO and dV have head_dim_v columns (BLOCK_DV)."""
+    kv_acc; `batch` places its semaphore; only with one head dim: the accumulators have one row width). V, dO and dV
+    have v's head dim (scores.value_head_dim) in BLOCK_DV columns."""
+    BLOCK_DV: tl.constexpr = features.BLOCK_DV
     # ---- program -> kv head, its query heads, the key tile ----
     if features.LOOP_GROUP:
         hk = prog_head
@@ -104,6 +104,7 @@ def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_ac
         h_first = prog_head
         n_heads = 1
     head_dim = sizes.head_dim
+    head_dim_v = value_head_dim(head_dim, features)
     q_start, len_q = sequence_bounds(seq.cu_seqlens_q, b, sizes.max_seqlen_q, features.VARLEN)
     k_start, len_k = sequence_bounds(seq.cu_seqlens_k, b, sizes.max_seqlen_k, features.VARLEN)
     n0 = n_block * BLOCK_N

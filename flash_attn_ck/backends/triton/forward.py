@@ -5,25 +5,31 @@ is 0). MQA/GQA read K/V of head h // group directly (no expansion). Varlen tenso
 `(total, h, d)` with batch stride 0 and per-sequence starts from cu_seqlens.
 
 Arguments (launch.forward builds them): the tensors, seq (launch.SequenceArgs), strides
-(launch.ForwardStrides), sizes (launch.Sizes), score_args (launch.ScoreArgs), head_dim_v (v's and out's head
-dim where it is not q/k's, else None) and the constexpr flags features (launch.Features; the forward reads
-USE_TMA for its store and TMA_LOADS, set alike, for its loads). BLOCK_DV: v's head block (BLOCK_D when one head
-dim).
+(launch.ForwardStrides), sizes (launch.Sizes), score_args (launch.ScoreArgs) and the constexpr flags
+features (launch.Features; the forward reads USE_TMA for its store and TMA_LOADS, set alike, for its loads, and
+HEAD_DIM_V / BLOCK_DV for v's and out's head dim and block, scores.value_head_dim).
 """
 
 import triton
 import triton.language as tl
 
 from .row_io import head_rows, store_rows
-from .scores import LOG2E, alibi_shift, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
+from .scores import (
+    LOG2E,
+    alibi_shift,
+    dropout_keep,
+    key_range,
+    key_tile_scores,
+    query_tile_bounds,
+    query_tile_operands,
+    value_head_dim,
+)
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args, head_dim_v,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    features: tl.constexpr):
-    if head_dim_v is None:      # v's head dim is q/k's: the launch passes None, which is no kernel argument
-        head_dim_v = sizes.head_dim
+def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, features: tl.constexpr):
+    BLOCK_DV: tl.constexpr = features.BLOCK_DV       # v's and out's head block (BLOCK_D with one head dim)
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // sizes.heads
@@ -36,8 +42,7 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args, head_dim
     offs_n = tl.arange(0, BLOCK_N)
     row_ok = offs_m < len_q
     q, k_src, v_src, slope, seed, offset = query_tile_operands(
-        Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, k_start, len_k, head_dim_v, BLOCK_M, BLOCK_N, BLOCK_D,
-        BLOCK_DV, features)
+        Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, features)
 
     # ---- online softmax over the visible key tiles (log2 units) ----
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -47,8 +52,8 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args, head_dim
     bias_shift = alibi_shift(len_q, len_k, shift, features)
     for n0 in range(lo, hi, BLOCK_N):
         cols, k, v, s, _ = key_tile_scores(q, k_src, v_src, strides.k_row, strides.v_row, offs_m, n0, offs_n, m0,
-                                           len_k, sizes.head_dim, head_dim_v, shift, bias_shift, score_args, slope,
-                                           BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, features)
+                                           len_k, sizes.head_dim, shift, bias_shift, score_args, slope, BLOCK_M,
+                                           BLOCK_N, BLOCK_D, features)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_safe[:, None])
@@ -69,6 +74,7 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args, head_dim
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
     b64 = b.to(tl.int64)
     out_base = head_rows(Out, strides.out_batch, strides.out_row, strides.out_head, b64, q_start, h)
-    store_rows(out, out_base, strides.out_row, m0, len_q, head_dim_v, BLOCK_M, BLOCK_DV, features.USE_TMA)
+    store_rows(out, out_base, strides.out_row, m0, len_q, value_head_dim(sizes.head_dim, features), BLOCK_M, BLOCK_DV,
+               features.USE_TMA)
     lse_base = Lse + b64 * strides.lse_batch + h.to(tl.int64) * strides.lse_head + q_start
     tl.store(lse_base + offs_m, lse, mask=row_ok)

@@ -59,6 +59,11 @@ class Features(NamedTuple):
     DQ_ATOMIC: bool = False      # dQ added into an fp32 buffer by the key-tile programs (no dQ pass)
     DETERMINISTIC: bool = False  # the GQA accumulator epilogue's adds ordered by semaphores
     DP_FIRST: bool = False       # dO V^T issued before exp2(S - lse) (config.Configs.bwd_dp_first)
+    # forward and backward: v's (out's, dO's, dV's) head dim where it is not q/k's, else 0 (scores.value_head_dim: q/k's
+    # sizes.head_dim), and its power-of-two block (0: the spec builders make it BLOCK_D). Compile-time: a kernel
+    # variant per value head dim; with one head dim the kernels are the one-head-dim kernels, unchanged.
+    HEAD_DIM_V: int = 0
+    BLOCK_DV: int = 0
 
 
 class MaskFlags(NamedTuple):
@@ -92,14 +97,6 @@ class Sizes(NamedTuple):
     max_seqlen_q: int
     max_seqlen_k: int
     head_dim: int
-
-
-class ValueHeadDim(NamedTuple):
-    """v's head dim where it is not q/k's (out, dO and dV have it): the kernels' runtime `head_dim_v` and constexpr
-    `BLOCK_DV`. A call with one head dim passes none: `head_dim_v` None (no kernel argument) and BLOCK_DV = BLOCK_D,
-    so those kernels are the one-head-dim kernels unchanged."""
-    head_dim: int
-    block: int
 
 
 class ScoreArgs(NamedTuple):
@@ -444,30 +441,30 @@ def current_device_and_stream() -> tuple[int, int]:
 
 # ---- the kernels' specs --------------------------------------------------------------------------
 
-def _value_args(value: ValueHeadDim | None, block_d: int) -> tuple[int | None, int]:
-    """(head_dim_v, BLOCK_DV) of a launch: None and block_d where v's head dim is q/k's."""
-    return (None, block_d) if value is None else (value.head_dim, value.block)
+def _with_value_block(features: Features, block_d: int) -> Features:
+    """`features` with v's head block: its own, else block_d (the backend names it: no copy on its launch path)."""
+    return features if features.BLOCK_DV else features._replace(BLOCK_DV=block_d)
 
 
 def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArgs, features: Features,
-            tile: Tile, block_d: int, grid: tuple[int, int], value: ValueHeadDim | None = None) -> LaunchSpec:
+            tile: Tile, block_d: int, grid: tuple[int, int]) -> LaunchSpec:
     from .forward import attn_fwd_kernel
-    head_dim_v, block_dv = _value_args(value, block_d)
+    features = _with_value_block(features, block_d)
     varlen = features.VARLEN
     strides = ForwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(out, varlen),
                              *lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
     return LaunchSpec(attn_fwd_kernel, grid, dict(
         Q=q, K=k, V=v, Out=out, Lse=lse, seq=seq, strides=strides, sizes=sizes, score_args=scores,
-        head_dim_v=head_dim_v, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        features=features),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, features=features),
         tile.num_warps, tile.num_stages)
 
 
 def bwd_preprocess(out, dout, delta, zero: tuple[torch.Tensor | None, ...], batch: int,
                    sizes: Sizes, varlen: bool, block_d: int, block_m: int = 64,
-                   value: ValueHeadDim | None = None) -> LaunchSpec:
-    """delta = rowsum(dO * O) into `delta` (over v's head dim: `value`'s where it is not q/k's); zero the buffers of
-    `zero` (dq, dk, dv accumulators, semaphores; None where the plan has none)."""
+                   value: tuple[int, int] | None = None) -> LaunchSpec:
+    """delta = rowsum(dO * O) into `delta` (over v's head dim: `value` = (head dim, block) where it is not q/k's,
+    Features.HEAD_DIM_V and BLOCK_DV); zero the buffers of `zero` (dq, dk, dv accumulators, semaphores; None where
+    the plan has none)."""
     head_dim, block_d = (sizes.head_dim, block_d) if value is None else value
     from .bwd_preprocess import ZERO_BLOCK, bwd_preprocess_kernel
     # A varlen call's delta is per packed row whichever sequence holds it: one grid over the rows, as one batch entry,
@@ -487,13 +484,13 @@ def bwd_preprocess(out, dout, delta, zero: tuple[torch.Tensor | None, ...], batc
 
 def bwd_main(q, k, v, dout, lse, delta, dq, dk, dv, dk_acc, dv_acc, sems, seq: SequenceArgs, batch: int,
              sizes: Sizes, scores: ScoreArgs, features: Features, kv: Tile, dq_tile: Tile, block_d: int,
-             grid: tuple[int, int], value: ValueHeadDim | None = None) -> LaunchSpec:
+             grid: tuple[int, int]) -> LaunchSpec:
     """The backward's one launch (bwd_main.attn_bwd_kernel). dq is the fp32 accumulator in the atomic
-    mode; dk_acc/dv_acc/sems are None where the plan has none (always, with `value`: the accumulators have one
-    row width)."""
+    mode; dk_acc/dv_acc/sems are None where the plan has none (always with features.HEAD_DIM_V: the accumulators have
+    one row width)."""
     from .bwd_main import attn_bwd_kernel
-    assert value is None or dk_acc is None, "the dK/dV accumulators have q/k's head dim only"
-    head_dim_v, block_dv = _value_args(value, block_d)
+    assert features.LOOP_GROUP or not features.HEAD_DIM_V, "the dK/dV accumulators have q/k's head dim only"
+    features = _with_value_block(features, block_d)
     varlen, d = features.VARLEN, sizes.head_dim
     total_k = dk.shape[0] if varlen else sizes.max_seqlen_k
     heads_k = sizes.heads // sizes.group
@@ -505,9 +502,8 @@ def bwd_main(q, k, v, dout, lse, delta, dq, dk, dv, dk_acc, dv_acc, sems, seq: S
                             sems if sems is not None else delta)
     return LaunchSpec(attn_bwd_kernel, grid, dict(
         Q=q, K=k, V=v, dOut=dout, Lse=lse, Delta=delta, grads=Gradients(dq, dk, dv), kv_acc=kv_acc, seq=seq,
-        strides=strides, batch=batch, sizes=sizes, score_args=scores, head_dim_v=head_dim_v, BLOCK_M=kv.block_m,
-        BLOCK_N=kv.block_n, DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n, BLOCK_D=block_d,
-        BLOCK_DV=block_dv, features=features),
+        strides=strides, batch=batch, sizes=sizes, score_args=scores, BLOCK_M=kv.block_m, BLOCK_N=kv.block_n,
+        DQ_BLOCK_M=dq_tile.block_m, DQ_BLOCK_N=dq_tile.block_n, BLOCK_D=block_d, features=features),
         kv.num_warps, kv.num_stages)
 
 
