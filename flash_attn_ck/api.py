@@ -79,9 +79,8 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         rng_state: with dropout, draw the keep pattern of this int64 `[seed, offset]` (one per block of a
             context-parallel ring) instead of a fresh one from torch's generator; ignored without dropout.
         out: written in place and returned instead of a new tensor: q's rows and heads, v's head dim d_v,
-            q's dtype and device, a unit
-            last stride (any other strides), sharing no memory with an input, not an inference tensor outside
-            inference_mode. Not differentiable: with out, q, k, v, alibi_slopes and out must not require grad
+            q's dtype and device, a unit last stride (any other strides), sharing no memory with an input, not an
+            inference tensor outside inference_mode. Not differentiable: with out, q, k, v, alibi_slopes and out must not require grad
             while grad mode is on.
         out_dtype: None (q's dtype), or torch.float32 for fp16/bf16 q: out in fp32, the kernel's result before
             its rounding to q's dtype, for callers that merge partial outputs (context parallelism does). Not
