@@ -80,8 +80,8 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
             context-parallel ring) instead of a fresh one from torch's generator; ignored without dropout.
         out: written in place and returned instead of a new tensor: q's rows and heads, v's head dim d_v,
             q's dtype and device, a unit last stride (any other strides), sharing no memory with an input, not an
-            inference tensor outside inference_mode. Not differentiable: with out, q, k, v, alibi_slopes and out must not require grad
-            while grad mode is on.
+            inference tensor outside inference_mode. Not differentiable: with out, q, k, v, alibi_slopes and out
+            must not require grad while grad mode is on.
         out_dtype: None (q's dtype), or torch.float32 for fp16/bf16 q: out in fp32, the kernel's result before
             its rounding to q's dtype, for callers that merge partial outputs (context parallelism does). Not
             differentiable (as `out`); backends that cannot write fp32 refuse the call with their reason (CK,
