@@ -1,9 +1,10 @@
 """A value head dim of its own: q, k with head dim d, v (and out, dout, dv) with d_v, any d, d_v <= 256.
 
 Against the float64 oracle on the reference backend and the emulated CK backend (tests/ck_emulator.py; hypothesis
-over shapes, masks, GQA and varlen); CK's head-dim buckets as the backend's refusal; the Triton backend's declared
-refusal; bad input (d_v > 256, out's or dout's head dim not v's) refused naming the argument before anything is
-written; the ops' fakes, torch.compile (fullgraph), chunked backwards and the workspace plan with d_v != d."""
+over shapes, masks, GQA and varlen); CK's head-dim buckets as the backend's refusal; which Triton kernels run it
+(the one-launch kernels themselves: tests/test_triton_interpret.py); bad input (d_v > 256, out's or dout's head
+dim not v's) refused naming the argument before anything is written; the ops' fakes, torch.compile (fullgraph),
+chunked backwards and the workspace plan with d_v != d."""
 
 from __future__ import annotations
 
