@@ -7,7 +7,9 @@ options once (`AttentionOptions`); packed variants pass views of the packed tens
 into it without copies.
 
 Shapes: b batch, s_q/s_k query/key lengths, h query heads, h_k key/value heads (h_k divides h),
-d head dim (<= 256); varlen: total_q/total_k packed rows, cu_seqlens int32 (b + 1,) offsets.
+d the head dim of q and k, d_v that of v (and so of out, dout and dv; d_v may differ from d, both <= 256);
+varlen: total_q/total_k packed rows, cu_seqlens int32 (b + 1,) offsets. Packed variants (qkv, kv) hold q/k
+and v in one tensor, so there d_v = d necessarily.
 """
 
 from __future__ import annotations
@@ -65,7 +67,9 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
 
     Args:
         q: (b, s_q, h, d), or varlen (total_q, h, d); fp16, bf16, fp32 or fp64.
-        k, v: (b, s_k, h_k, d), or varlen (total_k, h_k, d); q's dtype and device.
+        k: (b, s_k, h_k, d), or varlen (total_k, h_k, d); q's dtype and device.
+        v: (b, s_k, h_k, d_v), or varlen (total_k, h_k, d_v): k's rows and heads, its own head dim d_v <= 256
+            (out has it too); q's dtype and device.
         cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: varlen offsets and longest lengths
             (all four, or none for the batch layout).
         seqused_k: varlen only, int32 (b,) on q's device: sequence i attends only its first `seqused_k[i]`
@@ -74,17 +78,18 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
         return_attn_probs: also return the probabilities (testing only).
         rng_state: with dropout, draw the keep pattern of this int64 `[seed, offset]` (one per block of a
             context-parallel ring) instead of a fresh one from torch's generator; ignored without dropout.
-        out: written in place and returned instead of a new tensor: q's shape, dtype and device, a unit
-            last stride (any other strides), sharing no memory with an input, not an inference tensor outside
-            inference_mode. Not differentiable: with out, q, k, v, alibi_slopes and out must not require grad
-            while grad mode is on.
+        out: written in place and returned instead of a new tensor: q's rows and heads, v's head dim d_v,
+            q's dtype and device, a unit last stride (any other strides), sharing no memory with an input, not an
+            inference tensor outside inference_mode. Not differentiable: with out, q, k, v, alibi_slopes and out
+            must not require grad while grad mode is on.
         out_dtype: None (q's dtype), or torch.float32 for fp16/bf16 q: out in fp32, the kernel's result before
             its rounding to q's dtype, for callers that merge partial outputs (context parallelism does). Not
             differentiable (as `out`); backends that cannot write fp32 refuse the call with their reason (CK,
             and the warp-specialised Triton kernels, which the Triton backend then passes over).{common}
 
     Returns:
-        `(out, softmax_lse, rng_state)`, plus `probs` with `return_attn_probs`: out like q (dtype `out_dtype`); lse fp32
+        `(out, softmax_lse, rng_state)`, plus `probs` with `return_attn_probs`: out (b, s_q, h, d_v) or varlen
+        (total_q, h, d_v) (dtype `out_dtype`); lse fp32
         (b, h, s_q) or varlen (h, total_q) (with a sink: over the keys and the sink); rng_state int64 [seed, offset]
         with dropout, else None;
         probs (b, h, s_q, s_k) with dropped entries negated.
@@ -142,7 +147,8 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
     """The backward alone, shaped like flash-attention's `mha_bwd`.
 
     Args:
-        dout, out: like q. q, k, v and the options (seqused_k included): as given to `flash_attn_fwd`.
+        dout, out: q's rows and heads, v's head dim d_v. q, k, v and the options (seqused_k included): as given to
+            `flash_attn_fwd`.
         softmax_lse, rng_state: what `flash_attn_fwd` returned (rng_state only with dropout).
         dq, dk, dv: preallocated gradients, written in place (checked for dtype, device, last-dim
             stride, shape); missing ones are allocated.
@@ -155,7 +161,7 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
             result has `dsink` too.{common}
 
     Returns:
-        `(dq, dk, dv, softmax_d)`, and `dsink` after them with a learnable_sink: dq like q, dk/dv like k (dtype
+        `(dq, dk, dv, softmax_d)`, and `dsink` after them with a learnable_sink: dq like q, dk like k, dv like v (dtype
         `out_dtype`); softmax_d = rowsum(dout * out), like lse; dsink like learnable_sink.
 
     Raises:
@@ -250,8 +256,8 @@ def _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, 
 
 _RETURNS = """
     Returns:
-        out, like q; with `return_attn_probs` (testing only) `(out, softmax_lse, probs)`: lse fp32
-        {lse}, probs {probs} softmax probabilities with dropped entries negated.
+        out, q's rows and heads with v's head dim d_v; with `return_attn_probs` (testing only)
+        `(out, softmax_lse, probs)`: lse fp32 {lse}, probs {probs} softmax probabilities with dropped entries negated.
 
     Raises:
         ArgumentError: a bad argument (the message names it). NoBackendError: no backend can run the call."""
@@ -276,7 +282,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 
     Args:
         q: (b, s_q, h, d); fp16, bf16, fp32 or fp64.
-        k, v: (b, s_k, h_k, d), q's dtype and device.{common}
+        k: (b, s_k, h_k, d), q's dtype and device.
+        v: (b, s_k, h_k, d_v), d_v <= 256 (out has it; d_v may differ from d), q's dtype and device.{common}
 {returns}
     """
     return _attention(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -290,7 +297,8 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     """`flash_attn_func` on q, k, v packed in one tensor (self-attention, h_k = h).
 
     Args:
-        qkv: (b, s, 3, h, d); its gradient flows into the packed tensor.{common}
+        qkv: (b, s, 3, h, d); its gradient flows into the packed tensor. One tensor holds q, k and v, so
+            d_v = d (pass q, k, v to `flash_attn_func` for a value head dim of its own).{common}
 {returns}
     """
     check_tensor("qkv", qkv, 5)
@@ -309,7 +317,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 
     Args:
         q: (b, s_q, h, d).
-        kv: (b, s_k, 2, h_k, d), q's dtype and device.{common}
+        kv: (b, s_k, 2, h_k, d), q's dtype and device: k and v in one tensor, so d_v = d.{common}
 {returns}
     """
     check_tensor("kv", kv, 5)
@@ -327,7 +335,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """`flash_attn_func` on sequences of different lengths packed along the first dim.
 
     Args:
-        q: (total_q, h, d). k, v: (total_k, h_k, d).
+        q: (total_q, h, d). k: (total_k, h_k, d). v: (total_k, h_k, d_v), its own head dim (out has it).
         cu_seqlens_q, cu_seqlens_k: int32 (b + 1,) offsets of each sequence's rows, from 0.
         max_seqlen_q, max_seqlen_k: the longest query / key length.
         block_table: must be None (paged KV caches are not supported).
@@ -352,7 +360,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     """`flash_attn_varlen_func` on q, k, v packed in one tensor (self-attention, h_k = h).
 
     Args:
-        qkv: (total, 3, h, d).
+        qkv: (total, 3, h, d): one tensor, so d_v = d.
         cu_seqlens: int32 (b + 1,) offsets, for queries and keys. max_seqlen: the longest sequence.{common}
 {returns}
     """
@@ -389,7 +397,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     """`flash_attn_varlen_func` with k and v packed in one tensor.
 
     Args:
-        q: (total_q, h, d). kv: (total_k, 2, h_k, d).
+        q: (total_q, h, d). kv: (total_k, 2, h_k, d): one tensor, so d_v = d.
         cu_seqlens_q, cu_seqlens_k: int32 (b + 1,) offsets. max_seqlen_q, max_seqlen_k: the longest lengths.{common}
 {returns}
     """

@@ -154,10 +154,12 @@ torch.library.impl("flash_attn_ck::fwd_out", "CompositeExplicitAutograd", torch.
 
 @torch.library.register_fake("flash_attn_ck::fwd")
 def _(q, k, v, *flat, rng_state=None):
-    d = q.shape[-1]
+    results = _fake_results(q, k, v, flat)      # the checks first: v's head dim is read below
+    head_dim_v = v.shape[-1]      # out: q's rows and heads, v's head dim
     # out is a view of a buffer padded to a multiple of 8, exactly as the real op returns it.
-    out = q.new_empty((*q.shape[:-1], pad_head_dim(d)), dtype=_unflatten(flat, _FWD).out_dtype)[..., :d]
-    return out, *_fake_results(q, k, v, flat)
+    out = q.new_empty((*q.shape[:-1], pad_head_dim(head_dim_v)),
+                      dtype=_unflatten(flat, _FWD).out_dtype)[..., :head_dim_v]
+    return out, *results
 
 
 @torch.library.register_fake("flash_attn_ck::fwd_out")

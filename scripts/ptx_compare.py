@@ -10,7 +10,8 @@ the two trees at once) for sm_90a:
   - the older Triton kernels (attn_fwd_kernel; attn_bwd_kernel, whose dQ pass is its query-tile role) at every head
     block of the sm_90 table over scripts/triton_compile_check.py's variants (plain, causal, a window with ALiBi,
     softcap and dropout, a top-left window with ALiBi; dense and varlen; the backward's modes), each specialised
-    as a launch of its arguments would be (ints equal to 1 constant, divisibility by 16);
+    as a launch of its arguments would be (ints equal to 1 constant, divisibility by 16), and with v's own head dim
+    (triton_compile_check.value_head_dim_variants);
 (NAME_PART: only the variants whose names contain it, e.g. "fwd_ws", "attn_bwd_kernel" or "d128"), strips what
 only debug information carries (`.loc`, `.file`, comments, `$L__tmp` labels, the debug sections) and prints, per
 variant, IDENTICAL or the number of differing lines. Identical PTX means identical machine code: GPU results of
@@ -44,11 +45,12 @@ def strip_debug(ptx: str) -> str:
 def specs(names: str = ""):
     """(variant name, launch spec) of every variant whose name contains `names` (all by default) at every head dim of
     the tile tables: scripts/triton_compile_check.py's warp-specialised and older kernels."""
-    from triton_compile_check import gluon_variants, older_variants
+    from triton_compile_check import gluon_variants, older_variants, value_head_dim_variants
 
     from flash_attn_ck.backends.triton import config
     yield from gluon_variants(sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90)), names)
     yield from older_variants(sorted({d for d, _ in config.SM90}), names)
+    yield from value_head_dim_variants(names)
 
 
 def dump(names: str = "") -> dict[str, str]:

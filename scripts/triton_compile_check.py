@@ -5,12 +5,12 @@ pipeline and ptxas failures under any Triton release before spending device time
 under each supported release).
 
 Families: the older Triton kernels (forward; the backward's one launch in each mode, GQA group loop included, at
-every feature set and at one query row, where ints equal to 1 become constants), compiled as a launch of their
-arguments specialises them; the warp-specialised Gluon kernels (fwd_ws, bwd_ws, bwd_ws_split) at every tile of their
-tables over each mask kind, varlen, the varlen schedule and the deterministic mode; the small kernels (D and zeroing,
-casts, zero fill, the outside-rows fill, the varlen schedule builder). Each variant is a launch spec
-(flash_attn_ck/backends/triton/launch.py) built by the functions backend.py launches through, so the signatures
-follow the kernels by construction.
+every feature set and at one query row, where ints equal to 1 become constants; and with v's own head dim d_v),
+compiled as a launch of their arguments specialises them; the warp-specialised Gluon kernels (fwd_ws, bwd_ws,
+bwd_ws_split) at every tile of their tables over each mask kind, varlen, the varlen schedule and the deterministic
+mode; the small kernels (D and zeroing, casts, zero fill, the outside-rows fill, the varlen schedule builder). Each
+variant is a launch spec (flash_attn_ck/backends/triton/launch.py) built by the functions backend.py launches
+through, so the signatures follow the kernels by construction.
 
     python scripts/triton_compile_check.py [--quick] [--only NAME_PART] [--dump DIR]
 """
@@ -125,6 +125,40 @@ def variants(block_ds):
                         t.sems, t.seq, t.batch, t.sizes, t.scores, features, cfg.bwd_kv, cfg.bwd_dq, block_d, (1, 1))
 
 
+# (d, d_v) of the value-head-dim variants: MLA's pair (v's block narrower) and a v wider than q/k.
+VALUE_HEAD_DIMS = ((192, 128), (64, 128))
+
+
+def value_head_dim_variants(names: str = ""):
+    """(name, launch spec) of the older kernels with v's own head dim (head_dim_v, BLOCK_DV) at VALUE_HEAD_DIMS: the
+    forward and the backward's group-loop and atomic-dQ modes (the accumulator epilogue has one row width), causal and
+    with every score feature, dense and varlen, with the sm_90 tiles of the wider head block."""
+    for d, d_v in VALUE_HEAD_DIMS:
+        block_d, block_dv = config.head_block(d), config.head_block(d_v)
+        cfg = config.SM90[(max(block_d, block_dv), True)]
+        for tag in ("causal", "all"):
+            for varlen in (False, True):
+                t = _Tensors(d, varlen, d_v=d_v)
+                fwd_tma = cfg.fwd_tma and not varlen
+                specs = [("", launch.forward(
+                    t.q, t.k, t.v, t.out, t.lse, t.seq, t.sizes, t.scores,
+                    FEATURE_SETS[tag]._replace(VARLEN=varlen, USE_TMA=fwd_tma, TMA_LOADS=fwd_tma, EVEN_K=not varlen,
+                                               HEAD_DIM_V=d_v, BLOCK_DV=block_dv),
+                    cfg.forward, block_d, (1, 1)))]
+                for atomic in (False, True):
+                    features = FEATURE_SETS[tag]._replace(
+                        VARLEN=varlen, LOOP_GROUP=True, DQ_ATOMIC=atomic, DETERMINISTIC=not atomic,
+                        USE_TMA=not varlen, TMA_LOADS=not varlen and cfg.bwd_tma == "all", DP_FIRST=cfg.bwd_dp_first,
+                        EVEN_K=cfg.bwd_even_k and not varlen, HEAD_DIM_V=d_v, BLOCK_DV=block_dv)
+                    specs.append((f" dq_atomic={atomic}", launch.bwd_main(
+                        t.q, t.k, t.v, t.out, t.lse, t.lse, t.acc if atomic else t.q, t.k, t.v, None, None, None,
+                        t.seq, t.batch, t.sizes, t.scores, features, cfg.bwd_kv, cfg.bwd_dq, block_d, (1, 1))))
+                for role, spec in specs:
+                    name = f"{spec.kernel.fn.__name__} d{d}/d_v{d_v} {tag} varlen={varlen}{role}"
+                    if names in name:
+                        yield name, spec
+
+
 def gluon_variants(head_dims, names: str = ""):
     """(name, launch spec) of the warp-specialised kernels at each of `head_dims` that their tables hold, built by their
     own launch_spec functions (through tests/gluon_compile.py) from CPU tensors of each variant's layout: dense and
@@ -200,8 +234,8 @@ def main():
     gluon_dims = [64, 128] if args.quick else sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90))
     print(f"triton {triton.__version__}, sm_90a, ptxas {_ptxas()}", flush=True)
     compiled = failed = 0
-    for name, spec in (*older_variants(head_blocks, args.only), *gluon_variants(gluon_dims, args.only),
-                       *small_variants(args.only)):
+    for name, spec in (*older_variants(head_blocks, args.only), *value_head_dim_variants(args.only),
+                       *gluon_variants(gluon_dims, args.only), *small_variants(args.only)):
         try:
             r = compile_any(spec)
         except Exception as e:
@@ -236,12 +270,14 @@ class _Tensors:
     their dtypes reach the signatures (every int argument is an i32); as launched (compile_one), their sizes and
     strides are specialised too."""
 
-    def __init__(self, d: int, varlen: bool, batch: int = 2, seqlen: int = 256, heads: int = 4, group: int = 1):
+    def __init__(self, d: int, varlen: bool, batch: int = 2, seqlen: int = 256, heads: int = 4, group: int = 1,
+                 d_v: int | None = None):
         def make(*shape, dtype=torch.bfloat16):
             return torch.empty(shape, dtype=dtype, device="meta")
         rows = (batch * seqlen,) if varlen else (batch, seqlen)
         self.q = make(*rows, heads, d)
-        self.k, self.v = (make(*rows, heads // group, d) for _ in range(2))
+        self.k, self.v = make(*rows, heads // group, d), make(*rows, heads // group, d_v or d)
+        self.out = make(*rows, heads, d_v or d)      # out and dO: v's head dim
         self.lse = make(heads, batch * seqlen, dtype=torch.float32) if varlen else make(batch, heads, seqlen,
                                                                                         dtype=torch.float32)
         self.acc = make(*rows, heads, d, dtype=torch.float32)

@@ -58,15 +58,15 @@ def make_inputs(cfg: Config, device="cpu", seed=0):
     if cfg.seqlens is None:
         q = rand(cfg.batch, cfg.seqlen_q, cfg.heads_q, cfg.head_dim)
         k = rand(cfg.batch, cfg.seqlen_k, cfg.heads_k, cfg.head_dim)
-        v = rand(cfg.batch, cfg.seqlen_k, cfg.heads_k, cfg.head_dim)
-        dout = rand(cfg.batch, cfg.seqlen_q, cfg.heads_q, cfg.head_dim)
+        v = rand(cfg.batch, cfg.seqlen_k, cfg.heads_k, cfg.value_head_dim)
+        dout = rand(cfg.batch, cfg.seqlen_q, cfg.heads_q, cfg.value_head_dim)
     else:
         total_q = sum(s for s, _ in cfg.seqlens)
         total_k = sum(s for _, s in cfg.seqlens)
         q = rand(total_q, cfg.heads_q, cfg.head_dim)
         k = rand(total_k, cfg.heads_k, cfg.head_dim)
-        v = rand(total_k, cfg.heads_k, cfg.head_dim)
-        dout = rand(total_q, cfg.heads_q, cfg.head_dim)
+        v = rand(total_k, cfg.heads_k, cfg.value_head_dim)
+        dout = rand(total_q, cfg.heads_q, cfg.value_head_dim)
     batch = cfg.batch if cfg.seqlens is None else len(cfg.seqlens)
     slopes = (torch.rand(batch, cfg.heads_q, generator=gen) * 0.3).to(device) if cfg.alibi else None
     return q, k, v, dout, slopes

@@ -19,6 +19,8 @@ re-read through the header's layout) and answers with the same status codes and 
 * CK's mask from `mask_type` / `window_size_left/right` rebuilt per sequence (generic (y, x)
   coordinates, docs/semantics.md §Masks), ALiBi in the mode ck_tile picks from the mask (`_alibi_position`)
   read through the slopes pointer and batch stride, the scale, lse = -inf for rows with no key in the forward;
+* two head dims, `head_dim_q` (q, k, dq, dk, dq_acc) and `head_dim_v` (v, out, dout, dv), and CK's dispatch on
+  them: the first (hdim_q, hdim_v) bucket of the instance set holding both, none: no instance;
 * the backward pipeline: dot_do_o writes `D = p_undrop * rowsum(dO * O)`; dq_dk_dv writes dK/dV per
   query head (reading k/v of head `h / (nhead_q / nhead_k)`), adds dQ into dq_acc split 0, or into
   split `i_tile_n` (one per key tile of kN0 rows) when deterministic; convert_dq sums
@@ -48,6 +50,10 @@ DTYPES = {0: torch.float16, 1: torch.bfloat16}
 FACK_OK, FACK_INVALID_ARGUMENT, FACK_NO_INSTANCE, FACK_INTERNAL_ERROR, FACK_LAUNCH_ERROR = 0, 1, 2, 4, 5
 M0_1D = 64          # dot_do_o / convert_dq query tile (CK's M0_1D)
 FWD_M0 = 128        # forward query tile of the gfx9 instances
+# The (hdim_q, hdim_v) buckets of scripts/ck_generate.py's full gfx942 instance set (CK's fp16/bf16 tile tables),
+# as the library's fack_fwd_head_dims / fack_bwd_head_dims report them.
+FULL_FWD_HEAD_DIMS = b"32x32,64x64,96x128,128x128,192x128,192x192,256x256"
+FULL_BWD_HEAD_DIMS = b"32x32,64x64,96x96,128x128,256x256"
 
 
 class OutOfBounds(RuntimeError):
@@ -141,11 +147,15 @@ def _grid(name: str, x: int, y: int, z: int) -> None:
 
 class EmulatedCkLibrary:
     """The fack_* entry points over `memory`. `kn0`: the key tile of the emulated dq_dk_dv instance
-    (None: CK's gfx9 table, 128 for d <= 128 else 64); `dropout`: emulate dropout (reference pattern)."""
+    (None: CK's gfx9 table, 128 for head dims <= 128 else 64); `dropout`: emulate dropout (reference pattern);
+    `head_dims`: the (forward, backward) head-dim buckets of the emulated instance set, as the library reports
+    them ("hdim_qxhdim_v,..."): a launch whose head dims no bucket holds has no instance (FACK_NO_INSTANCE)."""
 
     def __init__(self, memory: Memory, kn0: int | None = None, dropout: bool = True,
-                 report_tile: bool = True, gfx_targets: str = "gfx942"):
+                 report_tile: bool = True, gfx_targets: str = "gfx942",
+                 head_dims: tuple[bytes, bytes] = (FULL_FWD_HEAD_DIMS, FULL_BWD_HEAD_DIMS)):
         self.memory = memory
+        self.head_dims = head_dims
         self.kn0_override = kn0
         self.dropout = dropout
         self.report_tile = report_tile
@@ -168,6 +178,18 @@ class EmulatedCkLibrary:
     def fack_gpu_targets(self) -> bytes:
         return self.targets
 
+    def fack_fwd_head_dims(self) -> bytes:
+        return self.head_dims[0]
+
+    def fack_bwd_head_dims(self) -> bytes:
+        return self.head_dims[1]
+
+    def _check_instance(self, api: str, buckets: bytes, a: ck.FackAttention) -> None:
+        """CK's dispatcher: the first bucket with hdim_q <= its hdim_q and hdim_v <= its hdim_v, else no instance."""
+        pairs = [tuple(int(n) for n in pair.split(b"x")) for pair in buckets.split(b",") if pair]
+        if not any(a.head_dim_q <= q and a.head_dim_v <= v for q, v in pairs):
+            raise NotImplementedError(f"{api}: no instance for hdim {a.head_dim_q}/{a.head_dim_v}")
+
     def fack_last_error(self) -> bytes:
         return self._error
 
@@ -184,11 +206,13 @@ class EmulatedCkLibrary:
     def _fack_bwd_tile(self, args_ref, gfx_arch, kn0_ref) -> int:
         def call():
             b = _struct(args_ref, ck.FackBwdArgs)
-            kn0_ref._obj.value = self.kn0(b.attn.head_dim)
+            self._check_instance("fack_bwd_tile", self.head_dims[1], b.attn)
+            kn0_ref._obj.value = self.kn0(max(b.attn.head_dim_q, b.attn.head_dim_v))
             return FACK_OK
         return self._guarded(call)
 
     def kn0(self, head_dim: int) -> int:
+        """The key tile of the bucket holding `head_dim` (the wider of hdim_q and hdim_v)."""
         return self.kn0_override or (128 if head_dim <= 128 else 64)
 
     def _guarded(self, call) -> int:
@@ -255,7 +279,8 @@ class EmulatedCkLibrary:
     # ---- fmha_fwd --------------------------------------------------------------------------------
     def _fwd(self, a: ck.FackAttention) -> None:
         dtype = _dtype(a)
-        group, d = bool(a.group_mode), a.head_dim
+        self._check_instance("fmha_fwd", self.head_dims[0], a)
+        group, d, d_v = bool(a.group_mode), a.head_dim_q, a.head_dim_v
         max_q = a.max_seqlen_q if group else a.seqlen_q
         grid = (-(-max_q // FWD_M0), a.nhead_q, a.batch)
         _grid("fmha_fwd", *grid)
@@ -271,7 +296,7 @@ class EmulatedCkLibrary:
                     cols = torch.arange(s_k)
                     q = self._rows("q", a.q, dtype, b, q0, rows, head, d, group)
                     k = self._rows("k", a.k, dtype, b, k0, cols, head // ratio, d, group)
-                    v = self._rows("v", a.v, dtype, b, k0, cols, head // ratio, d, group)
+                    v = self._rows("v", a.v, dtype, b, k0, cols, head // ratio, d_v, group)
                     scores = self._scores(a, b, head, q, k, s_q, s_k, rows, cols)
                     lse = torch.logsumexp(scores, dim=-1) if s_k else torch.full((rows.numel(),), float("-inf"))
                     probs = torch.exp(scores - lse[:, None]).nan_to_num(0.0)
@@ -279,8 +304,8 @@ class EmulatedCkLibrary:
                     if keep is not None:
                         probs = probs * keep / (1.0 - a.p_drop)
                     out = probs @ v
-                    self.memory.write("out", a.out.data, dtype, self._row_offsets(a.out, b, q0, rows, head, d, group),
-                                      out)
+                    self.memory.write("out", a.out.data, dtype,
+                                      self._row_offsets(a.out, b, q0, rows, head, d_v, group), out)
                     self.memory.write("lse", a.lse.data, torch.float32,
                                       self._stat_offsets(a.lse, b, q0, rows, head, group), lse)
 
@@ -290,11 +315,12 @@ class EmulatedCkLibrary:
         if (args.d.head_stride, args.d.batch_stride) != (a.lse.head_stride, a.lse.batch_stride):
             raise ValueError("d must have the strides of lse")
         dtype = _dtype(a)
-        group, d = bool(a.group_mode), a.head_dim
+        self._check_instance("fmha_bwd", self.head_dims[1], a)
+        group, d, d_v = bool(a.group_mode), a.head_dim_q, a.head_dim_v
         max_q = a.max_seqlen_q if group else a.seqlen_q
         # CK's bwd args carry max_seqlen_k for the dq_dk_dv grid (batch mode: the frontend's s_k).
         max_k = a.max_seqlen_k
-        kn0 = self.kn0(d)
+        kn0 = self.kn0(max(d, d_v))
         grid_1d = (-(-max_q // M0_1D), a.nhead_q, a.batch)
         grid_n = (-(-max_k // kn0), a.nhead_q, a.batch)
         # CK's launch_kernel runs the three kernels in order; each launch checks its grid.
@@ -311,20 +337,20 @@ class EmulatedCkLibrary:
     def _dot_do_o(self, args: ck.FackBwdArgs, dtype: torch.dtype, grid_1d) -> None:
         """D = p_undrop * rowsum(dO * O), per row of each (sequence, head) the grid reaches."""
         a = args.attn
-        group, d = bool(a.group_mode), a.head_dim
+        group, d_v = bool(a.group_mode), a.head_dim_v
         for b in range(a.batch):
             q0, _, s_q, _ = self._lengths(a, b)
             for head in range(a.nhead_q):
                 rows = torch.arange(s_q)[: grid_1d[0] * M0_1D]
-                do = self._rows("dout", args.dout, dtype, b, q0, rows, head, d, group)
-                o = self._rows("out", a.out, dtype, b, q0, rows, head, d, group)
+                do = self._rows("dout", args.dout, dtype, b, q0, rows, head, d_v, group)
+                o = self._rows("out", a.out, dtype, b, q0, rows, head, d_v, group)
                 self.memory.write("d", args.d.data, torch.float32, self._stat_offsets(args.d, b, q0, rows, head, group),
                                   args.p_undrop * (do * o).sum(-1))
 
     def _dq_dk_dv(self, args: ck.FackBwdArgs, dtype: torch.dtype, grid_n, kn0: int) -> None:
         """Per key tile: dK and dV written, dQ added into its split of dq_acc (split 0 unless deterministic)."""
         a = args.attn
-        group, d = bool(a.group_mode), a.head_dim
+        group, d, d_v = bool(a.group_mode), a.head_dim_q, a.head_dim_v
         for b in range(a.batch):
             q0, k0, s_q, s_k = self._lengths(a, b)
             if group and (s_q == 0 or s_k == 0):
@@ -332,7 +358,7 @@ class EmulatedCkLibrary:
             for head in range(a.nhead_q):
                 rows = torch.arange(s_q)
                 q = self._rows("q", a.q, dtype, b, q0, rows, head, d, group)
-                do = self._rows("dout", args.dout, dtype, b, q0, rows, head, d, group)
+                do = self._rows("dout", args.dout, dtype, b, q0, rows, head, d_v, group)
                 lse = self.memory.read("lse", a.lse.data, torch.float32, self._stat_offsets(a.lse, b, q0, rows, head,
                                                                                             group))
                 big_d = self.memory.read("d", args.d.data, torch.float32,
@@ -347,11 +373,11 @@ class EmulatedCkLibrary:
                   q, do, lse, big_d) -> None:
         """One key tile of one (sequence, head): its dK, dV and dQ part."""
         a = args.attn
-        group, d = bool(a.group_mode), a.head_dim
+        group, d, d_v = bool(a.group_mode), a.head_dim_q, a.head_dim_v
         q0, k0, s_q, s_k = lengths
         ratio = a.nhead_q // a.nhead_k
         k = self._rows("k", a.k, dtype, b, k0, cols, head // ratio, d, group)
-        v = self._rows("v", a.v, dtype, b, k0, cols, head // ratio, d, group)
+        v = self._rows("v", a.v, dtype, b, k0, cols, head // ratio, d_v, group)
         scores = self._scores(a, b, head, q, k, s_q, s_k, rows, cols)
         probs = torch.exp(scores - lse[:, None])
         keep = self._keep(a, b, head, rows, cols)
@@ -365,8 +391,8 @@ class EmulatedCkLibrary:
             ds = probs * (dp - big_d[:, None])
         ds = ds * a.softmax_scale
         dk, dq = ds.T @ q, ds @ k
-        for name, target, value in (("dk", args.dk, dk), ("dv", args.dv, dv)):
-            offsets = self._row_offsets(target, b, k0, cols, head, d, group)
+        for name, target, value, width in (("dk", args.dk, dk, d), ("dv", args.dv, dv, d_v)):
+            offsets = self._row_offsets(target, b, k0, cols, head, width, group)
             self.memory.write(name, target.data, dtype, offsets, value)
         split = tile if args.deterministic else 0
         offsets = split * args.dq_acc_split_stride + self._row_offsets(args.dq_acc, b, q0, rows, head, d, group)
@@ -375,7 +401,7 @@ class EmulatedCkLibrary:
     def _convert_dq(self, args: ck.FackBwdArgs, dtype: torch.dtype, grid_1d, kn0: int) -> None:
         """dQ = the sum of dq_acc's splits, in the output dtype."""
         a = args.attn
-        group, d = bool(a.group_mode), a.head_dim
+        group, d = bool(a.group_mode), a.head_dim_q
         for b in range(a.batch):
             q0, _, s_q, s_k = self._lengths(a, b)
             nsplits = -(-s_k // kn0) if args.deterministic else 1

@@ -19,6 +19,7 @@ class Config:
     heads_q: int = 4
     heads_k: int = 2
     head_dim: int = 40
+    head_dim_v: int | None = None       # v's head dim (out, dout, dv); None: head_dim
     causal: bool = False
     window: tuple[int, int] = (-1, -1)
     diagonal: int | None = None     # naive_attention's: None is flash-attn's bottom-right alignment
@@ -30,11 +31,16 @@ class Config:
     seqlens: list[tuple[int, int]] | None = field(default=None)  # varlen: (s_q, s_k) per sequence
     sink_dtype: torch.dtype | None = None      # a learnable sink of this dtype (make_sink), None: no sink
 
+    @property
+    def value_head_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
 
 def naive_attention(q, k, v, *, causal=False, window=(-1, -1), diagonal=None, softcap=0.0, alibi_slopes=None,
                     dropout_p=0.0, rng_state=None, batch_index=0, heads=None, max_seqlen_q=None, max_seqlen_k=None,
                     softmax_scale=None, sink=None, compute_dtype=torch.float64):
-    """One sequence: q (s_q, h, d), k/v (s_k, h_k, d) -> out (s_q, h, d), lse (h, s_q).
+    """One sequence: q (s_q, h, d), k (s_k, h_k, d), v (s_k, h_k, d_v) -> out (s_q, h, d_v), lse (h, s_q); the
+    default scale is 1 / sqrt(d), q's head dim.
 
     `sink`: None, or (h,) logits, one more entry of every row's softmax, with no value (a learnable sink).
 

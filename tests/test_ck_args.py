@@ -24,9 +24,12 @@ from flash_attn_ck.core.options import AttentionOptions
 
 
 def make_call(*, b=2, s_q=5, s_k=7, h=4, h_k=4, d=16, dtype=torch.float16, causal=False, window=(-1, -1),
-              dropout_p=0.0, deterministic=False, alibi_shape=None, lengths=None, strided=False, softcap=0.0):
-    """One backward call's tensors and its two structs. `lengths`: varlen [(s_q, s_k), ...]."""
+              dropout_p=0.0, deterministic=False, alibi_shape=None, lengths=None, strided=False, softcap=0.0,
+              d_v=None):
+    """One backward call's tensors and its two structs. `lengths`: varlen [(s_q, s_k), ...]; `d_v`: v's head dim
+    (None: d)."""
     varlen = lengths is not None
+    d_v = d if d_v is None else d_v
     if varlen:
         cu_q = torch.tensor([0] + [sum(q for q, _ in lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
         cu_k = torch.tensor([0] + [sum(k for _, k in lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32)
@@ -41,15 +44,15 @@ def make_call(*, b=2, s_q=5, s_k=7, h=4, h_k=4, d=16, dtype=torch.float16, causa
         # q from a packed qkv-like buffer, k/v transposed from a heads-first layout.
         q = torch.randn(*rows_q, 3, h, d, dtype=dtype).select(-3, 0)
         k = torch.randn(*rows_k[:-1], h_k, rows_k[-1], d, dtype=dtype).transpose(-3, -2)
-        v = torch.randn(*rows_k[:-1], h_k, rows_k[-1], d, dtype=dtype).transpose(-3, -2)
-        out = torch.randn(*rows_q, h, 2 * d, dtype=dtype)[..., :d]
-        dout = torch.randn(*rows_q[:-1], h, rows_q[-1], d, dtype=dtype).transpose(-3, -2)
+        v = torch.randn(*rows_k[:-1], h_k, rows_k[-1], d_v, dtype=dtype).transpose(-3, -2)
+        out = torch.randn(*rows_q, h, 2 * d_v, dtype=dtype)[..., :d_v]
+        dout = torch.randn(*rows_q[:-1], h, rows_q[-1], d_v, dtype=dtype).transpose(-3, -2)
     else:
         q = torch.randn(*rows_q, h, d, dtype=dtype)
         k = torch.randn(*rows_k, h_k, d, dtype=dtype)
-        v = torch.randn(*rows_k, h_k, d, dtype=dtype)
-        out = torch.randn_like(q)
-        dout = torch.randn_like(q)
+        v = torch.randn(*rows_k, h_k, d_v, dtype=dtype)
+        out = torch.randn(*rows_q, h, d_v, dtype=dtype)
+        dout = torch.randn(*rows_q, h, d_v, dtype=dtype)
     alibi = None
     if alibi_shape == "h":
         alibi = torch.rand(h)
@@ -109,7 +112,7 @@ def assert_seed_rules(c) -> None:
                                     else (acc.stride(1), acc.stride(2), acc.stride(3)))
 
     assert (attn.nhead_q, attn.nhead_k) == (p.heads_q, p.heads_k)
-    assert attn.head_dim == p.head_dim_padded
+    assert (attn.head_dim_q, attn.head_dim_v) == (p.head_dim_padded, p.head_dim_v_padded)
     assert (attn.max_seqlen_q, attn.max_seqlen_k, attn.batch) == (p.seqlen_q, p.seqlen_k, p.batch)
     assert attn.softmax_scale == pytest.approx(p.softmax_scale, rel=1e-7)
     assert a.p_undrop == pytest.approx(1.0 - p.dropout_p, rel=1e-7)
@@ -214,7 +217,23 @@ def test_alibi_stride(shape, stride):
 
 def test_head_dim_is_the_padded_one():
     c = make_call(d=20)
-    assert c.args.attn.head_dim == 24 and c.params.q.shape[-1] == 24
+    assert c.args.attn.head_dim_q == c.args.attn.head_dim_v == 24 and c.params.q.shape[-1] == 24
+    assert_seed_rules(c)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize(("d", "d_v"), [(20, 13), (192, 128), (40, 72)])
+def test_two_head_dims_each_padded(d, d_v, varlen):
+    """CK's hdim_q and hdim_v travel separately, each padded to a multiple of 8, in both structs; v's, out's,
+    dout's and dv's strides are of their own (d_v) tensors, with GQA's expanded dv too."""
+    lengths = [(5, 7), (0, 3), (6, 2)] if varlen else None
+    c = make_call(d=d, d_v=d_v, h=4, h_k=2, lengths=lengths)
+    padded_q, padded_v = -(-d // 8) * 8, -(-d_v // 8) * 8
+    for attn in (c.args.attn, c.fwd):
+        assert (attn.head_dim_q, attn.head_dim_v) == (padded_q, padded_v)
+    assert c.params.q.shape[-1] == c.params.k.shape[-1] == padded_q and c.params.v.shape[-1] == padded_v
+    assert c.workspace["dv_expanded"].shape[-1] == padded_v and c.workspace["dk_expanded"].shape[-1] == padded_q
+    assert c.workspace["dq_accum"].shape[-1] == padded_q
     assert_seed_rules(c)
 
 
@@ -252,5 +271,5 @@ def test_unavailable_without_library(monkeypatch, tmp_path):
 
 def test_struct_sizes_are_stable():
     # A change here is an ABI change: bump FACK_ABI_VERSION in the header and ck.ABI_VERSION.
-    assert ctypes.sizeof(ck.FackAttention) == 304
-    assert ctypes.sizeof(ck.FackBwdArgs) == 304 + 5 * 32 + 24 + 8 + 8   # 5 tensors, d, split stride, p_undrop + flag
+    assert ctypes.sizeof(ck.FackAttention) == 312     # ABI 3: head_dim_q and head_dim_v
+    assert ctypes.sizeof(ck.FackBwdArgs) == 312 + 5 * 32 + 24 + 8 + 8   # 5 tensors, d, split stride, p_undrop + flag

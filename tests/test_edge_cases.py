@@ -65,7 +65,8 @@ BAD_VARLEN = {
 
 def _tensor_variants(t: torch.Tensor, reference: bool = False):
     """Bad versions of a tensor argument: not a tensor, wrong dtype, meta, wrong shape, strided last dim.
-    `reference`: q, whose shape the others are checked against (a q of another head dim blames k)."""
+    `reference`: q or v, whose head dims are their own (a q of another head dim blames k, a v of another one out and
+    dout: `_bwd_calls` adds that case)."""
     out = [t.tolist() if t.numel() < 50 else None, t.to(torch.int32), t.to("meta"), t.unsqueeze(0)]
     if not reference and t.shape[-1] > 1:     # (a last dim of 1 is already that shape: not a bad value)
         out.append(t[..., :1].clone())
@@ -157,7 +158,9 @@ def _bwd_calls(q, k, v, rand) -> _CallSpace:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     space = _CallSpace(fa.flash_attn_bwd, positional, dict(dq=dq, dk=dk, dv=dv))
     for name, t in positional.items():
-        space.add(name, [bad for bad in _tensor_variants(t, name == "q") if bad is not None])
+        space.add(name, [bad for bad in _tensor_variants(t, name in ("q", "v")) if bad is not None])
+    if d > 1:       # v of another head dim d_v than the forward's: out (and dout) no longer have v's
+        space.cases.append(("out", {"v": v[..., :1].clone()}))
     space.cases += [("dq", {"dq": q}), ("dk", {"dk": k}), ("dv", {"dv": v}), ("dq", {"dq": dout}),
                     ("dq", {"dq": out}), ("dk", {"dk": dv}),
                     ("dq", {"dq": dq.float()}), ("dq", {"dq": dq.to("meta")}), ("dv", {"dv": dv[..., :1]}),
@@ -207,7 +210,8 @@ def bad_calls(draw):
                                    torch.ones(h, device="meta"), [0.1] * h))
     if kind in ("func", "fwd", "varlen"):
         for name in ("q", "k", "v"):
-            space.add(name, [bad for bad in _tensor_variants(space.positional[name], name == "q") if bad is not None])
+            space.add(name, [bad for bad in _tensor_variants(space.positional[name], name in ("q", "v"))
+                             if bad is not None])
     for name, values in space.options.items():
         space.add(name, values)
     name, update = draw(st.sampled_from(space.cases))

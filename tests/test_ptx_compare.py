@@ -48,7 +48,7 @@ def test_instructions_and_operands_are_compared():
 
 def test_variants_cover_every_kernel_and_flag():
     """The comparison covers each Gluon kernel and both older kernels, and the older kernels' variants turn each of
-    their compile-time flags (launch.Features) both on and off."""
+    their compile-time flags (launch.Features) both on and off, v's own head dim (HEAD_DIM_V, a size) included."""
     pytest.importorskip("triton")
     from ptx_compare import specs
 
@@ -60,7 +60,11 @@ def test_variants_cover_every_kernel_and_flag():
             flags |= set(spec.args["features"]._asdict().items())
     assert kernels == {"attn_fwd_ws_kernel", "attn_bwd_ws_kernel", "attn_bwd_ws_split_kernel", "attn_fwd_kernel",
                        "attn_bwd_kernel"}
-    assert flags == {(field, value) for field in Features._fields for value in (False, True)}
+    sizes = {"HEAD_DIM_V", "BLOCK_DV"}      # v's head dim and block: 0 (q/k's) or a size
+    assert {(field, bool(value)) for field, value in flags} == \
+        {(field, value) for field in Features._fields for value in (False, True) if field != "BLOCK_DV"} | \
+        {("BLOCK_DV", True)}
+    assert {value for field, value in flags if field in sizes} > {0, 128}
 
 
 def test_older_kernels_compile_as_launched():

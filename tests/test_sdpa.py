@@ -364,3 +364,26 @@ def test_activating_where_nothing_is_overridden_warns_once(monkeypatch):
     ours = [w for w in caught if provider.PROVIDER in str(w.message)]
     assert len(ours) == 1 and "without a CUDA or ROCm device" in str(ours[0].message)
     assert ours[0].category is RuntimeWarning
+
+
+@pytest.mark.parametrize("op", ["sdpa_flash", "sdpa_flash_for_cpu", "fa2"])
+def test_a_value_head_dim_of_its_own(active, spy, op):
+    """V with E_v != E (13 and 24: SDPA takes it) through the aten flash ops: out and dV have E_v, the forward runs
+    ours, and out and the gradients are within 2x of SDPA's math backend (torch's autograd formulas run the
+    backward ops)."""
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(2, 4, 20, 24, generator=g).bfloat16(), torch.randn(2, 2, 31, 24, generator=g).bfloat16()
+    v, dout = torch.randn(2, 2, 31, 13, generator=g).bfloat16(), torch.randn(2, 4, 20, 13, generator=g).bfloat16()
+    causal = op != "fa2"        # the FA2 op's causal is bottom-right, SDPA's top-left: compared without a mask
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    if op == "fa2":
+        out = torch.ops.aten._flash_attention_forward(*(t.transpose(1, 2) for t in (qg, kg, vg)), None, None, 20, 31,
+                                                      0.0, False, False)[0].transpose(1, 2)
+    else:
+        call = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention" + ("_for_cpu" if "cpu" in op else ""))
+        out = call(qg, kg, vg, is_causal=causal)[0]
+    assert out.shape == (2, 4, 20, 13) and spy.call_count == 1
+    ours = (out, *torch.autograd.grad(out, (qg, kg, vg), dout))
+    kwargs = dict(is_causal=causal, enable_gqa=True)
+    assert_2x(ours, math_sdpa(q, k, v, dout, torch.float64, **kwargs), math_sdpa(q, k, v, dout, torch.bfloat16,
+                                                                                 **kwargs))

@@ -52,6 +52,18 @@ CASES = {
     # config.Configs.bwd_dp_first (the d256 rows' product order) in both backward roles, with the
     # features that touch dp (dropout) and ds (softcap).
     "dp_first": dict(cfg=dict(causal=True, softcap=5.0, dropout_p=0.25), opts=dict(dp_first=True)),
+    # v with a head dim of its own (head_dim_v, BLOCK_DV): narrower and not a multiple of 8, wider, in every mode of
+    # the backward (the accumulator epilogue asked for runs the group loop: its rows have one width), with TMA
+    # stores, varlen with empty sequences; and padded head dims that are equal (the one-head-dim kernels).
+    "d_v_narrower_gqa_causal": dict(cfg=dict(head_dim=40, head_dim_v=21, causal=True)),
+    "d_v_wider_dropout_softcap": dict(cfg=dict(head_dim=16, head_dim_v=72, dropout_p=0.25, softcap=5.0),
+                                      opts=dict(dp_first=True)),
+    "d_v_accumulate_asked": dict(cfg=dict(head_dim=24, head_dim_v=40, deterministic=True),
+                                 opts=dict(gqa_epilogue="accumulate")),
+    "d_v_dq_atomic_varlen": dict(cfg=dict(seqlens=[[5, 9], [0, 7], [17, 3], [4, 0]], head_dim=32, head_dim_v=13,
+                                          window=(6, 2)), opts=dict(dq_mode="atomic")),
+    "d_v_tma_store": dict(cfg=dict(heads_q=4, heads_k=1, head_dim=32, head_dim_v=64), opts=dict(use_tma=True)),
+    "d_v_same_padded_width": dict(cfg=dict(head_dim=20, head_dim_v=19, alibi=True)),
 }
 
 _INTERPRETER_PATCH = r"""

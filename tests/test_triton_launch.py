@@ -32,7 +32,7 @@ def test_specs_match_their_kernels(varlen):
     cu = _meta(b + 1, dtype=torch.int32)
     seq = launch.SequenceArgs(cu, cu, _meta(h, dtype=torch.float32), _meta(2, dtype=torch.int64))
     sizes, scores = Sizes(h, 1, s, s, d), ScoreArgs(0.125, 0.0, 0.0, 0, 0)
-    features = Features(VARLEN=varlen, HAS_RIGHT=True, DQ_ATOMIC=True)
+    features = Features(VARLEN=varlen, HAS_RIGHT=True, DQ_ATOMIC=True, BLOCK_DV=d)   # v's block, as backend.py
     tiles = config.INTERPRETER
     specs = [
         launch.forward(q, q, q, q, lse, seq, sizes, scores, features, tiles.forward, d, (1, 1)),

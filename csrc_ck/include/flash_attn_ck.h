@@ -7,9 +7,10 @@
  * Integers are 64-bit here; the glue checks that each fits CK's 32-bit index type and reports
  * FACK_INVALID_ARGUMENT when one does not.
  *
- * Layouts (as in flash-attention):
- *   batch mode: q/out/dout/dq (b, s_q, h, d), k/v (b, s_k, h_k, d), lse/d fp32 (b, h, s_q)
- *   group mode: q (total_q, h, d), k/v (total_k, h_k, d), lse/d fp32 (h, total_q), batch strides 0,
+ * Layouts (as in flash-attention; q, k, dq, dk have the head dim d, v, out, dout, dv the value head dim d_v):
+ *   batch mode: q/dq (b, s_q, h, d), out/dout (b, s_q, h, d_v), k/dk (b, s_k, h_k, d), v/dv (b, s_k, h_k, d_v),
+ *               lse/d fp32 (b, h, s_q)
+ *   group mode: the same with (total_q, ...) / (total_k, ...) rows, lse/d fp32 (h, total_q), batch strides 0,
  *               seqstart_q/k = cu_seqlens (int32, b + 1)
  */
 #ifndef FLASH_ATTN_CK_H
@@ -22,7 +23,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct below changes; the Python side refuses a library of another version. */
-#define FACK_ABI_VERSION 2
+#define FACK_ABI_VERSION 3
 
 typedef enum fack_status {
     FACK_OK = 0,
@@ -71,7 +72,8 @@ typedef struct fack_attention {
     int64_t max_seqlen_k;
     int64_t nhead_q;
     int64_t nhead_k;
-    int64_t head_dim;       /* padded to a multiple of 8; the same for q/k and v */
+    int64_t head_dim_q;     /* q's and k's, padded to a multiple of 8 (CK's hdim_q) */
+    int64_t head_dim_v;     /* v's, out's, dout's and dv's, padded to a multiple of 8 (CK's hdim_v) */
     const int32_t* seqstart_q;
     const int32_t* seqstart_k;
     fack_tensor q;
@@ -95,7 +97,7 @@ typedef struct fack_bwd_args {
     fack_tensor dout;
     fack_tensor dq;
     fack_tensor dk;                 /* MQA/GQA: the per-query-head dk_expanded (b, s_k, h, d) */
-    fack_tensor dv;
+    fack_tensor dv;                 /* MQA/GQA: dv_expanded (b, s_k, h, d_v) */
     fack_row_stats d;               /* same strides as lse */
     fack_tensor dq_acc;             /* fp32 (splits, b, s_q, h, d), zero-initialised */
     int64_t dq_acc_split_stride;
@@ -113,6 +115,13 @@ int fack_bwd(const fack_bwd_args* args, void* stream);
  * Generated from the same instance list and dispatch conditions as fack_bwd's kernels
  * (scripts/ck_generate.py). FACK_NO_INSTANCE when no instance matches. */
 int fack_bwd_tile(const fack_bwd_args* args, const char* gfx_arch, int32_t* kn0);
+
+/* The head-dim buckets of the compiled instances, as "hdim_qxhdim_v" pairs separated by ',' (e.g.
+ * "128x128,192x128,256x256"): a call with padded head dims (d, d_v) has an instance only where some bucket has
+ * d <= hdim_q and d_v <= hdim_v (CK's dispatch condition). Generated from the same instance list as the
+ * kernels (scripts/ck_generate.py); other traits (dtype, mode, mask, ...) still decide at launch. */
+const char* fack_fwd_head_dims(void);
+const char* fack_bwd_head_dims(void);
 
 /* The message of the last failure on this thread ("" after a success). */
 const char* fack_last_error(void);

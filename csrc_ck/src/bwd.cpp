@@ -14,8 +14,8 @@ namespace {
 fmha_bwd_traits bwd_traits(const fack_bwd_args& b)
 {
     fmha_bwd_traits t{};
-    t.hdim_q           = narrow(b.attn.head_dim, "head_dim");
-    t.hdim_v           = t.hdim_q;
+    t.hdim_q           = narrow(b.attn.head_dim_q, "head_dim_q");
+    t.hdim_v           = narrow(b.attn.head_dim_v, "head_dim_v");
     t.data_type        = dtype_name(b.attn.dtype);
     t.is_group_mode    = b.attn.group_mode != 0;
     t.mask_type        = mask_of(b.attn.mask_type);

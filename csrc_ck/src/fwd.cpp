@@ -9,8 +9,8 @@ namespace {
 fmha_fwd_traits fwd_traits(const fack_attention& a)
 {
     fmha_fwd_traits t{};
-    t.hdim_q              = narrow(a.head_dim, "head_dim");
-    t.hdim_v              = t.hdim_q;
+    t.hdim_q              = narrow(a.head_dim_q, "head_dim_q");
+    t.hdim_v              = narrow(a.head_dim_v, "head_dim_v");
     t.data_type           = dtype_name(a.dtype);
     t.is_group_mode       = a.group_mode != 0;
     t.is_v_rowmajor       = true;

@@ -90,8 +90,8 @@ void fill_shared(const fack_attention& a, CkArgs& c)
     c.seqlen_k     = narrow(a.seqlen_k, "seqlen_k");
     c.batch        = narrow(a.batch, "batch");
     c.max_seqlen_q = narrow(a.max_seqlen_q, "max_seqlen_q");
-    c.hdim_q       = narrow(a.head_dim, "head_dim");
-    c.hdim_v       = c.hdim_q;
+    c.hdim_q       = narrow(a.head_dim_q, "head_dim_q");
+    c.hdim_v       = narrow(a.head_dim_v, "head_dim_v");
     c.nhead_q      = narrow(a.nhead_q, "nhead_q");
     c.nhead_k      = narrow(a.nhead_k, "nhead_k");
 
@@ -126,12 +126,12 @@ void fill_shared(const fack_attention& a, CkArgs& c)
                                         static_cast<const void*>(a.drop_offset));
 }
 
-// "bf16 hdim 128 batch mode, bottom-right mask, dropout" for a no-instance message.
+// "bf16 hdim 192/128 batch mode, bottom-right mask, dropout" (hdim_q/hdim_v) for a no-instance message.
 template <typename Traits>
 std::string describe(const Traits& t)
 {
     static const char* const masks[] = {"no mask", "top-left mask", "bottom-right mask", "generic window"};
-    return t.data_type + " hdim " + std::to_string(t.hdim_q) +
+    return t.data_type + " hdim " + std::to_string(t.hdim_q) + "/" + std::to_string(t.hdim_v) +
            (t.is_group_mode ? " group mode, " : " batch mode, ") +
            masks[static_cast<int>(t.mask_type)] + (t.bias_type == bias_enum::alibi ? ", ALiBi" : "") +
            (t.has_dropout ? ", dropout" : "");

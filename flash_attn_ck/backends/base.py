@@ -26,7 +26,7 @@ class Backend(abc.ABC):
     auto_select_devices: ClassVar[frozenset[str] | None] = None
     device_types: ClassVar[frozenset[str]] = frozenset()
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
-    max_head_dim: ClassVar[int] = 256
+    max_head_dim: ClassVar[int] = 256             # of q/k's head dim d and of v's d_v alike
     # The mask kinds the kernels run (core/mask.py); a call with another kind is refused in the kind's words.
     mask_kinds: ClassVar[frozenset[MaskKind]] = API_MASK_KINDS
     supports_alibi: ClassVar[bool] = True
@@ -72,6 +72,8 @@ class Backend(abc.ABC):
             reasons.append(f"dtype {str(problem.dtype).removeprefix('torch.')} not in {names}")
         if problem.head_dim > cls.max_head_dim:
             reasons.append(f"head dim {problem.head_dim} > {cls.max_head_dim}")
+        if problem.head_dim_v > cls.max_head_dim:
+            reasons.append(f"value head dim {problem.head_dim_v} > {cls.max_head_dim}")
         if problem.mask.kind not in cls.mask_kinds:
             reasons.append(f"mask: {problem.mask.kind.value} is not supported (runs: {describe_kinds(cls.mask_kinds)})")
         features = [("ALiBi", problem.has_alibi, cls.supports_alibi),

@@ -38,7 +38,7 @@ class ReferenceBackend(Backend):
     @without_autocast
     def forward(self, problem: AttentionProblem, params: AttentionParams,
                 out: torch.Tensor, lse: torch.Tensor) -> None:
-        tile = CkBwdTile.for_head_dim(problem.head_dim_padded).kN0
+        tile = CkBwdTile.for_problem(problem).kN0
         cdt = problem.accum_dtype
         for seq in sequences(problem, params):
             if seq.seqlen_q == 0:
@@ -48,7 +48,7 @@ class ReferenceBackend(Backend):
             v = heads_first(seq.rows_k(params.v), cdt, problem.group_size)
             row_max = torch.full(q.shape[:2], float("-inf"), dtype=cdt, device=q.device)
             row_sum = torch.zeros(q.shape[:2], dtype=cdt, device=q.device)
-            acc = torch.zeros_like(q)
+            acc = torch.zeros((*q.shape[:2], v.shape[-1]), dtype=cdt, device=q.device)      # v's head dim
             # ---- online softmax over key tiles: rescale the running sums when the max grows ----
             for start in range(0, seq.seqlen_k, tile):
                 end = min(start + tile, seq.seqlen_k)
@@ -79,13 +79,15 @@ class ReferenceBackend(Backend):
     def _scratch(problem: AttentionProblem) -> BufferSpec:
         """Upper bound of the temporaries live during one key tile of the largest sequence: fp32
         heads-first copies of q, dO, k, v (k/v repeated per query head), dQ/dK/dV tile products,
-        and about eight score-shaped tiles (plus Philox's int64 words with dropout)."""
-        p, d = problem, problem.head_dim_padded
-        width = min(CkBwdTile.for_head_dim(d).kN0, max(p.seqlen_k, 1))
+        and about eight score-shaped tiles (plus Philox's int64 words with dropout). q, k, dQ and dK have q's head
+        dim d; dO, v and dV have v's d_v."""
+        p, d, d_v = problem, problem.head_dim_padded, problem.head_dim_v_padded
+        width = min(CkBwdTile.for_problem(p).kN0, max(p.seqlen_k, 1))
         size = torch.empty((), dtype=p.accum_dtype).element_size()
         scores = p.heads_q * p.seqlen_q * width
         per_score = size * (8 + (2 if p.softcap else 0)) + (12 * 8 + 1 if p.dropout_p > 0 else 0)
-        nbytes = size * p.heads_q * d * (3 * p.seqlen_q + 2 * p.seqlen_k + 2 * width) + per_score * scores
+        per_head = d * (2 * p.seqlen_q + p.seqlen_k + width) + d_v * (p.seqlen_q + p.seqlen_k + width)
+        nbytes = size * p.heads_q * per_head + per_score * scores
         return BufferSpec("fp32_tiles", (-(-nbytes // size),), p.accum_dtype, False,
                           "reference: fp32 copies and score tiles of one key tile", internal=True)
 
@@ -97,7 +99,7 @@ class ReferenceBackend(Backend):
         dq_accum = workspace["dq_accum"]
         dk_target = workspace["dk_expanded"] if p.is_gqa else dk
         dv_target = workspace["dv_expanded"] if p.is_gqa else dv
-        tile = CkBwdTile.for_head_dim(p.head_dim_padded).kN0
+        tile = CkBwdTile.for_problem(p).kN0
         cdt = p.accum_dtype
 
         # ---- dot_do_o: D = rowsum(dO * O) in fp32, laid out like lse -----------------------------

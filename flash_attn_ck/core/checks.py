@@ -66,9 +66,11 @@ def check_shape(name: str, t: torch.Tensor, expected: Sequence[int]) -> None:
         raise ArgumentError(f"{name}: expected shape {tuple(expected)}, got {tuple(t.shape)}")
 
 
-def check_head_dim(head_dim: int) -> None:
+def check_head_dim(head_dim: int, name: str = "q") -> None:
+    """q's head dim (k's too), or v's (`name` "v": the value head dim d_v, which may differ from q's)."""
     if not 0 < head_dim <= MAX_HEAD_DIM:
-        raise ArgumentError(f"q: head dim must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
+        what = "head dim" if name == "q" else "value head dim (its last dimension)"
+        raise ArgumentError(f"{name}: {what} must be in 1..{MAX_HEAD_DIM}, got {head_dim}")
 
 
 def check_head_counts(heads_q: int, heads_k: int) -> None:
@@ -430,6 +432,13 @@ def check_like(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.dev
     check_device(name, t, device)
     check_last_dim_contiguous(name, t)
     check_shape(name, t, shape)
+
+
+def check_value_head_dim(name: str, t: torch.Tensor, head_dim_v: int) -> None:
+    """out or dout (or dv): v's head dim d_v in the last dimension, which may differ from q's."""
+    if t.dim() and t.shape[-1] != head_dim_v:
+        raise ArgumentError(f"{name}: expected v's head dim {head_dim_v} in its last dimension (out, dout and dv "
+                            f"have v's head dim d_v; q and k have d), got shape {tuple(t.shape)}")
 
 
 def check_result(name: str, t: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> None:

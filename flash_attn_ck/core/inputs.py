@@ -2,8 +2,9 @@
 
 `describe_call` runs every check that does not depend on the direction (forward or backward) and
 was not already run when the options were built, canonicalises causal/window into a `MaskInfo`,
-and returns an `AttentionProblem`. `kernel_params`
-pads the head dim to a multiple of 8 for the kernels (zeros, so scores and outputs are unchanged).
+and returns an `AttentionProblem`. q and k share a head dim d; v has its own, d_v (out, dout and dv have
+v's). `kernel_params` pads each head dim to a multiple of 8 for the kernels (zeros, so scores and outputs
+are unchanged).
 
 `call_signature` is everything `describe_call` reads, as a hashable key: two calls with equal
 signatures pass the same checks and get equal problems, except for the checks on values
@@ -48,6 +49,7 @@ def check_structure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: 
     head_dim, heads_q = q.shape[-1], q.shape[-2]
     heads_k = k.shape[-2]
     checks.check_head_dim(head_dim)
+    checks.check_head_dim(v.shape[-1], "v")
     checks.check_positive_heads(heads_q)
     checks.check_head_counts(heads_q, heads_k)
     if varlen:
@@ -86,7 +88,8 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
         total_q = total_k = 0
         checks.check_positive_batch(batch)
         checks.check_shape("k", k, (batch, seqlen_k, heads_k, head_dim))
-    checks.check_shape("v", v, k.shape)
+    head_dim_v = v.shape[-1]
+    checks.check_shape("v", v, (*k.shape[:-1], head_dim_v))      # k's rows and heads; its own head dim d_v
     if o.alibi_slopes is not None:
         checks.check_alibi_slopes(o.alibi_slopes, batch, heads_q, q.device)
 
@@ -94,7 +97,8 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     return AttentionProblem(
         batch=batch if o.seqused_k is None else 2 * batch,      # the kernels' sequences (sequence_tensors)
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_k=heads_k,
-        head_dim=head_dim, dtype=q.dtype, device=q.device, mask=mask, softmax_scale=o.scale_for(head_dim),
+        head_dim=head_dim, head_dim_v=head_dim_v, dtype=q.dtype, device=q.device, mask=mask,
+        softmax_scale=o.scale_for(head_dim),
         varlen=varlen, total_q=total_q, total_k=total_k, has_alibi=o.alibi_slopes is not None,
         dropout_p=float(o.dropout_p), softcap=float(o.softcap), deterministic=bool(o.deterministic),
         out_dtype=out_dtype)
@@ -173,7 +177,7 @@ def sequence_tensors(options: AttentionOptions) -> SequenceTensors:
 
 def kernel_params(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   options: AttentionOptions, rng_state: torch.Tensor | None) -> AttentionParams:
-    d = problem.head_dim_padded
-    if d != problem.head_dim:
-        q, k, v = pad_to(q, d), pad_to(k, d), pad_to(v, d)
+    p = problem
+    if p.padded:
+        q, k, v = pad_to(q, p.head_dim_padded), pad_to(k, p.head_dim_padded), pad_to(v, p.head_dim_v_padded)
     return AttentionParams(q, k, v, *sequence_tensors(options), rng_state)

@@ -47,7 +47,7 @@ class AttentionProblem:
     seqlen_k: int               # varlen: max_seqlen_k
     heads_q: int
     heads_k: int
-    head_dim: int               # as the user passed it
+    head_dim: int               # q's and k's, as the user passed it
     dtype: torch.dtype
     device: torch.device
     mask: MaskInfo
@@ -62,7 +62,10 @@ class AttentionProblem:
     # out (forward), dq/dk/dv (backward): dtype, or fp32 for fp16/bf16 inputs (AttentionOptions.out_dtype);
     # None: dtype. Backends that cannot write fp32 results refuse the call (Backend.fp32_outputs_refusal).
     out_dtype: torch.dtype | None = None
+    # v's (and out's, dout's, dv's); 0: head_dim (q, k and v share one head dim)
+    head_dim_v: int = 0
     head_dim_padded: int = field(default=0)
+    head_dim_v_padded: int = field(default=0)
     placement: Placement | None = None      # a chunk's place in the whole call (None: the whole call; `where`)
     # What is derived from this problem alone, kept by whoever derives it (a backend's kernel choice and launch
     # constants, under a key of its own): a problem is immutable, and the pipeline reuses one per call signature
@@ -82,8 +85,12 @@ class AttentionProblem:
     def __post_init__(self):
         if self.out_dtype is None:
             object.__setattr__(self, "out_dtype", self.dtype)
+        if self.head_dim_v == 0:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
         if self.head_dim_padded == 0:
             object.__setattr__(self, "head_dim_padded", pad_head_dim(self.head_dim))
+        if self.head_dim_v_padded == 0:
+            object.__setattr__(self, "head_dim_v_padded", pad_head_dim(self.head_dim_v))
 
     @property
     def results_dtype(self) -> torch.dtype:
@@ -94,6 +101,17 @@ class AttentionProblem:
     def where(self) -> Placement:
         """Where this problem sits in the whole call: its placement, or the whole call itself."""
         return self.placement or Placement(heads=self.heads_q, seqlen_q=self.seqlen_q)
+
+    @property
+    def padded(self) -> bool:
+        """Whether the kernels see a head dim (q/k's or v's) padded beyond the user's."""
+        return self.head_dim_padded != self.head_dim or self.head_dim_v_padded != self.head_dim_v
+
+    @property
+    def widest_head_dim_padded(self) -> int:
+        """The larger padded head dim: what sizes a kernel's head-dim bucket (CK's `t.hdim_q <= hdim && t.hdim_v <=
+        hdim`)."""
+        return max(self.head_dim_padded, self.head_dim_v_padded)
 
     @property
     def accum_dtype(self) -> torch.dtype:
@@ -134,6 +152,11 @@ class AttentionProblem:
         return (self.total_q,) if self.varlen else (self.batch, self.seqlen_q)
 
     @property
+    def out_shape(self) -> tuple[int, ...]:
+        """out and dout: q's rows and heads, v's head dim."""
+        return (*self.q_rows_shape, self.heads_q, self.head_dim_v)
+
+    @property
     def k_rows_shape(self) -> tuple[int, ...]:
         """The leading dims of k (and v, dk, dv): `(b, s_k)`, or varlen `(total_k,)`."""
         return (self.total_k,) if self.varlen else (self.batch, self.seqlen_k)
@@ -144,20 +167,26 @@ class AttentionProblem:
         return row_stats_shape(self.q_rows_shape, self.heads_q)
 
     def forward_flops(self) -> float:
-        """docs/semantics.md: 4 b h s_q s_k d, halved when causal (dense shapes; varlen uses the max lengths)."""
-        flops = 4.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * self.head_dim
-        return flops / 2 if self.mask.is_causal else flops
+        """docs/semantics.md: 2 b h s_q s_k (d + d_v) (q k^T and P v; 4 b h s_q s_k d when d_v = d), halved when
+        causal (dense shapes; varlen uses the max lengths)."""
+        return self._matmul_flops(self.head_dim + self.head_dim_v)
 
     def backward_flops(self) -> float:
-        return 2.5 * self.forward_flops()
+        """2 b h s_q s_k (3 d + 2 d_v): q k^T, dQ and dK over d; dO v^T and dV over d_v (2.5x the forward when
+        d_v = d), halved when causal."""
+        return self._matmul_flops(3 * self.head_dim + 2 * self.head_dim_v)
+
+    def _matmul_flops(self, summed_head_dims: int) -> float:
+        flops = 2.0 * self.batch * self.heads_q * self.seqlen_q * self.seqlen_k * summed_head_dims
+        return flops / 2 if self.mask.is_causal else flops
 
 
 @dataclass
 class AttentionParams:
-    """Kernel-layout tensors shared by forward and backward (head dim padded to a multiple of 8)."""
+    """Kernel-layout tensors shared by forward and backward (head dims padded to a multiple of 8)."""
     q: torch.Tensor                         # (b, s_q, h, d) or varlen (total_q, h, d)
     k: torch.Tensor                         # (b, s_k, h_k, d) or varlen (total_k, h_k, d)
-    v: torch.Tensor
+    v: torch.Tensor                         # (b, s_k, h_k, d_v) or varlen (total_k, h_k, d_v)
     cu_seqlens_q: torch.Tensor | None = None   # int32 (b + 1,), varlen only
     cu_seqlens_k: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None   # fp32 (h,) or (b, h)

@@ -28,6 +28,10 @@ Semantics (docs/integrations.md):
   exactly, so a negative scale runs on -q with |scale| and 0 on a zero query with scale 1 (uniform attention),
   and dq is multiplied by the sign: every finite scale SDPA accepts runs on our kernels (`positive_scale`).
 - GQA: K/V arrive with h_k heads (SDPA's `enable_gqa`) and run as our MQA/GQA.
+- Value head dim: V's E_v may differ from Q's and K's E (SDPA takes it): out (and dV) get E_v, and the kernels
+  run it as flash_attn_ck's d_v. torch's own flash selection sends such calls to its math path (its flash
+  check wants one head dim) and its meta functions declare out like query, so E_v != E reaches these kernels
+  through the aten flash ops called directly, eagerly.
 - Dropout: our forward draws `rng_state = [seed, offset]` (int64) from torch's generator. It is returned
   in the slots torch's meta functions declare: `philox_seed` = the same 16 bytes as uint64 (2,) and
   `philox_offset` = uint64 0 on CUDA builds (FA2's layout since torch 2.5); on ROCm builds int64 scalars
@@ -146,6 +150,15 @@ def _bshd(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.transpose(1, 2) for t in tensors)
 
 
+def out_like_query(query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The forward's out: like `query` (torch's meta functions declare it so), with `value`'s head dim E_v when it
+    differs from query's E (query's dimension order, new strides)."""
+    if value.shape[-1] == query.shape[-1]:
+        return torch.empty_like(query)
+    order = sorted(range(query.dim()), key=lambda dim: -query.stride(dim))       # outermost dimension first
+    return torch.empty_permuted((*query.shape[:-1], value.shape[-1]), order, dtype=query.dtype, device=query.device)
+
+
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -159,7 +172,7 @@ class Adapters:
 
     # ---- the shared (b, h, s, d) core of the SDPA ops -------------------------------------------------
     def sdpa_forward(self, query, key, value, dropout_p, is_causal, scale, out):
-        """Writes `out` (b, h, s_q, d); returns lse (b, h, s_q) and rng_state (None without dropout)."""
+        """Writes `out` (b, h, s_q, E_v); returns lse (b, h, s_q) and rng_state (None without dropout)."""
         q, k, v = _bshd(query, key, value)
         q, scale, _ = positive_scale(q, scale)
         keys, causal, window = sdpa_causal(is_causal, q.shape[1], k.shape[1])
@@ -192,7 +205,7 @@ class Adapters:
         if return_debug_mask:
             _refuse("return_debug_mask=True (FA2's debug mask layout) is not supported")
         _check_dropout_outside_torch_ring(dropout_p)
-        out = torch.empty_like(query)
+        out = out_like_query(query, value)
         lse, rng_state = self.sdpa_forward(query, key, value, dropout_p, is_causal, scale, out)
         seed, offset = rng_outputs(rng_state, query.device)
         debug_mask = query.new_empty(0)
@@ -215,7 +228,7 @@ class Adapters:
         _check_dtype(query, allow_fp64=True)
         if attn_mask is not None:
             _refuse("attn_mask is not supported (SDPA's flash path takes is_causal only)")
-        out = torch.empty_like(query)
+        out = out_like_query(query, value)
         lse, _ = self.sdpa_forward(query, key, value, dropout_p, is_causal, scale, out)
         lse_out = lse.new_empty((lse.shape[0], lse.shape[2], lse.shape[1])).transpose(1, 2)
         return out, lse_out.copy_(lse)
@@ -248,7 +261,7 @@ class Adapters:
                                                      max_seqlen_q=max_q, max_seqlen_k=max_k)
         window = (-1 if window_size_left is None else window_size_left,
                   -1 if window_size_right is None else window_size_right)
-        out = torch.empty_like(query) if out is None else out     # like the given query, as torch's meta
+        out = out_like_query(query, value) if out is None else out     # like the given query, as torch's meta
         query, scale, _ = positive_scale(query, scale)
         with torch.no_grad():
             _, lse, rng_state = flash_attn_fwd(query, key, value, **varlen, seqused_k=seqused_k, dropout_p=dropout_p,

@@ -28,7 +28,7 @@ import torch
 from ..core.errors import ArgumentError
 from ..core.options import AttentionOptions
 from . import context_parallel as cp
-from .sdpa import UnsupportedCall, positive_scale, rng_input, rng_outputs
+from .sdpa import UnsupportedCall, out_like_query, positive_scale, rng_input, rng_outputs
 
 _aten = torch.ops.aten
 FLASH_OPS = (_aten._scaled_dot_product_flash_attention.default,
@@ -65,7 +65,7 @@ class _RingHandlers:
         if return_debug_mask:
             raise UnsupportedCall("flash_attn_ck's context-parallel ring: return_debug_mask=True is not supported")
         q, k, v, call, _ = self._plan(mesh, query, key, value, dropout_p, is_causal, scale)
-        out = torch.empty_like(query)
+        out = out_like_query(query, value)
         _, lse, call = cp.forward(q, k, v, call, out=out.transpose(1, 2))
         seed, offset = rng_outputs(call.rng_base, query.device)
         return out, lse, None, None, query.size(2), key.size(2), seed, offset, query.new_empty(0)

@@ -1,8 +1,9 @@
 """The backward pipeline: validate -> workspace plan (chunks under the cap) -> per chunk: pad ->
 backend kernel -> reduce (GQA group sum, fp32 sums of split-group partials) -> unpad.
 
-Shaped like flash-attention's `mha_bwd`: returns `(dq, dk, dv, softmax_d)`, accepts preallocated
-dq/dk/dv, and a call or chunk without query or key rows runs no kernel (`_without_kernel`).
+Shaped like flash-attention's `mha_bwd`: returns `(dq, dk, dv, softmax_d)` (dv, like v, out and dout, with
+v's head dim d_v; dq and dk with q's d), accepts preallocated dq/dk/dv, and a call or chunk without query or
+key rows runs no kernel (`_without_kernel`).
 """
 
 from __future__ import annotations
@@ -72,13 +73,15 @@ def gradient_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torc
 def check_backward_operands(problem: AttentionProblem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state,
                             options: AttentionOptions) -> None:
     for name, t in (("out", out), ("dout", dout)):
-        checks.check_like(name, t, q.dtype, q.device, q.shape)
+        checks.check_tensor(name, t)
+        checks.check_value_head_dim(name, t, problem.head_dim_v)
+        checks.check_like(name, t, q.dtype, q.device, problem.out_shape)
     checks.check_tensor("softmax_lse", softmax_lse)
     checks.check_dtype("softmax_lse", softmax_lse, problem.accum_dtype)
     checks.check_device("softmax_lse", softmax_lse, q.device)
     checks.check_shape("softmax_lse", softmax_lse, problem.lse_shape)
     checks.check_last_dim_contiguous("softmax_lse", softmax_lse)   # the kernels index rows with unit stride
-    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
+    for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if t is not None:
             checks.check_result(name, t, q, problem.results_dtype, like.shape)
     # Preallocated outputs: no stride 0, no memory shared with an input or another output (the kernels
@@ -126,8 +129,8 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
             run_chunk(backend, sub, views.params, views.out, views.lse, views.dout, views.dq, *kv_grads,
                       views.softmax_d)
             continue
-        partials = _leading(shared["dk_partial"], kv_grads[0]), _leading(shared["dv_partial"], kv_grads[0])
-        sums = [_leading(shared[f"{g}_sum"], kv_grads[0]) for g in ("dk", "dv")]
+        partials = [_leading(shared[f"{g}_partial"], grad) for g, grad in zip(("dk", "dv"), kv_grads)]
+        sums = [_leading(shared[f"{g}_sum"], grad) for g, grad in zip(("dk", "dv"), kv_grads)]
         run_chunk(backend, sub, views.params, views.out, views.lse, views.dout, views.dq, *partials,
                   views.softmax_d)
         for total, part in zip(sums, partials):
@@ -160,16 +163,18 @@ def run_chunk(backend: Backend, problem: AttentionProblem, params: AttentionPara
     workspace = plan.allocate(p.device, skip=("softmax_d",))
     workspace["softmax_d"] = softmax_d
 
-    # ---- padding: kernels see a head dim that is a multiple of 8 --------------------------------
+    # ---- padding: kernels see head dims that are multiples of 8 (q/k's and v's each) ------------
     user_grads = dq, dk, dv
-    if p.head_dim_padded != p.head_dim:
+    if p.padded:
         def padded(name: str, t: torch.Tensor) -> torch.Tensor:
-            buf = workspace[f"{name}_padded"]
-            buf[..., :p.head_dim].copy_(t)
+            buf = workspace.get(f"{name}_padded")
+            if buf is None:         # this operand's head dim is a multiple of 8 already
+                return t
+            buf[..., :t.shape[-1]].copy_(t)
             return buf
         params = replace(params, q=padded("q", params.q), k=padded("k", params.k), v=padded("v", params.v))
         out, dout = padded("out", out), padded("dout", dout)
-        dq, dk, dv = workspace["dq_padded"], workspace["dk_padded"], workspace["dv_padded"]
+        dq, dk, dv = (workspace.get(f"{name}_padded", grad) for name, grad in zip(("dq", "dk", "dv"), user_grads))
 
     # ---- kernel --------------------------------------------------------------------------------
     backend.backward(p, params, out, lse, dout, dq, dk, dv, workspace)
@@ -180,9 +185,10 @@ def run_chunk(backend: Backend, problem: AttentionProblem, params: AttentionPara
             torch.sum(expanded.unflatten(-2, (p.heads_k, p.group_size)), dim=-2, out=grad)
 
     # ---- unpad ---------------------------------------------------------------------------------
-    if p.head_dim_padded != p.head_dim:
+    if p.padded:
         for user, computed in zip(user_grads, (dq, dk, dv)):
-            user.copy_(computed[..., :p.head_dim])
+            if computed is not user:
+                user.copy_(computed[..., :user.shape[-1]])
 
 
 def _without_kernel(problem: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, dq: torch.Tensor,

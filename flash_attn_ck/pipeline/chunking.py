@@ -241,27 +241,32 @@ def _partial_sums(problem: AttentionProblem, rows: tuple[int, ...], heads_k: int
     """Sums of dK/dV partials in the accumulation dtype, and the chunk's own dK/dV in the gradients' dtype (the
     input dtype, or fp32 with `out_dtype`; the user's head dim: a chunk unpads its result before it is added).
     `rows`: the widest chunk's key rows, `(batch, s_k)` or varlen `(rows,)`."""
-    p, d = problem, problem.head_dim
+    p = problem
     accum = str(p.accum_dtype).removeprefix("torch.")
+    head_dims = (("dk", p.head_dim), ("dv", p.head_dim_v))
     return tuple([BufferSpec(f"{g}_sum", (*rows, heads_k, d), p.accum_dtype, True, f"{accum} sum of {g} partials")
-                  for g in ("dk", "dv")] +
+                  for g, d in head_dims] +
                  [BufferSpec(f"{g}_partial", (*rows, heads_k, d), p.results_dtype, False, f"one chunk's {g} partial")
-                  for g in ("dk", "dv")])
+                  for g, d in head_dims])
 
 
 def backward_plan(backend, problem: AttentionProblem) -> WorkspacePlan:
-    """The backend's buffers plus, for head dims that are not a multiple of 8, the padded copies."""
+    """The backend's buffers plus, for head dims that are not a multiple of 8, the padded copies: of q, k, dq, dk
+    where q's head dim d is not, of v, out, dout, dv where v's d_v is not."""
     plan = backend.backward_plan(problem)
-    if problem.head_dim_padded == problem.head_dim:
+    if not problem.padded:
         return plan
-    p, d = problem, problem.head_dim_padded
+    p = problem
     rows_q, rows_k = p.q_rows_shape, p.k_rows_shape
-    operands = (("q", rows_q, p.heads_q, p.dtype), ("k", rows_k, p.heads_k, p.dtype), ("v", rows_k, p.heads_k, p.dtype),
-                ("out", rows_q, p.heads_q, p.dtype), ("dout", rows_q, p.heads_q, p.dtype),
-                ("dq", rows_q, p.heads_q, p.results_dtype), ("dk", rows_k, p.heads_k, p.results_dtype),
-                ("dv", rows_k, p.heads_k, p.results_dtype))
-    padding = [BufferSpec(f"{name}_padded", (*rows, heads, d), dtype, True, f"{name} zero-padded to d={d}")
-               for name, rows, heads, dtype in operands]
+    qk = (p.head_dim, p.head_dim_padded, "d")
+    value = (p.head_dim_v, p.head_dim_v_padded, "d_v")
+    operands = (("q", rows_q, p.heads_q, p.dtype, qk), ("k", rows_k, p.heads_k, p.dtype, qk),
+                ("v", rows_k, p.heads_k, p.dtype, value), ("out", rows_q, p.heads_q, p.dtype, value),
+                ("dout", rows_q, p.heads_q, p.dtype, value), ("dq", rows_q, p.heads_q, p.results_dtype, qk),
+                ("dk", rows_k, p.heads_k, p.results_dtype, qk), ("dv", rows_k, p.heads_k, p.results_dtype, value))
+    padding = [BufferSpec(f"{name}_padded", (*rows, heads, padded), dtype, True,
+                          f"{name} zero-padded to {label}={padded}")
+               for name, rows, heads, dtype, (user, padded, label) in operands if padded != user]
     return replace(plan, buffers=plan.buffers + tuple(padding))
 
 

@@ -1,6 +1,7 @@
 """The forward pipeline: validate -> select backend -> kernel -> unpad.
 
-Returns `(out, softmax_lse, rng_state, probs, prepared)`; lse is fp32 `(b, h, s_q)` (varlen `(h, total_q)`);
+Returns `(out, softmax_lse, rng_state, probs, prepared)`; out has q's rows and heads and v's head dim d_v;
+lse is fp32 `(b, h, s_q)` (varlen `(h, total_q)`);
 `prepared` holds the validated description of the call (pipeline/prepare.py), which the backward of the
 same call may reuse. A caller's `out` (any strides with a unit last one) is written and returned.
 Empty calls run no kernel: without query rows (none in any sequence) or without key rows, out is zero and
@@ -42,23 +43,23 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
         raise ArgumentError(f"return_attn_probs: backend {chosen.name!r} draws its own dropout pattern, which "
                             f"flash_attn_ck cannot materialise (use backend='reference' or 'triton', or dropout_p=0)")
     if out is not None:
-        check_forward_out(q, k, v, out, options, rng_state, problem.results_dtype)
+        check_forward_out(q, k, v, out, options, rng_state, problem.results_dtype, problem.out_shape)
 
     # ---- outputs -------------------------------------------------------------------------------
     device = problem.device     # q's (the signature decides it), without making a torch.device per access
     kernels_rng_state, rng_state = _rng_states(problem, rng_state, device)
     params = kernel_params(problem, q, k, v, options, kernels_rng_state)
-    padded = problem.head_dim_padded != problem.head_dim
-    # Every backend writes any strides with a unit last one, so a caller's out is the kernel's, unless the head
+    padded = problem.head_dim_v_padded != problem.head_dim_v
+    # Every backend writes any strides with a unit last one, so a caller's out is the kernel's, unless v's head
     # dim is padded: the kernels then write a padded buffer, copied into out below.
-    target = out if out is not None and not padded else torch.empty(params.q.shape, dtype=problem.results_dtype,
-                                                                        device=device)
+    target = out if out is not None and not padded else torch.empty(
+        (*params.q.shape[:-1], problem.head_dim_v_padded), dtype=problem.results_dtype, device=device)
     lse = torch.empty(problem.lse_shape, dtype=problem.accum_dtype, device=device)
 
     # ---- kernel --------------------------------------------------------------------------------
     _compute(chosen, problem, params, options, target, lse)
 
-    computed = target[..., :problem.head_dim] if padded else target
+    computed = target[..., :problem.head_dim_v] if padded else target
     if out is None:
         out = computed
     elif computed is not out:
@@ -97,11 +98,14 @@ def _compute(chosen: Backend, problem: AttentionProblem, params: AttentionParams
         chosen.fill_outside_sequences((cu_seqlens_q, target, 0, 0.0), (cu_seqlens_q, lse, 1, float("inf")))
 
 
-def check_forward_out(q, k, v, out, options: AttentionOptions, rng_state, dtype: torch.dtype) -> None:
-    """A caller's out: the call's output dtype (q's, or `out_dtype`), q's device and shape, a unit last stride, no
-    stride 0, writable here (not an inference tensor outside inference_mode), and no memory shared with an input
-    (the kernels read q/k/v while they write out)."""
-    checks.check_result("out", out, q, dtype, q.shape)
+def check_forward_out(q, k, v, out, options: AttentionOptions, rng_state, dtype: torch.dtype,
+                      shape: tuple[int, ...]) -> None:
+    """A caller's out: the call's output dtype (q's, or `out_dtype`), q's device, `shape` (q's rows and heads, v's
+    head dim), a unit last stride, no stride 0, writable here (not an inference tensor outside inference_mode), and
+    no memory shared with an input (the kernels read q/k/v while they write out)."""
+    checks.check_tensor("out", out)
+    checks.check_value_head_dim("out", out, shape[-1])
+    checks.check_result("out", out, q, dtype, shape)
     if out.is_inference() and not torch.is_inference_mode_enabled():
         raise ArgumentError("out: an inference tensor (made under torch.inference_mode) can be written only inside "
                             "inference_mode")

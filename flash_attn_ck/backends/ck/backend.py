@@ -15,6 +15,7 @@ import ctypes
 import functools
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -33,7 +34,7 @@ PACKAGED_LIBRARY = Path(__file__).resolve().parent / LIBRARY_NAME
 # Where csrc_ck/CMakeLists.txt builds by default in a source checkout (`cmake -S csrc_ck -B build/ck`).
 DEFAULT_LIBRARY = Path(__file__).resolve().parents[3] / "build" / "ck" / LIBRARY_NAME
 
-ABI_VERSION = 2          # FACK_ABI_VERSION of csrc_ck/include/flash_attn_ck.h
+ABI_VERSION = 3          # FACK_ABI_VERSION of csrc_ck/include/flash_attn_ck.h
 DTYPES = {torch.float16: 0, torch.bfloat16: 1}      # fack_dtype
 STATUS_NAMES = {1: "invalid argument", 2: "no kernel instance", 3: "HIP error", 4: "internal error",
                 5: "kernel launch failed"}
@@ -44,7 +45,7 @@ FACK_LAUNCH_ERROR = 5
 # ---- the C structs (csrc_ck/include/flash_attn_ck.h); tests/test_ck_abi.py checks every offset ----
 
 class FackTensor(ctypes.Structure):
-    """A (batch, rows, heads, head_dim) tensor, last dimension contiguous; strides in elements."""
+    """A (batch, rows, heads, head dim) tensor, last dimension contiguous; strides in elements."""
     _fields_ = [
         ("data", ctypes.c_void_p),
         ("batch_stride", ctypes.c_int64),
@@ -73,7 +74,8 @@ class FackAttention(ctypes.Structure):
         ("max_seqlen_k", ctypes.c_int64),
         ("nhead_q", ctypes.c_int64),
         ("nhead_k", ctypes.c_int64),
-        ("head_dim", ctypes.c_int64),
+        ("head_dim_q", ctypes.c_int64),
+        ("head_dim_v", ctypes.c_int64),
         ("seqstart_q", ctypes.c_void_p),
         ("seqstart_k", ctypes.c_void_p),
         ("q", FackTensor),
@@ -149,7 +151,7 @@ def attention_args(problem: AttentionProblem, params: AttentionParams, out: torc
         seqlen_q=p.total_q if varlen else p.seqlen_q,
         seqlen_k=p.total_k if varlen else p.seqlen_k,
         max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k,
-        nhead_q=p.heads_q, nhead_k=p.heads_k, head_dim=p.head_dim_padded,
+        nhead_q=p.heads_q, nhead_k=p.heads_k, head_dim_q=p.head_dim_padded, head_dim_v=p.head_dim_v_padded,
         q=tensor_arg("q", params.q, varlen), k=tensor_arg("k", params.k, varlen),
         v=tensor_arg("v", params.v, varlen), out=tensor_arg("out", out, varlen),
         lse=row_stats_arg(lse, varlen),
@@ -208,7 +210,8 @@ def tile_query_args(problem: AttentionProblem) -> FackBwdArgs:
         dtype=DTYPES[p.dtype], group_mode=int(p.varlen), batch=p.batch,
         seqlen_q=p.total_q if p.varlen else p.seqlen_q, seqlen_k=p.total_k if p.varlen else p.seqlen_k,
         max_seqlen_q=p.seqlen_q, max_seqlen_k=p.seqlen_k, nhead_q=p.heads_q, nhead_k=p.heads_k,
-        head_dim=p.head_dim_padded, softmax_scale=p.softmax_scale, mask_type=int(p.mask.type),
+        head_dim_q=p.head_dim_padded, head_dim_v=p.head_dim_v_padded, softmax_scale=p.softmax_scale,
+        mask_type=int(p.mask.type),
         window_left=left, window_right=right, p_drop=p.dropout_p,
         alibi_slopes=1 if p.has_alibi else None)
     return FackBwdArgs(attn=attn, p_undrop=1.0 - p.dropout_p, deterministic=int(p.deterministic))
@@ -259,7 +262,7 @@ def declare_functions(lib: ctypes.CDLL) -> None:
     lib.fack_bwd_tile.argtypes = [ctypes.POINTER(FackBwdArgs), ctypes.c_char_p, ctypes.POINTER(ctypes.c_int32)]
     for fn in (lib.fack_fwd, lib.fack_bwd, lib.fack_bwd_tile, lib.fack_last_hip_error, lib.fack_abi_version):
         fn.restype = ctypes.c_int
-    for fn in (lib.fack_last_error, lib.fack_gpu_targets):
+    for fn in (lib.fack_last_error, lib.fack_gpu_targets, lib.fack_fwd_head_dims, lib.fack_bwd_head_dims):
         fn.argtypes, fn.restype = [], ctypes.c_char_p
     for fn in (lib.fack_attention_size, lib.fack_bwd_args_size):
         fn.argtypes, fn.restype = [], ctypes.c_int64
@@ -276,6 +279,35 @@ def abi_mismatch(lib: ctypes.CDLL) -> str | None:
 
 def library_targets(lib: ctypes.CDLL) -> list[str]:
     return [t for t in lib.fack_gpu_targets().decode().split(",") if t]
+
+
+@dataclass(frozen=True)
+class HeadDimBuckets:
+    """The (hdim_q, hdim_v) buckets of a library's compiled instances, per direction (its `fack_fwd_head_dims` /
+    `fack_bwd_head_dims`, generated with the instances by scripts/ck_generate.py). CK dispatches a call with
+    padded head dims (d, d_v) to the first bucket with `d <= hdim_q and d_v <= hdim_v`: with none, the library
+    has no instance for the call."""
+    forward: tuple[tuple[int, int], ...]
+    backward: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, lib) -> HeadDimBuckets:
+        return cls(_pairs(lib.fack_fwd_head_dims()), _pairs(lib.fack_bwd_head_dims()))
+
+    def missing(self, head_dim: int, head_dim_v: int) -> list[str]:
+        """Why no instance holds padded head dims (head_dim, head_dim_v), per direction ([] when both have one)."""
+        reasons = []
+        for direction, buckets in (("forward", self.forward), ("backward", self.backward)):
+            if not any(head_dim <= q and head_dim_v <= v for q, v in buckets):
+                listed = ", ".join(f"{q}x{v}" for q, v in buckets) or "none"
+                reasons.append(f"head dims d={head_dim}, d_v={head_dim_v} (padded): the CK library has no {direction} "
+                               f"instance for them (its {direction} buckets, hdim_q x hdim_v: {listed})")
+        return reasons
+
+
+def _pairs(text: bytes) -> tuple[tuple[int, int], ...]:
+    """"128x128,192x128" -> ((128, 128), (192, 128))."""
+    return tuple(tuple(int(n) for n in pair.split("x")) for pair in text.decode().split(",") if pair)
 
 
 @functools.cache
@@ -361,7 +393,7 @@ class CkBackend(Backend):
         if arch not in targets:
             return [f"the CK library was built for {', '.join(targets)}, the device is {arch} "
                     f"(rebuild with GPU_ARCHS={arch})"]
-        return []
+        return HeadDimBuckets.of(lib).missing(problem.head_dim_padded, problem.head_dim_v_padded)
 
     @property
     def lib(self):

@@ -14,13 +14,18 @@ from ...core.problem import AttentionProblem
 
 @dataclass(frozen=True)
 class CkBwdTile:
-    """Key-tile rows of CK's `dq_dk_dv` kernel: 128 for d <= 128, else 64 (CK's fmha_bwd tile table,
-    as used by flash-attention's `mha_bwd.cpp` to size deterministic `dq_accum`)."""
+    """Key-tile rows of CK's `dq_dk_dv` kernel: 128 for head dims <= 128, else 64 (CK's fmha_bwd tile table,
+    as used by flash-attention's `mha_bwd.cpp` to size deterministic `dq_accum`). CK's backward picks the tile of
+    the bucket that holds both head dims (`t.hdim_q <= hdim && t.hdim_v <= hdim`), so the wider one decides."""
     kN0: int
 
     @classmethod
     def for_head_dim(cls, head_dim_padded: int) -> CkBwdTile:
         return cls(128 if head_dim_padded <= 128 else 64)
+
+    @classmethod
+    def for_problem(cls, problem: AttentionProblem) -> CkBwdTile:
+        return cls.for_head_dim(problem.widest_head_dim_padded)
 
 
 def dq_accum_splits(problem: AttentionProblem, kn0: int | None = None) -> int:
@@ -28,21 +33,21 @@ def dq_accum_splits(problem: AttentionProblem, kn0: int | None = None) -> int:
     the tile of the instance that will run (the CK library's `fack_bwd_tile`); None: CK's gfx942 table."""
     if not problem.deterministic:
         return 1
-    kn0 = kn0 or CkBwdTile.for_head_dim(problem.head_dim_padded).kN0
+    kn0 = kn0 or CkBwdTile.for_problem(problem).kN0
     return max(1, -(-problem.seqlen_k // kn0))
 
 
 def ck_backward_plan(problem: AttentionProblem, backend: str, kn0: int | None = None) -> WorkspacePlan:
     """`mha_bwd`'s buffers: softmax_d, dq_accum, and expanded dK/dV for MQA/GQA. `kn0`: the key tile of
     the dq_dk_dv instance that will run (None: CK's gfx942 table, as the reference backend uses)."""
-    p, d = problem, problem.head_dim_padded
+    p = problem
     buffers = [
         BufferSpec("softmax_d", p.lse_shape, p.accum_dtype, False, "D = rowsum(dO * O), strided like lse"),
-        BufferSpec("dq_accum", (dq_accum_splits(p, kn0), *p.q_rows_shape, p.heads_q, d), p.accum_dtype, True,
-                   "fp32 dQ, one split per key tile when deterministic"),
+        BufferSpec("dq_accum", (dq_accum_splits(p, kn0), *p.q_rows_shape, p.heads_q, p.head_dim_padded),
+                   p.accum_dtype, True, "fp32 dQ, one split per key tile when deterministic"),
     ]
     if p.is_gqa:
-        for name in ("dk_expanded", "dv_expanded"):
+        for name, d in (("dk_expanded", p.head_dim_padded), ("dv_expanded", p.head_dim_v_padded)):
             buffers.append(BufferSpec(name, (*p.k_rows_shape, p.heads_q, d), p.results_dtype, False,
                                       f"{name[:2]} per query head, summed over groups of {p.group_size}"))
     return WorkspacePlan(backend, tuple(buffers), reduce_expanded_kv=p.is_gqa)

@@ -235,7 +235,9 @@ class TritonBackend(Backend):
         if self.configs is not None:
             return self.configs
         cap = _capability(p.device) if p.device.type == "cuda" else None
-        return config.select(p.head_dim_padded, p.mask.is_causal, cap, _INTERPRETING, max(p.seqlen_q, p.seqlen_k))
+        # The tiles of the wider head block: v's where it is wider (its dV and out tiles are the larger ones).
+        return config.select(p.widest_head_dim_padded, p.mask.is_causal, cap, _INTERPRETING,
+                             max(p.seqlen_q, p.seqlen_k))
 
     @_per_problem
     def _dq_atomic(self, p: AttentionProblem) -> bool:
@@ -276,6 +278,8 @@ class TritonBackend(Backend):
             reasons.append(f"out_dtype {str(p.out_dtype).removeprefix('torch.')} (its TMA stores go through shared "
                            "tiles of the input dtype)")
         d = p.head_dim_padded
+        if p.head_dim_v_padded != d:
+            reasons.append(f"value head dim {p.head_dim_v} != head dim {p.head_dim} (the kernel has one head block)")
         if rule.tile(d, p.mask.is_causal, p.group_size) is None:
             reasons.append(f"head dim {d}: the kernel has tiles for head dims (padded to a power of two) "
                            f"{sorted(rule.tiles)}")
@@ -374,7 +378,22 @@ class TritonBackend(Backend):
         return build_schedule(params.cu_seqlens_q, params.cu_seqlens_k, *found)
 
     def _accumulate_kv(self, p: AttentionProblem) -> bool:
-        return p.is_gqa and self.gqa_epilogue == "accumulate"
+        """The GQA accumulator epilogue (fp32 dK/dV rows of one width): asked for, and where q/k and v have one
+        kernel head dim; else the key-tile programs loop over the group."""
+        return p.is_gqa and self.gqa_epilogue == "accumulate" and self._value_head_dim(p) is None
+
+    @staticmethod
+    def _value_head_dim(p: AttentionProblem) -> tuple[int, int] | None:
+        """v's kernel head dim and block (launch.Features.HEAD_DIM_V, BLOCK_DV) where they are not q/k's (padded head
+        dims differ), else None: the one-launch kernels then run as with one head dim."""
+        if p.head_dim_v_padded == p.head_dim_padded:
+            return None
+        return p.head_dim_v_padded, config.head_block(p.head_dim_v_padded)
+
+    def _value_flags(self, p: AttentionProblem) -> tuple[tuple[str, int], tuple[str, int]]:
+        """The Features pairs of v's head dim and block: (0, q/k's block) with one head dim."""
+        head_dim_v, block_dv = self._value_head_dim(p) or (0, config.head_block(p.head_dim_padded))
+        return ("HEAD_DIM_V", head_dim_v), ("BLOCK_DV", block_dv)
 
     def _tma_plan(self, p: AttentionProblem, role: str, *tensors: torch.Tensor) -> str:
         """Which tiles of a `role` ("forward" or "backward") launch move through TMA descriptors: "all"
@@ -486,7 +505,7 @@ class TritonBackend(Backend):
         tile = cfg.forward
         use_tma = self._tma_plan(p, "forward", params.q, params.k, params.v, out) == "all"
         scores, features = self._scores_features(p, ("VARLEN", p.varlen), ("USE_TMA", use_tma), ("TMA_LOADS", use_tma),
-                                                 ("EVEN_K", self._even_keys(p, tile.block_n)))
+                                                 ("EVEN_K", self._even_keys(p, tile.block_n)), *self._value_flags(p))
         sizes = self._sizes(p, params.q.shape[-1])
         launch.forward(params.q, params.k, params.v, out, lse, self._sequence_args(p, params, lse), sizes, scores,
                        features, tile, config.head_block(sizes.head_dim),
@@ -590,7 +609,8 @@ class TritonBackend(Backend):
             "softmax_d must be strided like lse"
 
         # ---- 1. delta = rowsum(dO * O); zero the accumulators and semaphores ----
-        self._preprocess(p, out, dout, delta, (dq_acc, dk_acc, dv_acc, sems), sizes)
+        value = self._value_head_dim(p)
+        self._preprocess(p, out, dout, delta, (dq_acc, dk_acc, dv_acc, sems), sizes, value)
 
         # ---- 2. one launch: key-tile programs (dK/dV, and dQ in atomic mode), then the dQ pass ----
         kv, dq_tile = cfg.bwd_kv, cfg.bwd_dq
@@ -609,7 +629,7 @@ class TritonBackend(Backend):
                 p, ("VARLEN", p.varlen), ("LOOP_GROUP", loop_group), ("DQ_ATOMIC", dq_acc is not None),
                 ("DETERMINISTIC", p.deterministic), ("USE_TMA", use_tma),
                 ("TMA_LOADS", use_tma and tma_mode == "all"), ("DP_FIRST", cfg.bwd_dp_first),
-                ("EVEN_K", cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n)))
+                ("EVEN_K", cfg.bwd_even_k and self._even_keys(p, kv.block_n, dq_tile.block_n)), *self._value_flags(p))
             launch.bwd_main(params.q, params.k, params.v, dout, lse, delta, dq_target, dk, dv, dk_acc, dv_acc, sems,
                             seq, p.batch, sizes, scores, features, kv, dq_tile, block_d,
                             (programs, p.batch * prog_heads)).launch()
@@ -619,10 +639,11 @@ class TritonBackend(Backend):
 
     @staticmethod
     def _preprocess(p: AttentionProblem, out: torch.Tensor, dout: torch.Tensor, delta: torch.Tensor,
-                    accumulators: tuple, sizes: launch.Sizes) -> None:
-        """delta = rowsum(dO * O) into `delta`; zero the plan's fp32 accumulators and semaphores (None: absent)."""
+                    accumulators: tuple, sizes: launch.Sizes, value: tuple[int, int] | None = None) -> None:
+        """delta = rowsum(dO * O) into `delta` (over v's head dim, `value`'s where it is not q/k's); zero the plan's
+        fp32 accumulators and semaphores (None: absent)."""
         launch.bwd_preprocess(out, dout, delta, accumulators, p.batch, sizes, p.varlen,
-                              config.head_block(sizes.head_dim)).launch()
+                              config.head_block(sizes.head_dim), value=value).launch()
 
     @staticmethod
     def _postprocess(p: AttentionProblem, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,

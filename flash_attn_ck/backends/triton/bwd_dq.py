@@ -16,12 +16,23 @@ import triton
 import triton.language as tl
 
 from .row_io import head_rows, load_rows, row_tiles, store_rows
-from .scores import LOG2E, alibi_shift, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
+from .scores import (
+    LOG2E,
+    alibi_shift,
+    dropout_keep,
+    key_range,
+    key_tile_scores,
+    query_tile_bounds,
+    query_tile_operands,
+    value_head_dim,
+)
 
 
 @triton.jit
 def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, sizes, score_args,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, features: tl.constexpr):
+    BLOCK_DV: tl.constexpr = features.BLOCK_DV       # dO's (v's) head block
+    head_dim_v = value_head_dim(sizes.head_dim, features)
     # ---- the query tile: bounds, q / dO tiles, lse and delta rows ----
     m0, q_start, len_q, k_start, len_k, shift = query_tile_bounds(m_block, b, seq, sizes, BLOCK_M, features)
     if m0 >= len_q:
@@ -34,8 +45,8 @@ def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, si
         Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, k_start, len_k, BLOCK_M, BLOCK_N, BLOCK_D, features)
     b64 = b.to(tl.int64)
     do_base = head_rows(dOut, strides.dout_batch, strides.dout_row, strides.dout_head, b64, q_start, h)
-    do = load_rows(row_tiles(do_base, strides.dout_row, len_q, sizes.head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS),
-                   strides.dout_row, m0, len_q, sizes.head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS)
+    do = load_rows(row_tiles(do_base, strides.dout_row, len_q, head_dim_v, BLOCK_M, BLOCK_DV, features.TMA_LOADS),
+                   strides.dout_row, m0, len_q, head_dim_v, BLOCK_M, BLOCK_DV, features.TMA_LOADS)
     row_base = b64 * strides.lse_batch + h.to(tl.int64) * strides.lse_head + q_start
     lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)

@@ -31,7 +31,8 @@ bound no tile needs the mask (scores.block_needs_mask); config.Configs.bwd_even_
 Arguments (launch.bwd_main builds them): the inputs, grads (launch.Gradients), kv_acc
 (launch.KVAccumulators), seq (launch.SequenceArgs), strides (launch.BackwardStrides), batch, sizes
 (launch.Sizes), score_args (launch.ScoreArgs) and every compile-time flag above in features (launch.Features,
-constexpr), handed whole to the roles and to the helpers of scores.py.
+constexpr; HEAD_DIM_V / BLOCK_DV: v's, dO's and dV's head dim and block), handed whole to the roles and to the
+helpers of scores.py.
 """
 
 import triton
@@ -52,6 +53,7 @@ from .scores import (
     query_range,
     scores_log2,
     sequence_bounds,
+    value_head_dim,
 )
 
 
@@ -89,7 +91,9 @@ def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_ac
                   score_args, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   features: tl.constexpr):
     """One key tile of kv head hk (LOOP_GROUP: prog_head = hk) or query head prog_head (the accumulator epilogue, into
-    kv_acc; `batch` places its semaphore)."""
+    kv_acc; `batch` places its semaphore; only with one head dim: the accumulators have one row width). V, dO and dV
+    have v's head dim (scores.value_head_dim) in BLOCK_DV columns."""
+    BLOCK_DV: tl.constexpr = features.BLOCK_DV
     # ---- program -> kv head, its query heads, the key tile ----
     if features.LOOP_GROUP:
         hk = prog_head
@@ -100,6 +104,7 @@ def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_ac
         h_first = prog_head
         n_heads = 1
     head_dim = sizes.head_dim
+    head_dim_v = value_head_dim(head_dim, features)
     q_start, len_q = sequence_bounds(seq.cu_seqlens_q, b, sizes.max_seqlen_q, features.VARLEN)
     k_start, len_k = sequence_bounds(seq.cu_seqlens_k, b, sizes.max_seqlen_k, features.VARLEN)
     n0 = n_block * BLOCK_N
@@ -114,20 +119,20 @@ def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_ac
     v_base = head_rows(V, strides.v_batch, strides.v_row, strides.v_head, b64, k_start, hk)
     k = load_rows(row_tiles(k_base, strides.k_row, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS),
                   strides.k_row, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
-    v = load_rows(row_tiles(v_base, strides.v_row, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS),
-                  strides.v_row, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
+    v = load_rows(row_tiles(v_base, strides.v_row, len_k, head_dim_v, BLOCK_N, BLOCK_DV, features.TMA_LOADS),
+                  strides.v_row, n0, len_k, head_dim_v, BLOCK_N, BLOCK_DV, features.TMA_LOADS)
     seed, offset = dropout_seed(seq, features)
     m_lo, m_hi = query_range(n0, len_q, shift, score_args, BLOCK_M, BLOCK_N, features)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     for g in tl.range(0, n_heads, num_stages=1):
         # ---- one query head: its q / dO sources, lse and D rows, ALiBi slope ----
         h = h_first + g
         q_base = head_rows(Q, strides.q_batch, strides.q_row, strides.q_head, b64, q_start, h)
         q_src = row_tiles(q_base, strides.q_row, len_q, head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS)
         do_base = head_rows(dOut, strides.dout_batch, strides.dout_row, strides.dout_head, b64, q_start, h)
-        do_src = row_tiles(do_base, strides.dout_row, len_q, head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS)
+        do_src = row_tiles(do_base, strides.dout_row, len_q, head_dim_v, BLOCK_M, BLOCK_DV, features.TMA_LOADS)
         row_base = b64 * strides.lse_batch + h.to(tl.int64) * strides.lse_head + q_start
         slope = alibi_slope(seq, strides, b, h, features)
         for m0 in range(m_lo, m_hi, BLOCK_M):
@@ -135,7 +140,7 @@ def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_ac
             offs_m = m0 + tl.arange(0, BLOCK_M)
             row_ok = offs_m < len_q
             q = load_rows(q_src, strides.q_row, m0, len_q, head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS)
-            do = load_rows(do_src, strides.dout_row, m0, len_q, head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS)
+            do = load_rows(do_src, strides.dout_row, m0, len_q, head_dim_v, BLOCK_M, BLOCK_DV, features.TMA_LOADS)
             lse2 = tl.load(Lse + row_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
             delta = tl.load(Delta + row_base + offs_m, mask=row_ok, other=0.0)
             qkT = tl.dot(k, tl.trans(q))
@@ -173,7 +178,7 @@ def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_ac
         dk_base = head_rows(grads.dk, strides.dk_batch, strides.dk_row, strides.dk_head, b64, k_start, hk)
         store_rows(dk, dk_base, strides.dk_row, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.USE_TMA)
         dv_base = head_rows(grads.dv, strides.dv_batch, strides.dv_row, strides.dv_head, b64, k_start, hk)
-        store_rows(dv, dv_base, strides.dv_row, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.USE_TMA)
+        store_rows(dv, dv_base, strides.dv_row, n0, len_k, head_dim_v, BLOCK_N, BLOCK_DV, features.USE_TMA)
     else:
         # ---- GQA accumulator epilogue: this query head's share, in rank order if deterministic ----
         lock = kv_acc.semaphores + (n_block * batch + b) * (sizes.heads // sizes.group) + hk

@@ -6,19 +6,30 @@ is 0). MQA/GQA read K/V of head h // group directly (no expansion). Varlen tenso
 
 Arguments (launch.forward builds them): the tensors, seq (launch.SequenceArgs), strides
 (launch.ForwardStrides), sizes (launch.Sizes), score_args (launch.ScoreArgs) and the constexpr flags
-features (launch.Features; the forward reads USE_TMA for its store and TMA_LOADS, set alike, for its loads).
+features (launch.Features; the forward reads USE_TMA for its store and TMA_LOADS, set alike, for its loads, and
+HEAD_DIM_V / BLOCK_DV for v's and out's head dim and block, scores.value_head_dim).
 """
 
 import triton
 import triton.language as tl
 
 from .row_io import head_rows, store_rows
-from .scores import LOG2E, alibi_shift, dropout_keep, key_range, key_tile_scores, query_tile_bounds, query_tile_operands
+from .scores import (
+    LOG2E,
+    alibi_shift,
+    dropout_keep,
+    key_range,
+    key_tile_scores,
+    query_tile_bounds,
+    query_tile_operands,
+    value_head_dim,
+)
 
 
 @triton.jit
 def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, features: tl.constexpr):
+    BLOCK_DV: tl.constexpr = features.BLOCK_DV       # v's and out's head block (BLOCK_D with one head dim)
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
     m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1) // sizes.heads
@@ -36,7 +47,7 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args,
     # ---- online softmax over the visible key tiles (log2 units) ----
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     lo, hi = key_range(m0, len_k, shift, score_args, BLOCK_M, BLOCK_N, features)
     bias_shift = alibi_shift(len_q, len_k, shift, features)
     for n0 in range(lo, hi, BLOCK_N):
@@ -63,6 +74,7 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args,
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) / LOG2E)
     b64 = b.to(tl.int64)
     out_base = head_rows(Out, strides.out_batch, strides.out_row, strides.out_head, b64, q_start, h)
-    store_rows(out, out_base, strides.out_row, m0, len_q, sizes.head_dim, BLOCK_M, BLOCK_D, features.USE_TMA)
+    store_rows(out, out_base, strides.out_row, m0, len_q, value_head_dim(sizes.head_dim, features), BLOCK_M, BLOCK_DV,
+               features.USE_TMA)
     lse_base = Lse + b64 * strides.lse_batch + h.to(tl.int64) * strides.lse_head + q_start
     tl.store(lse_base + offs_m, lse, mask=row_ok)

@@ -59,6 +59,11 @@ class Features(NamedTuple):
     DQ_ATOMIC: bool = False      # dQ added into an fp32 buffer by the key-tile programs (no dQ pass)
     DETERMINISTIC: bool = False  # the GQA accumulator epilogue's adds ordered by semaphores
     DP_FIRST: bool = False       # dO V^T issued before exp2(S - lse) (config.Configs.bwd_dp_first)
+    # forward and backward: v's (out's, dO's, dV's) head dim where it is not q/k's, else 0 (scores.value_head_dim: q/k's
+    # sizes.head_dim), and its power-of-two block (0: the spec builders make it BLOCK_D). Compile-time: a kernel
+    # variant per value head dim; with one head dim the kernels are the one-head-dim kernels, unchanged.
+    HEAD_DIM_V: int = 0
+    BLOCK_DV: int = 0
 
 
 class MaskFlags(NamedTuple):
@@ -436,9 +441,15 @@ def current_device_and_stream() -> tuple[int, int]:
 
 # ---- the kernels' specs --------------------------------------------------------------------------
 
+def _with_value_block(features: Features, block_d: int) -> Features:
+    """`features` with v's head block: its own, else block_d (the backend names it: no copy on its launch path)."""
+    return features if features.BLOCK_DV else features._replace(BLOCK_DV=block_d)
+
+
 def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArgs, features: Features,
             tile: Tile, block_d: int, grid: tuple[int, int]) -> LaunchSpec:
     from .forward import attn_fwd_kernel
+    features = _with_value_block(features, block_d)
     varlen = features.VARLEN
     strides = ForwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(out, varlen),
                              *lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
@@ -449,9 +460,12 @@ def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArg
 
 
 def bwd_preprocess(out, dout, delta, zero: tuple[torch.Tensor | None, ...], batch: int,
-                   sizes: Sizes, varlen: bool, block_d: int, block_m: int = 64) -> LaunchSpec:
-    """delta = rowsum(dO * O) into `delta`; zero the buffers of `zero` (dq, dk, dv accumulators, semaphores;
-    None where the plan has none)."""
+                   sizes: Sizes, varlen: bool, block_d: int, block_m: int = 64,
+                   value: tuple[int, int] | None = None) -> LaunchSpec:
+    """delta = rowsum(dO * O) into `delta` (over v's head dim: `value` = (head dim, block) where it is not q/k's,
+    Features.HEAD_DIM_V and BLOCK_DV); zero the buffers of `zero` (dq, dk, dv accumulators, semaphores; None where
+    the plan has none)."""
+    head_dim, block_d = (sizes.head_dim, block_d) if value is None else value
     from .bwd_preprocess import ZERO_BLOCK, bwd_preprocess_kernel
     # A varlen call's delta is per packed row whichever sequence holds it: one grid over the rows, as one batch entry,
     # not batch x tiles(max_seqlen) programs that mostly exit (9x as many on a 38-document pack). Rows in no
@@ -461,7 +475,7 @@ def bwd_preprocess(out, dout, delta, zero: tuple[torch.Tensor | None, ...], batc
     return LaunchSpec(bwd_preprocess_kernel, grid, dict(
         Out=out, dOut=dout, Delta=delta,
         stride_o=rows3(out, varlen), stride_do=rows3(dout, varlen), stride_delta=lse_strides(delta, varlen),
-        heads=sizes.heads, n_rows=rows, head_dim=sizes.head_dim,
+        heads=sizes.heads, n_rows=rows, head_dim=head_dim,
         zero_ptrs=tuple(t if t is not None else delta for t in zero),
         zero_numels=tuple(t.numel() if t is not None else 0 for t in zero),
         BLOCK_M=block_m, BLOCK_D=block_d, ZERO_BLOCK=ZERO_BLOCK,
@@ -472,8 +486,11 @@ def bwd_main(q, k, v, dout, lse, delta, dq, dk, dv, dk_acc, dv_acc, sems, seq: S
              sizes: Sizes, scores: ScoreArgs, features: Features, kv: Tile, dq_tile: Tile, block_d: int,
              grid: tuple[int, int]) -> LaunchSpec:
     """The backward's one launch (bwd_main.attn_bwd_kernel). dq is the fp32 accumulator in the atomic
-    mode; dk_acc/dv_acc/sems are None where the plan has none."""
+    mode; dk_acc/dv_acc/sems are None where the plan has none (always with features.HEAD_DIM_V: the accumulators have
+    one row width)."""
     from .bwd_main import attn_bwd_kernel
+    assert features.LOOP_GROUP or not features.HEAD_DIM_V, "the dK/dV accumulators have q/k's head dim only"
+    features = _with_value_block(features, block_d)
     varlen, d = features.VARLEN, sizes.head_dim
     total_k = dk.shape[0] if varlen else sizes.max_seqlen_k
     heads_k = sizes.heads // sizes.group

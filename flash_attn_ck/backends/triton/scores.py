@@ -63,9 +63,11 @@ def query_tile_bounds(m_block, b, seq, sizes, BLOCK_M: tl.constexpr, features: t
 def query_tile_operands(Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, k_start, len_k, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, features: tl.constexpr):
     """What a query-tile program (forward, dQ pass) reads before its key loop: its q tile, the K and V
-    sources of its kv head (row_io.row_tiles, for key_tile_scores), the ALiBi slope, and the dropout
-    seed and offset (0 when unused). Tiles load through TMA with features.TMA_LOADS. `strides`: the call's
-    launch.ForwardStrides or BackwardStrides (the q, k, v strides and slope_batch of either)."""
+    sources of its kv head (row_io.row_tiles, for key_tile_scores; V's rows have v's head dim, `value_head_dim`),
+    the ALiBi slope, and the dropout seed and offset (0 when unused). Tiles load through TMA with
+    features.TMA_LOADS. `strides`: the call's launch.ForwardStrides or BackwardStrides (the q, k, v strides and
+    slope_batch of either)."""
+    BLOCK_DV: tl.constexpr = features.BLOCK_DV
     b64 = b.to(tl.int64)
     q_base = head_rows(Q, strides.q_batch, strides.q_row, strides.q_head, b64, q_start, h)
     q = load_rows(row_tiles(q_base, strides.q_row, len_q, sizes.head_dim, BLOCK_M, BLOCK_D, features.TMA_LOADS),
@@ -77,10 +79,21 @@ def query_tile_operands(Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, 
                       strides.k_row, len_k, sizes.head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
     v_src = row_tiles(V + b64 * strides.v_batch + k_start.to(tl.int64) * strides.v_row
                       + (h // sizes.group) * strides.v_head,
-                      strides.v_row, len_k, sizes.head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
+                      strides.v_row, len_k, value_head_dim(sizes.head_dim, features), BLOCK_N, BLOCK_DV,
+                      features.TMA_LOADS)
     slope = alibi_slope(seq, strides, b, h, features)
     seed, offset = dropout_seed(seq, features)
     return q, k_src, v_src, slope, seed, offset
+
+
+@triton.jit
+def value_head_dim(head_dim, features: tl.constexpr):
+    """v's head dim (out's, dO's, dV's): features.HEAD_DIM_V where v has one of its own, else q/k's `head_dim`. Its
+    block is features.BLOCK_DV (BLOCK_D with one head dim)."""
+    if features.HEAD_DIM_V:
+        return features.HEAD_DIM_V
+    else:
+        return head_dim
 
 
 # ---- the mask: visible tile ranges, which tiles need it, the per-element test ----
@@ -183,10 +196,12 @@ def key_tile_scores(q, k_src, v_src, stride_ks, stride_vs, offs_m, n0, offs_n, m
                     features: tl.constexpr):
     """One key tile as a query tile sees it: (columns, K, V, scores in log2 units with softcap/ALiBi and
     -inf outside the mask, softcap tanh). k_src/v_src come from row_io.row_tiles; key rows past the
-    sequence load as 0."""
+    sequence load as 0. V has v's head dim (`value_head_dim`)."""
+    BLOCK_DV: tl.constexpr = features.BLOCK_DV
     cols = n0 + offs_n
     k = load_rows(k_src, stride_ks, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
-    v = load_rows(v_src, stride_vs, n0, len_k, head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
+    v = load_rows(v_src, stride_vs, n0, len_k, value_head_dim(head_dim, features), BLOCK_N, BLOCK_DV,
+                  features.TMA_LOADS)
     s, tanh = scores_log2(tl.dot(q, tl.trans(k)), offs_m[:, None], cols[None, :], bias_shift, score_args, slope,
                           features)
     if block_needs_mask(m0, n0, len_k, shift, score_args, BLOCK_M, BLOCK_N, features):

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ...api import flash_attn_bwd, flash_attn_fwd
+from .merge import out_like
 from .plan import Call
 from .sharding import in_sequence_order, rank_shards
 from .transfers import PostedTransfers
@@ -47,7 +48,7 @@ def on_head_groups(q, k, v, heads_call: Call, out: torch.Tensor, attend):
     out (written into `out`) and the lse back to the shards."""
     q_h, = _sequence_to_heads([q], heads_call)
     k_h, v_h = _sequence_to_heads([k, v], heads_call)
-    out_h = torch.empty_like(q_h)
+    out_h = out_like(q_h, v_h)
     lse_h = attend(q_h, k_h, v_h, out_h)
     out_s, = _heads_to_sequence([out_h], heads_call)
     lse_s, = _heads_to_sequence([lse_h.transpose(1, 2)], heads_call)

@@ -19,9 +19,10 @@ def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=Fal
     """Attention over a sequence sharded across `group` (see the module docstring), differentiable.
 
     Args:
-        q, k, v: this rank's shards (b, s / W, h, d) and (b, s / W, h_k, d), as `shard(x, group, layout=layout)`
-            cuts them (every rank the same b, h, d; s a multiple of 2W). Varlen: (total / W, h, d) and
-            (total / W, h_k, d), as `shard(x, group, seq_dim=0, layout=layout, cu_seqlens=cu_seqlens)` cuts them.
+        q, k, v: this rank's shards (b, s / W, h, d), (b, s / W, h_k, d) and (b, s / W, h_k, d_v) (v's head dim
+            d_v may differ from d), as `shard(x, group, layout=layout)` cuts them (every rank the same b, h, d,
+            d_v; s a multiple of 2W). Varlen: (total / W, ...) rows, as `shard(x, group, seq_dim=0, layout=layout,
+            cu_seqlens=cu_seqlens)` cuts them.
         group: a ProcessGroup, a 1-D DeviceMesh, or None (the default group); for kv_exchange="a2a+ring" a 2-D
             DeviceMesh (ring dim, a2a dim), whose shards `shard(x, mesh)` cuts.
         cu_seqlens: varlen (kv_exchange="ring" only): the full sequences' int32 offsets (b + 1,), the same on
@@ -38,7 +39,8 @@ def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=Fal
             the parameters' gradients: `sum_gradients`, `register_cp_comm_hook`).
 
     Returns:
-        this rank's shard of the output (b, s / W, h, d), varlen (total / W, h, d), as `shard` cuts the full output.
+        this rank's shard of the output (b, s / W, h, d_v), varlen (total / W, h, d_v), as `shard` cuts the full
+        output.
 
     Raises:
         ArgumentError (before any communication): ALiBi, softcap, cu_seqlens_q/k, a window or varlen with the

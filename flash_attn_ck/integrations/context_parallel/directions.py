@@ -10,7 +10,7 @@ from ...pipeline.sink import fold_sink, rows_dot, sink_gradient
 from .a2a import a2a_backward, a2a_forward
 from .allgather import allgather_backward, allgather_forward
 from .hybrid import hybrid_backward, hybrid_forward
-from .merge import accum_dtype
+from .merge import accum_dtype, out_like
 from .plan import Call
 from .ring import ring_backward, ring_forward
 from .transfers import PostedTransfers
@@ -23,11 +23,12 @@ _BACKWARD = {"ring": ring_backward, "allgather": allgather_backward, "a2a": a2a_
 
 def forward(q, k, v, call: Call, out: torch.Tensor | None = None,
             rng_state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Call]:
-    """`(out, lse, call)`: this shard's output (written into `out` where given: any tensor shaped like q whose
-    last dim has stride 1), its lse (fp32; fp64 for fp64 inputs) and the call with its rng states (dropout:
-    derived from `rng_state`, else from one fresh draw; `call.rng_base` is what the backward needs)."""
+    """`(out, lse, call)`: this shard's output (written into `out` where given: any tensor with q's rows and heads
+    and v's head dim whose last dim has stride 1), its lse (fp32; fp64 for fp64 inputs) and the call with its rng
+    states (dropout: derived from `rng_state`, else from one fresh draw; `call.rng_base` is what the backward
+    needs)."""
     if out is None:
-        out = torch.empty_like(q)
+        out = out_like(q, v)
     if call.chunks.empty:           # every shard is empty (shards have equal sizes): nothing to exchange
         lse_shape = (q.shape[-2], 0) if call.chunks.rows is not None else (q.shape[0], q.shape[-2], 0)
         return out, q.new_empty(lse_shape, dtype=accum_dtype(q)), call

@@ -10,7 +10,7 @@ from ...core.errors import ArgumentError
 from ...core.options import AttentionOptions
 from .directions import backward, forward, shard_sink_gradient
 from .group import process_group
-from .merge import accum_dtype
+from .merge import accum_dtype, out_like
 from .plan import Call, plan_call
 
 
@@ -41,7 +41,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: s
 def _(q, k, v, group_name, layout, kv_exchange, causal, window_left, window_right, softmax_scale, dropout_p,
       deterministic, backend, cu_seqlens, learnable_sink=None):
     lse_shape = (q.shape[-2], q.shape[0]) if cu_seqlens is not None else (q.shape[0], q.shape[2], q.shape[1])
-    return (torch.empty_like(q), q.new_empty(lse_shape, dtype=accum_dtype(q)),
+    return (out_like(q, v), q.new_empty(lse_shape, dtype=accum_dtype(q)),
             q.new_empty((2 if dropout_p else 0,), dtype=torch.int64))
 
 

@@ -113,7 +113,7 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
               cu_seqlens: torch.Tensor | None = None) -> Call:
     """Validate everything a context-parallel call needs, before any communication: the options (flash-attn's
     rules, `options`), the CP arguments, and the first kernel call's operands and backend; the `Call`.
-    q, k, v: this rank's (b, s / W, h, d) views (varlen (total / W, h, d))."""
+    q, k, v: this rank's (b, s / W, h, d) views (varlen (total / W, h, d)); v's head dim d_v may differ from d."""
     _check_arguments(q, k, v, group, options, layout, kv_exchange, cu_seqlens)
     if kv_exchange == "a2a+ring":
         return _plan_hybrid(q, k, v, group, options, layout)
