@@ -155,7 +155,8 @@ def out_like_query(query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     differs from query's E (query's dimension order, new strides)."""
     if value.shape[-1] == query.shape[-1]:
         return torch.empty_like(query)
-    order = sorted(range(query.dim()), key=lambda dim: -query.stride(dim))       # outermost dimension first
+    strides = query.stride()
+    order = sorted(range(query.dim()), key=lambda dim: -strides[dim])       # outermost dimension first
     return torch.empty_permuted((*query.shape[:-1], value.shape[-1]), order, dtype=query.dtype, device=query.device)
 
 

@@ -129,8 +129,9 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
             run_chunk(backend, sub, views.params, views.out, views.lse, views.dout, views.dq, *kv_grads,
                       views.softmax_d)
             continue
-        partials = [_leading(shared[f"{g}_partial"], grad) for g, grad in zip(("dk", "dv"), kv_grads)]
-        sums = [_leading(shared[f"{g}_sum"], grad) for g, grad in zip(("dk", "dv"), kv_grads)]
+        dk_grad, dv_grad = kv_grads
+        partials = _leading(shared["dk_partial"], dk_grad), _leading(shared["dv_partial"], dv_grad)
+        sums = _leading(shared["dk_sum"], dk_grad), _leading(shared["dv_sum"], dv_grad)
         run_chunk(backend, sub, views.params, views.out, views.lse, views.dout, views.dq, *partials,
                   views.softmax_d)
         for total, part in zip(sums, partials):

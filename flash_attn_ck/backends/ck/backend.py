@@ -307,7 +307,12 @@ class HeadDimBuckets:
 
 def _pairs(text: bytes) -> tuple[tuple[int, int], ...]:
     """"128x128,192x128" -> ((128, 128), (192, 128))."""
-    return tuple(tuple(int(n) for n in pair.split("x")) for pair in text.decode().split(",") if pair)
+    pairs = []
+    for pair in text.decode().split(","):
+        if pair:
+            head_dim_q, head_dim_v = pair.split("x")
+            pairs.append((int(head_dim_q), int(head_dim_v)))
+    return tuple(pairs)
 
 
 @functools.cache
