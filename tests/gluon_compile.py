@@ -33,7 +33,7 @@ def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype, parts: int = 1
     """The mangled signature type of a host TMA descriptor with (rows, 1, head dim padded / parts) boxes."""
     from triton.runtime.jit import mangle_type
 
-    from flash_attn_ck.backends.triton import gluon_common
+    from flash_attn_ck.backends.triton.gluon import gluon_common
     return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows, parts))
 
 
@@ -49,7 +49,7 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int
 
 def _call(head_dim: int, varlen: bool, masks, heads: int = 4, rows: int = 512):
     """CPU tensors of one call's layout ((rows, heads, d) varlen, else (1, rows, heads, d)) and its keywords."""
-    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
     shape = (rows, heads, head_dim) if varlen else (1, rows, heads, head_dim)
     lse_shape = (heads, rows) if varlen else (1, heads, rows)
     tensors = dict(q=torch.empty(shape, dtype=torch.bfloat16), lse=torch.empty(lse_shape),
@@ -63,7 +63,7 @@ def _schedule(schedule: bool, block: int):
     rows, or None."""
     if not schedule:
         return None
-    from flash_attn_ck.backends.triton import varlen_schedule
+    from flash_attn_ck.backends.triton.runtime import varlen_schedule
     walk = varlen_schedule.TileWalk(block, block, owns_keys=False)
     cu = torch.tensor([0, 512], dtype=torch.int32)
     return varlen_schedule.build_schedule(cu, cu, walk, varlen_schedule.schedule_bound(512, 1, block))
@@ -72,7 +72,7 @@ def _schedule(schedule: bool, block: int):
 def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), schedule: bool = False):
     """fwd_ws.launch_spec of `tile` for a call of `head_dim` (bf16, 512 rows, 4 heads) with `masks` (TOP_LEFT,
     HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule."""
-    from flash_attn_ck.backends.triton import fwd_ws
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
     _, t, call = _call(head_dim, varlen, masks)
     q = t["q"]
     return fwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), t["lse"], t["cu_seqlens"], t["cu_seqlens"],
@@ -83,7 +83,7 @@ def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, Fal
              schedule: bool = False):
     """bwd_ws.launch_spec of `tile` (bwd_ws_split's kernel for a split_d tile) for a call like fwd_spec's, in the
     deterministic mode or not, with the call's varlen schedule or not."""
-    from flash_attn_ck.backends.triton import bwd_ws
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
     shape, t, call = _call(head_dim, varlen, masks)
     q, lse = t["q"], t["lse"]
     sems = torch.zeros(1, shape[-2], 512 // tile.block_m, dtype=torch.int32) if deterministic else None
@@ -141,6 +141,6 @@ OTHER_PTXAS_SPILL_SLACK = 32
 def spill_allowance(tuned_bytes: int) -> int:
     """The spill bytes a compile test allows a kernel that spills at most `tuned_bytes` under the ptxas it was tuned
     with: exactly that under that release's ptxas, OTHER_PTXAS_SPILL_SLACK more under any other."""
-    from flash_attn_ck.backends.triton import triton_versions
+    from flash_attn_ck.backends.triton.runtime import triton_versions
     same = triton_versions.release(triton_versions.installed()) == TUNED_WITH
     return tuned_bytes if same else tuned_bytes + OTHER_PTXAS_SPILL_SLACK

@@ -1,4 +1,4 @@
-"""backends/triton/launch.py's compiled-kernel cache (CPU): a launch goes through Triton's JIT path exactly when
+"""backends/triton/runtime/launch.py's compiled-kernel cache (CPU): a launch goes through Triton's JIT path exactly when
 its key is new — Triton's own specialisation of each runtime argument, the constexprs, warps, stages — and
 otherwise straight to the compiled kernel's launcher with the arguments as given; the cast kernel's zeroing."""
 
@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 
 from test_triton_interpret import _INTERPRETER_PATCH  # noqa: E402
 
-from flash_attn_ck.backends.triton import launch  # noqa: E402
+from flash_attn_ck.backends.triton.runtime import launch  # noqa: E402
 
 try:
     from triton.backends.compiler import GPUTarget

@@ -1,4 +1,4 @@
-"""The Triton backend's one-launch fill of varlen rows in no sequence (backends/triton/outside_rows.py) fills
+"""The Triton backend's one-launch fill of varlen rows in no sequence (backends/triton/runtime/outside_rows.py) fills
 exactly what the generic form (core/rows.py) fills: random tensors (2-D along dim 1 like lse, 3-D along dim 0,
 strided views), offsets ending anywhere in or past the rows, two offset tensors, several targets per launch.
 On the CPU the kernel runs interpreted (TRITON_INTERPRET=1, so in a subprocess); on a GPU through the backend."""

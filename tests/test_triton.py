@@ -340,7 +340,7 @@ def test_ws_kernel_in_several_launches_matches(monkeypatch, deterministic, batch
 def test_the_dq_cast_copies_its_whole_source(rows, heads):
     """bwd_postprocess.cast_rows_kernel, compiled: the output is the whole source, which is left as it was; then
     zero_kernel zeroes it and a semaphore prefix, and nothing past that."""
-    from flash_attn_ck.backends.triton import launch
+    from flash_attn_ck.backends.triton.runtime import launch
     src = torch.randn(2, rows, heads, 128, device="cuda")
     before = src.clone()
     dst = torch.empty(2, rows, heads, 128, device="cuda", dtype=torch.bfloat16)

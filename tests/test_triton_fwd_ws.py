@@ -1,4 +1,4 @@
-"""CPU tests of the warp-specialised Gluon forward (backends/triton/fwd_ws.py): its dispatch rule
+"""CPU tests of the warp-specialised Gluon forward (backends/triton/gluon/fwd_ws.py): its dispatch rule
 (`TritonBackend.fwd_ws_reasons`: on by default where measured faster, every unsupported feature named), the
 dispatch itself, and that every kernel variant compiles to sm_90a with the instructions the design rests
 on and without register spills where ptxas reports none. Its numerics run on the GPU (tests/test_triton.py,
@@ -118,7 +118,8 @@ def test_forward_kernel_names_the_kernel_and_why(sm90):
 def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
     """forward() launches fwd_ws exactly when fwd_ws_reasons is empty, else the current kernel; with the
     tile of the call's head dim and causality."""
-    from flash_attn_ck.backends.triton import fwd_ws, launch
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    from flash_attn_ck.backends.triton.runtime import launch
     calls = []
     monkeypatch.setattr(triton_backend, "_prepare_launch", lambda: None)
     monkeypatch.setattr(fwd_ws, "launch", lambda *a, **kw: calls.append(("fwd_ws", kw)))
@@ -240,8 +241,8 @@ def test_a_tile_needs_64_query_rows_per_consumer(block_m, consumers):
 def test_the_grid_is_query_major_when_asked(batch, seqlen, heads, query_major):
     """fwd_ws.launch_spec (CPU tensors): the grid is (query tiles, batch, heads), or (heads, batch, query tiles) with
     FwdWsTile.query_major, and the kernel is told which (QUERY_MAJOR)."""
-    from flash_attn_ck.backends.triton import fwd_ws
-    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
 
     tile = config.FwdWsTile(128, 128, query_major=query_major)
     q = torch.zeros(batch, seqlen, heads, 64, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""CPU tests of the Triton backend's launch specs (flash_attn_ck/backends/triton/launch.py): every spec
+"""CPU tests of the Triton backend's launch specs (flash_attn_ck/backends/triton/runtime/launch.py): every spec
 names exactly its kernel's parameters, in order, and types them from its own values (what
 scripts/triton_compile_check.py compiles); backend.py's named values all land in ScoreArgs or Features."""
 
@@ -14,8 +14,9 @@ import flash_attn_ck
 
 pytest.importorskip("triton")
 
-from flash_attn_ck.backends.triton import config, launch
-from flash_attn_ck.backends.triton.launch import Features, ScoreArgs, Sizes
+from flash_attn_ck.backends.triton import config
+from flash_attn_ck.backends.triton.runtime import launch
+from flash_attn_ck.backends.triton.runtime.launch import Features, ScoreArgs, Sizes
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -72,7 +73,7 @@ def test_gluon_specs_match_their_kernels(varlen):
     give and the head dim padded as config.head_block pads it."""
     from gluon_compile import bwd_spec, fwd_spec
 
-    from flash_attn_ck.backends.triton import bwd_ws, bwd_ws_split, fwd_ws
+    from flash_attn_ck.backends.triton.gluon import bwd_ws, bwd_ws_split, fwd_ws
     masks = (False, True, True)
     for block, causal_tiles in config.FWD_WS_SM90.items():
         for tile in causal_tiles.values():

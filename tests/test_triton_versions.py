@@ -1,7 +1,7 @@
-"""CPU tests of what the Triton backend does across Triton releases (backends/triton/triton_versions.py): the tested
-range and its refusal, the Gluon names that moved, the direct launch path's private APIs, a compiler failure held back
-as a KernelCompileError naming kernel, Triton and call, and the warp-specialised kernels giving way to the one-launch
-ones (with one warning) where they cannot run. Each kernel family compiles under the installed Triton in
+"""CPU tests of what the Triton backend does across Triton releases (backends/triton/runtime/triton_versions.py): the
+tested range and its refusal, the Gluon names that moved, the direct launch path's private APIs, a compiler failure
+held back as a KernelCompileError naming kernel, Triton and call, and the warp-specialised kernels giving way to the
+one-launch ones (with one warning) where they cannot run. Each kernel family compiles under the installed Triton in
 tests/test_triton_ws.py, test_triton_fwd_ws.py, test_ptx_compare.py and scripts/triton_compile_check.py (which CI
 also runs under the newest supported Triton)."""
 
@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from flash_attn_ck import KernelCompileError  # noqa: E402
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
-from flash_attn_ck.backends.triton import config, launch, triton_versions  # noqa: E402
+from flash_attn_ck.backends.triton import config  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
+from flash_attn_ck.backends.triton.runtime import launch, triton_versions  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
 from flash_attn_ck.core.problem import AttentionParams, AttentionProblem  # noqa: E402
 

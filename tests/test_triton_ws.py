@@ -1,4 +1,4 @@
-"""CPU tests of the warp-specialised Gluon backward (backends/triton/bwd_ws.py): its dispatch rule
+"""CPU tests of the warp-specialised Gluon backward (backends/triton/gluon/bwd_ws.py): its dispatch rule
 (`TritonBackend.ws_reasons`), its workspace plan, and that every kernel variant compiles to sm_90a
 with the instructions the design rests on. Its numerics run on the GPU (tests/test_triton.py)."""
 
@@ -214,8 +214,8 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, d
 def test_the_grid_is_key_major_when_asked(batch, seqlen, heads_k, group, split, key_major):
     """bwd_ws.launch_spec (CPU tensors): the grid is (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with
     WsTile.key_major, and the kernel is told which (KEY_MAJOR)."""
-    from flash_attn_ck.backends.triton import bwd_ws
-    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
+    from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
 
     d = 256 if split else 64
     tile = config.WsTile(64, 64 if split else 128, num_warps=4 if split else 8, split_d=split,
@@ -285,8 +285,8 @@ def test_a_few_queries_against_long_keys_compile_as_launched(head_dim, seqlen_q)
     semaphore rows per head (sem_m_tiles) are 1, and a launch specialises both to the constant 1, which has to cross
     into the worker partitions (bwd_ws_split built its partition list in a comprehension, whose plain ints do not:
     "'int' object has no attribute '_flatten_ir'" for every such d256 call)."""
-    from flash_attn_ck.backends.triton import bwd_ws
-    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
+    from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
     q, dout = (torch.empty(1, seqlen_q, 4, head_dim, dtype=torch.bfloat16) for _ in range(2))
     k, v, dk, dv = (torch.empty(1, 4096, 4, head_dim, dtype=torch.bfloat16) for _ in range(4))
     lse, delta = torch.empty(1, 4, seqlen_q), torch.empty(1, 4, seqlen_q)
@@ -390,7 +390,7 @@ def test_every_deterministic_launch_gets_zeroed_semaphores_in_the_kernels_layout
     zero when it starts, also when the last launch has fewer heads than the buffer was sized for (a narrowed view
     kept the full head stride: the kernel read the previous launch's counts and its dQ adds waited forever)."""
     from flash_attn_ck.backends.triton import backend as triton_backend
-    from flash_attn_ck.backends.triton import bwd_ws
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
     from flash_attn_ck.core.inputs import describe_call
     from flash_attn_ck.core.options import AttentionOptions
     from flash_attn_ck.core.problem import AttentionParams

@@ -1,10 +1,10 @@
 """CPU tests of the warp-specialised kernels' varlen schedule (TritonBackend(varlen_schedule=True),
-backends/triton/varlen_schedule.py): which walk and bound each launch builds for each kernel and mask, where the grid
-over every (batch, tile) stays (the option off, dense calls, a deterministic backward with a left window), the launch
-specs the backend builds (grid (heads, items), the schedule of the model, one schedule for every kv-head launch), that
-a scheduled launch never shares a compiled kernel with the grid's, and that the scheduled kernels compile for sm_90a
-(ptxas: their spills stay those of the grid's kernels). Their numerics against the grid's run on the GPU
-(tests/test_triton.py, `-k schedule`)."""
+backends/triton/runtime/varlen_schedule.py): which walk and bound each launch builds for each kernel and mask, where
+the grid over every (batch, tile) stays (the option off, dense calls, a deterministic backward with a left window),
+the launch specs the backend builds (grid (heads, items), the schedule of the model, one schedule for every kv-head
+launch), that a scheduled launch never shares a compiled kernel with the grid's, and that the scheduled kernels
+compile for sm_90a (ptxas: their spills stay those of the grid's kernels). Their numerics against the grid's run on
+the GPU (tests/test_triton.py, `-k schedule`)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ from gluon_compile import (  # noqa: E402
 )
 
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
-from flash_attn_ck.backends.triton import config, launch  # noqa: E402
-from flash_attn_ck.backends.triton import varlen_schedule as vs  # noqa: E402
+from flash_attn_ck.backends.triton import config  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
+from flash_attn_ck.backends.triton.runtime import launch  # noqa: E402
+from flash_attn_ck.backends.triton.runtime import varlen_schedule as vs  # noqa: E402
 from flash_attn_ck.core.inputs import describe_call, kernel_params  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
 from flash_attn_ck.core.options import AttentionOptions  # noqa: E402
@@ -167,7 +168,7 @@ def test_the_option_is_checked_fixed_and_kept_by_the_leaner_backend():
 def run_launches(backend, p, params, monkeypatch):
     """The launch specs of the warp-specialised forward and backward of the call (CPU tensors: nothing runs; the
     backward's D and casts skipped, the zeroings between its launches left out)."""
-    from flash_attn_ck.backends.triton.bwd_postprocess import zero_kernel
+    from flash_attn_ck.backends.triton.runtime.bwd_postprocess import zero_kernel
     seen = []
     monkeypatch.setattr(launch.LaunchSpec, "launch", lambda spec: seen.append(spec))
     monkeypatch.setattr(TritonBackend, "_preprocess", staticmethod(lambda *a: None))

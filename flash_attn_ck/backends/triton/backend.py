@@ -47,8 +47,9 @@ from ...core.mask import WINDOW_MASK_KINDS, MaskType
 from ...core.plan import BufferSpec, WorkspacePlan
 from ...core.problem import AttentionParams, AttentionProblem
 from ..base import Backend
-from . import config, launch, replay, triton_versions
-from .bwd_ws_shapes import semaphore_tiles as bwd_ws_semaphore_tiles
+from . import config
+from .gluon.bwd_ws_shapes import semaphore_tiles as bwd_ws_semaphore_tiles
+from .runtime import launch, replay, triton_versions
 
 GQA_ENV = "FLASH_ATTN_CK_TRITON_GQA"
 DQ_ENV = "FLASH_ATTN_CK_TRITON_DQ"
@@ -348,7 +349,7 @@ class TritonBackend(Backend):
         setting = config.VARLEN_SCHEDULE if self.varlen_schedule is None else self.varlen_schedule
         if not setting or not p.varlen:
             return None
-        from .varlen_schedule import TileWalk, schedule_bound
+        from .runtime.varlen_schedule import TileWalk, schedule_bound
         mask = self._gluon_mask(p)
         if role == "backward":
             if p.deterministic and mask.flags.HAS_LEFT:
@@ -370,7 +371,7 @@ class TritonBackend(Backend):
         found = self._schedule_walk(p, role)
         if found is None:
             return None
-        from .varlen_schedule import build_schedule
+        from .runtime.varlen_schedule import build_schedule
         return build_schedule(params.cu_seqlens_q, params.cu_seqlens_k, *found)
 
     def _accumulate_kv(self, p: AttentionProblem) -> bool:
@@ -495,7 +496,7 @@ class TritonBackend(Backend):
     def _forward_ws(self, p: AttentionProblem, params: AttentionParams, out: torch.Tensor,
                     lse: torch.Tensor) -> None:
         """The warp-specialised forward: one launch of fwd_ws."""
-        from . import fwd_ws
+        from .gluon import fwd_ws
         tile = self.fwd_ws_tile or self._fwd_ws_tile(p)
         fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
@@ -644,7 +645,7 @@ class TritonBackend(Backend):
         """The warp-specialised backward: delta (zeroing dq_accum and the semaphores), then per group of kv heads:
         bwd_ws, the dQ cast, and a zeroing of dq_accum and the semaphores where another group follows. Kernel
         launches and views only (`launch.derived`), so that the replay re-issues every group's launches."""
-        from . import bwd_ws, gluon_common
+        from .gluon import bwd_ws, gluon_common
         d = params.q.shape[-1]
         tile = self._ws_tile(p)
         delta, dq_acc, sems = workspace["softmax_d"], workspace["dq_accum"], workspace.get("dq_semaphore")

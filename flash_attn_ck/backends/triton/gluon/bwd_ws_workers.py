@@ -12,8 +12,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from ..runtime.triton_versions import barrier, tma_load
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot
-from .triton_versions import barrier, tma_load
 
 
 class Constants(NamedTuple):

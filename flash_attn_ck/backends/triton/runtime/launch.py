@@ -37,9 +37,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...core.errors import KernelCompileError
+from ....core.errors import KernelCompileError
+from ..config import Tile
 from . import triton_versions
-from .config import Tile
 
 
 class Features(NamedTuple):
@@ -438,7 +438,7 @@ def current_device_and_stream() -> tuple[int, int]:
 
 def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArgs, features: Features,
             tile: Tile, block_d: int, grid: tuple[int, int]) -> LaunchSpec:
-    from .forward import attn_fwd_kernel
+    from ..one_launch.forward import attn_fwd_kernel
     varlen = features.VARLEN
     strides = ForwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(out, varlen),
                              *lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
@@ -473,7 +473,7 @@ def bwd_main(q, k, v, dout, lse, delta, dq, dk, dv, dk_acc, dv_acc, sems, seq: S
              grid: tuple[int, int]) -> LaunchSpec:
     """The backward's one launch (bwd_main.attn_bwd_kernel). dq is the fp32 accumulator in the atomic
     mode; dk_acc/dv_acc/sems are None where the plan has none."""
-    from .bwd_main import attn_bwd_kernel
+    from ..one_launch.bwd_main import attn_bwd_kernel
     varlen, d = features.VARLEN, sizes.head_dim
     total_k = dk.shape[0] if varlen else sizes.max_seqlen_k
     heads_k = sizes.heads // sizes.group

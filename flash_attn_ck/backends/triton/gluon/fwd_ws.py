@@ -58,9 +58,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..runtime.launch import GluonMask, GluonSizes, LaunchSpec
+from ..runtime.triton_versions import tma_load, tma_store
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot, uniform_descriptor
-from .launch import GluonMask, GluonSizes, LaunchSpec
-from .triton_versions import tma_load, tma_store
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
 

@@ -17,7 +17,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate, base_value
 
-from . import config
+from .. import config
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 

@@ -52,12 +52,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..runtime.launch import GluonMask, GluonSizes, LaunchSpec
+from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
 from .bwd_ws_shapes import semaphore_tiles
 from .bwd_ws_split import attn_bwd_ws_split_kernel
 from .gluon_common import LOG2E, descriptor, probs_transposed, slot
-from .launch import GluonMask, GluonSizes, LaunchSpec
-from .triton_versions import barrier
 
 
 # ---- MMA partition (default) -----------------------------------------------------------------

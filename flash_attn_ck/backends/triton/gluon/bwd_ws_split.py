@@ -33,9 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
 from .gluon_common import LOG2E, aggregate, probs_transposed, slot
-from .triton_versions import barrier
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per half
 
