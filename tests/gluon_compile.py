@@ -20,10 +20,18 @@ import triton
 def pretend_capability(capability=(9, 0)):
     """Within the block the Triton backend takes every CUDA device for one of `capability` (its rules read only
     that) and runs no interpreter. A context manager, not a fixture: hypothesis examples run it each."""
-    from flash_attn_ck.backends.triton import backend
-    with mock.patch.object(backend, "_capability", return_value=capability), \
-            mock.patch.object(backend, "_INTERPRETING", False):
+    from flash_attn_ck.backends.triton.runtime import target
+    with mock.patch.object(target, "capability", return_value=capability), \
+            mock.patch.object(target, "INTERPRETING", False):
         yield
+
+
+def ws_reasons(backend, p) -> list[str]:
+    """Why the warp-specialised backward does not run the call: the reasons of the operator (bwd_ws or bwd_ws_split)
+    whose tile table holds its head dim, bwd_ws's where neither does."""
+    from flash_attn_ck.backends.triton import config, operators
+    split = config.head_block(p.head_dim_padded) in operators.BwdWsSplit.tiles
+    return backend.reasons(p, operators.BwdWsSplit if split else operators.BwdWs)
 
 
 SM90_SHARED_BYTES = 227 * 1024   # the most shared memory one CTA may use on an H100/H200 (sm_90)

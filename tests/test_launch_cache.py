@@ -98,7 +98,7 @@ def test_launch_hooks_take_tritons_path(fake_driver, monkeypatch):
 
 _INTERPRETED = _INTERPRETER_PATCH + """
 import json, torch
-from flash_attn_ck.backends.triton import launch
+from flash_attn_ck.backends.triton.runtime import launch
 torch.manual_seed(0)
 src = torch.randn(2, 3, 5, 8)                     # (b, h, s, d) accumulator
 dst = torch.empty(2, 5, 3, 8, dtype=torch.float16)

@@ -50,7 +50,7 @@ def random_fills(draw_int, device, dtype=torch.float32):
 _INTERPRETED = r"""
 import json, random, torch
 from tests.test_outside_rows import random_fills
-from flash_attn_ck.backends.triton import launch
+from flash_attn_ck.backends.triton.runtime import launch
 rng = random.Random(0)
 ok = []
 for case in range(12):

@@ -90,7 +90,7 @@ def test_the_torch_builder_is_the_model(pairs, walk, extra):
 
 _RUNNER = r"""
 import json, sys, torch
-from flash_attn_ck.backends.triton import varlen_schedule as vs
+from flash_attn_ck.backends.triton.runtime import varlen_schedule as vs
 results = []
 for case in json.loads(sys.argv[1]):
     walk = vs.TileWalk(**case["walk"])
