@@ -187,10 +187,10 @@ class TritonBackend(Backend):
     @per_problem(owners=1)
     def operator(self, p: AttentionProblem, role: str) -> type[Operator]:
         """The operator that runs the call's `role` ("forward" or "backward"): the first of operators.FORWARD or
-        BACKWARD with no reasons (the last of each list refuses nothing the backend runs)."""
-        found = next((op for op in operators.OPERATORS[role] if not op.reasons(self, p)), None)
-        assert found is not None, f"no {role} operator runs {describe(p)}: {self.kernel_choice(p, role)}"
-        return found
+        BACKWARD with no reasons. The last of each list refuses nothing the backend accepts, so it is also the answer
+        for a call the backend refuses (a workspace plan asked of every backend): its reasons are the backend's."""
+        ops = operators.OPERATORS[role]
+        return next((op for op in ops if not op.reasons(self, p)), ops[-1])
 
     def kernel_choice(self, p: AttentionProblem, role: str) -> str:
         """The kernel that runs the call's `role` and how, then why each operator before it does not run."""
