@@ -20,6 +20,7 @@ import argparse
 import statistics
 import sys
 import time
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,7 @@ PROG = "python -m flash_attn_ck"
 class _Parser(argparse.ArgumentParser):
     """argparse, with its error as one line (no usage block): `prog: error: argument --x: expected ...`."""
 
-    def error(self, message):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 

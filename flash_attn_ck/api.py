@@ -101,15 +101,15 @@ def flash_attn_fwd(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_
     # Before the op: its schema would reject a non-tensor with a less helpful message, and a meta
     # tensor anywhere would route the call to the op's fake (uninitialised results, no error).
     call = ops.prepared(q, k, v, options)
-    if call is None or call.problem.device.type == "meta":
+    if call is None:
         operands = (("q", q), ("k", k), ("v", v), *options.tensors())
         for name, t in operands[:3]:
             check_tensor(name, t)
-    else:       # a memoised signature decided these: tensors, on q's device, a real one
+    else:       # the preparation decided these: tensors, on q's device, a real one
         operands = (("q", q),)
     if out is not None:
         check_tensor("out", out)
-    if len(operands) > 1 or out is not None or rng_state is not None:    # else a hit has decided every device
+    if len(operands) > 1 or out is not None or rng_state is not None:    # else the preparation decided every device
         check_real_devices((*operands, ("rng_state", rng_state), ("out", out)))
     if rng_state is not None:
         check_rng_state(rng_state, q.device)
@@ -225,7 +225,7 @@ def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     problem = describe_call(q, k, v, options)
     params = AttentionParams(q, k, v, *sequence_tensors(options))
     cap = workspace_cap(max_workspace_bytes)
-    report = {}
+    report: dict[str, ChunkPlan | str] = {}
     for name in backends:
         try:     # a backend whose module failed to import refuses to plan with its reason (registry.py)
             report[name] = plan_chunks(problem, backend_class(name)(), cap, params)

@@ -1,10 +1,10 @@
 """The flash_attn_ck operators (namespace `flash_attn_ck`) and the autograd function around them.
 
 Ops are declared with `torch.library.define` + `impl` + `register_fake` rather than
-`@torch.library.custom_op`, and autograd is a `torch.autograd.Function` outside them: on the H200
-the custom_op wrapper and its registered autograd cost ~0.25 ms of host time per backward
-(`scripts/launch_overhead.py --breakdown`), as much as the kernels of a small call (PyTorch
-issues #139500, #176592). `torch.compile(fullgraph=True)` traces the Function and sees the ops
+`@torch.library.custom_op`, and autograd is a `torch.autograd.Function` outside them: the custom_op
+wrapper and its registered autograd cost as much host time per backward as the kernels of a small call
+take on the GPU (`scripts/launch_overhead.py --breakdown` measures it; PyTorch issues #139500, #176592).
+`torch.compile(fullgraph=True)` traces the Function and sees the ops
 through their fakes, so compiled graphs keep one opaque op per direction; in plain eager mode the
 Function calls the ops' implementations itself (`_direct`) and its backward reuses the forward's
 validated problem. Ops cannot return None:
@@ -31,18 +31,19 @@ schemas are generated from the same table.
 from __future__ import annotations
 
 from dataclasses import fields
+from typing import Any
 
 import torch
 from torch._C import _len_torch_dispatch_stack
 
 from .backends.base import Backend
 from .backends.registry import backend_from_key, backend_key
-from .core.inputs import check_structure
+from .core.inputs import check_structure, varlen_arguments
 from .core.options import AttentionOptions
 from .core.problem import pad_head_dim, row_stats_shape
 from .pipeline.backward import attention_backward
 from .pipeline.forward import attention_forward
-from .pipeline.prepare import PreparedCall, memoised
+from .pipeline.prepare import PreparedCall, prepare
 from .pipeline.sink import sink_gradient
 
 # ---- the options as schema arguments: one table, one flatten, one unflatten ----------------------
@@ -92,14 +93,15 @@ def _unflatten(args: tuple, names: tuple[str, ...], checked: bool = False) -> At
     """The inverse of `_flatten` (options not in `names`, or left out where the schema has a default, keep their
     defaults). `checked`: the arguments are `_flatten`'s of a validated AttentionOptions, not an op's (which anyone
     may call with raw values)."""
-    values, args = {}, list(args)
+    values: dict[str, Any] = {}
+    remaining = list(args)
     for name in names:
         if name == "window_size":
-            values[name] = (args.pop(0), args.pop(0))
+            values[name] = (remaining.pop(0), remaining.pop(0))
         elif name == "backend":
-            values[name] = backend_from_key(args.pop(0))
-        elif args or name not in _DEFAULTED:
-            values[name] = args.pop(0)
+            values[name] = backend_from_key(remaining.pop(0))
+        elif remaining or name not in _DEFAULTED:
+            values[name] = remaining.pop(0)
     return _DEFAULT_OPTIONS.replace_checked(**values) if checked else AttentionOptions(**values)
 
 
@@ -119,7 +121,7 @@ for _name in ("fwd", "fwd_out", "bwd", "bwd_out"):
     torch.library.impl(f"flash_attn_ck::{_name}", "Autograd", torch.library.fallthrough_kernel)
 
 
-def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor]:
+def _bwd_options(args: tuple) -> tuple[AttentionOptions, torch.Tensor | None]:
     """A backward op's options (the common ones, then rng_state, then _BWD_TAIL) and its rng_state."""
     common, rng_state, tail = args[:len(_COMMON) + 1], args[len(_COMMON) + 1], args[len(_COMMON) + 2:]
     options = _unflatten(common + tail, _COMMON + _BWD_TAIL)
@@ -171,9 +173,10 @@ def _fake_results(q, k, v, flat: tuple) -> tuple[torch.Tensor, ...]:
     accum = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_empty(row_stats_shape(tuple(q.shape[:-2]), q.shape[-2]), dtype=accum)
     if options.varlen:      # the problem's lengths: max_seqlen, bounded by the packed rows (core/inputs.py)
-        batch = options.cu_seqlens_q.shape[0] - 1
-        seqlen_q = torch.sym_min(options.max_seqlen_q, q.shape[0])
-        seqlen_k = torch.sym_min(options.max_seqlen_k, k.shape[0])
+        given = varlen_arguments(options)
+        batch = given.cu_seqlens_q.shape[0] - 1
+        seqlen_q = torch.sym_min(given.max_seqlen_q, q.shape[0])
+        seqlen_k = torch.sym_min(given.max_seqlen_k, k.shape[0])
     else:
         batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
     rng_state = q.new_empty((2 if options.dropout_p > 0 else 0,), dtype=torch.int64)
@@ -225,9 +228,9 @@ def _direct(q) -> bool:
     """Whether the Function may call the ops' implementations directly instead of through the
     dispatcher: in plain eager mode (no compile tracing, no dispatch mode such as FakeTensorMode or
     FlopCounterMode, no tensor subclass), where the dispatcher would only box and unbox the 20-odd
-    arguments and call the same Python function (0.14 ms of host time per backward on the H200
-    host, `launch_overhead.py --breakdown`), and the backward can reuse the forward's validated
-    problem. Everywhere else the ops run, so graphs, fakes and modes see one opaque op per direction."""
+    arguments and call the same Python function (host time a small call feels, `launch_overhead.py
+    --breakdown`), and the backward can reuse the forward's validated problem.
+    Everywhere else the ops run, so graphs, fakes and modes see one opaque op per direction."""
     # is_compiling() first: dynamo folds it to True and never traces the mode query (the dispatch mode stack's
     # depth: what torch.utils._python_dispatch._get_current_dispatch_mode reads, without its Python wrapper).
     return not torch.compiler.is_compiling() and type(q) is torch.Tensor and not _len_torch_dispatch_stack()
@@ -351,8 +354,7 @@ def backward_into(dout, q, k, v, out, softmax_lse, dq, dk, dv, options: Attentio
 def _direct_backward(dout, q, k, v, out, softmax_lse) -> bool:
     """Whether `backward`/`backward_into` may run the ops' implementation directly, as `_direct` says for the
     forward, with every operand a plain tensor: the dispatcher would box ~25 arguments, and the implementation
-    rebuild and re-check the options the API has just built (48 -> 26 µs per call on the CPU with null kernels,
-    docs/host-path.md)."""
+    rebuild and re-check the options the API has just built (about half a small call's host time: bench/cpu.md)."""
     return _direct(q) and type(dout) is type(k) is type(v) is type(out) is type(softmax_lse) is torch.Tensor
 
 
@@ -362,11 +364,12 @@ def _drawn(rng_state: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def prepared(q, k, v, options: AttentionOptions) -> PreparedCall | None:
-    """Eagerly (`_direct`: where `attention` runs the pipeline itself), the call's memoised preparation when its
-    signature was prepared before (pipeline/prepare.py; its value checks run), else None. A hit has passed
-    every check that the metadata of q, k, v and the options' tensors decides (types, dtypes, shapes, strides,
-    devices, each tensor on q's device); pass it to `attention` / `attention_into`."""
-    return memoised(q, k, v, options) if _direct(q) else None
+    """Eagerly (`_direct`: where `attention` runs the pipeline itself), the call's preparation (pipeline/prepare.py:
+    memoised per signature; a hit runs only its value checks), else None: the op prepares it where it runs, and a
+    q on the meta device is the caller's to refuse first. It has passed every check that the metadata of q, k, v
+    and the options' tensors decides (types, dtypes, shapes, strides, devices, each tensor on q's device); pass it
+    to `attention` / `attention_into`."""
+    return prepare(q, k, v, options) if _direct(q) and not q.is_meta else None
 
 
 def attention(q, k, v, options: AttentionOptions, rng_state=None, call: PreparedCall | None = None):

@@ -55,54 +55,68 @@ def make_runner(name, q, k, v, causal, *, window=None, deterministic=False, varl
     """q, k, v: (b, s, h, d) leaves with requires_grad, or (total, h, d) with `varlen` = (cu_seqlens int32
     (b + 1,), max_seqlen), the same lengths for queries and keys. `window`: the left window size (bottom-right,
     right = 0 under causal; None: unbounded). Returns fwd() -> out (any layout). Raises Unsupported."""
-    h, h_k = q.shape[-2], k.shape[-2]
-    window_size = (-1, -1) if window is None else (window, 0 if causal else -1)
     if name in ("triton", "reference", "triton-det") or name in VARIANTS:   # a variant's backend is set by measure()
-        backend = "reference" if name == "reference" else "triton"
-        deterministic = deterministic or name == "triton-det"
-        if varlen is not None:
-            cu, longest = varlen
-            return lambda: fa.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal,
-                                                     window_size=window_size, deterministic=deterministic,
-                                                     backend=backend)
-        return lambda: fa.flash_attn_func(q, k, v, causal=causal, window_size=window_size,
-                                          deterministic=deterministic, backend=backend)
+        return _ours(name, q, k, v, causal, window, deterministic or name == "triton-det", varlen)
     if name == "fa4":
-        from flash_attn.cute.interface import flash_attn_func as fa4
-        from flash_attn.cute.interface import flash_attn_varlen_func as fa4_varlen
-        fa4_window = (window, 0 if causal else None) if window is not None else (None, None)
-
-        def first(o):
-            return o[0] if isinstance(o, tuple) else o
-        if varlen is not None:
-            cu, longest = varlen
-            return lambda: first(fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
-                                            max_seqlen_k=longest, causal=causal, window_size=fa4_window,
-                                            deterministic=deterministic))
-        return lambda: first(fa4(q, k, v, causal=causal, window_size=fa4_window, deterministic=deterministic))
+        return _fa4(q, k, v, causal, window, deterministic, varlen)
     if varlen is not None or window is not None:
         raise Unsupported(f"{name}: no varlen or sliding-window call through this runner")
     if deterministic:
         raise Unsupported(f"{name}: no deterministic mode through this runner")
     if name.startswith("sdpa_"):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        kind = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
-                "sdpa_mem_eff": SDPBackend.EFFICIENT_ATTENTION}[name]
-
-        def run():
-            qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-            with sdpa_kernel(kind):
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                                        enable_gqa=h != h_k)
-        return run
+        return _sdpa(name, q, k, v, causal)
     if name == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-        compiled = _flex()
-        s = q.shape[1]
-        mask = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
-        return lambda: compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
-                                enable_gqa=h != h_k)
+        return _flex_runner(q, k, v, causal)
     raise ValueError(name)
+
+
+def _ours(name, q, k, v, causal, window, deterministic, varlen):
+    backend = "reference" if name == "reference" else "triton"
+    window_size = (-1, -1) if window is None else (window, 0 if causal else -1)
+    if varlen is not None:
+        cu, longest = varlen
+        return lambda: fa.flash_attn_varlen_func(q, k, v, cu, cu, longest, longest, causal=causal,
+                                                 window_size=window_size, deterministic=deterministic,
+                                                 backend=backend)
+    return lambda: fa.flash_attn_func(q, k, v, causal=causal, window_size=window_size,
+                                      deterministic=deterministic, backend=backend)
+
+
+def _fa4(q, k, v, causal, window, deterministic, varlen):
+    from flash_attn.cute.interface import flash_attn_func as fa4
+    from flash_attn.cute.interface import flash_attn_varlen_func as fa4_varlen
+    fa4_window = (window, 0 if causal else None) if window is not None else (None, None)
+
+    def first(o):
+        return o[0] if isinstance(o, tuple) else o
+    if varlen is not None:
+        cu, longest = varlen
+        return lambda: first(fa4_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                        max_seqlen_k=longest, causal=causal, window_size=fa4_window,
+                                        deterministic=deterministic))
+    return lambda: first(fa4(q, k, v, causal=causal, window_size=fa4_window, deterministic=deterministic))
+
+
+def _sdpa(name, q, k, v, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kind = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+            "sdpa_mem_eff": SDPBackend.EFFICIENT_ATTENTION}[name]
+    gqa = q.shape[-2] != k.shape[-2]
+
+    def run():
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        with sdpa_kernel(kind):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=gqa)
+    return run
+
+
+def _flex_runner(q, k, v, causal):
+    from torch.nn.attention.flex_attention import create_block_mask
+    compiled = _flex()
+    s = q.shape[1]
+    mask = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, s, s) if causal else None
+    return lambda: compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                            enable_gqa=q.shape[-2] != k.shape[-2])
 
 
 _flex_fn = None
@@ -216,6 +230,29 @@ def fa4_version(names: list[str]) -> str | None:
         return None
 
 
+def rewrite(args):
+    """--replot (redraw one run's PNG and markdown) or --merge (one JSON/markdown/PNG of several runs' rows)."""
+    paths = [Path(x) for x in (args.replot or args.merge).split(",")]
+    runs = [json.loads(x.read_text()) for x in paths]
+    meta = dict(runs[0]["meta"], merged_from=[x.name for x in paths]) if args.merge else runs[0]["meta"]
+    results = [r for run in runs for r in run["results"]]
+    stem = paths[0].with_suffix("") if args.replot else Path(args.out) / f"{_stem(meta)}{args.tag}"
+    peers = list(dict.fromkeys(n for r in results for n in r["peers"]))
+    write(stem, meta, results, peers, json_too=bool(args.merge))
+
+
+def selected_shapes(args) -> list[tuple[int, ...]]:
+    """The rows to time: --shapes, else the grid; then --dims and --shard."""
+    shapes = [tuple(int(x) for x in spec.split(":")) for spec in args.shapes.split(",")] if args.shapes \
+        else grid(args.quick)
+    if args.dims:
+        shapes = [row for row in shapes if row[0] in {int(x) for x in args.dims.split(",")}]
+    if args.shard:
+        i, n = (int(x) for x in args.shard.split("/"))
+        shapes = shapes[i::n]
+    return shapes
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -231,26 +268,14 @@ def main():
     ap.add_argument("--warm-only", action="store_true", help="compile and run each case once, time nothing")
     args = ap.parse_args()
     if args.replot or args.merge:
-        paths = [Path(x) for x in (args.replot or args.merge).split(",")]
-        runs = [json.loads(x.read_text()) for x in paths]
-        meta = dict(runs[0]["meta"], merged_from=[x.name for x in paths]) if args.merge else runs[0]["meta"]
-        results = [r for run in runs for r in run["results"]]
-        stem = paths[0].with_suffix("") if args.replot else Path(args.out) / f"{_stem(meta)}{args.tag}"
-        peers = list(dict.fromkeys(n for r in results for n in r["peers"]))
-        write(stem, meta, results, peers, json_too=bool(args.merge))
+        rewrite(args)
         return
     names = args.peers.split(",")
     versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
     if fa4 := fa4_version(names):
         versions["flash_attn_4"] = fa4
     tuned = json.loads(Path(args.tuned).read_text()) if args.tuned and Path(args.tuned).exists() else {}
-    shapes = [tuple(int(x) for x in spec.split(":")) for spec in args.shapes.split(",")] if args.shapes \
-        else grid(args.quick)
-    if args.dims:
-        shapes = [row for row in shapes if row[0] in {int(x) for x in args.dims.split(",")}]
-    if args.shard:
-        i, n = (int(x) for x in args.shard.split("/"))
-        shapes = shapes[i::n]
+    shapes = selected_shapes(args)
     meta = dict(date=datetime.date.today().isoformat(), gpu=torch.cuda.get_device_name(), **versions,
                 python=platform.python_version(), quick=args.quick, dtype="bf16", tuned_tiles=tuned)
     stem = Path(args.out) / f"{_stem(meta)}{args.tag}"

@@ -1,7 +1,5 @@
-"""Context parallelism on CUDA GPUs: correctness, then forward+backward scaling against one GPU. Run so far on one
-H200 at world 1 only (`--check`, 2026-12-02: ring, a2a and torch's context_parallel() within 2x; the all-gather's
-dq/dk showed the lse-stride bug fixed since, bench/nvidia-h200-2026-12-02-gpu-tests.log); the two-GPU runs need a
-session with device time on `nvidia-h200-x2`.
+"""Context parallelism on CUDA GPUs: correctness, then forward+backward scaling against one GPU (its runs:
+bench/nvidia-h200.md §Context parallelism).
 
     # correctness (bf16): every exchange and torch's context_parallel() with our handlers, against fp32 SDPA, each
     # within 2x of one GPU's error on the same sequence; exits non-zero on a failure

@@ -13,8 +13,8 @@
 #   bash scripts/device.sh gpu-tests             every test of the files with GPU tests (host path, SDPA, ops, compile,
 #                                                 graphs, chunking, replays, context parallelism at world 1, the Triton
 #                                                 and Gluon kernels), 14 workers, spread over calls: the
-#                                                 node ids listed in .devrun/gpu-passed.txt are left out (540 s) ->
-#                                                 gpu-tests.log, gpu-passed.txt (those ids plus this call's passes; to
+#                                                 node ids listed in .devrun/gpu-passed-tritonVERSION.txt are left out (540 s) ->
+#                                                 gpu-tests.log, gpu-passed-tritonVERSION.txt (those ids plus this call's passes; to
 #                                                 resume on a fresh machine, copy it into .devrun/ here and carry .devrun;
 #                                                 a warm machine also keeps it in /root). With a carried
 #                                                 pytest-timeout (the image's, or a carried wheel: pip download --no-deps
@@ -85,8 +85,10 @@ case $cmd in
     info
     # the passed list of this machine's earlier calls too (/root survives while it stays warm; a carried .devrun
     # replaces the one there)
-    mkdir -p .devrun && touch .devrun/gpu-passed.txt /root/gpu-passed.txt
-    sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt /root/gpu-passed.txt
+    # one passed list per Triton release (a carried newer Triton first on PYTHONPATH keeps its own)
+    passed=gpu-passed-triton$(python3 -c "import triton; print(triton.__version__)").txt
+    mkdir -p .devrun && touch ".devrun/$passed" "/root/$passed"
+    sort -u -o ".devrun/$passed" ".devrun/$passed" "/root/$passed"
     # the files with GPU tests, riskiest (host path, ops, compile) first; their CPU tests come along
     python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_host_path.py tests/test_sdpa_gpu.py \
       tests/test_ops.py tests/test_cuda_graphs.py tests/test_compile.py tests/test_chunking_gpu.py tests/test_replay.py \
@@ -96,15 +98,23 @@ case $cmd in
       tests/test_varlen_schedule_launch.py tests/test_outside_rows.py tests/test_launch_cache.py tests/test_triton.py \
       tests/test_triton_versions_gpu.py tests/test_hf_local.py \
       2>/dev/null | grep '::' > .devrun/gpu-all.txt
-    # GPU_TESTS_FIRST=REGEX: the ids it matches go first (workers take the list in order)
-    grep -vxF -f .devrun/gpu-passed.txt .devrun/gpu-all.txt > .devrun/gpu-todo.txt
+    # files whose CPU tests are long (interpreted kernels, gradchecks): their GPU tests only
+    python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_sinks.py 2>/dev/null | grep '::' \
+      >> .devrun/gpu-all.txt
+    # GPU_TESTS_FIRST=A|B|...: the ids A matches go first, then B's, ... (workers take the list in order)
+    grep -vxF -f ".devrun/$passed" .devrun/gpu-all.txt > .devrun/gpu-todo.txt
     first=${GPU_TESTS_FIRST:-}
-    if [ -n "$first" ]; then
-      { grep -E -- "$first" .devrun/gpu-todo.txt; grep -vE -- "$first" .devrun/gpu-todo.txt; } > .devrun/gpu-todo.sorted
+    if [ -n "$first" ]; then    # in the order of the alternatives: "a|b" puts a's ids before b's
+      IFS='|' read -ra patterns <<< "$first"
+      : > .devrun/gpu-todo.sorted
+      for pattern in "${patterns[@]}"; do
+        grep -E -- "$pattern" .devrun/gpu-todo.txt | grep -vxF -f .devrun/gpu-todo.sorted >> .devrun/gpu-todo.sorted
+      done
+      grep -vxF -f .devrun/gpu-todo.sorted .devrun/gpu-todo.txt >> .devrun/gpu-todo.sorted
       mv .devrun/gpu-todo.sorted .devrun/gpu-todo.txt
     fi
     cp .devrun/gpu-all.txt .devrun/gpu-todo.txt "$OUT/"
-    echo "collected $(wc -l < .devrun/gpu-all.txt), passed earlier $(wc -l < .devrun/gpu-passed.txt), running $(wc -l < .devrun/gpu-todo.txt)"
+    echo "collected $(wc -l < .devrun/gpu-all.txt), passed earlier $(wc -l < ".devrun/$passed"), running $(wc -l < .devrun/gpu-todo.txt)"
     [ -s .devrun/gpu-todo.txt ] || { echo "nothing left to run"; exit 0; }
     per_test=()
     if ls .devrun/wheels/pytest_timeout-*.whl > /dev/null 2>&1; then
@@ -118,11 +128,11 @@ case $cmd in
       "${todo[@]}" > "$OUT/gpu-tests.log" 2>&1
     echo "pytest rc=$?"
     # whole node ids: some hold spaces ("[...-q not a tensor]"), so cut the status prefix and the trailing blank only
-    sed -nE 's/^.*PASSED (tests\/.*[^ ]) *$/\1/p' "$OUT/gpu-tests.log" | sort -u >> .devrun/gpu-passed.txt
+    sed -nE 's/^.*PASSED (tests\/.*[^ ]) *$/\1/p' "$OUT/gpu-tests.log" | sort -u >> ".devrun/$passed"
     grep -E "^FAILED|^ERROR| passed| failed" "$OUT/gpu-tests.log" | tail -12
-    sort -u -o .devrun/gpu-passed.txt .devrun/gpu-passed.txt
-    cp .devrun/gpu-passed.txt "$OUT/" && cp .devrun/gpu-passed.txt /root/
-    echo "passed so far $(wc -l < .devrun/gpu-passed.txt) of $(wc -l < .devrun/gpu-all.txt)"
+    sort -u -o ".devrun/$passed" ".devrun/$passed"
+    cp ".devrun/$passed" "$OUT/" && cp ".devrun/$passed" /root/
+    echo "passed so far $(wc -l < ".devrun/$passed") of $(wc -l < .devrun/gpu-all.txt)"
     ;;
   sanitize)
     info

@@ -1,6 +1,6 @@
 """Host cost per call of flash_attn_ck beside FA2 (torch SDPA flash), SDPA cuDNN and FA4, in one process.
 
-Two tables (docs/host-path.md reads them):
+Two tables (bench/nvidia-h200.md §Host path records them):
 
 1. Host µs per call, eager, for three calls — forward without grad, forward recording autograd,
    forward + backward (`torch.autograd.grad`) — at b1 s128 h16 d128 and b2 s512 h16 d64, causal and not,

@@ -46,53 +46,62 @@ def main():
         # every call below takes this configured instance as its backend=
         args.backend = TritonBackend(use_tma=dict(auto=None, on=True, off=False)[args.tma], dq_mode=args.dq_mode)
     for spec in args.shapes.split(","):
-        d, h, h_k, s, causal = (int(x) for x in spec.split(":"))
-        b = 16384 // s
-        q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        k = torch.randn(b, s, h_k, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        v = torch.randn_like(k, requires_grad=True)
-        out = fa.flash_attn_func(q, k, v, causal=bool(causal), backend=args.backend)
-        dout = torch.randn_like(out)
+        measure_shape(args, *(int(x) for x in spec.split(":")))
 
-        def bwd():
-            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
-        if args.forward:
-            def bwd():   # the forward, timed in the backward's place
-                with torch.no_grad():
-                    return fa.flash_attn_func(q, k, v, causal=bool(causal), backend=args.backend)
-        bwd()
-        wall = triton.testing.do_bench(bwd, warmup=25, rep=200, return_mode="median")
-        spans = []
-        for _ in range(20):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            begin.record()
-            bwd()
-            end.record()
-            end.synchronize()
-            spans.append(begin.elapsed_time(end))
-        span = sorted(spans)[len(spans) // 2]
-        n = 50   # few enough that the launch queue never fills and blocks the host
-        start = time.perf_counter()
-        for _ in range(n):
-            bwd()
-        host = (time.perf_counter() - start) / n * 1e3
+def measure_shape(args, d: int, h: int, h_k: int, s: int, causal: int) -> None:
+    """One row: GPU span, wall and host issue time per call, then what the flags ask for."""
+    b = 16384 // s
+    q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(b, s, h_k, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k, requires_grad=True)
+    out = fa.flash_attn_func(q, k, v, causal=bool(causal), backend=args.backend)
+    dout = torch.randn_like(out)
+
+    def bwd():
+        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    if args.forward:
+        def bwd():   # the forward, timed in the backward's place
+            with torch.no_grad():
+                return fa.flash_attn_func(q, k, v, causal=bool(causal), backend=args.backend)
+    bwd()
+    wall = triton.testing.do_bench(bwd, warmup=25, rep=200, return_mode="median")
+    span = median_span(bwd)
+    host = host_ms(bwd)
+    print(f"d{d} h{h}/{h_k} s{s} causal={causal}: GPU span of one call {span:.3f} ms, wall per call {wall:.3f} ms, "
+          f"host issue {host:.3f} ms", flush=True)
+    if args.breakdown:
+        (forward_breakdown if args.forward else breakdown)(q, k, v, out, dout, bool(causal), args.backend)
+    if args.kernels:
+        kernel_times(bwd)
+    if args.profile:
+        python_profile(bwd)
+
+
+def median_span(fn, calls: int = 20) -> float:
+    """Median GPU time (ms) from one call's first to its last kernel, by CUDA events."""
+    spans = []
+    for _ in range(calls):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        print(f"d{d} h{h}/{h_k} s{s} causal={causal}: GPU span of one call {span:.3f} ms, wall per call {wall:.3f} ms, "
-              f"host issue {host:.3f} ms", flush=True)
-        if args.breakdown:
-            (forward_breakdown if args.forward else breakdown)(q, k, v, out, dout, bool(causal), args.backend)
-        if args.kernels:
-            kernel_times(bwd)
-        if args.profile:
-            profile = cProfile.Profile()
-            profile.enable()
-            for _ in range(100):
-                bwd()
-            profile.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        spans.append(begin.elapsed_time(end))
+    return sorted(spans)[len(spans) // 2]
+
+
+def python_profile(fn, calls: int = 100) -> None:
+    """cProfile of `calls` calls, the 18 functions with the most own time."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(18)
 
 
 def kernel_times(fn, calls: int = 20) -> None:

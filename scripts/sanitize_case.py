@@ -18,9 +18,8 @@ is the baseline the `ws` case's report is read against.
 `python3 scripts/sanitize_case.py handoff` runs bwd_ws's lse/D hand-off pattern alone: a 1-warp partition stores
 rows into a 2-slot shared ring with plain stores and publishes each slot through an mbarrier arrive; the 4-warp
 partition waits on that mbarrier, reads the slot and hands it back through a second mbarrier; the output is
-checked exactly. Whatever racecheck reports there says which correct mbarrier hand-offs it cannot model.
-(H200, 2026-12-01: it reports the ring's store/load pairs and the warp_specialize state bytes, both on this
-kernel whose result is exact: the same two classes it reports on the `ws` case.)"""
+checked exactly. Whatever racecheck reports there says which correct mbarrier hand-offs it cannot model
+(what it reported on the H200: bench/nvidia-h200.md §compute-sanitizer)."""
 
 import sys
 

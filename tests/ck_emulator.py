@@ -300,6 +300,18 @@ class EmulatedCkLibrary:
         # CK's launch_kernel runs the three kernels in order; each launch checks its grid.
         _grid("fmha_bwd_dot_do_o", *grid_1d)
         self.launches.append(("dot_do_o", grid_1d))
+        self._dot_do_o(args, dtype, grid_1d)
+        _grid("fmha_bwd_dq_dk_dv", *grid_n)
+        self.launches.append(("dq_dk_dv", grid_n))
+        self._dq_dk_dv(args, dtype, grid_n, kn0)
+        _grid("fmha_bwd_convert_dq", *grid_1d)
+        self.launches.append(("convert_dq", grid_1d))
+        self._convert_dq(args, dtype, grid_1d, kn0)
+
+    def _dot_do_o(self, args: ck.FackBwdArgs, dtype: torch.dtype, grid_1d) -> None:
+        """D = p_undrop * rowsum(dO * O), per row of each (sequence, head) the grid reaches."""
+        a = args.attn
+        group, d = bool(a.group_mode), a.head_dim
         for b in range(a.batch):
             q0, _, s_q, _ = self._lengths(a, b)
             for head in range(a.nhead_q):
@@ -309,9 +321,10 @@ class EmulatedCkLibrary:
                 self.memory.write("d", args.d.data, torch.float32, self._stat_offsets(args.d, b, q0, rows, head, group),
                                   args.p_undrop * (do * o).sum(-1))
 
-        _grid("fmha_bwd_dq_dk_dv", *grid_n)
-        self.launches.append(("dq_dk_dv", grid_n))
-        ratio = a.nhead_q // a.nhead_k
+    def _dq_dk_dv(self, args: ck.FackBwdArgs, dtype: torch.dtype, grid_n, kn0: int) -> None:
+        """Per key tile: dK and dV written, dQ added into its split of dq_acc (split 0 unless deterministic)."""
+        a = args.attn
+        group, d = bool(a.group_mode), a.head_dim
         for b in range(a.batch):
             q0, k0, s_q, s_k = self._lengths(a, b)
             if group and (s_q == 0 or s_k == 0):
@@ -328,31 +341,41 @@ class EmulatedCkLibrary:
                     if group and s_k <= tile * kn0:
                         break               # CK: `if(kargs.seqlen_k <= i_n0) return;`
                     cols = torch.arange(tile * kn0, min((tile + 1) * kn0, s_k))
-                    k = self._rows("k", a.k, dtype, b, k0, cols, head // ratio, d, group)
-                    v = self._rows("v", a.v, dtype, b, k0, cols, head // ratio, d, group)
-                    scores = self._scores(a, b, head, q, k, s_q, s_k, rows, cols)
-                    probs = torch.exp(scores - lse[:, None])
-                    keep = self._keep(a, b, head, rows, cols)
-                    dp = do @ v.T
-                    if keep is not None:
-                        rp_undrop = 1.0 / args.p_undrop
-                        dv = (probs * keep * rp_undrop).T @ do
-                        ds = probs * (dp * keep - big_d[:, None]) * rp_undrop
-                    else:
-                        dv = probs.T @ do
-                        ds = probs * (dp - big_d[:, None])
-                    ds = ds * a.softmax_scale
-                    dk, dq = ds.T @ q, ds @ k
-                    for name, target, value in (("dk", args.dk, dk), ("dv", args.dv, dv)):
-                        offsets = self._row_offsets(target, b, k0, cols, head, d, group)
-                        self.memory.write(name, target.data, dtype, offsets, value)
-                    split = tile if args.deterministic else 0
-                    offsets = split * args.dq_acc_split_stride + self._row_offsets(args.dq_acc, b, q0, rows, head, d,
-                                                                                   group)
-                    self.memory.add("dq_acc", args.dq_acc.data, torch.float32, offsets, dq)
+                    self._key_tile(args, dtype, b, head, tile, (q0, k0, s_q, s_k), rows, cols, q, do, lse, big_d)
 
-        _grid("fmha_bwd_convert_dq", *grid_1d)
-        self.launches.append(("convert_dq", grid_1d))
+    def _key_tile(self, args: ck.FackBwdArgs, dtype: torch.dtype, b: int, head: int, tile: int, lengths, rows, cols,
+                  q, do, lse, big_d) -> None:
+        """One key tile of one (sequence, head): its dK, dV and dQ part."""
+        a = args.attn
+        group, d = bool(a.group_mode), a.head_dim
+        q0, k0, s_q, s_k = lengths
+        ratio = a.nhead_q // a.nhead_k
+        k = self._rows("k", a.k, dtype, b, k0, cols, head // ratio, d, group)
+        v = self._rows("v", a.v, dtype, b, k0, cols, head // ratio, d, group)
+        scores = self._scores(a, b, head, q, k, s_q, s_k, rows, cols)
+        probs = torch.exp(scores - lse[:, None])
+        keep = self._keep(a, b, head, rows, cols)
+        dp = do @ v.T
+        if keep is not None:
+            rp_undrop = 1.0 / args.p_undrop
+            dv = (probs * keep * rp_undrop).T @ do
+            ds = probs * (dp * keep - big_d[:, None]) * rp_undrop
+        else:
+            dv = probs.T @ do
+            ds = probs * (dp - big_d[:, None])
+        ds = ds * a.softmax_scale
+        dk, dq = ds.T @ q, ds @ k
+        for name, target, value in (("dk", args.dk, dk), ("dv", args.dv, dv)):
+            offsets = self._row_offsets(target, b, k0, cols, head, d, group)
+            self.memory.write(name, target.data, dtype, offsets, value)
+        split = tile if args.deterministic else 0
+        offsets = split * args.dq_acc_split_stride + self._row_offsets(args.dq_acc, b, q0, rows, head, d, group)
+        self.memory.add("dq_acc", args.dq_acc.data, torch.float32, offsets, dq)
+
+    def _convert_dq(self, args: ck.FackBwdArgs, dtype: torch.dtype, grid_1d, kn0: int) -> None:
+        """dQ = the sum of dq_acc's splits, in the output dtype."""
+        a = args.attn
+        group, d = bool(a.group_mode), a.head_dim
         for b in range(a.batch):
             q0, _, s_q, s_k = self._lengths(a, b)
             nsplits = -(-s_k // kn0) if args.deterministic else 1

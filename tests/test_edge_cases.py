@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,109 @@ def _shapes(draw):
     return b, s_q, s_k, h, h_k, d
 
 
+@dataclass
+class _CallSpace:
+    """One public function and the bad arguments to draw for it: `cases` are (argument name, the arguments it
+    replaces), on top of `positional` (the function's tensors by name) and `common` (keyword arguments)."""
+    fn: object
+    positional: dict
+    common: dict
+    cases: list = field(default_factory=list)
+    options: dict = field(default_factory=lambda: dict(BAD_OPTIONS))
+
+    def add(self, name: str, bad_values) -> None:
+        self.cases += [(name, {name: bad}) for bad in bad_values]
+
+
+def _batch_calls(kind, q, k, v, b) -> _CallSpace:
+    """flash_attn_func, flash_attn_fwd and the packed batch functions."""
+    if kind == "func":
+        return _CallSpace(fa.flash_attn_func, dict(q=q, k=k, v=v), {})
+    if kind == "fwd":
+        space = _CallSpace(fa.flash_attn_fwd, dict(q=q, k=k, v=v), {})
+        space.add("seqused_k", [torch.zeros(b, dtype=torch.int32)])      # a batch call
+        return space
+    if kind == "qkvpacked":
+        qkv = torch.stack([q, k, v], 2)
+        space = _CallSpace(fa.flash_attn_qkvpacked_func, dict(qkv=qkv), {})
+        space.add("qkv", (qkv[:, :, :2], torch.cat([qkv, qkv[:, :, :1]], 2), qkv.to("meta"), qkv[0]))
+        return space
+    kv = torch.stack([k, v], 2)
+    space = _CallSpace(fa.flash_attn_kvpacked_func, dict(q=q, kv=kv), {})
+    space.add("kv", (kv[:, :, :1], torch.cat([kv, kv[:, :, :1]], 2), kv.to("meta")))
+    return space
+
+
+def _varlen_calls(kind, q, k, v, b, s_q, s_k) -> _CallSpace:
+    """The three varlen functions, with their offsets' and bounds' bad values."""
+    q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
+    cu_q = torch.arange(b + 1, dtype=torch.int32) * s_q
+    cu_k = torch.arange(b + 1, dtype=torch.int32) * s_k
+    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=s_q, max_seqlen_k=s_k)
+    if kind == "varlen":
+        space = _CallSpace(fa.flash_attn_varlen_func, dict(q=q, k=k, v=v), dict(varlen))
+        space.add("seqused_k", (
+            torch.zeros(b, dtype=torch.int64), torch.zeros(b + 1, dtype=torch.int32),
+            torch.zeros(b, dtype=torch.int32, device="meta"), [0] * b, torch.full((b,), -1, dtype=torch.int32),
+            torch.full((b,), s_k + 1, dtype=torch.int32)))
+    elif kind == "varlen_qkvpacked":
+        qkv = torch.stack([q, k, v], 1)
+        space = _CallSpace(fa.flash_attn_varlen_qkvpacked_func, dict(qkv=qkv), dict(cu_seqlens=cu_q, max_seqlen=s_q))
+        space.add("qkv", (qkv[:, :2], torch.cat([qkv, qkv[:, :1]], 1)))
+        space.add("max_seqlen", (-1, 2.5, None))
+    else:
+        kv = torch.stack([k, v], 1)
+        space = _CallSpace(fa.flash_attn_varlen_kvpacked_func, dict(q=q, kv=kv), dict(varlen))
+        space.add("kv", (kv[:, :1], torch.cat([kv, kv[:, :1]], 1)))
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "cu_seqlens"):
+        if name in space.common:
+            cu = space.common[name]
+            space.add(name, (cu.long(), cu.to("meta"), cu.flip(0).contiguous(), cu + 1, cu[:, None], [0, s_q]))
+    for name, values in BAD_VARLEN.items():
+        if name in space.common:
+            space.add(name, values)
+    space.options.pop("deterministic")   # also a positional name; covered by the batch functions
+    return space
+
+
+def _bwd_calls(q, k, v, rand) -> _CallSpace:
+    """flash_attn_bwd: every operand's bad values, aliased or stride-0 outputs, a missing or bad rng_state."""
+    (b, s_q, h, d), (s_k, h_k) = q.shape, k.shape[1:3]
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, backend="reference")
+    dout = rand(*q.shape)
+    positional = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    space = _CallSpace(fa.flash_attn_bwd, positional, dict(dq=dq, dk=dk, dv=dv))
+    for name, t in positional.items():
+        space.add(name, [bad for bad in _tensor_variants(t, name == "q") if bad is not None])
+    space.cases += [("dq", {"dq": q}), ("dk", {"dk": k}), ("dv", {"dv": v}), ("dq", {"dq": dout}),
+                    ("dq", {"dq": out}), ("dk", {"dk": dv}),
+                    ("dq", {"dq": dq.float()}), ("dq", {"dq": dq.to("meta")}), ("dv", {"dv": dv[..., :1]}),
+                    ("rng_state", {"dropout_p": 0.1}), ("rng_state", {"dropout_p": 0.1, "rng_state": torch.zeros(2)}),
+                    ("rng_state", {"dropout_p": 0.1,
+                                   "rng_state": torch.zeros(2, dtype=torch.int64, device="meta")})]
+    # stride-0 (expanded) outputs: only bad when they expand over more than one row
+    if b * s_q * h > 1:
+        space.add("dq", [torch.zeros(1, 1, 1, d, dtype=q.dtype).expand(q.shape)])
+    if b * s_k * h_k > 1:
+        space.add("dk", [torch.zeros(d, dtype=q.dtype).expand(k.shape)])
+    if b * s_q > 1 or h > 1:      # dq overlapping dout partially: a view one row into it
+        flat = torch.empty(dout.numel() + d, dtype=q.dtype)
+        space.cases.append(("dq", {"dq": flat[d:].view(q.shape), "dout": flat[:-d].view(q.shape)}))
+    space.options.update(BAD_BWD_OPTIONS)
+    return space
+
+
+def _workspace_calls(q, k, v) -> _CallSpace:
+    """backward_workspace (on meta tensors: it plans, runs nothing)."""
+    space = _CallSpace(fa.backward_workspace, dict(q=q.to("meta"), k=k.to("meta"), v=v.to("meta")), {})
+    space.options.pop("backend")
+    space.options.update(BAD_BWD_OPTIONS)
+    for name in ("q", "k", "v"):
+        space.add(name, (space.positional[name].to(torch.int32), [1.0]))
+    return space
+
+
 @st.composite
 def bad_calls(draw):
     """(function, args, kwargs, name the error must start with, tensors that must not change)."""
@@ -93,114 +197,34 @@ def bad_calls(draw):
 
     kind = draw(st.sampled_from(["func", "qkvpacked", "kvpacked", "varlen", "varlen_qkvpacked", "varlen_kvpacked",
                                  "fwd", "bwd", "workspace"]))
-    common = dict(backend="reference")
     if kind in ("qkvpacked", "varlen_qkvpacked"):
         h_k, s_k = h, s_q
     q, k, v = rand(b, s_q, h, d), rand(b, s_k, h_k, d), rand(b, s_k, h_k, d)
-    cu_q = torch.arange(b + 1, dtype=torch.int32) * s_q
-    cu_k = torch.arange(b + 1, dtype=torch.int32) * s_k
-    varlen = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=s_q, max_seqlen_k=s_k)
-    cases = []     # (argument name, kwargs update or positional replacement)
-    options = dict(BAD_OPTIONS)
-    positional: dict[str, torch.Tensor] = {}
-    if kind == "func":
-        fn, positional = fa.flash_attn_func, dict(q=q, k=k, v=v)
-    elif kind == "fwd":
-        fn, positional = fa.flash_attn_fwd, dict(q=q, k=k, v=v)
-        cases.append(("seqused_k", {"seqused_k": torch.zeros(b, dtype=torch.int32)}))      # a batch call
-    elif kind == "qkvpacked":
-        qkv = torch.stack([q, k, v], 2)
-        fn, positional = fa.flash_attn_qkvpacked_func, dict(qkv=qkv)
-        cases += [("qkv", {"qkv": bad}) for bad in (qkv[:, :, :2], torch.cat([qkv, qkv[:, :, :1]], 2), qkv.to("meta"),
-                                                     qkv[0])]
-    elif kind == "kvpacked":
-        kv = torch.stack([k, v], 2)
-        fn, positional = fa.flash_attn_kvpacked_func, dict(q=q, kv=kv)
-        cases += [("kv", {"kv": bad}) for bad in (kv[:, :, :1], torch.cat([kv, kv[:, :, :1]], 2), kv.to("meta"))]
-    elif kind in ("varlen", "varlen_qkvpacked", "varlen_kvpacked"):
-        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
-        if kind == "varlen":
-            fn, positional = fa.flash_attn_varlen_func, dict(q=q, k=k, v=v)
-            extra = varlen
-        elif kind == "varlen_qkvpacked":
-            qkv = torch.stack([q, k, v], 1)
-            fn, positional = fa.flash_attn_varlen_qkvpacked_func, dict(qkv=qkv)
-            cu_k = cu_q
-            extra = dict(cu_seqlens=cu_q, max_seqlen=s_q)
-            cases += [("qkv", {"qkv": bad}) for bad in (qkv[:, :2], torch.cat([qkv, qkv[:, :1]], 1))]
-        else:
-            kv = torch.stack([k, v], 1)
-            fn, positional = fa.flash_attn_varlen_kvpacked_func, dict(q=q, kv=kv)
-            extra = varlen
-            cases += [("kv", {"kv": bad}) for bad in (kv[:, :1], torch.cat([kv, kv[:, :1]], 1))]
-        common.update(extra)
-        for name in ("cu_seqlens_q", "cu_seqlens_k", "cu_seqlens"):
-            if name in extra:
-                cu = extra[name]
-                cases += [(name, {name: bad}) for bad in (cu.long(), cu.to("meta"), cu.flip(0).contiguous(),
-                                                          cu + 1, cu[:, None], [0, s_q])]
-        for name, values in BAD_VARLEN.items():
-            if name in extra:
-                cases += [(name, {name: bad}) for bad in values]
-        if "max_seqlen" in extra:
-            cases += [("max_seqlen", {"max_seqlen": bad}) for bad in (-1, 2.5, None)]
-        if kind == "varlen":
-            cases += [("seqused_k", {"seqused_k": bad}) for bad in (
-                torch.zeros(b, dtype=torch.int64), torch.zeros(b + 1, dtype=torch.int32),
-                torch.zeros(b, dtype=torch.int32, device="meta"), [0] * b, torch.full((b,), -1, dtype=torch.int32),
-                torch.full((b,), s_k + 1, dtype=torch.int32))]
-    elif kind == "bwd":
-        out, lse, _ = fa.flash_attn_fwd(q, k, v, backend="reference")
-        dout = rand(*q.shape)
-        fn = fa.flash_attn_bwd
-        positional = dict(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=lse)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        common.update(dq=dq, dk=dk, dv=dv)
-        for name, t in positional.items():
-            cases += [(name, {name: bad}) for bad in _tensor_variants(t, name == "q") if bad is not None]
-        cases += [("dq", {"dq": q}), ("dk", {"dk": k}), ("dv", {"dv": v}), ("dq", {"dq": dout}), ("dq", {"dq": out}),
-                  ("dk", {"dk": dv}),
-                  ("dq", {"dq": dq.float()}), ("dq", {"dq": dq.to("meta")}), ("dv", {"dv": dv[..., :1]}),
-                  ("rng_state", {"dropout_p": 0.1}), ("rng_state", {"dropout_p": 0.1, "rng_state": torch.zeros(2)}),
-                  ("rng_state", {"dropout_p": 0.1, "rng_state": torch.zeros(2, dtype=torch.int64, device="meta")})]
-        # stride-0 (expanded) outputs: only bad when they expand over more than one row
-        if b * s_q * h > 1:
-            cases.append(("dq", {"dq": torch.zeros(1, 1, 1, d, dtype=q.dtype).expand(q.shape)}))
-        if b * s_k * h_k > 1:
-            cases.append(("dk", {"dk": torch.zeros(d, dtype=q.dtype).expand(k.shape)}))
-        if b * s_q > 1 or h > 1:      # dq overlapping dout partially: a view one row into it
-            flat = torch.empty(dout.numel() + d, dtype=q.dtype)
-            cases.append(("dq", {"dq": flat[d:].view(q.shape), "dout": flat[:-d].view(q.shape)}))
-        options.update(BAD_BWD_OPTIONS)
-    else:
-        fn, positional = fa.backward_workspace, dict(q=q.to("meta"), k=k.to("meta"), v=v.to("meta"))
-        common.pop("backend")
-        options.pop("backend")
-        options.update(BAD_BWD_OPTIONS)
-    if kind in ("func", "fwd", "workspace", "varlen"):
+    space = _call_space(kind, q, k, v, rand)
+    if kind != "workspace":
+        space.common["backend"] = "reference"
+        space.add("alibi_slopes", (torch.ones(h, dtype=torch.float64), torch.ones(h + 1),
+                                   torch.ones(h, device="meta"), [0.1] * h))
+    if kind in ("func", "fwd", "varlen"):
         for name in ("q", "k", "v"):
-            if kind == "workspace":
-                cases += [(name, {name: bad}) for bad in (positional[name].to(torch.int32), [1.0])]
-            else:
-                cases += [(name, {name: bad}) for bad in _tensor_variants(positional[name], name == "q")
-                          if bad is not None]
-    if kind not in ("workspace",):
-        cases += [("alibi_slopes", {"alibi_slopes": bad}) for bad in (torch.ones(h, dtype=torch.float64),
-                                                                      torch.ones(h + 1), torch.ones(h, device="meta"),
-                                                                      [0.1] * h)]
-    if kind in ("varlen", "varlen_qkvpacked", "varlen_kvpacked"):
-        options.pop("deterministic")   # also a positional name; covered by the batch functions
-    for name, values in options.items():
-        cases += [(name, {name: bad}) for bad in values]
-    name, update = draw(st.sampled_from(cases))
-    kwargs = {**common}
-    args = dict(positional)
-    for key, value in update.items():
-        if key in args:
-            args[key] = value
-        else:
-            kwargs[key] = value
-    return fn, args, kwargs, name
+            space.add(name, [bad for bad in _tensor_variants(space.positional[name], name == "q") if bad is not None])
+    for name, values in space.options.items():
+        space.add(name, values)
+    name, update = draw(st.sampled_from(space.cases))
+    args = {key: update.get(key, value) for key, value in space.positional.items()}
+    kwargs = {**space.common, **{key: value for key, value in update.items() if key not in args}}
+    return space.fn, args, kwargs, name
+
+
+def _call_space(kind, q, k, v, rand) -> _CallSpace:
+    b, s_q, s_k = q.shape[0], q.shape[1], k.shape[1]
+    if kind == "bwd":
+        return _bwd_calls(q, k, v, rand)
+    if kind == "workspace":
+        return _workspace_calls(q, k, v)
+    if kind.startswith("varlen"):
+        return _varlen_calls(kind, q, k, v, b, s_q, s_k)
+    return _batch_calls(kind, q, k, v, b)
 
 
 def _tensors(obj):

@@ -107,6 +107,77 @@ BAD_OUT = {
 }
 
 
+def _overlapping_q(q, out, options):
+    flat = torch.randn(2 * q.numel())
+    return flat[:q.numel()].view(q.shape), flat[q.numel() - 1:-1].view(q.shape)
+
+
+def _overlapping_q_other_storage(q, out, options):      # two storages over one buffer (views of one numpy array)
+    flat = torch.randn(2 * q.numel()).numpy()
+    return (torch.from_numpy(flat[:q.numel()]).view(q.shape),
+            torch.from_numpy(flat[q.numel() - 1:-1]).view(q.shape))
+
+
+def _sharing_alibi_slopes(q, out, options):
+    out, options["alibi_slopes"] = _sharing(q.shape, q.dtype, q.shape[-2], torch.float32)
+    return q, out
+
+
+def _sharing_rng_state(q, out, options):
+    out, rng_state = _sharing(q.shape, q.dtype, 2, torch.int64)
+    options.update(dropout_p=0.2, rng_state=rng_state)
+    return q, out
+
+
+def _sharing_sequence_tensor(name):
+    def make(q, out, options):
+        given = options["cu_seqlens_k"] if name == "cu_seqlens_k" else torch.zeros(len(options["cu_seqlens_k"]) - 1)
+        out, options[name] = _sharing(q.shape, q.dtype, given.numel(), torch.int32)
+        options[name].copy_(given)          # valid values: only the sharing is wrong
+        return q, out
+    return make
+
+
+def _input_requiring_grad(q, out, options):
+    return q.requires_grad_(), out
+
+
+def _inference_out(q, out, options):
+    with torch.inference_mode():
+        return q, torch.full_like(q, 3.0)
+
+
+def _alibi_requiring_grad(q, out, options):      # the slopes would otherwise carry a graph into out
+    options["alibi_slopes"] = torch.rand(q.shape[-2]).requires_grad_()
+    return q, out
+
+
+# Per kind of bad out: (q, a valid out like it, the call's options) -> (q, the bad out); the options are updated
+# where the out shares memory with one of them.
+_BAD_OUTS = {
+    "not_a_tensor": lambda q, out, options: (q, q.tolist()),
+    "dtype": lambda q, out, options: (q, out.double()),
+    "shape": lambda q, out, options: (q, out[..., :1, :] if q.shape[-2] > 1 else out.unsqueeze(0)),
+    "meta": lambda q, out, options: (q, out.to("meta")),
+    "last_stride": lambda q, out, options: (q, torch.stack([out, out], -1)[..., 0]),
+    # over two heads at least: elements overlap
+    "stride_0": lambda q, out, options: (q, torch.zeros(q.shape[-1]).expand(q.shape)),
+    "is_q": lambda q, out, options: (q, q),
+    "overlaps_q": _overlapping_q,
+    "overlaps_q_other_storage": _overlapping_q_other_storage,
+    "sparse": lambda q, out, options: (q, out.to_sparse()),
+    "overlaps_alibi_slopes": _sharing_alibi_slopes,
+    "overlaps_rng_state": _sharing_rng_state,
+    "overlaps_cu_seqlens_k": _sharing_sequence_tensor("cu_seqlens_k"),
+    "overlaps_seqused_k": _sharing_sequence_tensor("seqused_k"),
+    "requires_grad": lambda q, out, options: (q, out.requires_grad_()),
+    "input_requires_grad": _input_requiring_grad,
+    "inference": _inference_out,
+    "alibi_requires_grad": _alibi_requiring_grad,
+}
+assert set(_BAD_OUTS) == set(BAD_OUT), "a maker per kind of bad out"
+
+
 @settings(max_examples=120, **SETTINGS)
 @given(data=st.data(), bad=st.sampled_from(sorted(BAD_OUT)))
 def test_a_bad_out_is_named_before_anything_is_written(data, bad):
@@ -115,49 +186,7 @@ def test_a_bad_out_is_named_before_anything_is_written(data, bad):
     varlen = "cu_seqlens_q" in options
     if bad in ("overlaps_cu_seqlens_k", "overlaps_seqused_k") and not varlen:
         bad = "overlaps_q"
-    out = torch.full_like(q, 3.0)
-    if bad == "not_a_tensor":
-        out = q.tolist()
-    elif bad == "dtype":
-        out = out.double()
-    elif bad == "shape":
-        out = out[..., :1, :] if q.shape[-2] > 1 else out.unsqueeze(0)
-    elif bad == "meta":
-        out = out.to("meta")
-    elif bad == "last_stride":
-        out = torch.stack([out, out], -1)[..., 0]
-    elif bad == "stride_0":
-        out = torch.zeros(q.shape[-1]).expand(q.shape)      # over two heads at least: elements overlap
-    elif bad == "is_q":
-        out = q
-    elif bad == "overlaps_q":
-        flat = torch.randn(2 * q.numel())
-        q, out = flat[:q.numel()].view(q.shape), flat[q.numel() - 1:-1].view(q.shape)
-    elif bad == "overlaps_q_other_storage":      # two storages over one buffer (views of one numpy array)
-        flat = torch.randn(2 * q.numel()).numpy()
-        q = torch.from_numpy(flat[:q.numel()]).view(q.shape)
-        out = torch.from_numpy(flat[q.numel() - 1:-1]).view(q.shape)
-    elif bad == "sparse":
-        out = out.to_sparse()
-    elif bad == "overlaps_alibi_slopes":
-        out, options["alibi_slopes"] = _sharing(q.shape, q.dtype, q.shape[-2], torch.float32)
-    elif bad == "overlaps_rng_state":
-        out, rng_state = _sharing(q.shape, q.dtype, 2, torch.int64)
-        options.update(dropout_p=0.2, rng_state=rng_state)
-    elif bad in ("overlaps_cu_seqlens_k", "overlaps_seqused_k"):
-        name = bad.removeprefix("overlaps_")
-        given = options["cu_seqlens_k"] if name == "cu_seqlens_k" else torch.zeros(len(options["cu_seqlens_k"]) - 1)
-        out, options[name] = _sharing(q.shape, q.dtype, given.numel(), torch.int32)
-        options[name].copy_(given)          # valid values: only the sharing is wrong
-    elif bad == "requires_grad":
-        out.requires_grad_()
-    elif bad == "input_requires_grad":
-        q.requires_grad_()
-    elif bad == "inference":
-        with torch.inference_mode():
-            out = torch.full_like(q, 3.0)
-    elif bad == "alibi_requires_grad":      # the slopes would otherwise carry a graph into out
-        options["alibi_slopes"] = torch.rand(q.shape[-2]).requires_grad_()
+    q, out = _BAD_OUTS[bad](q, torch.full_like(q, 3.0), options)
     tensors = [t for t in (q, k, v, out, *options.values())
                if torch.is_tensor(t) and t.device.type != "meta" and t.layout == torch.strided]
     before = [t.detach().clone() for t in tensors]

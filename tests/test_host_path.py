@@ -91,52 +91,70 @@ def _strided_like(t):
     return t.transpose(-2, -3).contiguous().transpose(-2, -3)
 
 
+# Options whose changed value is the same for every call.
+_OPTION_CHANGES = dict(causal=True, window_size=(1, 0), softcap=3.0, dropout_p=0.25, softmax_scale=0.3,
+                       deterministic=True)
+
+
 def _change(call: dict, field: str) -> dict:
     """`call` with exactly one field of its signature changed (values of unchanged tensors are kept)."""
     c = dict(call, options=dict(call["options"]))
-    q, k, v, o = c["q"], c["k"], c["v"], c["options"]
-    varlen = "cu_seqlens_q" in o
-    if field == "seqlen_k":
-        grow = lambda t: torch.cat([t, t.narrow(-3, 0, 1)], dim=-3)
-        c["k"], c["v"] = grow(k), grow(v)
-        if varlen:
-            o["cu_seqlens_k"] = o["cu_seqlens_k"].clone()
-            o["cu_seqlens_k"][-1] += 1
-    elif field == "heads_k":
-        c["k"], c["v"] = k.narrow(-2, 0, 1), v.narrow(-2, 0, 1)
-    elif field == "head_dim":
-        c["q"], c["k"], c["v"] = (t[..., :-1] for t in (q, k, v))
+    if field in _OPTION_CHANGES:
+        c["options"][field] = _OPTION_CHANGES[field]
+    elif field in _OPERAND_CHANGES:
+        _OPERAND_CHANGES[field](c)
     elif field in ("stride_q", "stride_k", "stride_v"):
         name = field[-1]
         c[name] = _strided_like(c[name])
-    elif field == "dtype":
-        c["q"], c["k"], c["v"] = (t.double() for t in (q, k, v))
-    elif field == "device":
-        c["q"], c["k"], c["v"] = (t.to("meta") for t in (q, k, v))
-        for name in ("cu_seqlens_q", "cu_seqlens_k"):
-            if name in o:
-                o[name] = o[name].to("meta")
-    elif field == "causal":
-        o["causal"] = True
-    elif field == "window_size":
-        o["window_size"] = (1, 0)
-    elif field == "softcap":
-        o["softcap"] = 3.0
-    elif field == "dropout_p":
-        o["dropout_p"] = 0.25
-    elif field == "softmax_scale":
-        o["softmax_scale"] = 0.3
-    elif field == "deterministic":
-        o["deterministic"] = True
-    elif field == "alibi":
-        o["alibi_slopes"] = torch.rand(q.shape[-2])
+    else:
+        _change_sequence_option(c, field)
+    return c
+
+
+def _longer_keys(c: dict) -> None:
+    grow = lambda t: torch.cat([t, t.narrow(-3, 0, 1)], dim=-3)
+    c["k"], c["v"] = grow(c["k"]), grow(c["v"])
+    o = c["options"]
+    if "cu_seqlens_k" in o:
+        o["cu_seqlens_k"] = o["cu_seqlens_k"].clone()
+        o["cu_seqlens_k"][-1] += 1
+
+
+def _on_meta(c: dict) -> None:
+    c["q"], c["k"], c["v"] = (c[name].to("meta") for name in "qkv")
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        if name in c["options"]:
+            c["options"][name] = c["options"][name].to("meta")
+
+
+def _replace(**made):
+    """A change that replaces the named operands by functions of them."""
+    def change(c: dict) -> None:
+        c.update({name: make(c[name]) for name, make in made.items()})
+    return change
+
+
+_OPERAND_CHANGES = dict(
+    seqlen_k=_longer_keys,
+    heads_k=_replace(k=lambda t: t.narrow(-2, 0, 1), v=lambda t: t.narrow(-2, 0, 1)),
+    head_dim=_replace(**{name: lambda t: t[..., :-1] for name in "qkv"}),
+    dtype=_replace(**{name: lambda t: t.double() for name in "qkv"}),
+    device=_on_meta,
+)
+
+
+def _change_sequence_option(c: dict, field: str) -> None:
+    """ALiBi slopes and the varlen options."""
+    o = c["options"]
+    varlen = "cu_seqlens_q" in o
+    if field == "alibi":
+        o["alibi_slopes"] = torch.rand(c["q"].shape[-2])
     elif field == "max_seqlen_q":
         o["max_seqlen_q"] = o["max_seqlen_q"] - 1 if varlen else None
     elif field == "cu_seqlens_stride":
         o["cu_seqlens_q"] = torch.stack([o["cu_seqlens_q"]] * 2, dim=1)[:, 0]      # same values, stride 2
     else:
         raise AssertionError(field)
-    return c
 
 
 DENSE_FIELDS = ("seqlen_k", "heads_k", "head_dim", "stride_q", "stride_k", "stride_v", "dtype", "device", "causal",
@@ -669,7 +687,7 @@ def test_backends_made_per_call_are_not_kept_alive_by_the_memo():
     gc.collect()
     alive = sum(ref() is not None for ref in made)
     assert 0 < alive <= MEMO_ENTRIES
-    problem = prepare.memoised(q, q, q, AttentionOptions(backend=ReferenceBackend())).problem
+    problem = prepare.prepare(q, q, q, AttentionOptions(backend=ReferenceBackend())).problem
     kept = ReferenceBackend()
     fa.flash_attn_func(q, q, q, backend=kept).sum().backward()
     entries = {key: value for key, value in problem.memo.items() if kept in key}

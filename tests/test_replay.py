@@ -285,11 +285,34 @@ def test_each_field_of_the_layout_key_changed_alone_changes_it(monkeypatch, fiel
     key = replay.layout_key(tensors)
     assert replay.layout_key(_realise(roles)) == key                     # other tensors, the same layout
     assert replay.layout_key(tensors, 0) == key                         # the caller's device, read once
-    changed = list(roles)
-    own = [i for i, r in enumerate(roles) if r is not None and r[0] == "own"]
-    if field in ("shape", "strides", "dtype", "alignment"):
+    if field in ("device", "debug", "instrumentation"):
+        # patched for this example only (hypothesis runs every example in one fixture)
+        with monkeypatch.context() as m:
+            if field == "device":
+                assert replay.layout_key(tensors, 1) != key
+                m.setattr(launch, "current_device_and_stream", lambda: (1, 1234))
+            elif field == "debug":
+                m.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
+            else:
+                m.setattr(knobs.compilation, "instrumentation_mode", "fpsan")
+            assert replay.layout_key(tensors) != key
+        return
+    changed = _ROLE_CHANGES[field](roles, data)
+    if changed is not None:      # None: these roles have nothing to change the field of
+        assert replay.layout_key(_realise(changed)) != key, (roles, changed)
+
+
+def _own_roles(roles) -> list[int]:
+    return [i for i, r in enumerate(roles) if r is not None and r[0] == "own"]
+
+
+def _changed_tensor_field(field):
+    """One own role's shape, strides, dtype or alignment changed (a role sharing or twinning it follows it: the field
+    changes, not the sharing)."""
+    def change(roles, data):
+        own = _own_roles(roles)
         if not own:
-            return
+            return None
         i = data.draw(st.sampled_from(own))
         shape, strides, dtype, misalign = roles[i][1]
         size = torch.empty(0, dtype=dtype).element_size()
@@ -302,38 +325,45 @@ def test_each_field_of_the_layout_key_changed_alone_changes_it(monkeypatch, fiel
                                                and misalign % torch.empty(0, dtype=d).element_size() == 0]))
         else:
             misalign = data.draw(st.sampled_from([m for m in (0, 4, 8, 12) if m != misalign and m % size == 0]))
-        changed[i] = ("own", (shape, strides, dtype, misalign))
-        # a role sharing or twinning this one follows it: the field changes, not the sharing
-    elif field in ("share", "unshare"):
-        kind, other = ("twin", "shared") if field == "share" else ("shared", "twin")
+        return [("own", (shape, strides, dtype, misalign)) if j == i else r for j, r in enumerate(roles)]
+    return change
+
+
+def _changed_sharing(kind, other):
+    """A role that twins an earlier one made to share it, or the reverse."""
+    def change(roles, data):
         candidates = [i for i, r in enumerate(roles) if r is not None and r[0] == kind]
         if not candidates:
-            return
+            return None
         i = data.draw(st.sampled_from(candidates))
-        changed[i] = (other, roles[i][1])
-    elif field == "fill an empty role":
-        empty = [i for i, r in enumerate(roles) if r is None]
-        if not empty:
-            return
-        changed[data.draw(st.sampled_from(empty))] = ("own", ((2,), (1,), torch.float32, 0))
-    elif field == "empty a role":
-        # a role no later role shares or twins
-        free = [i for i in own if not any(r is not None and r[0] != "own" and r[1] == i for r in roles)]
-        if not free:
-            return
-        changed[data.draw(st.sampled_from(free))] = None
-    else:       # patched for this example only (hypothesis runs every example in one fixture)
-        with monkeypatch.context() as m:
-            if field == "device":
-                assert replay.layout_key(tensors, 1) != key
-                m.setattr(launch, "current_device_and_stream", lambda: (1, 1234))
-            elif field == "debug":
-                m.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
-            else:
-                m.setattr(knobs.compilation, "instrumentation_mode", "fpsan")
-            assert replay.layout_key(tensors) != key
-        return
-    assert replay.layout_key(_realise(changed)) != key, (roles, changed)
+        return [(other, r[1]) if j == i else r for j, r in enumerate(roles)]
+    return change
+
+
+def _filled_role(roles, data):
+    empty = [i for i, r in enumerate(roles) if r is None]
+    if not empty:
+        return None
+    i = data.draw(st.sampled_from(empty))
+    return [("own", ((2,), (1,), torch.float32, 0)) if j == i else r for j, r in enumerate(roles)]
+
+
+def _emptied_role(roles, data):
+    # a role no later role shares or twins
+    free = [i for i in _own_roles(roles) if not any(r is not None and r[0] != "own" and r[1] == i for r in roles)]
+    if not free:
+        return None
+    i = data.draw(st.sampled_from(free))
+    return [None if j == i else r for j, r in enumerate(roles)]
+
+
+_ROLE_CHANGES = {
+    **{field: _changed_tensor_field(field) for field in ("shape", "strides", "dtype", "alignment")},
+    "share": _changed_sharing("twin", "shared"),
+    "unshare": _changed_sharing("shared", "twin"),
+    "fill an empty role": _filled_role,
+    "empty a role": _emptied_role,
+}
 
 
 def test_a_tensor_in_two_roles_is_told_from_two_equal_looking_tensors(monkeypatch):

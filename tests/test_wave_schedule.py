@@ -1,4 +1,4 @@
-"""scripts/lab/wave_schedule.py, the model behind the longest-first grids (WsTile.key_major / FwdWsTile.query_major)."""
+"""scripts/wave_schedule.py, the model behind the longest-first grids (WsTile.key_major / FwdWsTile.query_major)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-_SCRIPT = Path(__file__).parents[1] / "scripts" / "lab" / "wave_schedule.py"
+_SCRIPT = Path(__file__).parents[1] / "scripts" / "wave_schedule.py"
 _spec = importlib.util.spec_from_file_location("wave_schedule", _SCRIPT)
 wave_schedule = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(wave_schedule)

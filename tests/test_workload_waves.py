@@ -1,4 +1,4 @@
-"""scripts/lab/workload_waves.py, the wave model behind docs/workloads.md: today's varlen grids and the scheduled
+"""scripts/workload_waves.py, the wave model behind docs/workloads.md: today's varlen grids and the scheduled
 ones carry the same work, and the deterministic model's waits."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
-sys.path.insert(0, str(Path(__file__).parents[1] / "scripts" / "lab"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import workload_waves as ww
 
 from flash_attn_ck.backends.triton.runtime.varlen_schedule import TileWalk

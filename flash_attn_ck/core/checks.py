@@ -8,9 +8,11 @@ contract) plus those of the flash-attn Python API.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
+from torch.types import FloatLikeType, IntLikeType
 
 from .errors import ArgumentError
 
@@ -93,8 +95,8 @@ def _as_int(value) -> int | None:
         return None
 
 
-def check_number(name: str, value) -> float:
-    """A real number (not a bool, string, tensor or None) that is finite; returned as a float."""
+def check_number(name: str, value) -> FloatLikeType:
+    """A real number (not a bool, string, tensor or None) that is finite; returned as a float (a SymFloat as it is)."""
     if type(value) is float and value - value == 0.0:     # the common case, first: runs on every call
         return value
     if isinstance(value, torch.SymFloat):      # traced by torch.compile: checked when it is concrete
@@ -146,7 +148,7 @@ def check_out_dtype_for(out_dtype: torch.dtype | None, dtype: torch.dtype) -> to
     return out_dtype
 
 
-def check_dropout_p(dropout_p) -> float:
+def check_dropout_p(dropout_p) -> FloatLikeType:
     dropout_p = check_number("dropout_p", dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ArgumentError(f"dropout_p: expected a probability in [0, 1), got {dropout_p}")
@@ -157,7 +159,7 @@ def check_dropout_p(dropout_p) -> float:
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def check_softcap(softcap) -> float:
+def check_softcap(softcap) -> FloatLikeType:
     softcap = check_number("softcap", softcap)
     if not 0.0 <= softcap <= FLOAT32_MAX:
         raise ArgumentError(f"softcap: expected 0 (off) or a finite positive cap that float32 holds "
@@ -165,7 +167,7 @@ def check_softcap(softcap) -> float:
     return softcap
 
 
-def check_softmax_scale(scale) -> float:
+def check_softmax_scale(scale) -> FloatLikeType:
     scale = check_number("softmax_scale", scale)
     if not 0.0 < scale <= FLOAT32_MAX:
         raise ArgumentError(f"softmax_scale: expected a finite positive number that float32 holds "
@@ -204,8 +206,8 @@ def check_window(window_size) -> tuple[int, int]:
     return result[0], result[1]
 
 
-def check_max_seqlen(name: str, value) -> int:
-    """A varlen bound: an integer in [0, 2**63 - 1]."""
+def check_max_seqlen(name: str, value) -> IntLikeType:
+    """A varlen bound: an integer in [0, 2**63 - 1] (a SymInt as it is)."""
     if isinstance(value, torch.SymInt):        # traced by torch.compile
         return value
     expected = "expected a non-negative integer below 2**63"
@@ -273,8 +275,8 @@ def _nested(t: torch.Tensor) -> bool:
 
 
 def _element_range(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last] element offset of `t` in its storage."""
-    lo = hi = t.storage_offset()
+    """[first, last] element offset of `t` in its storage (an eager tensor's: its offset is an int)."""
+    lo = hi = int(t.storage_offset())
     for size, stride in zip(t.shape, t.stride()):
         if stride >= 0:
             hi += (size - 1) * stride
@@ -329,7 +331,7 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         if s <= span:
             return True          # not nested: cannot decide cheaply
         span += (n - 1) * s
-    return _lattice_hits(b.storage_offset() - a.storage_offset(), dims)
+    return _lattice_hits(int(b.storage_offset()) - int(a.storage_offset()), dims)
 
 
 def check_outputs_disjoint(outputs: Sequence[tuple[str, torch.Tensor | None]],
@@ -366,7 +368,7 @@ def check_learnable_sink(sink: torch.Tensor, heads_q: int, device: torch.device)
                             f"got {tuple(sink.shape)}")
 
 
-def check_cu_seqlens(name: str, cu: torch.Tensor, batch: int, total: int, max_seqlen: int,
+def check_cu_seqlens(name: str, cu: torch.Tensor, batch: int, total: int, max_seqlen: IntLikeType,
                      device: torch.device) -> None:
     """Shape and dtype always; the values only on the CPU (reading them from a GPU would sync)."""
     check_tensor(name, cu, 1)
@@ -379,7 +381,7 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, batch: int, total: int, max_se
     check_cu_seqlens_values(name, cu, total, max_seqlen)
 
 
-def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_seqlen: int) -> None:
+def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_seqlen: IntLikeType) -> None:
     """The offsets themselves: read on the CPU only (reading them from a GPU would sync)."""
     if cu.device.type == "cpu":
         values = cu.tolist()
@@ -435,12 +437,21 @@ def check_result(name: str, t: torch.Tensor, q: torch.Tensor, dtype: torch.dtype
     check_like(name, t, dtype, q.device, shape, "the dtype of q" if dtype == q.dtype else "out_dtype")
 
 
-VARLEN_ARGUMENTS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+class VarlenArguments(NamedTuple):
+    """The arguments every varlen call has, all present (what `check_varlen_arguments` returns)."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: IntLikeType
+    max_seqlen_k: IntLikeType
 
 
-def check_varlen_arguments(given: dict) -> None:
+VARLEN_ARGUMENTS = VarlenArguments._fields
+
+
+def check_varlen_arguments(given: Mapping[str, Any]) -> VarlenArguments:
     """A varlen call has each of VARLEN_ARGUMENTS (`given` by name): the error names the first missing and lists all."""
     missing = [name for name in VARLEN_ARGUMENTS if given[name] is None]
     if missing:
         raise ArgumentError(f"{missing[0]}: varlen calls need cu_seqlens_q, cu_seqlens_k, max_seqlen_q and "
                             f"max_seqlen_k (missing: {', '.join(missing)})")
+    return VarlenArguments(*(given[name] for name in VARLEN_ARGUMENTS))

@@ -51,7 +51,7 @@ def check_structure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: 
     checks.check_positive_heads(heads_q)
     checks.check_head_counts(heads_q, heads_k)
     if varlen:
-        checks.check_varlen_arguments({name: getattr(o, name) for name in checks.VARLEN_ARGUMENTS})
+        varlen_arguments(o)
     if o.learnable_sink is not None:
         checks.check_learnable_sink(o.learnable_sink, heads_q, q.device)
 
@@ -65,18 +65,19 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     head_dim, heads_q = q.shape[-1], q.shape[-2]
     heads_k = k.shape[-2]
     if varlen:
-        checks.check_tensor("cu_seqlens_q", o.cu_seqlens_q, 1)
-        batch = o.cu_seqlens_q.numel() - 1
+        given = varlen_arguments(o)
+        checks.check_tensor("cu_seqlens_q", given.cu_seqlens_q, 1)
+        batch = given.cu_seqlens_q.numel() - 1
         total_q, total_k = q.shape[0], k.shape[0]
         checks.check_positive_batch(batch, "cu_seqlens_q")
-        checks.check_cu_seqlens("cu_seqlens_q", o.cu_seqlens_q, batch, total_q, o.max_seqlen_q, q.device)
-        checks.check_cu_seqlens("cu_seqlens_k", o.cu_seqlens_k, batch, total_k, o.max_seqlen_k, q.device)
+        checks.check_cu_seqlens("cu_seqlens_q", given.cu_seqlens_q, batch, total_q, given.max_seqlen_q, q.device)
+        checks.check_cu_seqlens("cu_seqlens_k", given.cu_seqlens_k, batch, total_k, given.max_seqlen_k, q.device)
         # max_seqlen is a launch bound, not data: no sequence is longer than its packed tensor, so the
         # problem's lengths are the tighter of the two (workspace and scratch are sized from them).
-        seqlen_q, seqlen_k = min(int(o.max_seqlen_q), total_q), min(int(o.max_seqlen_k), total_k)
+        seqlen_q, seqlen_k = min(int(given.max_seqlen_q), total_q), min(int(given.max_seqlen_k), total_k)
         checks.check_shape("k", k, (total_k, heads_k, head_dim))
         if o.seqused_k is not None:
-            checks.check_seqused_k(o.seqused_k, batch, o.cu_seqlens_k, q.device)
+            checks.check_seqused_k(o.seqused_k, batch, given.cu_seqlens_k, q.device)
     else:
         if o.seqused_k is not None:
             raise ArgumentError("seqused_k: only varlen calls take it (with cu_seqlens_q/k)")
@@ -97,6 +98,11 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
         varlen=varlen, total_q=total_q, total_k=total_k, has_alibi=o.alibi_slopes is not None,
         dropout_p=float(o.dropout_p), softcap=float(o.softcap), deterministic=bool(o.deterministic),
         out_dtype=out_dtype)
+
+
+def varlen_arguments(options: AttentionOptions) -> checks.VarlenArguments:
+    """The options' varlen arguments, each present (else the ArgumentError naming the first missing)."""
+    return checks.check_varlen_arguments({name: getattr(options, name) for name in checks.VARLEN_ARGUMENTS})
 
 
 def _tensor_signature(t: torch.Tensor | None):
@@ -130,11 +136,12 @@ def call_signature(q, k, v, options: AttentionOptions) -> tuple | None:
 def check_values(problem: AttentionProblem, options: AttentionOptions) -> None:
     """The checks of `describe_call` that read values, not signatures: a memoised problem runs them again."""
     if problem.varlen:
-        for name, cu, total, longest in (("cu_seqlens_q", options.cu_seqlens_q, problem.total_q, options.max_seqlen_q),
-                                         ("cu_seqlens_k", options.cu_seqlens_k, problem.total_k, options.max_seqlen_k)):
+        given = varlen_arguments(options)
+        for name, cu, total, longest in (("cu_seqlens_q", given.cu_seqlens_q, problem.total_q, given.max_seqlen_q),
+                                         ("cu_seqlens_k", given.cu_seqlens_k, problem.total_k, given.max_seqlen_k)):
             checks.check_cu_seqlens_values(name, cu, total, longest)
         if options.seqused_k is not None:
-            checks.check_seqused_k_values(options.seqused_k, options.cu_seqlens_k)
+            checks.check_seqused_k_values(options.seqused_k, given.cu_seqlens_k)
 
 
 def pad_to(t: torch.Tensor, head_dim_padded: int) -> torch.Tensor:
@@ -143,7 +150,10 @@ def pad_to(t: torch.Tensor, head_dim_padded: int) -> torch.Tensor:
     return t if extra == 0 else F.pad(t, (0, extra))
 
 
-def sequence_tensors(options: AttentionOptions) -> tuple[torch.Tensor | None, ...]:
+SequenceTensors = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def sequence_tensors(options: AttentionOptions) -> SequenceTensors:
     """`(cu_seqlens_q, cu_seqlens_k, alibi_slopes)` as the kernels read them: the options' own, or with
     `seqused_k` those of 2b sequences (module docstring): sequence 2i has sequence i's queries and keys
     `[cu_k[i], cu_k[i] + seqused_k[i])`, sequence 2i + 1 no queries and keys up to `cu_k[i + 1]`; batch slopes
@@ -151,9 +161,10 @@ def sequence_tensors(options: AttentionOptions) -> tuple[torch.Tensor | None, ..
     o = options
     if o.seqused_k is None:
         return o.cu_seqlens_q, o.cu_seqlens_k, o.alibi_slopes
-    cu_q = o.cu_seqlens_q.repeat_interleave(2)[1:]      # q0, q1, q1, ..., qb, qb (an int repeat: no sync)
-    starts = o.cu_seqlens_k[:-1]
-    cu_k = torch.cat((torch.stack((starts, starts + o.seqused_k), 1).flatten(), o.cu_seqlens_k[-1:]))
+    given = varlen_arguments(o)
+    cu_q = given.cu_seqlens_q.repeat_interleave(2)[1:]      # q0, q1, q1, ..., qb, qb (an int repeat: no sync)
+    starts = given.cu_seqlens_k[:-1]
+    cu_k = torch.cat((torch.stack((starts, starts + o.seqused_k), 1).flatten(), given.cu_seqlens_k[-1:]))
     slopes = o.alibi_slopes
     if slopes is not None and slopes.dim() == 2:
         slopes = slopes.repeat_interleave(2, dim=0)

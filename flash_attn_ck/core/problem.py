@@ -63,7 +63,7 @@ class AttentionProblem:
     # None: dtype. Backends that cannot write fp32 results refuse the call (Backend.fp32_outputs_refusal).
     out_dtype: torch.dtype | None = None
     head_dim_padded: int = field(default=0)
-    placement: Placement = field(default=None)
+    placement: Placement | None = None      # a chunk's place in the whole call (None: the whole call; `where`)
     # What is derived from this problem alone, kept by whoever derives it (a backend's kernel choice and launch
     # constants, under a key of its own): a problem is immutable, and the pipeline reuses one per call signature
     # (pipeline/prepare.py), so a repeated call finds its decisions here. Not part of the problem's value; nor are
@@ -84,8 +84,16 @@ class AttentionProblem:
             object.__setattr__(self, "out_dtype", self.dtype)
         if self.head_dim_padded == 0:
             object.__setattr__(self, "head_dim_padded", pad_head_dim(self.head_dim))
-        if self.placement is None:
-            object.__setattr__(self, "placement", Placement(heads=self.heads_q, seqlen_q=self.seqlen_q))
+
+    @property
+    def results_dtype(self) -> torch.dtype:
+        """The dtype of out (forward) and dq/dk/dv (backward): `out_dtype`, which construction has resolved."""
+        return self.dtype if self.out_dtype is None else self.out_dtype
+
+    @cached_property
+    def where(self) -> Placement:
+        """Where this problem sits in the whole call: its placement, or the whole call itself."""
+        return self.placement or Placement(heads=self.heads_q, seqlen_q=self.seqlen_q)
 
     @property
     def accum_dtype(self) -> torch.dtype:
@@ -154,3 +162,15 @@ class AttentionParams:
     cu_seqlens_k: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None   # fp32 (h,) or (b, h)
     rng_state: torch.Tensor | None = None      # int64 [seed, offset], dropout only
+
+    def offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cu_seqlens_q, cu_seqlens_k)` of a varlen call (a dense call has none: asking is a bug)."""
+        if self.cu_seqlens_q is None or self.cu_seqlens_k is None:
+            raise TypeError("AttentionParams.offsets: a dense call's params have no sequence offsets")
+        return self.cu_seqlens_q, self.cu_seqlens_k
+
+    def dropout_rng_state(self) -> torch.Tensor:
+        """`rng_state` of a call with dropout (one without has none: asking is a bug)."""
+        if self.rng_state is None:
+            raise TypeError("AttentionParams.dropout_rng_state: a call without dropout has no rng_state")
+        return self.rng_state

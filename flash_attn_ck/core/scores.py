@@ -60,8 +60,7 @@ def sequences(problem: AttentionProblem, params: AttentionParams) -> Iterator[Se
         for i in range(problem.batch):
             yield Sequence(i, problem.seqlen_q, problem.seqlen_k, 0, 0, False)
         return
-    cu_q = params.cu_seqlens_q.tolist()
-    cu_k = params.cu_seqlens_k.tolist()
+    cu_q, cu_k = (offsets.tolist() for offsets in params.offsets())
     for i in range(problem.batch):
         yield Sequence(i, cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i], cu_q[i], cu_k[i], True)
 
@@ -93,10 +92,10 @@ class ScoreTile:
         self.keep: torch.Tensor | None = None
         if p.dropout_p > 0:
             # Global coordinates: a chunk of a call draws the same pattern as the whole call.
-            where = p.placement
+            where = p.where
             heads = torch.arange(p.heads_q, device=q.device) + where.head_offset
-            seed_offset = tuple(params.rng_state.tolist())
-            self.keep = keep_mask(seed_offset, p.dropout_p, seq.index + where.batch_offset, where.heads, heads,
+            seed, offset = params.dropout_rng_state().tolist()
+            self.keep = keep_mask((seed, offset), p.dropout_p, seq.index + where.batch_offset, where.heads, heads,
                                   rows + where.row_offset, cols)
 
     def dropped(self, probs: torch.Tensor, dropout_p: float) -> torch.Tensor:

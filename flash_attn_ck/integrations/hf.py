@@ -57,7 +57,7 @@ def register_hf_attention(mesh_or_group=None, *, name: str = NAME, layout: str =
 
     group = process_group(mesh_or_group)
 
-    positions = {}      # (shard length, device) -> the global positions this rank's shard must have
+    positions: dict[tuple[int, torch.device], torch.Tensor] = {}   # (shard length, device) -> this shard's positions
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
         if attention_mask is not None:
@@ -184,14 +184,15 @@ def local_attention(q, k, v, attention_mask, kwargs: dict, options: dict) -> tor
 def _given_lengths(kwargs: dict) -> tuple | None:
     """`cu_seq_lens_q/k` and `max_length_q/k` (HF's DataCollatorWithFlattening(return_flash_attn_kwargs=True)):
     used as given, without reading them on the host."""
-    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    cu_q, cu_k, max_q, max_k = (kwargs.get(option) for option in names)
     if cu_q is None and cu_k is None:
         return None
-    for option in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
-        if kwargs.get(option) is None:
-            raise ArgumentError(f"{option}: packed documents need cu_seq_lens_q, cu_seq_lens_k, max_length_q and "
-                                "max_length_k together")
-    return (cu_q.to(torch.int32), cu_k.to(torch.int32), kwargs["max_length_q"], kwargs["max_length_k"])
+    if cu_q is None or cu_k is None or max_q is None or max_k is None:
+        missing = next(option for option, value in zip(names, (cu_q, cu_k, max_q, max_k)) if value is None)
+        raise ArgumentError(f"{missing}: packed documents need cu_seq_lens_q, cu_seq_lens_k, max_length_q and "
+                            "max_length_k together")
+    return (cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k)
 
 
 def _lengths_from_positions(position_ids: torch.Tensor | None, shape: tuple[int, int]) -> tuple | None:

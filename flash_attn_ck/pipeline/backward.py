@@ -49,11 +49,11 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     cap = workspace_cap(options.max_workspace_bytes)
 
     # ---- outputs: the caller's, else new ------------------------------------------------------
-    dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, problem.out_dtype)
+    dq, dk, dv = gradient_outputs(q, k, v, dq, dk, dv, problem.results_dtype)
     params = AttentionParams(q, k, v, *sequence_tensors(options), rng_state)
     softmax_d = run_backward(chosen, problem, params, out, softmax_lse, dout, dq, dk, dv, cap)
     if problem.varlen:      # rows in no sequence (after cu_seqlens[-1]): zero gradients and D, on every backend
-        cu_q, cu_k = options.cu_seqlens_q, options.cu_seqlens_k      # (the kernels' offsets end where these do)
+        cu_q, cu_k = params.offsets()      # (the kernels' offsets end where the call's do)
         chosen.fill_outside_sequences((cu_q, dq, 0, 0.0), (cu_q, softmax_d, 1, 0.0), (cu_k, dk, 0, 0.0),
                                       (cu_k, dv, 0, 0.0))
     return dq, dk, dv, softmax_d
@@ -61,7 +61,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
 
 def gradient_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torch.Tensor | None,
                      dk: torch.Tensor | None, dv: torch.Tensor | None,
-                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+                     dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The caller's dq/dk/dv where given (check_backward_operands checks them), new tensors like q, k, v elsewhere
     (in `dtype`: the call's result dtype; None: the inputs'). q, k, v are tensors: every caller has checked them."""
     return (torch.empty_like(q, dtype=dtype) if dq is None else dq,
@@ -80,7 +80,7 @@ def check_backward_operands(problem: AttentionProblem, q, k, v, dout, out, softm
     checks.check_last_dim_contiguous("softmax_lse", softmax_lse)   # the kernels index rows with unit stride
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
         if t is not None:
-            checks.check_result(name, t, q, problem.out_dtype, like.shape)
+            checks.check_result(name, t, q, problem.results_dtype, like.shape)
     # Preallocated outputs: no stride 0, no memory shared with an input or another output (the kernels
     # read inputs while they write outputs, so an alias would corrupt the result).
     checks.check_outputs_disjoint(
@@ -118,7 +118,7 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
 
     # ---- chunks, in a fixed order; a split group's dK/dV partials are summed in fp32 ----------------
     for index, chunk in enumerate(chunks):
-        rows_q, rows_k = chunk_rows(p, chunk, chunking.cu_seqlens_q, chunking.cu_seqlens_k)
+        rows_q, rows_k = chunk_rows(p, chunk, chunking.offsets)
         sub = chunk_problem(p, chunk, rows_q, rows_k)
         views = chunk_views(p, chunk, chunking, params, out, lse, dout, dq, softmax_d)
         kv_grads = kv_view(p, chunk, chunking, dk), kv_view(p, chunk, chunking, dv)
@@ -126,7 +126,7 @@ def run_backward(backend: Backend, problem: AttentionProblem, params: AttentionP
             run_chunk(backend, sub, views.params, views.out, views.lse, views.dout, views.dq, *kv_grads,
                       views.softmax_d)
             continue
-        partials = [_leading(shared[f"{g}_partial"], kv_grads[0]) for g in ("dk", "dv")]
+        partials = _leading(shared["dk_partial"], kv_grads[0]), _leading(shared["dv_partial"], kv_grads[0])
         sums = [_leading(shared[f"{g}_sum"], kv_grads[0]) for g in ("dk", "dv")]
         run_chunk(backend, sub, views.params, views.out, views.lse, views.dout, views.dq, *partials,
                   views.softmax_d)

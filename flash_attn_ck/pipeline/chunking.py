@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..backends.base import Backend
 from ..core import checks
 from ..core.errors import ArgumentError, WorkspaceError
 from ..core.mask import MaskInfo, MaskType
@@ -102,8 +103,6 @@ class Ranges(collections.abc.Sequence):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))
         return NotImplemented
 
-    __hash__ = None
-
     def __repr__(self) -> str:
         return f"Ranges(total={self.total}, size={self.size})"
 
@@ -117,10 +116,10 @@ class ChunkGrid(collections.abc.Sequence):
         """Each axis: `Ranges`, or any sequence of (start, end) pairs."""
         self.axes = tuple(axis if isinstance(axis, Ranges) else tuple(axis)
                           for axis in (batch, kv_heads, group_heads, rows))
-        self.count = math.prod(len(axis) for axis in self.axes)     # once: every backward asks (run_backward)
+        self.length = math.prod(len(axis) for axis in self.axes)     # once: every backward asks (run_backward)
 
     def __len__(self) -> int:
-        return self.count
+        return self.length
 
     def __getitem__(self, index):
         if isinstance(index, slice):
@@ -145,11 +144,37 @@ class ChunkGrid(collections.abc.Sequence):
             return len(self) == len(other) and all(a == b for a, b in zip(self, other))
         return NotImplemented
 
-    __hash__ = None
-
     def __repr__(self) -> str:
         return f"ChunkGrid({len(self)} chunks: batch {self.axes[0][:2]}..., kv heads {self.axes[1][:2]}..., " \
                f"group heads {self.axes[2][:2]}..., rows {self.axes[3][:2]}...)"
+
+
+@dataclass(frozen=True)
+class HostOffsets:
+    """A varlen call's sequence offsets, read to the host (a device sync: only where the call must be chunked)."""
+    q: tuple[int, ...]
+    k: tuple[int, ...]
+
+    @classmethod
+    def read(cls, params: AttentionParams) -> HostOffsets:
+        cu_q, cu_k = params.offsets()
+        return cls(tuple(cu_q.tolist()), tuple(cu_k.tolist()))
+
+    def starts(self, batch: tuple[int, int]) -> tuple[int, int]:
+        """The first packed (q, k) row of the sequences [b0, b1)."""
+        return self.q[batch[0]], self.k[batch[0]]
+
+    def rows(self, batch: tuple[int, int]) -> tuple[int, int]:
+        """Packed (q, k) rows of the sequences [b0, b1)."""
+        (b0, b1) = batch
+        return self.q[b1] - self.q[b0], self.k[b1] - self.k[b0]
+
+
+def _read(offsets: HostOffsets | None) -> HostOffsets:
+    """The host offsets that a chunk of some of a varlen call's sequences needs (planning read them)."""
+    if offsets is None:
+        raise TypeError("a chunk of some sequences of a varlen call needs the offsets its plan read")
+    return offsets
 
 
 @dataclass(frozen=True)
@@ -160,9 +185,8 @@ class ChunkPlan:
     per_chunk: WorkspacePlan            # the largest chunk's workspace (reallocated per chunk)
     chunks: ChunkGrid
     unchunked_bytes: int                # what the call would need in one piece
-    cu_seqlens_q: tuple[int, ...] | None = None   # varlen offsets on the host, once chunked
-    cu_seqlens_k: tuple[int, ...] | None = None
-    runner: object = None               # the backend instance that runs the chunks (its leaner setup, see note)
+    runner: Backend                     # the backend instance that runs the chunks (its leaner setup, see note)
+    offsets: HostOffsets | None = None  # varlen offsets on the host, once chunked
     note: str = ""                      # why the runner is not the backend asked for
 
     @property
@@ -221,7 +245,7 @@ def _partial_sums(problem: AttentionProblem, rows: tuple[int, ...], heads_k: int
     accum = str(p.accum_dtype).removeprefix("torch.")
     return tuple([BufferSpec(f"{g}_sum", (*rows, heads_k, d), p.accum_dtype, True, f"{accum} sum of {g} partials")
                   for g in ("dk", "dv")] +
-                 [BufferSpec(f"{g}_partial", (*rows, heads_k, d), p.out_dtype, False, f"one chunk's {g} partial")
+                 [BufferSpec(f"{g}_partial", (*rows, heads_k, d), p.results_dtype, False, f"one chunk's {g} partial")
                   for g in ("dk", "dv")])
 
 
@@ -234,8 +258,8 @@ def backward_plan(backend, problem: AttentionProblem) -> WorkspacePlan:
     rows_q, rows_k = p.q_rows_shape, p.k_rows_shape
     operands = (("q", rows_q, p.heads_q, p.dtype), ("k", rows_k, p.heads_k, p.dtype), ("v", rows_k, p.heads_k, p.dtype),
                 ("out", rows_q, p.heads_q, p.dtype), ("dout", rows_q, p.heads_q, p.dtype),
-                ("dq", rows_q, p.heads_q, p.out_dtype), ("dk", rows_k, p.heads_k, p.out_dtype),
-                ("dv", rows_k, p.heads_k, p.out_dtype))
+                ("dq", rows_q, p.heads_q, p.results_dtype), ("dk", rows_k, p.heads_k, p.results_dtype),
+                ("dv", rows_k, p.heads_k, p.results_dtype))
     padding = [BufferSpec(f"{name}_padded", (*rows, heads, d), dtype, True, f"{name} zero-padded to d={d}")
                for name, rows, heads, dtype in operands]
     return replace(plan, buffers=plan.buffers + tuple(padding))
@@ -253,7 +277,7 @@ def plan_chunks(problem: AttentionProblem, backend, cap: int | None,
     plan = problem.memo.get(key)
     if plan is None:
         plan = _plan_chunks(problem, backend, cap, params if problem.varlen else None)
-        if plan.cu_seqlens_q is None:
+        if plan.offsets is None:
             problem.remember(key, plan)
     return plan
 
@@ -268,13 +292,12 @@ class _Planner:
         self.problem, self.backend, self.cap = problem, backend, cap
         self.full = backward_plan(backend, problem)
         self.whole = whole_call(problem)
-        self.cu_seqlens_q: list[int] | None = None     # varlen offsets on the host, once read
-        self.cu_seqlens_k: list[int] | None = None
+        self.offsets: HostOffsets | None = None      # varlen offsets on the host, once read
         self._plans: dict[tuple, WorkspacePlan] = {}
         self._windows: dict[int, tuple[tuple[int, int], ...]] = {}
 
     def rows(self, chunk: Chunk) -> tuple[int, int]:
-        return chunk_rows(self.problem, chunk, self.cu_seqlens_q, self.cu_seqlens_k)
+        return chunk_rows(self.problem, chunk, self.offsets)
 
     def chunk_plan(self, c: Chunk, rows: tuple[int, int]) -> WorkspacePlan:
         """A chunk's own buffers (softmax_d is shared by all chunks)."""
@@ -291,10 +314,9 @@ class _Planner:
         if not p.varlen or batch == ((0, p.batch),):
             probe = Chunk(batch[0], grid.axes[1][0], grid.axes[2][0], grid.axes[3][0])
             return ((batch[0], self.rows(probe)),)
-        cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
-        rows = {r: (cu_q[r[1]] - cu_q[r[0]], cu_k[r[1]] - cu_k[r[0]])
-                for r in batch}
-        best = {}
+        offsets = _read(self.offsets)
+        rows = {r: offsets.rows(r) for r in batch}
+        best: dict[tuple[int, int], tuple[int, int]] = {}
         for r, (rq, rk) in rows.items():
             if not any(oq >= rq and ok >= rk and (oq, ok) != (rq, rk) for oq, ok in rows.values()):
                 best.setdefault((rq, rk), r)
@@ -306,18 +328,50 @@ class _Planner:
         shared = [next(b for b in self.full.buffers if b.name == "softmax_d")]
         windows = self.windows(grid)
         if group_heads != ((0, p.group_size),) or rows != ((0, p.seqlen_q),):      # dK/dV partial sums
-            if not p.varlen:        # by batch entries: s_k may be 0
-                widest = (max(b1 - b0 for b0, b1 in batch), p.seqlen_k)
-            elif batch != ((0, p.batch),):
-                widest = (max(self.cu_seqlens_k[b1] - self.cu_seqlens_k[b0] for b0, b1 in batch),)
-            else:
-                widest = (max(rr[1] for _, rr in windows),)
-            shared += _partial_sums(p, widest, max(g1 - g0 for g0, g1 in kv_heads))
+            shared += _partial_sums(p, self.widest_keys(batch, windows), max(g1 - g0 for g0, g1 in kv_heads))
         plans = [self.chunk_plan(Chunk(b, kv_heads[0], group_heads[0], rows[0]), rr) for b, rr in windows]
         largest = max(plans, key=lambda plan: plan.total_bytes)
         return ChunkPlan(self.backend.name, self.cap, tuple(shared), largest, grid, self.full.total_bytes,
-                         self.cu_seqlens_q and tuple(self.cu_seqlens_q), self.cu_seqlens_k and tuple(self.cu_seqlens_k),
-                         runner=self.backend)
+                         runner=self.backend, offsets=self.offsets)
+
+    def fits(self, cap: int, sequences: int, kv_heads: int, heads: int, rows: int) -> bool:
+        """Whether chunks of `sequences` x `kv_heads` x `heads` query heads of a group x `rows` rows fit."""
+        return self.cost(_grid(self.problem, sequences, kv_heads, heads, rows)).peak_bytes <= cap
+
+    def whole_groups(self, cap: int) -> ChunkPlan | None:
+        """Stage 1: for each number of kv heads, the most sequences that fit (binary search: the peak grows with
+        both); the chunking with the most (sequences x kv heads), then the most kv heads, wins. None: not even one
+        group of one sequence fits."""
+        p = self.problem
+        best: tuple[int, int] | None = None       # (sequences, kv heads)
+        for kv_heads in range(p.heads_k, 0, -1):
+            lo, hi = 0, p.batch          # fits(lo) (0: none), not fits(hi + 1)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if self.fits(cap, mid, kv_heads, p.group_size, p.seqlen_q) else (lo, mid - 1)
+            if lo and (best is None or (lo * kv_heads, kv_heads) > (best[0] * best[1], best[1])):
+                best = (lo, kv_heads)
+        return None if best is None else self.cost(_grid(p, *best, p.group_size, p.seqlen_q))
+
+    def slices(self, cap: int, row_sizes: list[int]) -> ChunkPlan | None:
+        """Stage 2: one group of one sequence, split into query-head slices, then query-row slices; the first that
+        fits (None: only the smallest does)."""
+        p = self.problem
+        for rows in row_sizes:
+            for heads in range(p.group_size, 0, -1):
+                if (rows, heads) != (p.seqlen_q, p.group_size) and self.fits(cap, 1, 1, heads, rows):
+                    return self.cost(_grid(p, 1, 1, heads, rows))
+        return None
+
+    def widest_keys(self, batch, windows) -> tuple[int, ...]:
+        """The key rows of the widest chunk, `(batch, s_k)` or varlen `(rows,)`: the shape of its dK/dV partials."""
+        p = self.problem
+        if not p.varlen:        # by batch entries: s_k may be 0
+            return (max(b1 - b0 for b0, b1 in batch), p.seqlen_k)
+        if batch != ((0, p.batch),):
+            offsets = _read(self.offsets)
+            return (max(offsets.rows(r)[1] for r in batch),)
+        return (max(rr[1] for _, rr in windows),)
 
 
 def _plan_chunks(problem: AttentionProblem, backend, cap: int | None,
@@ -333,40 +387,27 @@ def _plan_chunks(problem: AttentionProblem, backend, cap: int | None,
         return plan
     _check_chunkable(problem, backend, cap, plan.peak_bytes)
     if problem.varlen:
-        planner.cu_seqlens_q, planner.cu_seqlens_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
+        if params is None:
+            raise TypeError("planning chunks of a varlen call needs its params (the sequence offsets)")
+        planner.offsets = HostOffsets.read(params)
     row_sizes = _row_sizes(problem, backend)
     smallest = planner.cost(_grid(p, 1, 1, 1, row_sizes[-1]))
     if smallest.peak_bytes > cap:
-        leaner = backend.leaner()
-        if leaner is not None:
-            plan = _plan_chunks(problem, leaner, cap, params)
-            return replace(plan, note=f"the default setup needs {format_bytes(smallest.peak_bytes)} even in its "
-                                      "smallest chunk, over the cap: the leaner setup runs (kernel line below)")
+        return _plan_leaner(problem, backend, cap, params, smallest.peak_bytes)
+    return planner.whole_groups(cap) or planner.slices(cap, row_sizes) or smallest
+
+
+def _plan_leaner(problem: AttentionProblem, backend, cap: int, params: AttentionParams | None,
+                 smallest_bytes: int) -> ChunkPlan:
+    """The plan of the backend's leaner setup, when not even the smallest chunk of its default one fits."""
+    leaner = backend.leaner()
+    if leaner is None:
         raise WorkspaceError(f"backend {backend.name!r}: the backward needs at least "
-                             f"{format_bytes(smallest.peak_bytes)} of workspace even in its smallest chunk, over the "
+                             f"{format_bytes(smallest_bytes)} of workspace even in its smallest chunk, over the "
                              f"cap of {format_bytes(cap)} (raise max_workspace_bytes or {WORKSPACE_ENV})")
-
-    def fits(nb, ng, heads=p.group_size, rows=p.seqlen_q):
-        return planner.cost(_grid(p, nb, ng, heads, rows)).peak_bytes <= cap
-
-    # Stage 1: for each number of kv heads, the most sequences that fit (binary search: the peak grows with
-    # both); the chunking with the most (sequences x kv heads), then the most kv heads, wins.
-    best = None
-    for ng in range(p.heads_k, 0, -1):
-        lo, hi = 0, p.batch          # fits(lo) (0: none), not fits(hi + 1)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid, ng) else (lo, mid - 1)
-        if lo and (best is None or (lo * ng, ng) > (best[0] * best[1], best[1])):
-            best = (lo, ng)
-    if best is not None:
-        return planner.cost(_grid(p, *best, p.group_size, p.seqlen_q))
-    # Stage 2: one group of one sequence, split into query-head slices, then query-row slices.
-    for rows in row_sizes:
-        for heads in range(p.group_size, 0, -1):
-            if (rows, heads) != (p.seqlen_q, p.group_size) and fits(1, 1, heads, rows):
-                return planner.cost(_grid(p, 1, 1, heads, rows))
-    return smallest
+    plan = _plan_chunks(problem, leaner, cap, params)
+    return replace(plan, note=f"the default setup needs {format_bytes(smallest_bytes)} even in its "
+                              "smallest chunk, over the cap: the leaner setup runs (kernel line below)")
 
 
 def _grid(p: AttentionProblem, nb: int, ng: int, heads: int, rows: int) -> ChunkGrid:
@@ -412,21 +453,20 @@ class ChunkViews:
     softmax_d: torch.Tensor
 
 
-def chunk_rows(problem: AttentionProblem, chunk: Chunk, cu_seqlens_q, cu_seqlens_k) -> tuple[int, int]:
+def chunk_rows(problem: AttentionProblem, chunk: Chunk, offsets: HostOffsets | None) -> tuple[int, int]:
     """Packed (q, k) rows of a chunk; varlen needs the host offsets unless the chunk has every sequence."""
     b0, b1 = chunk.batch
     if not problem.varlen:
         return (b1 - b0) * (chunk.rows[1] - chunk.rows[0]), (b1 - b0) * problem.seqlen_k
     if chunk.batch == (0, problem.batch):
         return problem.total_q, problem.total_k
-    return cu_seqlens_q[b1] - cu_seqlens_q[b0], cu_seqlens_k[b1] - cu_seqlens_k[b0]
+    return _read(offsets).rows(chunk.batch)
 
 
 def chunk_views(problem: AttentionProblem, chunk: Chunk, plan: ChunkPlan, params: AttentionParams, out, lse, dout,
                 dq, softmax_d) -> ChunkViews:
     p = problem
     whole_batch = chunk.batch == (0, p.batch)
-    cu_seqlens_q, cu_seqlens_k = plan.cu_seqlens_q, plan.cu_seqlens_k
     b0, b1 = chunk.batch
     g0, g1 = chunk.kv_heads
     a, b = chunk.group_heads
@@ -437,7 +477,7 @@ def chunk_views(problem: AttentionProblem, chunk: Chunk, plan: ChunkPlan, params
     def q_like(t):
         t = t.narrow(-2, *q_heads)
         if p.varlen:
-            return t if whole_batch else t.narrow(0, cu_seqlens_q[b0], cu_seqlens_q[b1] - cu_seqlens_q[b0])
+            return t if whole_batch else t.narrow(0, *_packed_rows(plan, chunk)[0])
         return t.narrow(0, b0, b1 - b0).narrow(1, r0, r1 - r0)
 
     def k_like(t):
@@ -446,7 +486,7 @@ def chunk_views(problem: AttentionProblem, chunk: Chunk, plan: ChunkPlan, params
     def lse_like(t):
         if p.varlen:
             t = t.narrow(0, *q_heads)
-            return t if whole_batch else t.narrow(1, cu_seqlens_q[b0], cu_seqlens_q[b1] - cu_seqlens_q[b0])
+            return t if whole_batch else t.narrow(1, *_packed_rows(plan, chunk)[0])
         return t.narrow(0, b0, b1 - b0).narrow(1, *q_heads).narrow(2, r0, r1 - r0)
 
     slopes = params.alibi_slopes
@@ -454,12 +494,13 @@ def chunk_views(problem: AttentionProblem, chunk: Chunk, plan: ChunkPlan, params
         slopes = slopes.narrow(-1, *q_heads)
         slopes = slopes.narrow(0, b0, b1 - b0) if slopes.dim() == 2 else slopes
 
-    def shifted(cu, values):
-        return cu if cu is None or whole_batch else (cu[b0:b1 + 1] - values[b0])
-
+    cu_seqlens_q, cu_seqlens_k = params.cu_seqlens_q, params.cu_seqlens_k
+    if p.varlen and not whole_batch:      # the chunk's own offsets, from 0
+        (start_q, _), (start_k, _) = _packed_rows(plan, chunk)
+        cu_q, cu_k = params.offsets()
+        cu_seqlens_q, cu_seqlens_k = cu_q[b0:b1 + 1] - start_q, cu_k[b0:b1 + 1] - start_k
     sub_params = AttentionParams(q=q_like(params.q), k=k_like(params.k), v=k_like(params.v),
-                                 cu_seqlens_q=shifted(params.cu_seqlens_q, cu_seqlens_q),
-                                 cu_seqlens_k=shifted(params.cu_seqlens_k, cu_seqlens_k),
+                                 cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  alibi_slopes=slopes, rng_state=params.rng_state)
     return ChunkViews(sub_params, q_like(out), lse_like(lse), q_like(dout), q_like(dq), lse_like(softmax_d))
 
@@ -472,4 +513,11 @@ def kv_view(problem: AttentionProblem, chunk: Chunk, plan: ChunkPlan, t: torch.T
         return t.narrow(0, b0, b1 - b0)
     if chunk.batch == (0, problem.batch):
         return t
-    return t.narrow(0, plan.cu_seqlens_k[b0], plan.cu_seqlens_k[b1] - plan.cu_seqlens_k[b0])
+    return t.narrow(0, *_packed_rows(plan, chunk)[1])
+
+
+def _packed_rows(plan: ChunkPlan, chunk: Chunk) -> tuple[tuple[int, int], tuple[int, int]]:
+    """`((start, rows) of q, (start, rows) of k)`: where a varlen chunk's sequences sit in the packed tensors."""
+    offsets = _read(plan.offsets)
+    (start_q, start_k), (rows_q, rows_k) = offsets.starts(chunk.batch), offsets.rows(chunk.batch)
+    return (start_q, rows_q), (start_k, rows_k)

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.base import Backend
 from ..core import checks
 from ..core.dropout import new_rng_state
 from ..core.errors import ArgumentError
 from ..core.inputs import kernel_params
 from ..core.options import AttentionOptions
+from ..core.problem import AttentionParams, AttentionProblem
 from ..core.scores import attention_probs
 from .device import on_the_tensors_device
 from .prepare import PreparedCall, prepare, prepared_backend
@@ -31,7 +33,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
                       prepared: PreparedCall | None = None):
     """`rng_state`: with dropout, the keep pattern of this `[seed, offset]` (checked by the caller); None draws one.
     `out`: the caller's output (like q), written in place; None allocates one. `prepared`: this call's
-    `prepare(q, k, v, options)` where the caller has it already (`memoised`: a hit, value checks run)."""
+    `prepare(q, k, v, options)` where the caller made it already (the eager entry does)."""
     # ---- validate and choose the backend before allocating anything ------------------------------
     call = prepare(q, k, v, options) if prepared is None else prepared
     problem = call.problem
@@ -40,36 +42,21 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
         raise ArgumentError(f"return_attn_probs: backend {chosen.name!r} draws its own dropout pattern, which "
                             f"flash_attn_ck cannot materialise (use backend='reference' or 'triton', or dropout_p=0)")
     if out is not None:
-        check_forward_out(q, k, v, out, options, rng_state, problem.out_dtype)
+        check_forward_out(q, k, v, out, options, rng_state, problem.results_dtype)
 
     # ---- outputs -------------------------------------------------------------------------------
     device = problem.device     # q's (the signature decides it), without making a torch.device per access
-    given_rng_state = rng_state is not None and problem.dropout_p > 0
-    if problem.dropout_p == 0:
-        rng_state = None
-    elif rng_state is None:
-        rng_state = new_rng_state(device)
-    params = kernel_params(problem, q, k, v, options, rng_state)
-    if given_rng_state:     # the kernels read the caller's; the one returned is a copy (the ops declare no alias)
-        rng_state = rng_state.clone()
+    kernels_rng_state, rng_state = _rng_states(problem, rng_state, device)
+    params = kernel_params(problem, q, k, v, options, kernels_rng_state)
     padded = problem.head_dim_padded != problem.head_dim
     # Every backend writes any strides with a unit last one, so a caller's out is the kernel's, unless the head
     # dim is padded: the kernels then write a padded buffer, copied into out below.
-    target = out if out is not None and not padded else torch.empty(params.q.shape, dtype=problem.out_dtype,
+    target = out if out is not None and not padded else torch.empty(params.q.shape, dtype=problem.results_dtype,
                                                                         device=device)
     lse = torch.empty(problem.lse_shape, dtype=problem.accum_dtype, device=device)
 
     # ---- kernel --------------------------------------------------------------------------------
-    if problem.has_queries and problem.has_keys:
-        chosen.forward(problem, params, target, lse)
-    else:       # an empty grid is an invalid launch: no kernel; every row sees no key
-        target.zero_()
-        lse.fill_(float("inf"))
-    if options.learnable_sink is not None:      # before the rows in no sequence are filled: they keep +inf
-        fold_sink(options.learnable_sink, target, lse)
-    if problem.varlen:      # rows after cu_seqlens_q[-1] belong to no sequence: out 0, lse +inf (every backend)
-        chosen.fill_outside_sequences((options.cu_seqlens_q, target, 0, 0.0),
-                                      (options.cu_seqlens_q, lse, 1, float("inf")))
+    _compute(chosen, problem, params, options, target, lse)
 
     computed = target[..., :problem.head_dim] if padded else target
     if out is None:
@@ -81,6 +68,33 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options
     if probs is not None and options.seqused_k is not None:
         probs = probs[::2].contiguous()      # the kernels' sequences 2i are the call's (core/inputs.py)
     return out, lse, rng_state, probs, call
+
+
+def _rng_states(problem: AttentionProblem, rng_state: torch.Tensor | None,
+                device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`(what the kernels read, what the call returns)`: none without dropout; with it, the caller's `[seed, offset]`
+    and a copy of it (the ops declare no alias), or one fresh draw for both."""
+    if problem.dropout_p == 0:
+        return None, None
+    if rng_state is None:
+        drawn = new_rng_state(device)
+        return drawn, drawn
+    return rng_state, rng_state.clone()
+
+
+def _compute(chosen: Backend, problem: AttentionProblem, params: AttentionParams, options: AttentionOptions,
+             target: torch.Tensor, lse: torch.Tensor) -> None:
+    """The forward into `target` and `lse`: the kernel, then the sink, then the rows in no sequence."""
+    if problem.has_queries and problem.has_keys:
+        chosen.forward(problem, params, target, lse)
+    else:       # an empty grid is an invalid launch: no kernel; every row sees no key
+        target.zero_()
+        lse.fill_(float("inf"))
+    if options.learnable_sink is not None:      # before the rows in no sequence are filled: they keep +inf
+        fold_sink(options.learnable_sink, target, lse)
+    if problem.varlen:      # rows after cu_seqlens_q[-1] belong to no sequence: out 0, lse +inf (every backend)
+        cu_seqlens_q, _ = params.offsets()      # (the kernels' offsets end where the call's do)
+        chosen.fill_outside_sequences((cu_seqlens_q, target, 0, 0.0), (cu_seqlens_q, lse, 1, float("inf")))
 
 
 def check_forward_out(q, k, v, out, options: AttentionOptions, rng_state, dtype: torch.dtype) -> None:

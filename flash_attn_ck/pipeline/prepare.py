@@ -55,35 +55,23 @@ class SignatureCache:
 CALLS = SignatureCache(256)
 
 
-def _lookup(q, k, v, options: AttentionOptions) -> tuple[tuple | None, PreparedCall | None]:
-    """(the call's signature, or None where it cannot key the memo; the entry stored for it, or None). A hit
-    counts, and its value checks run (`check_values`): a hit is the whole validation of q, k, v and the options."""
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> PreparedCall:
+    """The call's problem (validated as `describe_call` validates it), from the cache when this signature was
+    prepared before: a hit counts, and only its value checks run (`check_values`), which with the signature are
+    the whole validation of q, k, v and the options. Made once per call, at its entry; the pipeline carries it."""
     key = call_signature(q, k, v, options)
     try:
         entry = CALLS.entries.get(key) if key is not None else None
     except TypeError:       # symbolic sizes under torch.compile are not hashable: nothing to reuse
-        return None, None
+        key = entry = None
     if entry is not None:
         CALLS.hits += 1
         check_values(entry.problem, options)
-    return key, entry
-
-
-def memoised(q, k, v, options: AttentionOptions) -> PreparedCall | None:
-    """`prepare`'s result where this signature was prepared before (its value checks run), else None (nothing is
-    counted or stored: the caller checks the call and `prepare`s it)."""
-    return _lookup(q, k, v, options)[1]
-
-
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> PreparedCall:
-    """The call's problem (validated as `describe_call` validates it), from the cache when this signature was
-    prepared before (then only the value checks run)."""
-    key, entry = _lookup(q, k, v, options)
-    if entry is None:
-        CALLS.misses += 1
-        entry = PreparedCall(describe_call(q, k, v, options))
-        if key is not None:
-            CALLS.store(key, entry)
+        return entry
+    CALLS.misses += 1
+    entry = PreparedCall(describe_call(q, k, v, options))
+    if key is not None:
+        CALLS.store(key, entry)
     return entry
 
 

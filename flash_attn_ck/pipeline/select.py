@@ -33,16 +33,24 @@ def select_backend(problem: AttentionProblem, requested: str | Backend | None = 
         NoBackendError: the requested backend, or every backend, refuses the call (with the reasons).
         ValueError: an unknown backend name.
     """
-    given_instance = isinstance(requested, Backend)     # once: an ABC's isinstance runs Python code
-    request = type(requested) if given_instance else requested or backend_from_env()
+    if isinstance(requested, Backend):      # an instance runs as given, once its class is judged
+        _chosen_name(problem, type(requested), type(requested), (), choices)
+        return requested
+    request = requested or backend_from_env()
     # a name (or automatic selection) runs the instance `use_backend` installed, so its class is what is judged
-    key = request if given_instance else (request, installed_classes())
+    installed = installed_classes()
+    return backend_instance(_chosen_name(problem, request, (request, installed), installed, choices))
+
+
+def _chosen_name(problem: AttentionProblem, request: str | type[Backend] | None, key: object,
+                 installed: tuple[tuple[str, type[Backend]], ...], choices: dict | None) -> str:
+    """`_choose`'s answer, read from and kept in `choices` under `key` where the caller keeps choices."""
     name = None if choices is None else choices.get(key)
     if name is None:
-        name = _choose(problem, request, () if given_instance else key[1])
+        name = _choose(problem, request, installed)
         if choices is not None:
             choices[key] = name
-    return requested if given_instance else backend_instance(name)
+    return name
 
 
 def backend_from_env() -> str | None:

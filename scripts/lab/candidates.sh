@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The next tiles to try on the GPU, checked and timed beside the defaults: run by `bash scripts/device.sh candidates`
 # (from the repository root, logs to $OUT, each step under device.sh's `limit`). Edit the lists here; the decisions
-# they lead to go into config.py and their numbers into docs/triton.md §Tuning rounds.
+# they lead to go into config.py and their numbers into bench/nvidia-h200.md §The measurements behind the design decisions.
 #   forward (400 s): three consumer warpgroups (192 query rows, FA3's d64 shape; at d128 with 64 key rows) and three
 #     K/V stages (d128: 225 KB of shared memory) -> candidates-fwd.log
 #   backward (200 s): deeper Q/dO and dQ rings on the two-CTAs d64 tile (three stages, two dQ buffers: up to 108 KB a

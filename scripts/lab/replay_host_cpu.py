@@ -1,7 +1,7 @@
 """Host µs of the replayed Triton launch path on the CPU (triton backend: replay.py, launch.py, `_replayed`).
 
 What a replayed eager call pays in the Triton backend besides the launcher itself, for b1 s128 h16 d128 bf16 dense
-(the shapes of the H200 profile in docs/host-path.md, as CPU tensors): `replay.layout_key` of the forward's and the
+(the H200 host table's shapes, bench/nvidia-h200.md, as CPU tensors): `replay.layout_key` of the forward's and the
 backward's tensors (and of a varlen forward, whose cu_seqlens share one tensor); the fill of each recorded launch's
 arguments (`_Launch.fill`, `_Args.fill` before it) for the forward's attn_fwd_kernel and the backward's bwd_preprocess
 and bwd_main, built by launch.py's own spec builders; `Replay.run` of the forward and the backward;

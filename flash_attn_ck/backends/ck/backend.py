@@ -159,8 +159,8 @@ def attention_args(problem: AttentionProblem, params: AttentionParams, out: torc
         p_drop=p.dropout_p,
     )
     if varlen:
-        args.seqstart_q = params.cu_seqlens_q.data_ptr()
-        args.seqstart_k = params.cu_seqlens_k.data_ptr()
+        seqstart_q, seqstart_k = params.offsets()
+        args.seqstart_q, args.seqstart_k = seqstart_q.data_ptr(), seqstart_k.data_ptr()
     if params.alibi_slopes is not None:
         slopes = params.alibi_slopes
         if slopes.dtype != torch.float32 or slopes.stride(-1) != 1:
@@ -439,9 +439,9 @@ def check_seqlens_on_device(problem: AttentionProblem, params: AttentionParams) 
     asserts on the device (torch._assert_async: asynchronous, no host sync; a failure is a device
     assert that the next synchronising call reports, and the HIP context is then unusable). On CPU
     tensors it raises at once (the emulated-CK tests)."""
-    if params.cu_seqlens_q is None:
+    if not problem.varlen:
         return
-    for cu, longest in ((params.cu_seqlens_q, problem.seqlen_q), (params.cu_seqlens_k, problem.seqlen_k)):
+    for cu, longest in zip(params.offsets(), (problem.seqlen_q, problem.seqlen_k)):
         lengths = cu[1:] - cu[:-1]
         torch._assert_async(((lengths >= 0) & (lengths <= longest)).all() & (cu[0] == 0),
                             "cu_seqlens: a sequence longer than max_seqlen (or decreasing offsets)")

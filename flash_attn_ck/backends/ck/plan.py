@@ -43,6 +43,6 @@ def ck_backward_plan(problem: AttentionProblem, backend: str, kn0: int | None = 
     ]
     if p.is_gqa:
         for name in ("dk_expanded", "dv_expanded"):
-            buffers.append(BufferSpec(name, (*p.k_rows_shape, p.heads_q, d), p.out_dtype, False,
+            buffers.append(BufferSpec(name, (*p.k_rows_shape, p.heads_q, d), p.results_dtype, False,
                                       f"{name[:2]} per query head, summed over groups of {p.group_size}"))
     return WorkspacePlan(backend, tuple(buffers), reduce_expanded_kv=p.is_gqa)

@@ -1,7 +1,8 @@
 """Launch configurations (tile shapes, warps, pipeline stages), keyed on the head-dim block (`head_block`), causal
 and GQA, and where the default runs each kernel (operators.py declares them per kernel). Chosen offline: nothing is
-autotuned on the call path. One comment line per decision names where its numbers are: the measurement rounds (H200,
-sm_90, triton 3.6) are in docs/triton.md §Tuning rounds, the raw results in bench/ and docs/results-nvidia-h200.md."""
+autotuned on the call path. One comment line per decision names where its numbers are: the measurements (H200, sm_90,
+triton 3.6) are in bench/nvidia-h200.md §The measurements behind the design decisions; docs/triton.md says why each
+choice is what it is."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def head_block(head_dim: int) -> int:
 
 
 # ---- sm_90 (H200): one-launch kernels -----------------------------------------------------------
-# (bwd_kv, bwd_dq, bwd_tma, bwd_dp_first, bwd_even_k) per head block, GQA on the MHA row: docs/triton.md §Tuning rounds.
+# (bwd_kv, bwd_dq, bwd_tma, bwd_dp_first, bwd_even_k) per head block, GQA on the MHA row: bench/nvidia-h200.md.
 _BWD_SM90 = {
     32: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False, True),
     64: (Tile(32, 128, 4, 3), Tile(128, 64, 4, 3), "all", False, True),
@@ -97,7 +98,7 @@ _BWD_SM90 = {
 _FWD_SM90 = {32: Tile(128, 64, 4, 3), 64: Tile(128, 64, 4, 3), 128: Tile(128, 64, 8, 3), 256: Tile(64, 64, 4, 2)}
 SM90 = {(d, causal): Configs(_FWD_SM90[d], *_BWD_SM90[d]) for d in _BWD_SM90 for causal in (False, True)}
 
-# Longest lengths up to which tiles move by masked pointers, not TMA: docs/triton.md §Tuning rounds, "Short sequences".
+# Longest lengths up to which tiles move by masked pointers, not TMA: bench/nvidia-h200.md §Short sequences.
 SHORT_SEQLEN = 2048
 FWD_SHORT_SEQLEN = 1024
 
@@ -107,7 +108,7 @@ SM90_SHORT = {key: replace(c, bwd_tma="none") for key, c in SM90.items()}
 SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items()}
 
 # ---- warp-specialised backward (bwd_ws.py, bwd_ws_split.py) on sm_90 --------------------------------------------
-# Tiles per head block: docs/triton.md §Tuning rounds, "Warp-specialised backward".
+# Tiles per head block: bench/nvidia-h200.md §Warp-specialised backward.
 BWD_WS_SM90 = {64: WsTile(64, 64, num_stages=2, dq_stages=1, num_warps=4, max_registers=128),
                128: WsTile(64, 128, num_stages=2, dq_stages=1),
                256: WsTile(64, 64, num_stages=1, dq_stages=1, num_warps=4, split_d=True)}
@@ -130,11 +131,11 @@ def bwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1, deterministic:
 # operators bwd_ws and bwd_ws_split (operators.py) declare them.
 BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, *range(136, 257, 8)})
 BWD_WS_MIN_SEQLEN = {64: 1024, 128: 512, 256: 512}
-# One launch's fp32 dQ accumulator; kv-head groups run in turn below it: docs/triton.md §Missing / next.
+# One launch's fp32 dQ accumulator; kv-head groups run in turn below it: docs/triton.md §Known limits.
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
 # ---- varlen schedule (varlen_schedule.py) of the warp-specialised kernels (TritonBackend(varlen_schedule=...)) ------
-VARLEN_SCHEDULE = True   # H200: step 1.01-1.06x packed, 0.94-1.11x windows, 1.02-1.20x det (bench/*-varlen-schedule.md)
+VARLEN_SCHEDULE = True   # faster on packed documents, deterministic above all (bench/nvidia-h200.md)
 GRID_Y_MAX = 65535   # a CUDA grid's y dimension: a schedule of more items keeps the grid over every (batch, tile)
 
 # ---- warp-specialised forward (fwd_ws.py) on sm_90 ------------------------------------------------------
@@ -181,7 +182,7 @@ class FwdWsTile:
         return text + "x1" if self.query_major else text
 
 
-# Tiles per head block, then causal: docs/triton.md §Tuning rounds, "Warp-specialised forward".
+# Tiles per head block, then causal: bench/nvidia-h200.md §Warp-specialised forward.
 FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, overlap=True,
                                      pingpong=causal and d < 256)
                    for causal in (False, True)} for d in (64, 128, 256)}

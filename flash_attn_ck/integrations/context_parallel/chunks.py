@@ -30,10 +30,10 @@ class Chunks:
     def varlen(cu_seqlens: torch.Tensor, world: int, device: torch.device) -> Chunks:
         bounds = sequence_bounds(0, cu_seqlens, world)
         lengths = [(b - a) // 2 for a, b in itertools.pairwise(bounds)]
-        rows = tuple(torch.cat([torch.arange(a + i * n, a + (i + 1) * n) for a, n in zip(bounds, lengths)]
-                               + [torch.zeros(0, dtype=torch.int64)]).to(device) for i in (0, 1))
+        first, second = (torch.cat([torch.arange(a + i * n, a + (i + 1) * n) for a, n in zip(bounds, lengths)]
+                                   + [torch.zeros(0, dtype=torch.int64)]).to(device) for i in (0, 1))
         cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-        return Chunks(rows=rows, cu=cu, cu_seen=(cu, cu * 2), max_c=max(lengths, default=0),
+        return Chunks(rows=(first, second), cu=cu, cu_seen=(cu, cu * 2), max_c=max(lengths, default=0),
                       sequences=len(lengths))
 
     @property
@@ -64,7 +64,7 @@ class Chunks:
 
     def options(self, seen: int, q_count: int = 1) -> dict:
         """The varlen arguments of a call on `q_count` local query chunks and `seen` key chunks of a block."""
-        if self.rows is None:
+        if self.cu_seen is None:
             return {}
         return dict(cu_seqlens_q=self.cu_seen[q_count - 1], cu_seqlens_k=self.cu_seen[seen - 1],
                     max_seqlen_q=q_count * self.max_c, max_seqlen_k=seen * self.max_c)

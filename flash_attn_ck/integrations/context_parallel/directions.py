@@ -55,7 +55,8 @@ def backward(dout, q, k, v, out, lse, call: Call) -> tuple[torch.Tensor, torch.T
     is all the steps need; dsink is `sink_gradient` of this shard's rows (`shard_sink_gradient`)."""
     accum = accum_dtype(q)
     if call.chunks.empty:
-        return tuple(torch.zeros(t.shape, dtype=accum, device=t.device) for t in (q, k, v))
+        return (torch.zeros(q.shape, dtype=accum, device=q.device), torch.zeros(k.shape, dtype=accum, device=k.device),
+                torch.zeros(v.shape, dtype=accum, device=v.device))
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     transfers = PostedTransfers()

@@ -19,10 +19,14 @@ def is_mesh_2d(mesh) -> bool:
     return is_mesh(mesh) and mesh.ndim == 2
 
 
-def process_group(mesh_or_group=None):
+def process_group(mesh_or_group=None) -> dist.ProcessGroup:
     """A ProcessGroup from a 1-D DeviceMesh, a ProcessGroup, or None (the default group)."""
     if mesh_or_group is None:
-        return dist.group.WORLD
+        world = dist.group.WORLD
+        if world is None:
+            raise ArgumentError("group: None means the default process group, which is not initialised "
+                                "(torch.distributed.init_process_group)")
+        return world
     if is_mesh(mesh_or_group):
         if mesh_or_group.ndim != 1:
             raise ArgumentError(f"mesh: expected a 1-D DeviceMesh (the context-parallel dimension), got "

@@ -54,8 +54,8 @@ def _backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     call = _op_call(q, k, v, group_name, layout, kv_exchange, causal, window_left, window_right, softmax_scale,
                     dropout_p, deterministic, backend, cu_seqlens).with_rng(rng_base if rng_base.numel() else None)
     # copy=True: the ring's dk and dv are views of one buffer, and a custom op's outputs must not alias.
-    return tuple(g.to(t.dtype, copy=True) for g, t in zip(backward(dout, q, k, v, out, lse, call), (q, k, v),
-                                                          strict=True))
+    dq, dk, dv = backward(dout, q, k, v, out, lse, call)
+    return dq.to(q.dtype, copy=True), dk.to(k.dtype, copy=True), dv.to(v.dtype, copy=True)
 
 
 @_backward_op.register_fake

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 
 from ...core.checks import check_learnable_sink
 from ...core.errors import ArgumentError
@@ -32,7 +33,7 @@ class StepCall:
 
 @dataclass(frozen=True)
 class Call:
-    group: object
+    group: dist.ProcessGroup
     world: int
     rank: int
     layout: str
@@ -44,6 +45,12 @@ class Call:
     inner: Call | None = None               # the hybrid's a2a group (this call is then its ring across groups)
     rng_rank: int | None = None              # this rank's index for the rng derivation (default: rank)
     step_dtype: torch.dtype | None = None    # out_dtype of the calls whose results are merged (`choose_step_dtype`)
+
+    def inner_call(self) -> Call:
+        """The hybrid's a2a call (only a hybrid call has one)."""
+        if self.inner is None:
+            raise TypeError(f"a {self.kv_exchange!r} call has no inner a2a call")
+        return self.inner
 
     @property
     def calls(self) -> int:
@@ -107,6 +114,27 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
     """Validate everything a context-parallel call needs, before any communication: the options (flash-attn's
     rules, `options`), the CP arguments, and the first kernel call's operands and backend; the `Call`.
     q, k, v: this rank's (b, s / W, h, d) views (varlen (total / W, h, d))."""
+    _check_arguments(q, k, v, group, options, layout, kv_exchange, cu_seqlens)
+    if kv_exchange == "a2a+ring":
+        return _plan_hybrid(q, k, v, group, options, layout)
+    group = process_group(group)
+    world, rank = size_rank(group)
+    chunks = _local_chunks(q, k, world, cu_seqlens)
+    if kv_exchange == "a2a" and (q.shape[-2] % world or k.shape[-2] % world):
+        raise ArgumentError(f"kv_exchange='a2a' scatters heads over the group: q's {q.shape[-2]} and k's "
+                            f"{k.shape[-2]} heads must be multiples of the world size {world} (use 'ring')")
+    call = Call(group, world, rank, layout, kv_exchange, options, chunks)
+    if not chunks.empty:
+        # The first kernel call of this rank (both local chunks' keys seen): operands and backend checked here,
+        # so a bad dtype, head count or backend raises before any K/V is posted.
+        probe = options.replace_checked(causal=False, window_size=(-1, -1), **chunks.options(2))
+        call = replace(call, step_dtype=choose_step_dtype(q[chunks.q(0)], k, v, probe))
+    return call
+
+
+def _check_arguments(q, k, v, group, options: AttentionOptions, layout: str, kv_exchange: str,
+                     cu_seqlens: torch.Tensor | None) -> None:
+    """The context-parallel arguments against each other, before the group is asked anything."""
     if kv_exchange not in KV_EXCHANGES:
         raise ArgumentError(f"kv_exchange: expected one of {KV_EXCHANGES}, got {kv_exchange!r}")
     if kv_exchange in ("ring", "a2a+ring") and options.window_size != (-1, -1):
@@ -126,32 +154,22 @@ def plan_call(q, k, v, group, *, options: AttentionOptions, layout: str, kv_exch
     if (kv_exchange == "a2a+ring") != is_mesh_2d(group):
         raise ArgumentError("kv_exchange='a2a+ring' takes a 2-D DeviceMesh (ring dim, a2a dim), and only it does; "
                             f"got kv_exchange={kv_exchange!r} with {group!r}")
-    if kv_exchange == "a2a+ring":
-        return _plan_hybrid(q, k, v, group, options, layout)
-    group = process_group(group)
-    world, rank = size_rank(group)
+
+
+def _local_chunks(q, k, world: int, cu_seqlens: torch.Tensor | None) -> Chunks:
+    """Where this rank's two chunks lie in its q and k shards (dense: two equal halves; varlen: per sequence)."""
     if cu_seqlens is None:
         if q.shape[1] % 2 or q.shape[1] != k.shape[1]:
             raise ArgumentError(f"q and k shards must have the same even length (two chunks per rank), got "
                                 f"{q.shape[1]} and {k.shape[1]}")
-        chunks = Chunks(c=q.shape[1] // 2)
-    else:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-            raise ArgumentError(f"cu_seqlens: expected an int32 (b + 1,) tensor, got {cu_seqlens!r}")
-        chunks, rows = varlen_chunks(cu_seqlens, world, q.device)
-        if not q.shape[0] == k.shape[0] == rows:
-            raise ArgumentError(f"q and k shards must hold total / W = {rows} rows, got {q.shape[0]} and "
-                                f"{k.shape[0]}")
-    if kv_exchange == "a2a" and (q.shape[-2] % world or k.shape[-2] % world):
-        raise ArgumentError(f"kv_exchange='a2a' scatters heads over the group: q's {q.shape[-2]} and k's "
-                            f"{k.shape[-2]} heads must be multiples of the world size {world} (use 'ring')")
-    call = Call(group, world, rank, layout, kv_exchange, options, chunks)
-    if not chunks.empty:
-        # The first kernel call of this rank (both local chunks' keys seen): operands and backend checked here,
-        # so a bad dtype, head count or backend raises before any K/V is posted.
-        probe = options.replace_checked(causal=False, window_size=(-1, -1), **chunks.options(2))
-        call = replace(call, step_dtype=choose_step_dtype(q[chunks.q(0)], k, v, probe))
-    return call
+        return Chunks(c=q.shape[1] // 2)
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ArgumentError(f"cu_seqlens: expected an int32 (b + 1,) tensor, got {cu_seqlens!r}")
+    chunks, rows = varlen_chunks(cu_seqlens, world, q.device)
+    if not q.shape[0] == k.shape[0] == rows:
+        raise ArgumentError(f"q and k shards must hold total / W = {rows} rows, got {q.shape[0]} and "
+                            f"{k.shape[0]}")
+    return chunks
 
 
 def _plan_hybrid(q, k, v, mesh, options: AttentionOptions, layout: str) -> Call:

@@ -15,7 +15,8 @@ from .transfers import PostedTransfers, pack, unpack
 def _ring_blocks(k, v, call: Call, transfers: PostedTransfers):
     """Per ring step: (step, the K/V block held now, its chunk ids). The next block's transfer is posted
     before the current one is handed out, so it travels while the caller computes."""
-    kv, received = pack(k, v), None
+    kv = pack(k, v)
+    received: list[torch.Tensor] = []
     for step in range(call.world):
         if step:
             transfers.wait()
@@ -28,20 +29,23 @@ def _ring_blocks(k, v, call: Call, transfers: PostedTransfers):
 
 def ring_forward(q, k, v, call: Call, out: torch.Tensor, transfers: PostedTransfers):
     sel = call.chunks
-    out_acc = lse_acc = None
+    merged: tuple[torch.Tensor, torch.Tensor] | None = None      # (out, lse) of the steps so far
     for step, k_blk, v_blk, kv_chunks in _ring_blocks(k, v, call, transfers):
         for index, part in enumerate(call.step_calls(kv_chunks)):
             rows, keys = sel.rows_of(part.q_chunks), sel.keys(part.seen)
             out_i, lse_i, _ = flash_attn_fwd(q[rows], k_blk[keys], v_blk[keys], causal=part.causal,
                                              out_dtype=call.step_dtype, **sel.options(part.seen, len(part.q_chunks)),
                                              **call.kernel(2 * step + index))
-            if out_acc is None:        # the first step (the rank's own block) covers every local row
-                out_acc, lse_acc = merge(None, None, out_i, lse_i)
+            if merged is None:        # the first step (the rank's own block) covers every local row
+                merged = merge(None, None, out_i, lse_i)
             else:
+                out_acc, lse_acc = merged
                 out_acc[rows], lse_acc[(Ellipsis, rows[-1])] = merge(out_acc[rows], lse_acc[(Ellipsis, rows[-1])],
                                                                      out_i, lse_i)
-    out.copy_(out_acc)
-    return lse_acc
+    if merged is None:
+        raise TypeError("a ring has at least one step")
+    out.copy_(merged[0])
+    return merged[1]
 
 
 def ring_backward(dout, q, k, v, out, lse, call: Call, transfers: PostedTransfers):
@@ -55,7 +59,7 @@ def ring_backward(dout, q, k, v, out, lse, call: Call, transfers: PostedTransfer
     block_grads = [(torch.empty_like(k, dtype=call.step_dtype), torch.empty_like(v, dtype=call.step_dtype))
                    for _ in range(2)]   # per call of a step
     dkv_transfers = PostedTransfers()
-    dkv_next = None
+    dkv_next: list[torch.Tensor] = []
     try:
         for step, k_blk, v_blk, kv_chunks in _ring_blocks(k, v, call, transfers):
             parts = []

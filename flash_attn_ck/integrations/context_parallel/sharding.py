@@ -32,7 +32,8 @@ def _shard_ids(group, layout: str) -> tuple[int, tuple[int, int]]:
     (r, a) holds piece a of each of its ring shard's chunks (i0, i1): chunks i0 * A + a and i1 * A + a."""
     if is_mesh_2d(group):
         (ring, r), (inner, a) = (size_rank(group.get_group(dim)) for dim in (0, 1))
-        return ring * inner, tuple(i * inner + a for i in chunk_ids(r, ring, layout))
+        first, second = chunk_ids(r, ring, layout)
+        return ring * inner, (first * inner + a, second * inner + a)
     world, rank = size_rank(process_group(group))
     return world, chunk_ids(rank, world, layout)
 
@@ -75,13 +76,11 @@ def unshard(x: torch.Tensor, group=None, *, seq_dim: int = 1, layout: str = "zig
 def in_sequence_order(shards: list[torch.Tensor], world: int, layout: str, seq_dim: int,
                       cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     per_rank = [_split(local, seq_dim, sequence_bounds(local.shape[seq_dim], cu_seqlens, world), 2) for local in shards]
-    ordered = []
+    ordered: list[torch.Tensor] = []
     for sequence in range(len(per_rank[0])):
-        chunks = [None] * (2 * world)
-        for rank, local in enumerate(per_rank):
-            for index, chunk in zip(chunk_ids(rank, world, layout), local[sequence], strict=True):
-                chunks[index] = chunk
-        ordered += chunks
+        chunks = {index: chunk for rank, local in enumerate(per_rank)
+                  for index, chunk in zip(chunk_ids(rank, world, layout), local[sequence], strict=True)}
+        ordered += (chunks[index] for index in range(2 * world))
     return torch.cat(ordered, dim=seq_dim)
 
 

@@ -96,8 +96,8 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes):
     dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
 
     # delta (per query, beside lse in the ring) is read after the exp2 where the mask has bounds: its registers are then
-    # not live across it (ptxas spills 84 -> 16 bytes causal; H200 +1.5-6% causal). Without bounds the read beside lse
-    # measured faster although ptxas spills 16 bytes (d128 s8192 dense 532 vs 522 TF/s, 2026-12-02).
+    # not live across the exp2, which spares the masked kernels most of their spills. Without bounds the read beside
+    # lse is the faster one even with its few spilled bytes (docs/triton.md; bench/nvidia-h200.md).
     DELTA_AFTER_EXP2: gl.constexpr = mask.HAS_LEFT or mask.HAS_RIGHT
 
     steps = m_tiles * group

@@ -1,6 +1,6 @@
 """A varlen launch's tile schedule, built on the device from cu_seqlens without a host sync.
 
-A varlen launch of the warp-specialised kernels today has `batch x tiles(max_seqlen)` programs per head and
+A varlen launch of the warp-specialised kernels on a plain grid has `batch x tiles(max_seqlen)` programs per head and
 most of them exit at once (every sequence shorter than the longest); the ones that work start in grid order,
 so a pack's long tiles may start last. The schedule lists the real work items instead: every (sequence,
 tile) of the axis the kernel's CTAs own (key tiles for the backward, query tiles for the forward), the most

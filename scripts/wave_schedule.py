@@ -6,7 +6,7 @@ query tile's distance from the end), so a tile-major grid, (tiles, batch, heads)
 heads running after the others finish, and a key-major grid, (heads, batch, tiles), starts every long CTA first.
 Prints the makespan of both orders against the ideal (total steps / SMs) for the benchmark's causal shapes.
 
-    python scripts/lab/wave_schedule.py [--sms 132]
+    python scripts/wave_schedule.py [--sms 132]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where the warp-specialised kernels spend an H200 on the training-shaped workloads: a model, not a measurement.
 
-Built on scripts/lab/wave_schedule.py's list scheduling (CTAs start in grid order on the SM that frees first, one
+Built on scripts/wave_schedule.py's list scheduling (CTAs start in grid order on the SM that frees first, one
 CTA per SM): a CTA runs for its steps (tiles it walks, times query heads) at the dense kernels' measured rate
 per SM, and a CTA that has no work (a varlen tile past its sequence) costs `exit_us`. Per workload of
 scripts/bench_workloads.py (full sizes, seed 0; the short rows at d128, as if bwd_ws ran them) it prints:
@@ -12,8 +12,8 @@ scripts/bench_workloads.py (full sizes, seed 0; the short rows at d128, as if bw
 - deterministic causal: today's order (key tiles start ascending and add into each dQ tile in ascending
   order) against the causal direction (descending, FA3/FA4), by an event model of the semaphore waits.
 
-    python scripts/lab/workload_waves.py [--exit-us 1.0] [--json out.json]
-    python scripts/lab/workload_waves.py --measure-exit      (on a GPU: what an exiting CTA costs, from empty sequences)
+    python scripts/workload_waves.py [--exit-us 1.0] [--json out.json]
+    python scripts/workload_waves.py --measure-exit      (on a GPU: what an exiting CTA costs, from empty sequences)
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_workloads import FULL, Workload, workloads
