@@ -290,7 +290,8 @@ def null_backend(name: str):
             def backward(self, *args):
                 pass
         return NullReference()
-    from flash_attn_ck.backends.triton import TritonBackend, launch
+    from flash_attn_ck.backends.triton import TritonBackend
+    from flash_attn_ck.backends.triton.runtime import launch
 
     class HostOnlyTriton(TritonBackend):
         device_types = frozenset({"cpu"})

@@ -9,7 +9,7 @@ every feature set and at one query row, where ints equal to 1 become constants; 
 compiled as a launch of their arguments specialises them; the warp-specialised Gluon kernels (fwd_ws, bwd_ws,
 bwd_ws_split) at every tile of their tables over each mask kind, varlen, the varlen schedule and the deterministic
 mode; the small kernels (D and zeroing, casts, zero fill, the outside-rows fill, the varlen schedule builder). Each
-variant is a launch spec (flash_attn_ck/backends/triton/launch.py) built by the functions backend.py launches
+variant is a launch spec (flash_attn_ck/backends/triton/runtime/launch.py) built by the functions backend.py launches
 through, so the signatures follow the kernels by construction.
 
     python scripts/triton_compile_check.py [--quick] [--only NAME_PART] [--dump DIR]
@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import torch
 
-from flash_attn_ck.backends.triton import config, launch
-from flash_attn_ck.backends.triton.launch import Features
+from flash_attn_ck.backends.triton import config
+from flash_attn_ck.backends.triton.runtime import launch
+from flash_attn_ck.backends.triton.runtime.launch import Features
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -193,7 +194,7 @@ def older_variants(head_blocks, names: str = ""):
 def small_variants(names: str = ""):
     """(name, launch spec) of the kernels around the attention kernels: D = rowsum(dO * O) with zeroing, the fp32 cast,
     the zero fill, the outside-rows fill and the varlen schedule builder."""
-    from flash_attn_ck.backends.triton import varlen_schedule
+    from flash_attn_ck.backends.triton.runtime import varlen_schedule
     t = _Tensors(128, False)
     cu = torch.empty(3, dtype=torch.int32, device="meta")
     walk = varlen_schedule.TileWalk(128, 128, owns_keys=False)
@@ -261,7 +262,7 @@ def _ptxas() -> str:
 
 def _first_line(error: Exception) -> str:
     """The compiler's first error line of a failure, not its MLIR dump."""
-    from flash_attn_ck.backends.triton.launch import _first_error
+    from flash_attn_ck.backends.triton.runtime.launch import _first_error
     return _first_error(error, "")[:300]
 
 

@@ -31,7 +31,7 @@ from bench_workloads import FULL, Workload, workloads
 from wave_schedule import makespan
 
 from flash_attn_ck.backends.triton import config
-from flash_attn_ck.backends.triton.varlen_schedule import TileWalk, item_steps, schedule_bound, schedule_model
+from flash_attn_ck.backends.triton.runtime.varlen_schedule import TileWalk, item_steps, schedule_bound, schedule_model
 
 MiB = 2 ** 20
 

@@ -20,10 +20,18 @@ import triton
 def pretend_capability(capability=(9, 0)):
     """Within the block the Triton backend takes every CUDA device for one of `capability` (its rules read only
     that) and runs no interpreter. A context manager, not a fixture: hypothesis examples run it each."""
-    from flash_attn_ck.backends.triton import backend
-    with mock.patch.object(backend, "_capability", return_value=capability), \
-            mock.patch.object(backend, "_INTERPRETING", False):
+    from flash_attn_ck.backends.triton.runtime import target
+    with mock.patch.object(target, "capability", return_value=capability), \
+            mock.patch.object(target, "INTERPRETING", False):
         yield
+
+
+def ws_reasons(backend, p) -> list[str]:
+    """Why the warp-specialised backward does not run the call: the reasons of the operator (bwd_ws or bwd_ws_split)
+    whose tile table holds its head dim, bwd_ws's where neither does."""
+    from flash_attn_ck.backends.triton import config, operators
+    split = config.head_block(p.head_dim_padded) in operators.BwdWsSplit.tiles
+    return backend.reasons(p, operators.BwdWsSplit if split else operators.BwdWs)
 
 
 SM90_SHARED_BYTES = 227 * 1024   # the most shared memory one CTA may use on an H100/H200 (sm_90)
@@ -33,7 +41,7 @@ def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype, parts: int = 1
     """The mangled signature type of a host TMA descriptor with (rows, 1, head dim padded / parts) boxes."""
     from triton.runtime.jit import mangle_type
 
-    from flash_attn_ck.backends.triton import gluon_common
+    from flash_attn_ck.backends.triton.gluon import gluon_common
     return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows, parts))
 
 
@@ -49,7 +57,7 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int
 
 def _call(head_dim: int, varlen: bool, masks, heads: int = 4, rows: int = 512):
     """CPU tensors of one call's layout ((rows, heads, d) varlen, else (1, rows, heads, d)) and its keywords."""
-    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
     shape = (rows, heads, head_dim) if varlen else (1, rows, heads, head_dim)
     lse_shape = (heads, rows) if varlen else (1, heads, rows)
     tensors = dict(q=torch.empty(shape, dtype=torch.bfloat16), lse=torch.empty(lse_shape),
@@ -63,7 +71,7 @@ def _schedule(schedule: bool, block: int):
     rows, or None."""
     if not schedule:
         return None
-    from flash_attn_ck.backends.triton import varlen_schedule
+    from flash_attn_ck.backends.triton.runtime import varlen_schedule
     walk = varlen_schedule.TileWalk(block, block, owns_keys=False)
     cu = torch.tensor([0, 512], dtype=torch.int32)
     return varlen_schedule.build_schedule(cu, cu, walk, varlen_schedule.schedule_bound(512, 1, block))
@@ -72,7 +80,7 @@ def _schedule(schedule: bool, block: int):
 def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), schedule: bool = False):
     """fwd_ws.launch_spec of `tile` for a call of `head_dim` (bf16, 512 rows, 4 heads) with `masks` (TOP_LEFT,
     HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule."""
-    from flash_attn_ck.backends.triton import fwd_ws
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
     _, t, call = _call(head_dim, varlen, masks)
     q = t["q"]
     return fwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), t["lse"], t["cu_seqlens"], t["cu_seqlens"],
@@ -83,7 +91,7 @@ def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, Fal
              schedule: bool = False):
     """bwd_ws.launch_spec of `tile` (bwd_ws_split's kernel for a split_d tile) for a call like fwd_spec's, in the
     deterministic mode or not, with the call's varlen schedule or not."""
-    from flash_attn_ck.backends.triton import bwd_ws
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
     shape, t, call = _call(head_dim, varlen, masks)
     q, lse = t["q"], t["lse"]
     sems = torch.zeros(1, shape[-2], 512 // tile.block_m, dtype=torch.int32) if deterministic else None
@@ -141,6 +149,6 @@ OTHER_PTXAS_SPILL_SLACK = 32
 def spill_allowance(tuned_bytes: int) -> int:
     """The spill bytes a compile test allows a kernel that spills at most `tuned_bytes` under the ptxas it was tuned
     with: exactly that under that release's ptxas, OTHER_PTXAS_SPILL_SLACK more under any other."""
-    from flash_attn_ck.backends.triton import triton_versions
+    from flash_attn_ck.backends.triton.runtime import triton_versions
     same = triton_versions.release(triton_versions.installed()) == TUNED_WITH
     return tuned_bytes if same else tuned_bytes + OTHER_PTXAS_SPILL_SLACK

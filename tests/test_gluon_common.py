@@ -1,4 +1,4 @@
-"""Host side of the warp-specialised Gluon kernels (backends/triton/gluon_common.py), on CPU: which tensors a TMA
+"""Host side of the warp-specialised Gluon kernels (backends/triton/gluon/gluon_common.py), on CPU: which tensors a TMA
 descriptor can view in place, and the descriptors themselves (a box of one head, padded to a power of two)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from flash_attn_ck.backends.triton import gluon_common
+from flash_attn_ck.backends.triton.gluon import gluon_common
 
 HEAD_DIMS = [64, 80, 96, 128, 192, 256]
 

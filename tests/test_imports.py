@@ -83,3 +83,28 @@ def test_no_import_cycles():
         if name not in state:
             visit(name, [])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+TRITON = "flash_attn_ck.backends.triton"
+# Inside the Triton backend: which parts a part may import (config, the tile tables, any of them).
+TRITON_PARTS = {"runtime": {"runtime", "one_launch", "gluon"}, "one_launch": {"one_launch", "runtime"},
+                "gluon": {"gluon", "runtime"}, "operators": {"operators", "one_launch", "gluon", "runtime"},
+                "backend": {"backend", "operators", "runtime"}}
+
+
+def triton_part(name: str) -> str | None:
+    """The part of the Triton backend a module belongs to (its folder, or operators / backend), None for the rest."""
+    if not name.startswith(TRITON + "."):
+        return None
+    return name.removeprefix(TRITON + ".").split(".")[0]
+
+
+def test_the_triton_kernel_families_import_neither_each_other_nor_the_dispatch():
+    """backends/triton: the kernel families (one_launch/, gluon/) import each other nowhere, the runtime (launch
+    specs, replay, schedules) builds their launches but chooses nothing, and only backend.py reads the operator
+    lists; a family's mask rule is its own."""
+    found = [f"{name} -> {target}" for name, targets in graph().items() for target in sorted(targets)
+             if (part := triton_part(name)) in TRITON_PARTS and triton_part(target) not in (None, "config")
+             and triton_part(target) not in TRITON_PARTS[part]]
+    assert not found, "imports across the Triton backend's parts:\n" + "\n".join(found)
+    assert {triton_part(name) for name in modules()} - {None, "config"} == set(TRITON_PARTS)

@@ -1,4 +1,4 @@
-"""backends/triton/launch.py's compiled-kernel cache (CPU): a launch goes through Triton's JIT path exactly when
+"""backends/triton/runtime/launch.py's compiled-kernel cache (CPU): a launch goes through Triton's JIT path exactly when
 its key is new — Triton's own specialisation of each runtime argument, the constexprs, warps, stages — and
 otherwise straight to the compiled kernel's launcher with the arguments as given; the cast kernel's zeroing."""
 
@@ -13,7 +13,7 @@ triton = pytest.importorskip("triton")
 
 from test_triton_interpret import _INTERPRETER_PATCH  # noqa: E402
 
-from flash_attn_ck.backends.triton import launch  # noqa: E402
+from flash_attn_ck.backends.triton.runtime import launch  # noqa: E402
 
 try:
     from triton.backends.compiler import GPUTarget
@@ -98,7 +98,7 @@ def test_launch_hooks_take_tritons_path(fake_driver, monkeypatch):
 
 _INTERPRETED = _INTERPRETER_PATCH + """
 import json, torch
-from flash_attn_ck.backends.triton import launch
+from flash_attn_ck.backends.triton.runtime import launch
 torch.manual_seed(0)
 src = torch.randn(2, 3, 5, 8)                     # (b, h, s, d) accumulator
 dst = torch.empty(2, 5, 3, 8, dtype=torch.float16)

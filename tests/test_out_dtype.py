@@ -135,17 +135,18 @@ def test_the_warp_specialised_triton_kernels_decline_fp32_results():
     """They store through TMA from shared tiles of the input dtype (their code is not changed for this): the Triton
     backend runs forward.py and bwd_main instead, which convert on store."""
     pytest.importorskip("triton")
-    from gluon_compile import pretend_capability
+    from gluon_compile import pretend_capability, ws_reasons
 
+    from flash_attn_ck.backends.triton import operators
     from flash_attn_ck.backends.triton.backend import TritonBackend
-    reason = "out_dtype float32 (its TMA stores go through shared tiles of the input dtype)"
+    reason = "out_dtype float32: its TMA stores go through shared tiles of the input dtype"
     with pretend_capability():
         backend = TritonBackend(ws=True, fwd_ws=True)
-        assert backend.fwd_ws_reasons(_problem()) == [] and backend.ws_reasons(_problem()) == []
+        assert backend.reasons(_problem(), operators.FwdWs) == [] and ws_reasons(backend, _problem()) == []
         fp32 = _problem(torch.float32)
-        assert backend.fwd_ws_reasons(fp32) == [reason] and backend.ws_reasons(fp32) == [reason]
+        assert backend.reasons(fp32, operators.FwdWs) == [reason] and ws_reasons(backend, fp32) == [reason]
         assert backend.forward_kernel(fp32) == f"forward (one program per query tile); fwd_ws not used: {reason}"
-        assert backend.backward_plan(fp32).kernel.endswith(f"bwd_ws not used: {reason}")
+        assert f"; bwd_ws not used: {reason};" in backend.backward_plan(fp32).kernel
         assert TritonBackend.not_supported_reasons(fp32) == TritonBackend.not_supported_reasons(_problem())
 
 

@@ -1,4 +1,4 @@
-"""The Triton backend's one-launch fill of varlen rows in no sequence (backends/triton/outside_rows.py) fills
+"""The Triton backend's one-launch fill of varlen rows in no sequence (backends/triton/runtime/outside_rows.py) fills
 exactly what the generic form (core/rows.py) fills: random tensors (2-D along dim 1 like lse, 3-D along dim 0,
 strided views), offsets ending anywhere in or past the rows, two offset tensors, several targets per launch.
 On the CPU the kernel runs interpreted (TRITON_INTERPRET=1, so in a subprocess); on a GPU through the backend."""
@@ -50,7 +50,7 @@ def random_fills(draw_int, device, dtype=torch.float32):
 _INTERPRETED = r"""
 import json, random, torch
 from tests.test_outside_rows import random_fills
-from flash_attn_ck.backends.triton import launch
+from flash_attn_ck.backends.triton.runtime import launch
 rng = random.Random(0)
 ok = []
 for case in range(12):

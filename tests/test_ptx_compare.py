@@ -20,7 +20,7 @@ PTX = """//
 	.loc	1 40 0                          // fwd_ws.py:40:0
 $L__tmp0:
 	mov.u32 	%r1, %tid.x;                // a comment
-	.file	2 "/src/flash_attn_ck/backends/triton/gluon_common.py"
+	.file	2 "/src/flash_attn_ck/backends/triton/gluon/gluon_common.py"
 	wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, p, 1, 1, 0, 1;
 $L__BB0_1:
 	ret;
@@ -52,7 +52,7 @@ def test_variants_cover_every_kernel_and_flag():
     pytest.importorskip("triton")
     from ptx_compare import specs
 
-    from flash_attn_ck.backends.triton.launch import Features
+    from flash_attn_ck.backends.triton.runtime.launch import Features
     kernels, flags = set(), set()
     for _, spec in specs():
         kernels.add(spec.kernel.fn.__name__)

@@ -1,4 +1,4 @@
-"""backends/triton/replay.py (CPU, fake kernels): a recorded method's launches are re-issued with a later call's
+"""backends/triton/runtime/replay.py (CPU, fake kernels): a recorded method's launches are re-issued with a later call's
 tensors in the same roles, and nothing is recorded where a replay could differ from running the method."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 
 from test_launch_cache import _FakeKernel, fake_driver, needs_cuda_backend  # noqa: F401 (fake_driver: a fixture)
 
-from flash_attn_ck.backends.triton import launch, replay
+from flash_attn_ck.backends.triton.runtime import launch, replay
 from flash_attn_ck.core.problem import AttentionProblem
 
 
@@ -28,7 +28,7 @@ class Pair(NamedTuple):
 
 def _descriptor(t):
     """A host TMA descriptor over a (b, s, h, d) tensor, as the warp-specialised kernels take them."""
-    from flash_attn_ck.backends.triton.gluon_common import descriptor
+    from flash_attn_ck.backends.triton.gluon.gluon_common import descriptor
     return descriptor(t, False, 16)
 
 

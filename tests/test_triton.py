@@ -31,7 +31,7 @@ if not torch.cuda.is_available():
 
 import flash_attn_ck  # noqa: E402
 from flash_attn_ck import use_backend  # noqa: E402
-from flash_attn_ck.backends.triton import TritonBackend, config  # noqa: E402
+from flash_attn_ck.backends.triton import TritonBackend, config, operators  # noqa: E402
 from flash_attn_ck.core.inputs import describe_call, kernel_params  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
 from flash_attn_ck.core.options import AttentionOptions  # noqa: E402
@@ -329,7 +329,8 @@ def test_ws_kernel_in_several_launches_matches(monkeypatch, deterministic, batch
                  head_dim=128, causal=True, deterministic=deterministic)
     backend = TritonBackend(ws=True)
     q, k, v, _, _ = make_inputs(cfg, "cuda", seed=3)
-    assert backend._ws_kv_heads_per_launch(describe_call(q, k, v, AttentionOptions(causal=True))) == per_launch
+    p = describe_call(q, k, v, AttentionOptions(causal=True))
+    assert operators.BwdWs.kv_heads_per_launch(backend, p) == per_launch
     with use_backend(backend):
         check_case(cfg, backend="triton", device="cuda", seed=3)
         if deterministic:
@@ -340,7 +341,7 @@ def test_ws_kernel_in_several_launches_matches(monkeypatch, deterministic, batch
 def test_the_dq_cast_copies_its_whole_source(rows, heads):
     """bwd_postprocess.cast_rows_kernel, compiled: the output is the whole source, which is left as it was; then
     zero_kernel zeroes it and a semaphore prefix, and nothing past that."""
-    from flash_attn_ck.backends.triton import launch
+    from flash_attn_ck.backends.triton.runtime import launch
     src = torch.randn(2, rows, heads, 128, device="cuda")
     before = src.clone()
     dst = torch.empty(2, rows, heads, 128, device="cuda", dtype=torch.bfloat16)
@@ -481,5 +482,5 @@ def test_varlen_schedule_in_several_kv_head_launches(monkeypatch, deterministic)
     rows_q, heads, group, d = sum(n for n, _ in SCHEDULE_PACK), (12, 3), 4, 128
     monkeypatch.setattr(config, "BWD_WS_DQ_ACCUM_BYTES", rows_q * group * d * 4)
     p, params, dout = _schedule_call("causal", d, heads, deterministic, seed=11)
-    assert TritonBackend(**SCHEDULED)._ws_kv_heads_per_launch(p) == 1
+    assert operators.BwdWs.kv_heads_per_launch(TritonBackend(**SCHEDULED), p) == 1
     _compare_schedule(p, params, dout, deterministic)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flash_attn_ck.backends.triton import operators
 from flash_attn_ck.core.mask import MaskInfo
 from flash_attn_ck.core.problem import AttentionProblem
 
@@ -32,9 +33,10 @@ def test_triton_auto_dq_mode(monkeypatch, capability, head_dim, heads_k, varlen,
     pointers; the plan holds dq_accum iff so."""
     from dataclasses import replace
 
-    from flash_attn_ck.backends.triton import TritonBackend, backend
+    from flash_attn_ck.backends.triton import TritonBackend
+    from flash_attn_ck.backends.triton.runtime import target
     monkeypatch.delenv("FLASH_ATTN_CK_TRITON_DQ", raising=False)
-    monkeypatch.setattr(backend, "_capability", lambda device: capability)
+    monkeypatch.setattr(target, "capability", lambda device: capability)
     p = replace(problem(device="cuda"), head_dim=head_dim, head_dim_padded=head_dim, heads_k=heads_k,
                 deterministic=deterministic, varlen=varlen, total_q=16 if varlen else 0, total_k=16 if varlen else 0,
                 seqlen_q=seqlen, seqlen_k=seqlen)
@@ -79,9 +81,8 @@ def test_triton_even_keys(seqlen_k, varlen, key_blocks, even):
     every role in the launch is full; varlen lengths are unknown to the host, so never there."""
     from dataclasses import replace
 
-    from flash_attn_ck.backends.triton import TritonBackend
     p = replace(problem(), seqlen_k=seqlen_k, varlen=varlen, total_k=seqlen_k if varlen else 0)
-    assert TritonBackend._even_keys(p, *key_blocks) is even
+    assert operators.even_keys(p, *key_blocks) is even
 
 
 def _all_triton_configs():

@@ -1,7 +1,7 @@
-"""CPU tests of the warp-specialised Gluon forward (backends/triton/fwd_ws.py): its dispatch rule
-(`TritonBackend.fwd_ws_reasons`: on by default where measured faster, every unsupported feature named), the
-dispatch itself, and that every kernel variant compiles to sm_90a with the instructions the design rests
-on and without register spills where ptxas reports none. Its numerics run on the GPU (tests/test_triton.py,
+"""CPU tests of the warp-specialised Gluon forward (backends/triton/gluon/fwd_ws.py): its dispatch rule (its
+operator's declarations, operators.FwdWs: on by default where measured faster, every unsupported feature named), the
+dispatch itself, and that every kernel variant compiles to sm_90a with the instructions the design rests on and
+without register spills where ptxas reports none. Its numerics run on the GPU (tests/test_triton.py,
 scripts/lab/fwd_ws_check.py)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from gluon_compile import SM90_SHARED_BYTES, compile_spec, fwd_spec, pretend_cap
 
 from cases import tile_head_dims  # noqa: E402
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
-from flash_attn_ck.backends.triton import config  # noqa: E402
+from flash_attn_ck.backends.triton import config, operators  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
 from flash_attn_ck.core.problem import AttentionParams, AttentionProblem  # noqa: E402
@@ -47,22 +47,22 @@ def test_runs_where_it_measured_faster(sm90):
     for d in sorted(config.FWD_WS_DEFAULT_HEAD_DIMS):
         long = config.FWD_WS_MIN_SEQLEN[config.head_block(d)]
         short = long - 1
-        assert TritonBackend().fwd_ws_reasons(problem(head_dim=d, seqlen=long)) == []
-        reasons = TritonBackend().fwd_ws_reasons(problem(head_dim=d, seqlen=short))
+        assert TritonBackend().reasons(problem(head_dim=d, seqlen=long), operators.FwdWs) == []
+        reasons = TritonBackend().reasons(problem(head_dim=d, seqlen=short), operators.FwdWs)
         assert len(reasons) == 1 and f"shorter than {long}" in reasons[0], reasons
-        assert TritonBackend(fwd_ws=True).fwd_ws_reasons(problem(head_dim=d, seqlen=short)) == []
+        assert TritonBackend(fwd_ws=True).reasons(problem(head_dim=d, seqlen=short), operators.FwdWs) == []
     for p in (problem(causal=True), problem(heads=(32, 8)), problem(heads=(8, 1), seqlen=100),
               problem(window=(64, 32)), problem(dtype=torch.float16), problem(deterministic=True),
               problem(head_dim=96), problem(head_dim=192), problem(head_dim=256), problem(head_dim=40)):
-        assert TritonBackend(fwd_ws=True).fwd_ws_reasons(p) == []
-    assert TritonBackend(fwd_ws=False).fwd_ws_reasons(problem()) == ["turned off (TritonBackend(fwd_ws=False))"]
+        assert TritonBackend(fwd_ws=True).reasons(p, operators.FwdWs) == []
+    assert TritonBackend(fwd_ws=False).reasons(problem(), operators.FwdWs) == [
+        "turned off (TritonBackend(fwd_ws=False))"]
 
 
 def test_a_measured_head_dim_turns_it_on(sm90, monkeypatch):
-    from dataclasses import replace
-    monkeypatch.setattr(config, "FWD_WS_RULE", replace(config.FWD_WS_RULE, default_head_dims=frozenset({128})))
-    assert TritonBackend().fwd_ws_reasons(problem()) == []
-    assert TritonBackend().fwd_ws_reasons(problem(head_dim=64)) == [
+    monkeypatch.setattr(operators.FwdWs, "default_head_dims", frozenset({128}))
+    assert TritonBackend().reasons(problem(), operators.FwdWs) == []
+    assert TritonBackend().reasons(problem(head_dim=64), operators.FwdWs) == [
         "head dim 64: not measured faster than the previous forward (TritonBackend(fwd_ws=True) runs it)"]
 
 
@@ -75,7 +75,7 @@ def test_the_default_runs_it_exactly_where_measured(head_dim, causal, gqa, dtype
     dim is in FWD_WS_DEFAULT_HEAD_DIMS and its longest sequence reaches its head block's FWD_WS_MIN_SEQLEN."""
     with pretend_capability():
         p = problem(head_dim=head_dim, causal=causal, heads=(16, 4 if gqa else 16), dtype=dtype, seqlen=seqlen)
-        runs = not TritonBackend().fwd_ws_reasons(p)
+        runs = not TritonBackend().reasons(p, operators.FwdWs)
     d = p.head_dim_padded
     measured = d in config.FWD_WS_DEFAULT_HEAD_DIMS and seqlen >= config.FWD_WS_MIN_SEQLEN[config.head_block(d)]
     assert runs == measured
@@ -99,7 +99,7 @@ def test_every_unsupported_feature_is_named(names, forced, capability):
         names = names - {"head dim 16"}
         kwargs["head_dim"] = 32
     with pretend_capability(capability):
-        reasons = TritonBackend(fwd_ws=forced or None).fwd_ws_reasons(problem(**kwargs))
+        reasons = TritonBackend(fwd_ws=forced or None).reasons(problem(**kwargs), operators.FwdWs)
     for name in names:
         assert any(name in r for r in reasons), (name, reasons)
     assert any("sm_90" in r for r in reasons) == (capability != (9, 0)), reasons
@@ -116,9 +116,10 @@ def test_forward_kernel_names_the_kernel_and_why(sm90):
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 @pytest.mark.parametrize("forced", [True, None])
 def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
-    """forward() launches fwd_ws exactly when fwd_ws_reasons is empty, else the current kernel; with the
+    """forward() launches fwd_ws exactly when operators.FwdWs has no reasons, else the current kernel; with the
     tile of the call's head dim and causality."""
-    from flash_attn_ck.backends.triton import fwd_ws, launch
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    from flash_attn_ck.backends.triton.runtime import launch
     calls = []
     monkeypatch.setattr(triton_backend, "_prepare_launch", lambda: None)
     monkeypatch.setattr(fwd_ws, "launch", lambda *a, **kw: calls.append(("fwd_ws", kw)))
@@ -127,7 +128,7 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
         def launch(self):
             calls.append(("forward", {}))
     monkeypatch.setattr(launch, "forward", lambda *a, **kw: Spec())
-    monkeypatch.setattr(TritonBackend, "_tma_plan", lambda self, p, role, *t: "none")
+    monkeypatch.setattr(TritonBackend, "tma_plan", lambda self, p, role, *t: "none")
     s = config.FWD_WS_MIN_SEQLEN[128] - 1      # the default keeps the current kernel
     p = problem(seqlen=s, heads=(8, 2), causal=causal)
     q = torch.zeros(2, s, 8, 128, dtype=torch.bfloat16)
@@ -240,8 +241,8 @@ def test_a_tile_needs_64_query_rows_per_consumer(block_m, consumers):
 def test_the_grid_is_query_major_when_asked(batch, seqlen, heads, query_major):
     """fwd_ws.launch_spec (CPU tensors): the grid is (query tiles, batch, heads), or (heads, batch, query tiles) with
     FwdWsTile.query_major, and the kernel is told which (QUERY_MAJOR)."""
-    from flash_attn_ck.backends.triton import fwd_ws
-    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
 
     tile = config.FwdWsTile(128, 128, query_major=query_major)
     q = torch.zeros(batch, seqlen, heads, 64, dtype=torch.bfloat16)
@@ -250,7 +251,7 @@ def test_the_grid_is_query_major_when_asked(batch, seqlen, heads, query_major):
                                  mask=GluonMask((0, 0), MaskFlags(HAS_RIGHT=True)), tile=tile)
     tiles = -(-seqlen // tile.block_m)
     assert spec.grid == ((heads, batch, tiles) if query_major else (tiles, batch, heads))
-    assert spec.args["CONSTANTS"].QUERY_MAJOR is query_major
+    assert spec.args["TILE"].query_major is query_major
     assert config.FwdWsTile.parse(str(tile)) == tile
 
 

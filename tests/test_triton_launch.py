@@ -1,4 +1,4 @@
-"""CPU tests of the Triton backend's launch specs (flash_attn_ck/backends/triton/launch.py): every spec
+"""CPU tests of the Triton backend's launch specs (flash_attn_ck/backends/triton/runtime/launch.py): every spec
 names exactly its kernel's parameters, in order, and types them from its own values (what
 scripts/triton_compile_check.py compiles); backend.py's named values all land in ScoreArgs or Features."""
 
@@ -14,8 +14,9 @@ import flash_attn_ck
 
 pytest.importorskip("triton")
 
-from flash_attn_ck.backends.triton import config, launch
-from flash_attn_ck.backends.triton.launch import Features, ScoreArgs, Sizes
+from flash_attn_ck.backends.triton import config
+from flash_attn_ck.backends.triton.runtime import launch
+from flash_attn_ck.backends.triton.runtime.launch import Features, ScoreArgs, Sizes
 
 
 def _meta(*shape, dtype=torch.bfloat16):
@@ -72,25 +73,23 @@ def test_gluon_specs_match_their_kernels(varlen):
     give and the head dim padded as config.head_block pads it."""
     from gluon_compile import bwd_spec, fwd_spec
 
-    from flash_attn_ck.backends.triton import bwd_ws, bwd_ws_split, fwd_ws
+    from flash_attn_ck.backends.triton.gluon import bwd_ws, bwd_ws_split, fwd_ws
     masks = (False, True, True)
     for block, causal_tiles in config.FWD_WS_SM90.items():
         for tile in causal_tiles.values():
             spec = fwd_spec(tile, block * 3 // 4, varlen, masks)
             sig, constexprs = spec.signature()
             assert spec.kernel is fwd_ws.attn_fwd_ws_kernel and list(sig) == spec.kernel.arg_names
-            assert constexprs["CONSTANTS"] == fwd_ws.Constants(tile.block_m, tile.block_n, block, tile.num_stages,
-                                                       tile.consumers, tile.overlap, tile.pingpong, tile.query_major,
-                                                       varlen, tile.consumer_regs, tile.loader_regs)
-            assert constexprs["MASK"] == launch.MaskFlags(*masks)
+            assert (constexprs["TILE"], constexprs["CALL"]) == (tile, launch.GluonCall(block, varlen,
+                                                                                       launch.MaskFlags(*masks)))
     for block, tile in config.BWD_WS_SM90.items():
         for deterministic in (False, True):
             spec = bwd_spec(tile, block * 3 // 4, varlen, masks, deterministic)
             sig, constexprs = spec.signature()
             kernel = bwd_ws_split.attn_bwd_ws_split_kernel if tile.split_d else bwd_ws.attn_bwd_ws_kernel
             assert spec.kernel is kernel and list(sig) == kernel.arg_names
-            c = constexprs["CONSTANTS"]
-            assert (block, deterministic, varlen) == (c.HEAD_D, c.DETERMINISTIC, c.VARLEN)
+            assert (constexprs["TILE"], constexprs["CALL"]) == (
+                tile, launch.GluonCall(block, varlen, launch.MaskFlags(*masks), deterministic))
             assert spec.num_warps == tile.num_warps and spec.options == (
                 {"maxnreg": tile.max_registers} if tile.max_registers else {})
 
@@ -124,7 +123,8 @@ def test_no_jit_function_takes_more_than_twenty_parameters():
     lists: none of the package's @jit functions has more than MAX_PARAMETERS."""
     counts = jit_parameter_counts(Path(flash_attn_ck.__file__).parent)
     assert len(counts) > 50   # the parse found the kernels (triton.jit and gluon.jit alike)
-    assert {f"backends/triton/{kernel}" for kernel in ("fwd_ws.py:attn_fwd_ws_kernel", "forward.py:attn_fwd_kernel",
-                                                      "bwd_main.py:attn_bwd_kernel")} <= set(counts)
+    assert {f"backends/triton/{kernel}" for kernel in ("gluon/fwd_ws.py:attn_fwd_ws_kernel",
+                                                      "one_launch/forward.py:attn_fwd_kernel",
+                                                      "one_launch/bwd_main.py:attn_bwd_kernel")} <= set(counts)
     wide = {name: n for name, n in counts.items() if n > MAX_PARAMETERS}
     assert not wide, f"@jit functions with more than {MAX_PARAMETERS} parameters: {wide}"

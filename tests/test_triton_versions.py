@@ -1,7 +1,7 @@
-"""CPU tests of what the Triton backend does across Triton releases (backends/triton/triton_versions.py): the tested
-range and its refusal, the Gluon names that moved, the direct launch path's private APIs, a compiler failure held back
-as a KernelCompileError naming kernel, Triton and call, and the warp-specialised kernels giving way to the one-launch
-ones (with one warning) where they cannot run. Each kernel family compiles under the installed Triton in
+"""CPU tests of what the Triton backend does across Triton releases (backends/triton/runtime/triton_versions.py): the
+tested range and its refusal, the Gluon names that moved, the direct launch path's private APIs, a compiler failure
+held back as a KernelCompileError naming kernel, Triton and call, and the warp-specialised kernels giving way to the
+one-launch ones (with one warning) where they cannot run. Each kernel family compiles under the installed Triton in
 tests/test_triton_ws.py, test_triton_fwd_ws.py, test_ptx_compare.py and scripts/triton_compile_check.py (which CI
 also runs under the newest supported Triton)."""
 
@@ -19,14 +19,15 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from gluon_compile import pretend_capability  # noqa: E402
+from gluon_compile import pretend_capability, ws_reasons  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 from flash_attn_ck import KernelCompileError  # noqa: E402
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
-from flash_attn_ck.backends.triton import config, launch, triton_versions  # noqa: E402
+from flash_attn_ck.backends.triton import config, operators  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
+from flash_attn_ck.backends.triton.runtime import launch, triton_versions  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
 from flash_attn_ck.core.problem import AttentionParams, AttentionProblem  # noqa: E402
 
@@ -159,15 +160,15 @@ def _problem(heads=(8, 2), seqlen=4096, head_dim=128, **features):
 @pytest.fixture
 def fresh_process(monkeypatch):
     """No kernel has failed to compile and no warning has been given (as at a process's start)."""
-    monkeypatch.setattr(triton_backend, "_FAILED_TO_COMPILE", {})
-    monkeypatch.setattr(triton_backend, "_WARNED", set())
+    monkeypatch.setattr(operators, "FAILED_TO_COMPILE", {})
+    monkeypatch.setattr(operators, "_WARNED", set())
 
 
 def test_a_triton_outside_the_range_runs_the_one_launch_kernels_and_says_so(monkeypatch, fresh_process):
     monkeypatch.setattr(triton_versions, "installed", lambda: "3.10.0")
     with pretend_capability(), warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        reasons = TritonBackend().ws_reasons(_problem())
+        reasons = ws_reasons(TritonBackend(), _problem())
         assert any("Triton 3.10.0 is outside the tested range 3.6-3.9" in r for r in reasons), reasons
         fwd = TritonBackend().forward_kernel(_problem(seqlen=8192))
         plan = TritonBackend().backward_plan(_problem(seqlen=8192))
@@ -176,7 +177,7 @@ def test_a_triton_outside_the_range_runs_the_one_launch_kernels_and_says_so(monk
     assert plan.kernel.startswith("bwd_main") and "Triton 3.10.0" in plan.kernel
     with pretend_capability(), warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert TritonBackend(ws=True).ws_reasons(_problem(seqlen=8192)) == []   # forced: the user's risk
+        assert ws_reasons(TritonBackend(ws=True), _problem(seqlen=8192)) == []   # forced: the user's risk
 
 
 class _Runs:
@@ -187,20 +188,21 @@ class _Runs:
         error = KernelCompileError("attn_bwd_ws_kernel", f"Triton {triton.__version__}", "an op it cannot lower")
 
         def failing(name):
-            def run(backend, *args):
+            def run(operator, backend, *args):
                 self.ran.append(name)
                 raise error
-            return run
+            return classmethod(run)
 
         def one_launch(name):
-            def run(backend, p, params, *rest):
+            def run(operator, backend, p, params, *rest):
                 self.ran.append((name, backend.dq_mode, backend.gqa_epilogue, tuple(rest[-1]) if name[0] == "b"
                                  else ()))
-            return run
-        monkeypatch.setattr(TritonBackend, "_backward_ws", failing("bwd_ws"))
-        monkeypatch.setattr(TritonBackend, "_forward_ws", failing("fwd_ws"))
-        monkeypatch.setattr(TritonBackend, "_backward_one_launch", one_launch("bwd_main"))
-        monkeypatch.setattr(TritonBackend, "_forward_one_launch", one_launch("forward"))
+            return classmethod(run)
+        monkeypatch.setattr(operators.BwdWs, "run", failing("bwd_ws"))
+        monkeypatch.setattr(operators.FwdWs, "run", failing("fwd_ws"))
+        for operator in (operators.BwdMain, operators.BwdMainAtomicDq):
+            monkeypatch.setattr(operator, "run", one_launch("bwd_main"))
+        monkeypatch.setattr(operators.Forward, "run", one_launch("forward"))
         monkeypatch.setattr(triton_backend, "_prepare_launch", lambda: None)
 
 
@@ -293,7 +295,9 @@ def test_a_moved_gluon_name_is_a_compile_error_of_the_kernel():
         import sys
         sys.path[:0] = [{str(root)!r}, {str(root / "tests")!r}]
         from flash_attn_ck import KernelCompileError
-        from flash_attn_ck.backends.triton import bwd_ws, config, launch
+        from flash_attn_ck.backends.triton import config
+        from flash_attn_ck.backends.triton.gluon import bwd_ws
+        from flash_attn_ck.backends.triton.runtime import launch
         from gluon_compile import bwd_spec, compile_spec
         bwd_ws.barrier = lambda: None
         try:

@@ -26,7 +26,7 @@ CASE = textwrap.dedent("""
     sys.path[:0] = [{root!r}, {tests!r}]
     from cases import check_case
     from oracle import Config
-    from flash_attn_ck.backends.triton import {module}
+    from flash_attn_ck.backends.triton.gluon import {module}
     from flash_attn_ck.backends.triton.backend import TritonBackend
     from flash_attn_ck import use_backend
 

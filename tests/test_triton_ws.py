@@ -1,5 +1,5 @@
-"""CPU tests of the warp-specialised Gluon backward (backends/triton/bwd_ws.py): its dispatch rule
-(`TritonBackend.ws_reasons`), its workspace plan, and that every kernel variant compiles to sm_90a
+"""CPU tests of the warp-specialised Gluon backward (backends/triton/gluon/bwd_ws.py): its dispatch rule
+(its operators' declarations, operators.py), its workspace plan, and that every kernel variant compiles to sm_90a
 with the instructions the design rests on. Its numerics run on the GPU (tests/test_triton.py)."""
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from gluon_compile import (  # noqa: E402
     pretend_capability,
     ptxas_report,
     spill_allowance,
+    ws_reasons,
 )
 
 from cases import tile_head_dims  # noqa: E402
-from flash_attn_ck.backends.triton import config  # noqa: E402
+from flash_attn_ck.backends.triton import config, operators  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
 from flash_attn_ck.core.problem import AttentionProblem  # noqa: E402
@@ -45,14 +46,14 @@ def problem(seqlen=8192, head_dim=128, heads=(16, 16), batch=2, dtype=torch.bflo
 
 
 def test_ws_runs_where_it_measured_faster(sm90):
-    assert TritonBackend().ws_reasons(problem()) == []
-    assert TritonBackend().ws_reasons(problem(heads=(32, 8), causal=True)) == []
-    short = TritonBackend().ws_reasons(problem(seqlen=config.BWD_WS_MIN_SEQLEN[128] - 1))
+    assert ws_reasons(TritonBackend(), problem()) == []
+    assert ws_reasons(TritonBackend(), problem(heads=(32, 8), causal=True)) == []
+    short = ws_reasons(TritonBackend(), problem(seqlen=config.BWD_WS_MIN_SEQLEN[128] - 1))
     assert short and "one-launch kernel measured faster" in short[0]
-    assert TritonBackend().ws_reasons(problem(seqlen=config.BWD_WS_MIN_SEQLEN[128])) == []
-    assert TritonBackend(ws=True).ws_reasons(problem(seqlen=512)) == []        # forced: any length
-    assert TritonBackend(ws=True).ws_reasons(problem(seqlen=512, head_dim=64)) == []
-    assert TritonBackend(ws=False).ws_reasons(problem()) == ["turned off (TritonBackend(ws=False))"]
+    assert ws_reasons(TritonBackend(), problem(seqlen=config.BWD_WS_MIN_SEQLEN[128])) == []
+    assert ws_reasons(TritonBackend(ws=True), problem(seqlen=512)) == []        # forced: any length
+    assert ws_reasons(TritonBackend(ws=True), problem(seqlen=512, head_dim=64)) == []
+    assert ws_reasons(TritonBackend(ws=False), problem()) == ["turned off (TritonBackend(ws=False))"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -63,7 +64,7 @@ def test_the_default_runs_it_exactly_where_measured(head_dim, causal, group, seq
     head dim is in BWD_WS_DEFAULT_HEAD_DIMS and its longest sequence reaches its head block's BWD_WS_MIN_SEQLEN; a
     shorter one is told why."""
     with pretend_capability():
-        reasons = TritonBackend().ws_reasons(problem(head_dim=head_dim, causal=causal, heads=(8 * group, 8),
+        reasons = ws_reasons(TritonBackend(), problem(head_dim=head_dim, causal=causal, heads=(8 * group, 8),
                                                      seqlen=seqlen))
     shortest = config.BWD_WS_MIN_SEQLEN.get(config.head_block(head_dim), 0)
     measured = head_dim in config.BWD_WS_DEFAULT_HEAD_DIMS
@@ -82,7 +83,7 @@ def test_every_unsupported_feature_is_named(names, forced):
     """Each feature the kernel does not implement keeps the call on the one-launch kernel, with its name."""
     features = {k: v for n in names for k, v in FEATURES[n].items()}
     with pretend_capability():
-        reasons = TritonBackend(ws=forced or None).ws_reasons(problem(**features))
+        reasons = ws_reasons(TritonBackend(ws=forced or None), problem(**features))
     for name in names:
         assert any(name in r for r in reasons), (name, reasons)
 
@@ -93,16 +94,15 @@ def test_every_unsupported_feature_is_named(names, forced):
     (128, (9, 0), torch.float32, "float32")])
 def test_ws_names_what_it_cannot_run(head_dim, capability, dtype, expect):
     with pretend_capability(capability):
-        reasons = TritonBackend().ws_reasons(problem(head_dim=head_dim, dtype=dtype))
+        reasons = ws_reasons(TritonBackend(), problem(head_dim=head_dim, dtype=dtype))
     assert any(expect in r for r in reasons), reasons
 
 
 def test_an_unmeasured_head_dim_keeps_the_one_launch_kernel(sm90, monkeypatch):
-    from dataclasses import replace
-    monkeypatch.setattr(config, "BWD_WS_RULE", replace(config.BWD_WS_RULE, default_head_dims=frozenset({128})))
-    assert TritonBackend().ws_reasons(problem()) == []
-    assert TritonBackend().ws_reasons(problem(head_dim=64)) == ["head dim 64: the one-launch kernel measured faster"]
-    assert TritonBackend(ws=True).ws_reasons(problem(head_dim=64)) == []
+    monkeypatch.setattr(operators.BwdWs, "default_head_dims", frozenset({128}))
+    assert ws_reasons(TritonBackend(), problem()) == []
+    assert ws_reasons(TritonBackend(), problem(head_dim=64)) == ["head dim 64: the one-launch kernel measured faster"]
+    assert ws_reasons(TritonBackend(ws=True), problem(head_dim=64)) == []
 
 
 def test_plan_names_the_kernel_and_bounds_dq_accum(sm90):
@@ -135,21 +135,21 @@ def test_deterministic_plan_orders_every_query_tile(sm90):
 def test_launches_cover_every_kv_head_once(sm90, group):
     """kv heads are walked in launches whose dQ accumulators fit; together they cover every head once."""
     p = problem(seqlen=16384, heads=(8 * group, 8), batch=4)
-    per = TritonBackend()._ws_kv_heads_per_launch(p)
+    per = operators.BwdWs.kv_heads_per_launch(TritonBackend(), p)
     assert per * p.rows_q * group * 128 * 4 <= config.BWD_WS_DQ_ACCUM_BYTES or per == 1
     covered = [h for h0 in range(0, p.heads_k, per) for h in range(h0, min(h0 + per, p.heads_k))]
     assert covered == list(range(p.heads_k))
 
 
 def test_a_launch_over_every_head_passes_the_tensors_themselves():
-    """_backward_ws hands each launch the heads it covers: the tensor itself when that is all of them (no view
-    to make per tensor and launch), else exactly those heads."""
-    from flash_attn_ck.backends.triton.backend import _heads
+    """The warp-specialised backward (operators.BwdWs.run) hands each launch the heads it covers: the tensor itself
+    when that is all of them (no view to make per tensor and launch), else exactly those heads."""
+    from flash_attn_ck.backends.triton.operators import heads_of
     t = torch.arange(2 * 3 * 4 * 5).view(2, 3, 4, 5)
-    assert _heads(t, -2, slice(0, 4)) is t and _heads(t, 1, slice(0, 3)) is t
+    assert heads_of(t, -2, slice(0, 4)) is t and heads_of(t, 1, slice(0, 3)) is t
     for dim, heads, expected in ((-2, slice(0, 2), t[..., :2, :]), (-2, slice(1, 4), t[..., 1:, :]),
                                  (1, slice(2, 3), t[:, 2:])):
-        got = _heads(t, dim, heads)
+        got = heads_of(t, dim, heads)
         assert got is not t and torch.equal(got, expected) and got.data_ptr() == expected.data_ptr()
 
 
@@ -214,8 +214,8 @@ def test_kernel_compiles_to_the_designed_instructions(head_dim, varlen, masks, d
 def test_the_grid_is_key_major_when_asked(batch, seqlen, heads_k, group, split, key_major):
     """bwd_ws.launch_spec (CPU tensors): the grid is (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with
     WsTile.key_major, and the kernel is told which (KEY_MAJOR)."""
-    from flash_attn_ck.backends.triton import bwd_ws
-    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
+    from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
 
     d = 256 if split else 64
     tile = config.WsTile(64, 64 if split else 128, num_warps=4 if split else 8, split_d=split,
@@ -229,7 +229,7 @@ def test_the_grid_is_key_major_when_asked(batch, seqlen, heads_k, group, split, 
     key_tiles = -(-seqlen // tile.block_n)
     assert spec.kernel is (bwd_ws.attn_bwd_ws_split_kernel if split else bwd_ws.attn_bwd_ws_kernel)
     assert spec.grid == ((heads_k, batch, key_tiles) if key_major else (key_tiles, batch, heads_k))
-    assert spec.args["CONSTANTS"].KEY_MAJOR is key_major
+    assert spec.args["TILE"].key_major is key_major
 
 
 @pytest.mark.parametrize("head_dim", sorted(config.BWD_WS_SM90))
@@ -285,8 +285,8 @@ def test_a_few_queries_against_long_keys_compile_as_launched(head_dim, seqlen_q)
     semaphore rows per head (sem_m_tiles) are 1, and a launch specialises both to the constant 1, which has to cross
     into the worker partitions (bwd_ws_split built its partition list in a comprehension, whose plain ints do not:
     "'int' object has no attribute '_flatten_ir'" for every such d256 call)."""
-    from flash_attn_ck.backends.triton import bwd_ws
-    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
+    from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
     q, dout = (torch.empty(1, seqlen_q, 4, head_dim, dtype=torch.bfloat16) for _ in range(2))
     k, v, dk, dv = (torch.empty(1, 4096, 4, head_dim, dtype=torch.bfloat16) for _ in range(4))
     lse, delta = torch.empty(1, 4, seqlen_q), torch.empty(1, 4, seqlen_q)
@@ -310,7 +310,7 @@ def test_causal_gqa_or_deterministic_at_d128_starts_the_longest_key_tiles_first(
     deterministic, on the d128 tile; the plan says so."""
     p = problem(head_dim=head_dim, heads=(heads_k * group, heads_k), causal=causal, deterministic=deterministic)
     with pretend_capability():
-        tile, plan = TritonBackend()._ws_tile(p), TritonBackend().backward_plan(p)
+        tile, plan = operators.BwdWs.tile(TritonBackend(), p), TritonBackend().backward_plan(p)
     expected = causal and (group >= 4 or deterministic) and config.head_block(head_dim) == 128
     assert tile.key_major is expected
     assert tile == replace(config.BWD_WS_SM90[config.head_block(head_dim)], key_major=expected)
@@ -324,13 +324,13 @@ def test_head_dims_above_128_take_the_split_kernel(sm90):
     the rest of the table."""
     for block in SPLIT:
         for head_dim in range(block // 2 + 8, block + 1, 8):
-            assert TritonBackend().ws_reasons(problem(head_dim=head_dim)) == []
-            assert TritonBackend()._ws_tile(problem(head_dim=head_dim)).split_d
+            assert ws_reasons(TritonBackend(), problem(head_dim=head_dim)) == []
+            assert operators.BwdWs.tile(TritonBackend(), problem(head_dim=head_dim)).split_d
             assert TritonBackend().backward_plan(problem(head_dim=head_dim)).kernel.startswith("bwd_ws_split ")
     for head_dim in UNSPLIT:
-        assert not TritonBackend()._ws_tile(problem(head_dim=head_dim)).split_d
+        assert not operators.BwdWs.tile(TritonBackend(), problem(head_dim=head_dim)).split_d
         assert TritonBackend().backward_plan(problem(head_dim=head_dim)).kernel.startswith("bwd_ws ")
-    assert TritonBackend().ws_reasons(problem(head_dim=72)) == ["head dim 72: the one-launch kernel measured faster"]
+    assert ws_reasons(TritonBackend(), problem(head_dim=72)) == ["head dim 72: the one-launch kernel measured faster"]
 
 
 @pytest.mark.parametrize("cap_mib", [64, 40])
@@ -390,7 +390,7 @@ def test_every_deterministic_launch_gets_zeroed_semaphores_in_the_kernels_layout
     zero when it starts, also when the last launch has fewer heads than the buffer was sized for (a narrowed view
     kept the full head stride: the kernel read the previous launch's counts and its dQ adds waited forever)."""
     from flash_attn_ck.backends.triton import backend as triton_backend
-    from flash_attn_ck.backends.triton import bwd_ws
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
     from flash_attn_ck.core.inputs import describe_call
     from flash_attn_ck.core.options import AttentionOptions
     from flash_attn_ck.core.problem import AttentionParams
@@ -412,8 +412,8 @@ def test_every_deterministic_launch_gets_zeroed_semaphores_in_the_kernels_layout
             for t in self.buffers:
                 t.zero_()
 
-    monkeypatch.setattr(TritonBackend, "_preprocess", staticmethod(lambda *a: None))
-    monkeypatch.setattr(triton_backend, "_cast", lambda *a: None)
+    monkeypatch.setattr(operators, "_preprocess", lambda *a: None)
+    monkeypatch.setattr(operators, "cast", lambda *a: None)
     monkeypatch.setattr(triton_backend.launch, "zero_flat", Zero)
     monkeypatch.setattr(bwd_ws, "launch", launch)
     monkeypatch.setattr(config, "BWD_WS_DQ_ACCUM_BYTES", per_launch * batch * seqlen * group * d * 4)
@@ -421,12 +421,12 @@ def test_every_deterministic_launch_gets_zeroed_semaphores_in_the_kernels_layout
     k = torch.zeros(batch, seqlen, heads_k, d, dtype=torch.bfloat16)
     p = describe_call(q, k, k, AttentionOptions(causal=True, deterministic=True))
     backend, tiles = TritonBackend(), 3
-    assert backend._ws_kv_heads_per_launch(p) == per_launch
+    assert operators.BwdWs.kv_heads_per_launch(backend, p) == per_launch
     workspace = {"softmax_d": torch.zeros(batch, heads_k * group, seqlen),      # as backward_plan sizes them
                  "dq_accum": torch.zeros(batch * seqlen, per_launch * group, d),
                  "dq_semaphore": torch.zeros(batch, per_launch * group, tiles, dtype=torch.int32)}
     lse = torch.zeros(batch, heads_k * group, seqlen)
-    backend._backward_ws(p, AttentionParams(q, k, k), q, lse, q, q.clone(), k.clone(), k.clone(), workspace)
+    operators.BwdWs.run(backend, p, AttentionParams(q, k, k), q, lse, q, q.clone(), k.clone(), k.clone(), workspace)
     launches = -(-heads_k // per_launch)
     assert len(seen) == launches
     for i, (shape, contiguous, zero, launch_heads) in enumerate(seen):

@@ -145,14 +145,16 @@ def test_triton_runs_d_v_on_the_one_launch_kernels_and_says_why_not_the_others()
     """The one-launch kernels take v's head dim (tests/test_triton_interpret.py runs them); the warp-specialised
     kernels (one head block) and the GQA accumulator epilogue (one row width) say why they do not run such a call."""
     from flash_attn_ck.backends.triton import TritonBackend
+    from flash_attn_ck.backends.triton.operators import BACKWARD, FORWARD, GluonOperator
     assert not any("head dim" in r for r in TritonBackend.not_supported_reasons(_problem(192, 128, "cuda")))
     backend = TritonBackend(gqa_epilogue="accumulate")
     problem = _problem(192, 128)        # (on the CPU: the Gluon reasons then ask no GPU for its capability)
-    why = "value head dim 128 != head dim 192 (the kernel has one head block)"
-    assert why in backend.ws_reasons(problem) and why in backend.fwd_ws_reasons(problem)
-    assert why not in backend.ws_reasons(_problem(192, 192))
-    assert not backend._accumulate_kv(_problem(192, 128, heads=(4, 2)))
-    assert backend._accumulate_kv(_problem(192, 190, heads=(4, 2)))     # padded alike: one kernel head dim
+    why = "value head dim 128 != head dim 192: the kernel has one head block"
+    for operator in FORWARD + BACKWARD:
+        assert (why in backend.reasons(problem, operator)) == issubclass(operator, GluonOperator), operator.name
+        assert why not in backend.reasons(_problem(192, 192), operator)
+    assert not backend.accumulate_kv(_problem(192, 128, heads=(4, 2)))
+    assert backend.accumulate_kv(_problem(192, 190, heads=(4, 2)))     # padded alike: one kernel head dim
 
 
 # ---- bad input ------------------------------------------------------------------------------------------

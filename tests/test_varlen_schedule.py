@@ -1,5 +1,5 @@
-"""backends/triton/varlen_schedule.py on CPU: the plain-Python schedule against brute force (the project's mask),
-and both device builders (torch ops; the Triton kernel under TRITON_INTERPRET=1, in a subprocess) against it,
+"""backends/triton/runtime/varlen_schedule.py on CPU: the plain-Python schedule against brute force (the project's
+mask), and both device builders (torch ops; the Triton kernel under TRITON_INTERPRET=1, in a subprocess) against it,
 over cu_seqlens with empty and 1-token sequences (hypothesis). The sm_90a build is checked with ptxas."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("triton")
-from flash_attn_ck.backends.triton import varlen_schedule as vs
+from flash_attn_ck.backends.triton.runtime import varlen_schedule as vs
 from flash_attn_ck.core.mask import MaskInfo
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +90,7 @@ def test_the_torch_builder_is_the_model(pairs, walk, extra):
 
 _RUNNER = r"""
 import json, sys, torch
-from flash_attn_ck.backends.triton import varlen_schedule as vs
+from flash_attn_ck.backends.triton.runtime import varlen_schedule as vs
 results = []
 for case in json.loads(sys.argv[1]):
     walk = vs.TileWalk(**case["walk"])

@@ -1,10 +1,10 @@
 """CPU tests of the warp-specialised kernels' varlen schedule (TritonBackend(varlen_schedule=True),
-backends/triton/varlen_schedule.py): which walk and bound each launch builds for each kernel and mask, where the grid
-over every (batch, tile) stays (the option off, dense calls, a deterministic backward with a left window), the launch
-specs the backend builds (grid (heads, items), the schedule of the model, one schedule for every kv-head launch), that
-a scheduled launch never shares a compiled kernel with the grid's, and that the scheduled kernels compile for sm_90a
-(ptxas: their spills stay those of the grid's kernels). Their numerics against the grid's run on the GPU
-(tests/test_triton.py, `-k schedule`)."""
+backends/triton/runtime/varlen_schedule.py): which walk and bound each launch builds for each kernel and mask, where
+the grid over every (batch, tile) stays (the option off, dense calls, a deterministic backward with a left window),
+the launch specs the backend builds (grid (heads, items), the schedule of the model, one schedule for every kv-head
+launch), that a scheduled launch never shares a compiled kernel with the grid's, and that the scheduled kernels
+compile for sm_90a (ptxas: their spills stay those of the grid's kernels). Their numerics against the grid's run on
+the GPU (tests/test_triton.py, `-k schedule`)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from gluon_compile import (  # noqa: E402
     ptxas_report,
 )
 
-from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
-from flash_attn_ck.backends.triton import config, launch  # noqa: E402
-from flash_attn_ck.backends.triton import varlen_schedule as vs  # noqa: E402
+from flash_attn_ck.backends.triton import config, operators  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
+from flash_attn_ck.backends.triton.runtime import launch  # noqa: E402
+from flash_attn_ck.backends.triton.runtime import varlen_schedule as vs  # noqa: E402
 from flash_attn_ck.core.inputs import describe_call, kernel_params  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
 from flash_attn_ck.core.options import AttentionOptions  # noqa: E402
@@ -85,10 +85,10 @@ def test_each_launch_walks_its_own_tiles_under_the_calls_window(mask, head_dim, 
     ws_tile = config.bwd_ws_tile(head_dim, p.mask.is_causal, group)
     backend = TritonBackend(ws=True, fwd_ws=True, varlen_schedule=True)
     with pretend_capability():
-        assert backend._schedule_walk(p, "forward") == (
+        assert operators.FwdWs.schedule_walk(backend, p) == (
             vs.TileWalk(fwd_tile.block_m, fwd_tile.block_n, False, left, right, top_left),
             vs.schedule_bound(p.total_q, len(PACK), fwd_tile.block_m))
-        assert backend._schedule_walk(p, "backward") == (
+        assert operators.BwdWs.schedule_walk(backend, p) == (
             vs.TileWalk(ws_tile.block_n, ws_tile.block_m, True, left, right, top_left),
             vs.schedule_bound(p.total_k, len(PACK), ws_tile.block_n))
         assert "varlen schedule" in backend.backward_plan(p).kernel
@@ -106,8 +106,8 @@ def test_a_deterministic_backward_with_a_left_window_keeps_the_grid(mask):
     p, _ = call(mask, deterministic=True)
     backend = TritonBackend(ws=True, varlen_schedule=True)
     with pretend_capability():
-        assert backend._schedule_walk(p, "forward") is not None
-        assert (backend._schedule_walk(p, "backward") is None) == (mask in LEFT)
+        assert operators.FwdWs.schedule_walk(backend, p) is not None
+        assert (operators.BwdWs.schedule_walk(backend, p) is None) == (mask in LEFT)
         assert ("varlen schedule" in backend.backward_plan(p).kernel) == (mask not in LEFT)
 
 
@@ -142,14 +142,15 @@ def test_the_option_off_a_dense_call_or_too_many_items_keep_the_grid(monkeypatch
     monkeypatch.setattr(config, "VARLEN_SCHEDULE", False)
     with pretend_capability():
         for backend in (TritonBackend(), TritonBackend(varlen_schedule=False)):
-            assert backend._schedule_walk(p, "forward") is None and backend._schedule_walk(p, "backward") is None
-        assert TritonBackend(varlen_schedule=True)._schedule_walk(replace(dense, device=p.device), "forward") is None
+            assert all(op.schedule_walk(backend, p) is None for op in (operators.FwdWs, operators.BwdWs))
+        on = TritonBackend(varlen_schedule=True)
+        assert operators.FwdWs.schedule_walk(on, replace(dense, device=p.device)) is None
         monkeypatch.setattr(config, "VARLEN_SCHEDULE", True)     # None follows the config
-        assert TritonBackend()._schedule_walk(p, "forward") is not None
-        assert TritonBackend(varlen_schedule=False)._schedule_walk(p, "forward") is None
-        bound = TritonBackend(varlen_schedule=True)._schedule_walk(p, "backward")[1]
+        assert operators.FwdWs.schedule_walk(TritonBackend(), p) is not None
+        assert operators.FwdWs.schedule_walk(TritonBackend(varlen_schedule=False), p) is None
+        bound = operators.BwdWs.schedule_walk(TritonBackend(varlen_schedule=True), p)[1]
         monkeypatch.setattr(config, "GRID_Y_MAX", bound - 1)
-        assert TritonBackend(varlen_schedule=True)._schedule_walk(replace(p), "backward") is None
+        assert operators.BwdWs.schedule_walk(TritonBackend(varlen_schedule=True), replace(p)) is None
 
 
 def test_the_option_is_checked_fixed_and_kept_by_the_leaner_backend():
@@ -167,18 +168,18 @@ def test_the_option_is_checked_fixed_and_kept_by_the_leaner_backend():
 def run_launches(backend, p, params, monkeypatch):
     """The launch specs of the warp-specialised forward and backward of the call (CPU tensors: nothing runs; the
     backward's D and casts skipped, the zeroings between its launches left out)."""
-    from flash_attn_ck.backends.triton.bwd_postprocess import zero_kernel
+    from flash_attn_ck.backends.triton.runtime.bwd_postprocess import zero_kernel
     seen = []
     monkeypatch.setattr(launch.LaunchSpec, "launch", lambda spec: seen.append(spec))
-    monkeypatch.setattr(TritonBackend, "_preprocess", staticmethod(lambda *a: None))
-    monkeypatch.setattr(triton_backend, "_cast", lambda *a: None)
+    monkeypatch.setattr(operators, "_preprocess", lambda *a: None)
+    monkeypatch.setattr(operators, "cast", lambda *a: None)
     q = params.q
     lse = torch.zeros(p.lse_shape)
     with pretend_capability():
-        backend._forward_ws(p, params, torch.empty_like(q), lse)
+        operators.FwdWs.run(backend, p, params, torch.empty_like(q), lse)
         plan = backend.backward_plan(p)
         workspace = plan.allocate(torch.device("cpu"))
-        backend._backward_ws(p, params, q, lse, q, torch.empty_like(q), torch.empty_like(params.k),
+        operators.BwdWs.run(backend, p, params, q, lse, q, torch.empty_like(q), torch.empty_like(params.k),
                              torch.empty_like(params.v), workspace)
     return seen[0], [spec for spec in seen[1:] if spec.kernel is not zero_kernel]
 
@@ -203,7 +204,7 @@ def test_the_launches_run_the_schedule_of_the_model(lens, mask, group, heads_k, 
         fwd_off, bwds_off = run_launches(off, p, params, monkeypatch)
     cu_q, cu_k = params.cu_seqlens_q.tolist(), params.cu_seqlens_k.tolist()
     with pretend_capability():
-        walks = {role: on._schedule_walk(p, role) for role in ("forward", "backward")}
+        walks = {op.role: op.schedule_walk(on, p) for op in (operators.FwdWs, operators.BwdWs)}
     walk, bound = walks["forward"]
     assert fwd.grid == (heads_k * group, bound)
     assert fwd.args["schedule"].dtype == torch.int32 and fwd.args["schedule"].tolist() == vs.schedule_model(
@@ -211,7 +212,8 @@ def test_the_launches_run_the_schedule_of_the_model(lens, mask, group, heads_k, 
     assert fwd_off.args["schedule"] is None and len(fwd_off.grid) == 3
     launches = -(-heads_k // min(per_launch, heads_k))
     assert len(bwds) == len(bwds_off) == launches
-    if deterministic and on._gluon_mask(p).flags.HAS_LEFT:   # a window wider than every sequence has no left bound
+    # a window wider than every sequence has no left bound
+    if deterministic and operators.BwdWs.mask(on, p).flags.HAS_LEFT:
         assert walks["backward"] is None
         assert all(b.args["schedule"] is None and b.grid == o.grid for b, o in zip(bwds, bwds_off))
     else:
@@ -224,7 +226,7 @@ def test_the_launches_run_the_schedule_of_the_model(lens, mask, group, heads_k, 
             assert spec_off.args["schedule"] is None and len(spec_off.grid) == 3
     for spec, spec_off in zip([fwd, *bwds], [fwd_off, *bwds_off]):      # the rest as the grid's launch has it
         assert spec.kernel is spec_off.kernel and spec.num_warps == spec_off.num_warps
-        for name in ("CONSTANTS", "MASK", "window", "sizes"):
+        for name in ("TILE", "CALL", "window", "sizes"):
             assert spec.args[name] == spec_off.args[name], name
 
 

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import workload_waves as ww
 
-from flash_attn_ck.backends.triton.varlen_schedule import TileWalk
+from flash_attn_ck.backends.triton.runtime.varlen_schedule import TileWalk
 
 
 @settings(max_examples=60, deadline=None)

@@ -19,12 +19,9 @@ from ..core.problem import AttentionParams, AttentionProblem
 from ..core.rows import fill_all_outside_sequences
 
 
-class Backend(abc.ABC):
-    name: ClassVar[str]
-    priority: ClassVar[int] = 0                     # higher wins when several backends fit
-    # Devices on which automatic selection may pick this backend (None: wherever it is supported).
-    auto_select_devices: ClassVar[frozenset[str] | None] = None
-    device_types: ClassVar[frozenset[str]] = frozenset()
+class Capabilities:
+    """What a backend, or one kernel of a backend (backends/triton/operators.py), declares it runs, as data;
+    `declared_reasons` turns a call outside it into words."""
     dtypes: ClassVar[frozenset[torch.dtype]] = frozenset({torch.float16, torch.bfloat16})
     max_head_dim: ClassVar[int] = 256             # of q/k's head dim d and of v's d_v alike
     # The mask kinds the kernels run (core/mask.py); a call with another kind is refused in the kind's words.
@@ -36,6 +33,50 @@ class Backend(abc.ABC):
     supports_dropout: ClassVar[bool] = True
     supports_varlen: ClassVar[bool] = True
     supports_deterministic: ClassVar[bool] = True
+    # Why fp32 results for fp16/bf16 inputs (`out_dtype`, what context parallelism merges) cannot be written,
+    # or None where they can.
+    fp32_outputs_refusal: ClassVar[str | None] = "its kernels write out, dq, dk and dv in the input dtype"
+    # Why it runs no call whose v has a head dim of its own (padded, d_v != d); None: it runs them.
+    value_head_dim_refusal: ClassVar[str | None] = None
+
+
+def declared_reasons(declared: type[Capabilities], problem: AttentionProblem) -> list[str]:
+    """Why `problem` lies outside what `declared` says it runs, in words (empty: it does not)."""
+    reasons = []
+    if problem.dtype not in declared.dtypes:
+        names = sorted(str(d).removeprefix("torch.") for d in declared.dtypes)
+        reasons.append(f"dtype {str(problem.dtype).removeprefix('torch.')} not in {names}")
+    if problem.head_dim > declared.max_head_dim:
+        reasons.append(f"head dim {problem.head_dim} > {declared.max_head_dim}")
+    if problem.head_dim_v > declared.max_head_dim:
+        reasons.append(f"value head dim {problem.head_dim_v} > {declared.max_head_dim}")
+    if problem.mask.kind not in declared.mask_kinds:
+        reasons.append(f"mask: {problem.mask.kind.value} is not supported "
+                       f"(runs: {describe_kinds(declared.mask_kinds)})")
+    features = [("ALiBi", problem.has_alibi, declared.supports_alibi),
+                ("softcap", problem.softcap != 0.0, declared.supports_softcap),
+                ("dropout", problem.dropout_p > 0.0, declared.supports_dropout),
+                ("varlen", problem.varlen, declared.supports_varlen),
+                ("deterministic mode", problem.deterministic, declared.supports_deterministic)]
+    reasons += [f"{feature} is not supported" for feature, used, supported in features if used and not supported]
+    alibi_kinds = declared.alibi_mask_kinds if declared.supports_alibi else None
+    if problem.has_alibi and alibi_kinds is not None and problem.mask.kind not in alibi_kinds:
+        reasons.append(f"ALiBi with mask {problem.mask.kind.value} is not supported "
+                       f"(ALiBi runs with: {describe_kinds(alibi_kinds)})")
+    if problem.out_dtype != problem.dtype and declared.fp32_outputs_refusal:
+        reasons.append(f"out_dtype {str(problem.out_dtype).removeprefix('torch.')}: {declared.fp32_outputs_refusal}")
+    if problem.head_dim_v_padded != problem.head_dim_padded and declared.value_head_dim_refusal:
+        reasons.append(f"value head dim {problem.head_dim_v} != head dim {problem.head_dim}: "
+                       f"{declared.value_head_dim_refusal}")
+    return reasons
+
+
+class Backend(Capabilities, abc.ABC):
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0                     # higher wins when several backends fit
+    # Devices on which automatic selection may pick this backend (None: wherever it is supported).
+    auto_select_devices: ClassVar[frozenset[str] | None] = None
+    device_types: ClassVar[frozenset[str]] = frozenset()
     # Whether the backward can run on a chunk of a call (pipeline/chunking.py): views of whole
     # batch entries / KV groups / query-head slices; query-row slices (a generic (y, x) mask); and
     # dropout, which needs a kernel that draws its pattern at `problem.placement`'s global coordinates.
@@ -44,9 +85,6 @@ class Backend(abc.ABC):
     supports_chunked_dropout: ClassVar[bool] = False
     # Whether dropout follows core/dropout.py's keep pattern (so return_attn_probs can show it).
     draws_reference_keep_pattern: ClassVar[bool] = True
-    # Why this backend cannot write fp32 results for fp16/bf16 inputs (`out_dtype`, what context parallelism
-    # merges), or None where its kernels can.
-    fp32_outputs_refusal: ClassVar[str | None] = "its kernels write out, dq, dk and dv in the input dtype"
 
     # ---- capability checks ---------------------------------------------------------------------
     @classmethod
@@ -67,28 +105,7 @@ class Backend(abc.ABC):
             reasons.append(missing)
         if problem.device.type not in cls.device_types:
             reasons.append(f"device type {problem.device.type!r} not in {sorted(cls.device_types)}")
-        if problem.dtype not in cls.dtypes:
-            names = sorted(str(d).removeprefix("torch.") for d in cls.dtypes)
-            reasons.append(f"dtype {str(problem.dtype).removeprefix('torch.')} not in {names}")
-        if problem.head_dim > cls.max_head_dim:
-            reasons.append(f"head dim {problem.head_dim} > {cls.max_head_dim}")
-        if problem.head_dim_v > cls.max_head_dim:
-            reasons.append(f"value head dim {problem.head_dim_v} > {cls.max_head_dim}")
-        if problem.mask.kind not in cls.mask_kinds:
-            reasons.append(f"mask: {problem.mask.kind.value} is not supported (runs: {describe_kinds(cls.mask_kinds)})")
-        features = [("ALiBi", problem.has_alibi, cls.supports_alibi),
-                    ("softcap", problem.softcap != 0.0, cls.supports_softcap),
-                    ("dropout", problem.dropout_p > 0.0, cls.supports_dropout),
-                    ("varlen", problem.varlen, cls.supports_varlen),
-                    ("deterministic mode", problem.deterministic, cls.supports_deterministic)]
-        reasons += [f"{feature} is not supported" for feature, used, supported in features if used and not supported]
-        alibi_kinds = cls.alibi_mask_kinds if cls.supports_alibi else None
-        if problem.has_alibi and alibi_kinds is not None and problem.mask.kind not in alibi_kinds:
-            reasons.append(f"ALiBi with mask {problem.mask.kind.value} is not supported "
-                           f"(ALiBi runs with: {describe_kinds(alibi_kinds)})")
-        if problem.out_dtype != problem.dtype and cls.fp32_outputs_refusal:
-            reasons.append(f"out_dtype {str(problem.out_dtype).removeprefix('torch.')}: {cls.fp32_outputs_refusal}")
-        return reasons + cls.extra_reasons(problem)
+        return reasons + declared_reasons(cls, problem) + cls.extra_reasons(problem)
 
     # ---- kernels -------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -90,7 +90,7 @@ def fill_and_cast() -> dict:
     """128 MiB fp32 accumulator (32768 x 8 x 128): torch's zero_ of it whole and of a head-narrowed view of a twice as
     wide buffer, and the package's cast to bf16."""
     from flash_attn_ck.backends.triton import backend as tb
-    from flash_attn_ck.backends.triton import launch
+    from flash_attn_ck.backends.triton.runtime import launch
 
     acc = torch.empty(32768, 8, 128, device="cuda", dtype=torch.float32)
     wide = torch.empty(32768, 16, 128, device="cuda", dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Check and time the warp-specialised Gluon backward kernel (backends/triton/bwd_ws.py) on its own,
+"""Check and time the warp-specialised Gluon backward kernel (backends/triton/gluon/bwd_ws.py) on its own,
 against an fp32 PyTorch reference (the 2x rule: error <= 2x that of the same math in bf16) and, for
 timing, against the current Triton backward and torch SDPA (FA2, cuDNN) in the same process.
 
@@ -27,8 +27,8 @@ import torch
 from ws_reference import arguments, attention, each_sequence, make_inputs, mask_args, tile_spec, within_2x
 
 import flash_attn_ck as fa
-from flash_attn_ck.backends.triton import bwd_ws
 from flash_attn_ck.backends.triton.config import BWD_WS_SM90, WsTile, head_block
+from flash_attn_ck.backends.triton.gluon import bwd_ws
 
 
 def ws_backward(q, k, v, out, dout, lse, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max_k=0):

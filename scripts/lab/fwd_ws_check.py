@@ -1,4 +1,4 @@
-"""Check and time the warp-specialised Gluon forward kernel (backends/triton/fwd_ws.py): out and lse against
+"""Check and time the warp-specialised Gluon forward kernel (backends/triton/gluon/fwd_ws.py): out and lse against
 an fp32 PyTorch reference (the 2x rule: error <= 2x that of the same math in the input dtype; lse = +inf
 exactly on the rows with no key), then forward TFLOP/s of each tile variant beside the current Triton
 forward and torch SDPA (flash, cuDNN) in the same process.
@@ -24,8 +24,9 @@ import triton
 from ws_reference import arguments, attention, each_sequence, make_inputs, mask_args, tile_spec, within_2x
 
 import flash_attn_ck as fa
-from flash_attn_ck.backends.triton import TritonBackend, fwd_ws
+from flash_attn_ck.backends.triton import TritonBackend
 from flash_attn_ck.backends.triton.config import FWD_WS_SM90, FwdWsTile, head_block
+from flash_attn_ck.backends.triton.gluon import fwd_ws
 
 
 def ws_forward(q, k, v, causal, window, tile, cu_q=None, cu_k=None, max_q=0, max_k=0):

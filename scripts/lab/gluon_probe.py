@@ -1,5 +1,5 @@
 """Probe the Gluon (triton.experimental.gluon, Triton 3.6) features the warp-specialised FlashAttention
-backward kernel (flash_attn_ck/backends/triton/bwd_ws.py) builds on, one tiny kernel per feature, each
+backward kernel (flash_attn_ck/backends/triton/gluon/bwd_ws.py) builds on, one tiny kernel per feature, each
 checked against a torch reference on random data:
 
   1. tma_ss_wgmma   TMA loads (host TensorDescriptor) behind an mbarrier (init/expect/wait), an SS
@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from flash_attn_ck.backends.triton.bwd_ws_workers import tma_reduce_add
+from flash_attn_ck.backends.triton.gluon.bwd_ws_workers import tma_reduce_add
 
 WARPS: gl.constexpr = gl.constexpr(8)   # num_warps of every probe kernel (the default partition's warps)
 COMPILE_ONLY = False

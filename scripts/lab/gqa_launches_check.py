@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import flash_attn_ck as fa
-from flash_attn_ck.backends.triton import TritonBackend, config
+from flash_attn_ck.backends.triton import TritonBackend, config, operators
 
 
 def grads(q, k, v, dout, **options):
@@ -42,7 +42,7 @@ def main() -> None:
             ref_out = F.scaled_dot_product_attention(qf, kf.repeat_interleave(h // h_k, 1),
                                                      vf.repeat_interleave(h // h_k, 1), is_causal=True)
         ref = [g.transpose(1, 2) for g in torch.autograd.grad(ref_out, (qf, kf, vf), dout.float().transpose(1, 2))]
-        launches = -(-h_k // TritonBackend()._ws_kv_heads_per_launch(_problem(q, k, v)))
+        launches = -(-h_k // operators.BwdWs.kv_heads_per_launch(TritonBackend(), _problem(q, k, v)))
         rows = {"ws": dict(backend=TritonBackend()), "ws det": dict(backend=TritonBackend(), deterministic=True),
                 "one-launch": dict(backend=TritonBackend(ws=False))}
         for name, options in rows.items():

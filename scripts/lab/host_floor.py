@@ -79,7 +79,7 @@ def main() -> None:
         dev = driver.active.get_current_device()
         backend = small.device_caches[dev][3]
         rows["triton kernel[grid](...) (2 args)"] = lambda: small[(1,)](x, 64, BLOCK=64)
-        from flash_attn_ck.backends.triton.launch import launch_kernel
+        from flash_attn_ck.backends.triton.runtime.launch import launch_kernel
         rows["launch.launch_kernel (2 args)"] = lambda: launch_kernel(small, (1,), (x, 64, 64), 4, 3)
         rows["native_specialize_impl (tensor)"] = lambda: native_specialize_impl(backend, x, False, True, True)
         rows["native_specialize_impl (int)"] = lambda: native_specialize_impl(backend, 64, False, True, True)
@@ -100,7 +100,7 @@ def captured_launches() -> dict:
     from triton.runtime.jit import native_specialize_impl
 
     import flash_attn_ck as fa
-    from flash_attn_ck.backends.triton import launch
+    from flash_attn_ck.backends.triton.runtime import launch
     specs = []
     original = launch.LaunchSpec.launch
 

@@ -59,10 +59,11 @@ class FakeKernel:
 def specs():
     """(forward tensors, forward launches, backward tensors, backward launches, workspace): launches as
     (fake kernel, grid, args, warps, stages) from launch.py's builders, as the one-launch kernels take them."""
-    from flash_attn_ck.backends.triton import config, launch
-    from flash_attn_ck.backends.triton.bwd_main import attn_bwd_kernel
-    from flash_attn_ck.backends.triton.bwd_preprocess import bwd_preprocess_kernel
-    from flash_attn_ck.backends.triton.forward import attn_fwd_kernel
+    from flash_attn_ck.backends.triton import config
+    from flash_attn_ck.backends.triton.one_launch.bwd_main import attn_bwd_kernel
+    from flash_attn_ck.backends.triton.one_launch.forward import attn_fwd_kernel
+    from flash_attn_ck.backends.triton.runtime import launch
+    from flash_attn_ck.backends.triton.runtime.bwd_preprocess import bwd_preprocess_kernel
     g = torch.Generator().manual_seed(0)
     q, k, v, out, dout, dq, dk, dv = (torch.randn(B, S, H, D, generator=g).bfloat16() for _ in range(8))
     lse, delta = torch.empty(B, H, S), torch.empty(B, H, S)
@@ -86,7 +87,8 @@ def specs():
 
 
 def rows():
-    from flash_attn_ck.backends.triton import backend, launch, replay
+    from flash_attn_ck.backends.triton import backend
+    from flash_attn_ck.backends.triton.runtime import launch, replay
     fwd_tensors, fwd_launches, bwd_tensors, bwd_launches, workspace = specs()
 
     def method(launches):

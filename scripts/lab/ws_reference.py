@@ -63,7 +63,7 @@ def within_2x(label, got, ref32, ref_same):
 
 def mask_args(causal, window):
     """The kernels' launch.GluonMask of a (causal, window_size) pair: causal is a right bound of 0."""
-    from flash_attn_ck.backends.triton.launch import GluonMask, MaskFlags
+    from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
     left, right = window
     if causal:
         right = 0

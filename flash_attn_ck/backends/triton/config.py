@@ -1,13 +1,13 @@
 """Launch configurations (tile shapes, warps, pipeline stages), keyed on the head-dim block (`head_block`), causal
-and GQA. Chosen offline: nothing is autotuned on the call path. One comment line per decision names where its
-numbers are: the measurements (H200, sm_90, triton 3.6) are in bench/nvidia-h200.md §The measurements behind the
-design decisions; docs/triton.md says why each choice is what it is.
-"""
+and GQA, and where the default runs each kernel (operators.py declares them per kernel). Chosen offline: nothing is
+autotuned on the call path. One comment line per decision names where its numbers are: the measurements (H200, sm_90,
+triton 3.6) are in bench/nvidia-h200.md §The measurements behind the design decisions; docs/triton.md says why each
+choice is what it is."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class WsTile:
         """'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xKEY_MAJOR]]]]]' (the flag 0 or 1), as the
         benchmark scripts take it."""
         names = ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "max_registers", "key_major")
-        values = list(map(int, text.split("x")))
+        values: list[Any] = list(map(int, text.split("x")))
         values[6:] = map(bool, values[6:])
         return cls(**dict(zip(names, values)))
 
@@ -75,22 +75,6 @@ class WsTile:
         if (self.num_warps, self.max_registers, self.key_major) != (8, 0, False):
             text += f"x{self.num_warps}x{self.max_registers}x{int(self.key_major)}"
         return text
-
-
-@dataclass(frozen=True, eq=False)     # hashed by identity: a rule is a module constant (a key of problem.memo)
-class GluonRule:
-    """Where a warp-specialised Gluon kernel runs (`TritonBackend.ws_reasons`, `fwd_ws_reasons`): the
-    TritonBackend option that forces it (True) or turns it off (False), its tile table (keyed by head_block) and
-    the function that picks a call's tile from it, where the default (None) runs it, the reasons given where it
-    does not, and whether it needs a positive softmax scale."""
-    option: str
-    tiles: dict
-    tile: Callable          # (head_dim, causal, group_size) -> the call's tile, None where the table has none
-    default_head_dims: frozenset
-    min_seqlen: dict        # head_block -> the shortest longest-sequence from which the default runs it
-    slower_head_dim: str    # why a head dim with tiles but outside default_head_dims keeps the other kernel
-    shorter: str            # why sequences shorter than min_seqlen do
-    positive_scale: bool = False
 
 
 def head_block(head_dim: int) -> int:
@@ -119,13 +103,6 @@ SHORT_SEQLEN = 2048
 FWD_SHORT_SEQLEN = 1024
 
 
-def auto_dq_atomic(head_dim: int, gqa: bool, bwd_tma: str, longest: int) -> bool:
-    """dq_mode "auto" of the one-launch backward: atomic dQ only for MHA at head block 128 with tiles loaded by
-    pointers, past SHORT_SEQLEN; with TMA loads and on short sequences the pass measured faster, and GQA keeps it
-    (an fp32 dQ the size of q): docs/triton.md §Modes."""
-    return not gqa and head_block(head_dim) == 128 and bwd_tma != "all" and longest > SHORT_SEQLEN
-
-
 # Made once: select is on the call path.
 SM90_SHORT = {key: replace(c, bwd_tma="none") for key, c in SM90.items()}
 SM90_FWD_SHORT = {key: replace(c, fwd_tma=False) for key, c in SM90_SHORT.items()}
@@ -150,12 +127,10 @@ def bwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1, deterministic:
 
 
 # Where it measured faster than the one-launch kernel (same section, "Short sequences"): these head dims, from
-# these longest-sequence lengths per head block (GQA included, since its several launches replay).
+# these longest-sequence lengths per head block (GQA included, since its several launches replay); the
+# operators bwd_ws and bwd_ws_split (operators.py) declare them.
 BWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, *range(136, 257, 8)})
 BWD_WS_MIN_SEQLEN = {64: 1024, 128: 512, 256: 512}
-BWD_WS_RULE = GluonRule("ws", BWD_WS_SM90, bwd_ws_tile, BWD_WS_DEFAULT_HEAD_DIMS, BWD_WS_MIN_SEQLEN,
-                        slower_head_dim="the one-launch kernel measured faster",
-                        shorter="the one-launch kernel measured faster")
 # One launch's fp32 dQ accumulator; kv-head groups run in turn below it: docs/triton.md §Known limits.
 BWD_WS_DQ_ACCUM_BYTES = 128 * 2 ** 20
 
@@ -198,7 +173,7 @@ class FwdWsTile:
         """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG[xQUERY_MAJOR]]]]' (flags 0 or 1), as scripts/lab/fwd_ws_check.py
         takes it; BM 192 means three consumer warpgroups."""
         names = ("block_m", "block_n", "num_stages", "overlap", "pingpong", "query_major")
-        values = list(map(int, text.split("x")))
+        values: list[Any] = list(map(int, text.split("x")))
         values[3:] = map(bool, values[3:])
         return cls(**dict(zip(names, values)), consumers=values[0] // 64)
 
@@ -212,7 +187,7 @@ FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, 
                                      pingpong=causal and d < 256)
                    for causal in (False, True)} for d in (64, 128, 256)}
 # Where it measured faster than the previous forward (same section, "Short sequences"): these head dims, from
-# these longest-sequence lengths per head block (256: the shortest measured).
+# these longest-sequence lengths per head block (256: the shortest measured); the operator fwd_ws declares them.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
 
@@ -222,13 +197,6 @@ def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile |
     tiles = FWD_WS_SM90.get(head_block(head_dim))
     return tiles[causal] if tiles else None
 
-
-# The running max is taken on raw scores, so the softmax scale must be positive.
-FWD_WS_RULE = GluonRule("fwd_ws", FWD_WS_SM90, fwd_ws_tile, FWD_WS_DEFAULT_HEAD_DIMS, FWD_WS_MIN_SEQLEN,
-                        slower_head_dim="not measured faster than the previous forward (TritonBackend(fwd_ws=True) "
-                                        "runs it)",
-                        shorter="not measured faster there (TritonBackend(fwd_ws=True) runs it)",
-                        positive_scale=True)
 
 GENERIC = {
     32: Configs(Tile(64, 64, 4, 2), Tile(64, 64, 4, 2), Tile(64, 64, 4, 2)),

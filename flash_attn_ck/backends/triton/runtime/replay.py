@@ -79,8 +79,9 @@ def layout_key(tensors: tuple[torch.Tensor | None, ...], device: int | None = No
 def record(method, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
     """Run `method()` (whose launches read and write `tensors`) and return its replay, or None when it cannot be
     replayed (module docstring)."""
-    launch._RECORDING.launches = launches = []
-    launch._RECORDING.views = views = {}
+    launches: list[Any] = []
+    views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    launch._RECORDING.launches, launch._RECORDING.views = launches, views
     watch = _AnyOperation()
     try:
         with watch:
@@ -89,7 +90,7 @@ def record(method, tensors: tuple[torch.Tensor | None, ...]) -> Replay | None:
         launch._RECORDING.launches = launch._RECORDING.views = None
     if watch.seen or any(x is None for x in launches):
         return None
-    roles: dict[int, int | tuple[int, int]] = {}
+    roles: dict[Any, Any] = {}     # id of a tensor, or of an allocation (_allocation) -> its role
     for role, t in enumerate(tensors):
         if t is not None:
             roles.setdefault(id(t), role)     # a tensor in several roles: its first (the key holds which roles share)
@@ -156,11 +157,12 @@ class _Launch:
     def of(compiled, grid, args, roles) -> _Launch:
         grid = tuple(grid) + (1,) * (3 - len(grid))
         structure = _Args.of(tuple(args), roles)
-        constants, steps = [], []
-        top = _flatten(structure, constants, steps)
+        constants: list[Any] = []
+        flat: list[tuple] = []
+        top = _flatten(structure, constants, flat)
         index = functools.partial(_index, len(constants))
         steps = tuple((slot, kind, _gatherer(list(map(index, a))), b) if kind is _NESTED else (slot, kind, a, b)
-                      for slot, kind, a, b in steps)
+                      for slot, kind, a, b in flat)
         return _Launch(compiled, grid, structure, tuple(constants), steps, _gatherer(list(map(index, top))))
 
     def fill(self, tensors: tuple) -> tuple:
@@ -249,7 +251,7 @@ class _Args:
             yield from inner.roles()
 
 
-def _maker(named: type):
+def _maker(named: Any):
     """What rebuilds a named tuple of `named` from a tuple of its fields: `tuple.__new__(named, fields)` (in C), which
     is what a named tuple's own `_make` does before it checks the length (`_Launch.fill` gathers exactly the recorded
     fields); the class's `_make` where it has another."""
@@ -258,7 +260,7 @@ def _maker(named: type):
     return named._make
 
 
-_NAMEDTUPLE_MAKE = collections.namedtuple("_", "")._make.__code__
+_NAMEDTUPLE_MAKE = collections.namedtuple("_", "")._make.__code__  # type: ignore[attr-defined]
 
 
 def _gatherer(indices: list[int]):

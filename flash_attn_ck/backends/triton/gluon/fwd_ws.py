@@ -45,8 +45,6 @@ gluon_common.uniform_rows copies tensors whose rows a descriptor cannot view):
 """
 
 
-from typing import NamedTuple
-
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -58,32 +56,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
+from ..runtime.triton_versions import tma_load, tma_store
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot, uniform_descriptor
-from .launch import GluonMask, GluonSizes, LaunchSpec
-from .triton_versions import tma_load, tma_store
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
 
 
-class Constants(NamedTuple):
-    """attn_fwd_ws_kernel's compile-time arguments but the mask's (its constexpr `CONSTANTS`; launch_spec makes it)."""
-    BLOCK_M: int
-    BLOCK_N: int
-    HEAD_D: int          # the head dim in shared memory: the power of two at or above head_dim
-    NUM_STAGES: int
-    CONSUMERS: int
-    OVERLAP: bool
-    PINGPONG: bool
-    QUERY_MAJOR: bool
-    VARLEN: bool
-    CONSUMER_REGS: int
-    LOADER_REGS: int
-
-
 @aggregate
 class PartitionConstants:
-    """The kernel's constants and the consumers' register layouts: the warpgroup's 4 warps split the rows of S and
-    O; P is the register A operand of P V."""
+    """The kernel's tile (config.FwdWsTile) and head dim in shared memory as constants, and the consumers' register
+    layouts: the warpgroup's 4 warps split the rows of S and O; P is the register A operand of P V."""
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     HEAD_D: gl.constexpr
@@ -99,15 +82,16 @@ class PartitionConstants:
     row_layout: gl.constexpr   # one value per query row
 
     @gluon.constexpr_function
-    def __init__(self, CONSTANTS):
-        for name in ("BLOCK_M", "BLOCK_N", "HEAD_D", "NUM_STAGES", "CONSUMERS", "OVERLAP", "PINGPONG", "QUERY_MAJOR"):
-            setattr(self, name, gl.constexpr(getattr(CONSTANTS, name)))
-        self.ROWS = gl.constexpr(CONSTANTS.BLOCK_M // CONSTANTS.CONSUMERS)
+    def __init__(self, TILE, HEAD_D):
+        for name in ("block_m", "block_n", "num_stages", "consumers", "overlap", "pingpong", "query_major"):
+            setattr(self, name.upper(), gl.constexpr(getattr(TILE, name)))
+        self.HEAD_D = gl.constexpr(HEAD_D)
+        self.ROWS = gl.constexpr(TILE.block_m // TILE.consumers)
         warps = CONSUMER_WARPS.value
         self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                               instr_shape=[16, CONSTANTS.BLOCK_N, 16]))
+                                                               instr_shape=[16, TILE.block_n, 16]))
         self.o_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                               instr_shape=[16, CONSTANTS.HEAD_D, 16]))
+                                                               instr_shape=[16, HEAD_D, 16]))
         self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.o_layout.value, k_width=2))
         self.row_layout = gl.constexpr(gl.SliceLayout(1, self.s_layout.value))
 
@@ -342,17 +326,17 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr)
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, schedule, strides, sizes, window,
-                       CONSTANTS: gl.constexpr, MASK: gl.constexpr):
+                       TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR, or with a
     `schedule` (varlen: int32 (rows, 2) [sequence, query tile], else a constexpr None) (query heads, rows); num_warps =
     CONSUMER_WARPS (consumer 0). `cu_seqlens`: (q, k); `strides`: (out row, lse batch, lse head); `sizes`:
-    launch.GluonSizes; `window`: (left, right); CONSTANTS: Constants; MASK: launch.MaskFlags. See the module
+    launch.GluonSizes; `window`: (left, right); TILE: config.FwdWsTile; CALL: launch.GluonCall. See the module
     docstring."""
-    consts = PartitionConstants(CONSTANTS)
+    consts = PartitionConstants(TILE, CALL.HEAD_D)
     seqlen_q, seqlen_k, group = sizes.seqlen_q, sizes.seqlen_k, sizes.group
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, CONSTANTS.VARLEN, schedule)
-    if CONSTANTS.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, CALL.VARLEN, schedule)
+    if CALL.VARLEN:   # noqa: SIM102 (a constexpr branch: dense calls compile no cu_seqlens loads)
         if _past_sequence(seqs, consts):
             return
     dtype: gl.constexpr = q_desc.dtype
@@ -378,14 +362,14 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
         mbarrier.init(k_empty.index(i), count=CONSUMERS)   # one arrival per consumer warpgroup
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
-    bufs = Buffers(q_smem, q_ready, Ring(k_smem, k_ready, k_empty, NUM_STAGES),
-                   Ring(v_smem, v_ready, v_empty, NUM_STAGES), turn)
-    mask = Mask(window, MASK)
+    bufs = Buffers(q_smem, q_ready, Ring(k_smem, k_ready, k_empty, NUM_STAGES),  # type: ignore[call-arg]
+                   Ring(v_smem, v_ready, v_empty, NUM_STAGES), turn)  # type: ignore[call-arg]
+    mask = Mask(window, CALL.MASK)
     outputs = (o_desc, Out, Lse, strides)
     gl.warp_specialize(
         [(_consumer, (consts, bufs, seqs, mask, outputs, sizes, wg)) for wg in (0, 1, 2)[:CONSUMERS]]
         + [(_loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc), group))],
-        [CONSUMER_WARPS] * (CONSUMERS - 1) + [1], [CONSTANTS.CONSUMER_REGS] * (CONSUMERS - 1) + [CONSTANTS.LOADER_REGS])
+        [CONSUMER_WARPS] * (CONSUMERS - 1) + [1], [TILE.consumer_regs] * (CONSUMERS - 1) + [TILE.loader_regs])
 
 
 # ---- host side -------------------------------------------------------------------------------
@@ -403,20 +387,18 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
     target, out_desc = uniform_descriptor(out, varlen, rows_per_consumer)
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     query_tiles = triton.cdiv(seqlen_q, tile.block_m)
+    grid: tuple[int, ...]
     if schedule is not None:
         assert varlen, "a schedule lists the items of a varlen call"
         grid = (q.shape[-2], schedule.shape[0])
     else:
         grid = (q.shape[-2], batch, query_tiles) if tile.query_major else (query_tiles, batch, q.shape[-2])
-    constants = Constants(tile.block_m, tile.block_n, out_desc.block_shape[-1], tile.num_stages, tile.consumers,
-                          tile.overlap, tile.pingpong, tile.query_major, varlen, tile.consumer_regs,
-                          tile.loader_regs)
     return LaunchSpec(attn_fwd_ws_kernel, grid, dict(
         q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=out_desc, Out=target, Lse=lse,
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
-        CONSTANTS=constants, MASK=mask.flags), CONSUMER_WARPS.value), target
+        TILE=tile, CALL=GluonCall(out_desc.block_shape[-1], varlen, mask.flags)), CONSUMER_WARPS.value), target
 
 
 def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, **kwargs):

@@ -54,18 +54,22 @@ def schedule_bound(total_rows: int, batch: int, block: int) -> int:
     return total_rows // block + batch
 
 
-def item_steps(len_q: int, len_k: int, tile: int, walk: TileWalk) -> int:
-    """Tiles of the walked axis that own tile `tile` of a sequence sees under the mask (0: none)."""
+def item_steps(len_q, len_k, tile, walk: TileWalk):
+    """Tiles of the walked axis that own tile `tile` of a sequence sees under the mask (0: none): of ints (the model),
+    or elementwise of int64 tensors (the torch builder), by the same arithmetic."""
+    elementwise = isinstance(tile, torch.Tensor)
+    minimum = torch.minimum if elementwise else min
     shift = 0 if walk.top_left else len_k - len_q
     own_len, walk_len = (len_k, len_q) if walk.owns_keys else (len_q, len_k)
-    first, last = tile * walk.own_block, min((tile + 1) * walk.own_block, own_len) - 1
+    first, last = tile * walk.own_block, minimum((tile + 1) * walk.own_block, own_len) - 1
     # Query i sees keys [i + shift - left, i + shift + right]; a key j is seen by queries
     # [j - shift - right, j - shift + left]. Over a tile of consecutive rows the union is an interval.
     below, above = (walk.right, walk.left) if walk.owns_keys else (walk.left, walk.right)
     offset = -shift if walk.owns_keys else shift
-    lo = 0 if below < 0 else max(0, first + offset - below)
-    hi = walk_len - 1 if above < 0 else min(walk_len - 1, last + offset + above)
-    return hi // walk.walk_block - lo // walk.walk_block + 1 if lo <= hi else 0
+    lo = 0 if below < 0 else (first + offset - below).clamp(min=0) if elementwise else max(0, first + offset - below)
+    hi = walk_len - 1 if above < 0 else minimum(walk_len - 1, last + offset + above)
+    steps = hi // walk.walk_block - lo // walk.walk_block + 1
+    return torch.where(lo <= hi, steps, 0) if elementwise else steps if lo <= hi else 0
 
 
 def schedule_model(cu_seqlens_q: list[int], cu_seqlens_k: list[int], walk: TileWalk, bound: int) -> list[list[int]]:
@@ -96,18 +100,6 @@ def build_schedule(cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, walk:
 
 
 # ---- torch ops ---------------------------------------------------------------------------------
-def _steps_torch(len_q, len_k, tile, walk: TileWalk):
-    """item_steps over tensors (the same arithmetic, elementwise)."""
-    shift = torch.zeros_like(len_q) if walk.top_left else len_k - len_q
-    own_len, walk_len = (len_k, len_q) if walk.owns_keys else (len_q, len_k)
-    first, last = tile * walk.own_block, torch.minimum((tile + 1) * walk.own_block, own_len) - 1
-    below, above = (walk.right, walk.left) if walk.owns_keys else (walk.left, walk.right)
-    offset = -shift if walk.owns_keys else shift
-    lo = torch.zeros_like(first) if below < 0 else (first + offset - below).clamp(min=0)
-    hi = walk_len - 1 if above < 0 else torch.minimum(walk_len - 1, last + offset + above)
-    return torch.where(lo <= hi, hi // walk.walk_block - lo // walk.walk_block + 1, torch.zeros_like(lo))
-
-
 def _build_torch(cu_seqlens_q, cu_seqlens_k, walk: TileWalk, bound: int) -> torch.Tensor:
     device, batch = cu_seqlens_q.device, cu_seqlens_q.shape[0] - 1
     if batch == 0 or bound == 0:
@@ -122,7 +114,7 @@ def _build_torch(cu_seqlens_q, cu_seqlens_k, walk: TileWalk, bound: int) -> torc
     real = seq < batch
     seq = seq.clamp(max=batch - 1)
     tile = item - (ends[seq] - tiles[seq])
-    steps = torch.where(real, _steps_torch(len_q[seq], len_k[seq], tile, walk), -1)
+    steps = torch.where(real, item_steps(len_q[seq], len_k[seq], tile, walk), -1)
     order = torch.sort(steps, descending=True, stable=True).indices
     rows = torch.stack([torch.where(real, seq, -1), torch.where(real, tile, -1)], dim=1)
     return rows[order].to(torch.int32)

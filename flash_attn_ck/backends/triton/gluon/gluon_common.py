@@ -17,12 +17,12 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate, base_value
 
-from . import config
+from .. import config
 
 LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 
 
-def aggregate(cls):
+def aggregate(cls: type) -> type:
     """Triton's aggregate (a value of named fields that jit functions pass and return as one) with, unless the class
     writes its own, a constructor taking the fields in their order (constexpr fields from plain values too)."""
     if "__init__" not in cls.__dict__:
@@ -32,7 +32,7 @@ def aggregate(cls):
             assert len(values) == len(fields), f"{cls.__name__}: {len(values)} values for fields {list(fields)}"
             for name, value in zip(fields, values):
                 setattr(self, name, gl.constexpr(value) if fields[name] is gl.constexpr else value)
-        cls.__init__ = gluon.constexpr_function(__init__)
+        cls.__init__ = gluon.constexpr_function(__init__)  # type: ignore[misc]
     return _aggregate(cls)
 
 
@@ -96,9 +96,9 @@ def sequence(cu_seqlens, b, max_len, VARLEN: gl.constexpr):
 @aggregate
 class Mask:
     """The call's mask (the module docstring's conventions), from the host's launch.GluonMask: its runtime values
-    (`window`: the bounds left, right >= 0) and its compile-time flags (`flags`, the kernels' constexpr MASK). A new
+    (`window`: the bounds left, right >= 0) and its compile-time flags (`flags`, the kernels' `CALL.MASK`). A new
     mask kind is a flag of launch.MaskFlags (a value of GluonMask.window if it has one), its rule in the methods
-    here, and its value where backend.TritonBackend._gluon_mask reads the problem: no kernel changes."""
+    here, and its value where operators.mask_args reads the problem: no kernel changes."""
     left: base_value   # tensors, or the constexpr 1 a launch makes of a bound of 1
     right: base_value
     TOP_LEFT: gl.constexpr

@@ -52,12 +52,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
+from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
 from .bwd_ws_shapes import semaphore_tiles
 from .bwd_ws_split import attn_bwd_ws_split_kernel
 from .gluon_common import LOG2E, descriptor, probs_transposed, slot
-from .launch import GluonMask, GluonSizes, LaunchSpec
-from .triton_versions import barrier
 
 
 # ---- MMA partition (default) -----------------------------------------------------------------
@@ -149,13 +149,13 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes):
 @gluon.jit
 def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem, cu_seqlens, schedule,
                        stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
-                       CONSTANTS: gl.constexpr, MASK: gl.constexpr):
+                       TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR, or with a `schedule`
     (varlen: int32 (rows, 2) [sequence, key tile], else a constexpr None) (kv heads, rows) (workers.cta_coords);
-    num_warps = CONSTANTS.NUM_WARPS. `cu_seqlens`: (q, k); `stride_lse`: (batch, head); `stride_dk`, `stride_dv`:
-    (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); CONSTANTS: workers.Constants; MASK:
+    num_warps = TILE.num_warps. `cu_seqlens`: (q, k); `stride_lse`: (batch, head); `stride_dk`, `stride_dv`:
+    (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); TILE: config.WsTile; CALL:
     launch.MaskFlags. See the module docstring."""
-    consts, seqs, mask = workers.prologue(CONSTANTS, 1, cu_seqlens, schedule, sizes, window, MASK)
+    consts, seqs, mask = workers.prologue(TILE, CALL, 1, cu_seqlens, schedule, sizes, window)
     if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
@@ -169,7 +169,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
         (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
                           group)),
         (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
-    ], [1, 1], [CONSTANTS.LOADER_REGS, CONSTANTS.WRITER_REGS])
+    ], [1, 1], [TILE.loader_regs, TILE.writer_regs])
 
 
 # ---- host side -------------------------------------------------------------------------------
@@ -190,6 +190,7 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
     dk_strides = (0, dk.stride(0), dk.stride(1)) if varlen else (dk.stride(0), dk.stride(1), dk.stride(2))
     dv_strides = (0, dv.stride(0), dv.stride(1)) if varlen else (dv.stride(0), dv.stride(1), dv.stride(2))
     key_tiles = triton.cdiv(seqlen_k, tile.block_n)
+    grid: tuple[int, ...]
     if schedule is not None:
         assert varlen, "a schedule lists the items of a varlen call"
         grid = (heads_k, schedule.shape[0])
@@ -198,9 +199,6 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
     # split_d: its two MMA warpgroups hand dQ over in halves of the columns
     kernel, dq_parts = (attn_bwd_ws_split_kernel, 2) if tile.split_d else (attn_bwd_ws_kernel, 1)
     q_desc = descriptor(q, varlen, tile.block_m)
-    constants = workers.Constants(
-        tile.block_m, tile.block_n, q_desc.block_shape[-1], tile.num_stages, tile.dq_stages, tile.num_warps, varlen,
-        semaphores is not None, tile.key_major, tile.loader_regs, tile.writer_regs, tile.mma_regs)
     return LaunchSpec(kernel, grid, dict(
         q_desc=q_desc, k_desc=descriptor(k, varlen, tile.block_n), v_desc=descriptor(v, varlen, tile.block_n),
         do_desc=descriptor(dout, varlen, tile.block_m), dq_desc=descriptor(dq_accum, varlen, tile.block_m, dq_parts),
@@ -208,7 +206,8 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         stride_lse=lse_strides, stride_dk=dk_strides, stride_dv=dv_strides,
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
-        sem_m_tiles=semaphore_tiles(seqlen_q, tile), CONSTANTS=constants, MASK=mask.flags),
+        sem_m_tiles=semaphore_tiles(seqlen_q, tile), TILE=tile,
+        CALL=GluonCall(q_desc.block_shape[-1], varlen, mask.flags, DETERMINISTIC=semaphores is not None)),
         tile.num_warps, options={"maxnreg": tile.max_registers} if tile.max_registers else {})
 
 

@@ -33,9 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
 from .gluon_common import LOG2E, aggregate, probs_transposed, slot
-from .triton_versions import barrier
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per half
 
@@ -136,10 +136,10 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.conste
 @gluon.jit
 def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem,
                              cu_seqlens, schedule, stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
-                             CONSTANTS: gl.constexpr, MASK: gl.constexpr):
+                             TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
-    consts, seqs, mask = workers.prologue(CONSTANTS, 2, cu_seqlens, schedule, sizes, window, MASK)   # dQ in halves
+    consts, seqs, mask = workers.prologue(TILE, CALL, 2, cu_seqlens, schedule, sizes, window)   # dQ in halves
     if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
@@ -154,7 +154,7 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
     mbarrier.init(p_ready, count=1)
     mbarrier.init(ds_ready, count=1)
     mbarrier.init(ps_free, count=2)   # both warpgroups' matmuls have read P^T and dS^T
-    xchg = Exchange(pt_smem, dst_smem, p_ready, ds_ready, ps_free)
+    xchg = Exchange(pt_smem, dst_smem, p_ready, ds_ready, ps_free)  # type: ignore[call-arg]
 
     group = sizes.group
     grads = (dK, dV, stride_dk, stride_dv)
@@ -166,4 +166,4 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
         (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
                           group)),
         (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
-    ], [MMA_WARPS, 1, 1], [CONSTANTS.MMA_REGS, CONSTANTS.LOADER_REGS, CONSTANTS.WRITER_REGS])
+    ], [MMA_WARPS, 1, 1], [TILE.mma_regs, TILE.loader_regs, TILE.writer_regs])

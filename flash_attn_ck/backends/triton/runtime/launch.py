@@ -37,9 +37,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...core.errors import KernelCompileError
+from ....core.errors import KernelCompileError
+from ..config import Tile
 from . import triton_versions
-from .config import Tile
 
 
 class Features(NamedTuple):
@@ -66,8 +66,9 @@ class Features(NamedTuple):
     BLOCK_DV: int = 0
 
 
-class MaskFlags(NamedTuple):
-    """The mask's compile-time flags as the Gluon kernels take them (constexpr `MASK`, read by gluon_common.Mask)."""
+@dataclass(frozen=True)     # not a tuple: a kernel reads it as CALL.MASK, which Triton would turn into a plain tuple
+class MaskFlags:
+    """The mask's compile-time flags as the Gluon kernels take them (`GluonCall.MASK`, read by gluon_common.Mask)."""
     TOP_LEFT: bool = False
     HAS_LEFT: bool = False
     HAS_RIGHT: bool = False
@@ -78,6 +79,16 @@ class GluonMask(NamedTuple):
     >= 0 (`flags` says which apply), and its compile-time flags."""
     window: tuple[int, int]
     flags: MaskFlags
+
+
+@dataclass(frozen=True)
+class GluonCall:
+    """A call's compile-time values beside its tile, as the Gluon kernels take them (constexpr `CALL`; the tile is
+    the constexpr `TILE`, the operator's config.FwdWsTile or config.WsTile itself)."""
+    HEAD_D: int              # the head dim in shared memory: the power of two at or above head_dim
+    VARLEN: bool
+    MASK: MaskFlags
+    DETERMINISTIC: bool = False     # the backward's dQ adds ordered by semaphores
 
 
 class GluonSizes(NamedTuple):
@@ -118,17 +129,19 @@ class SequenceArgs(NamedTuple):
 
 def _stride_fields(tensors: tuple[str, ...], tail: tuple[str, ...]) -> list[tuple[str, type]]:
     """`{tensor}_batch`, `_row`, `_head` per tensor (launch.rows3), then `tail`: the fields of a flat stride group."""
-    return [(f"{t}_{axis}", int) for t in tensors for axis in ("batch", "row", "head")] + [(f, int) for f in tail]
+    names = [f"{t}_{axis}" for t in tensors for axis in ("batch", "row", "head")] + list(tail)
+    return [(name, int) for name in names]
 
 
 # The stride groups are flat named tuples of ints, not a tuple per tensor: Triton 3.6 loses an int that it
 # specialises to the constant 1 (a stride of a size-1 dimension: lse's head stride at s_q = 1) two tuple levels
 # down once the group is handed to a helper (scripts/triton_compile_check.py's "ones" variants).
-ForwardStrides = NamedTuple("ForwardStrides", _stride_fields(("q", "k", "v", "out"),
-                                                             ("lse_batch", "lse_head", "slope_batch")))
+# (mypy reads only a literal field list)
+ForwardStrides = NamedTuple("ForwardStrides", _stride_fields(  # type: ignore[misc]
+    ("q", "k", "v", "out"), ("lse_batch", "lse_head", "slope_batch")))
 ForwardStrides.__doc__ = """The forward's strides (runtime `strides`): `rows3` of q, k, v and out, `lse_strides` of lse,
 the slopes' batch stride (slope_batch_stride)."""
-BackwardStrides = NamedTuple("BackwardStrides", _stride_fields(
+BackwardStrides = NamedTuple("BackwardStrides", _stride_fields(  # type: ignore[misc]
     ("q", "k", "v", "dout", "dq", "dk", "dv"), ("kv_acc_batch", "kv_acc_head", "lse_batch", "lse_head", "slope_batch")))
 BackwardStrides.__doc__ = """The backward's strides (runtime `strides`): `rows3` of q, k, v, dO and the gradients;
 (batch, head) of the fp32 dK/dV accumulators, whose rows are head_dim apart; `lse_strides` of lse (and delta, strided
@@ -155,14 +168,14 @@ def rows3(t: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     """(batch, row, head) strides of a q/k/v-like tensor: (b, s, h, d) or varlen (total, h, d)."""
     strides = t.stride()   # one call: this runs ~10 times per backward, on the host-bound path
     assert strides[-1] == 1, "the head dim must be contiguous"
-    return (0, strides[0], strides[1]) if varlen else strides[:3]
+    return (0, strides[0], strides[1]) if varlen else (strides[0], strides[1], strides[2])
 
 
 def lse_strides(t: torch.Tensor, varlen: bool) -> tuple[int, int]:
     """(batch, head) strides of an lse-like tensor: (b, h, s_q) or varlen (h, total_q); rows unit."""
     strides = t.stride()
     assert strides[-1] == 1
-    return (0, strides[0]) if varlen else strides[:2]
+    return (0, strides[0]) if varlen else (strides[0], strides[1])
 
 
 def slope_batch_stride(slopes: torch.Tensor, alibi: bool) -> int:
@@ -280,7 +293,8 @@ def derived(view: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
 # id(kernel) -> _Kernel (which holds the kernel, so the id is not reused); an int hashes in C, while a JITFunction
 # hashes in Python under a lock
 _KERNELS: dict[int, _Kernel] = {}
-_TRITON = None      # (knobs, triton.runtime, native_specialize_impl), imported on the first launch
+# (knobs, triton.runtime, native_specialize_impl), imported on the first launch
+_TRITON: tuple[Any, Any, Any] | None = None
 
 
 def _triton():
@@ -400,7 +414,7 @@ def launch_kernel(kernel, grid: tuple[int, ...], args: tuple, num_warps: int, nu
     driver = runtime_module.driver.active
     device = driver.get_current_device()
     backend = kernel.device_caches[device][3]
-    key = (num_warps, num_stages, tuple(options.items()) if options else (), runtime.debug,
+    key: Any = (num_warps, num_stages, tuple(options.items()) if options else (), runtime.debug,
            knobs.compilation.instrumentation_mode, device,
            *[a if constexpr else specialize(backend, a, is_const, specialise, align)
              for a, (constexpr, is_const, specialise, align) in zip(args, entry.params)])
@@ -448,10 +462,10 @@ def _with_value_block(features: Features, block_d: int) -> Features:
 
 def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArgs, features: Features,
             tile: Tile, block_d: int, grid: tuple[int, int]) -> LaunchSpec:
-    from .forward import attn_fwd_kernel
+    from ..one_launch.forward import attn_fwd_kernel
     features = _with_value_block(features, block_d)
     varlen = features.VARLEN
-    strides = ForwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(out, varlen),
+    strides = ForwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(out, varlen),  # type: ignore[call-arg]
                              *lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
     return LaunchSpec(attn_fwd_kernel, grid, dict(
         Q=q, K=k, V=v, Out=out, Lse=lse, seq=seq, strides=strides, sizes=sizes, score_args=scores,
@@ -488,14 +502,14 @@ def bwd_main(q, k, v, dout, lse, delta, dq, dk, dv, dk_acc, dv_acc, sems, seq: S
     """The backward's one launch (bwd_main.attn_bwd_kernel). dq is the fp32 accumulator in the atomic
     mode; dk_acc/dv_acc/sems are None where the plan has none (always with features.HEAD_DIM_V: the accumulators have
     one row width)."""
-    from .bwd_main import attn_bwd_kernel
+    from ..one_launch.bwd_main import attn_bwd_kernel
     assert features.LOOP_GROUP or not features.HEAD_DIM_V, "the dK/dV accumulators have q/k's head dim only"
     features = _with_value_block(features, block_d)
     varlen, d = features.VARLEN, sizes.head_dim
     total_k = dk.shape[0] if varlen else sizes.max_seqlen_k
     heads_k = sizes.heads // sizes.group
     acc_strides = (0, total_k * d) if varlen else (heads_k * sizes.max_seqlen_k * d, sizes.max_seqlen_k * d)
-    strides = BackwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(dout, varlen),
+    strides = BackwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(dout, varlen),  # type: ignore[call-arg]
                               *rows3(dq, varlen), *rows3(dk, varlen), *rows3(dv, varlen), *acc_strides,
                               *lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
     kv_acc = KVAccumulators(dk_acc if dk_acc is not None else delta, dv_acc if dv_acc is not None else delta,

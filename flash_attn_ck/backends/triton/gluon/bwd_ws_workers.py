@@ -4,7 +4,6 @@ program id, the loader partition (TMA loads of K, V and the Q/dO ring; lse·log2
 and delta staged in shared memory) and the dQ writer (TMA reduce-adds into the fp32 dq_accum, ordered in the
 deterministic mode). bwd_ws.py's docstring describes the protocol."""
 
-from typing import NamedTuple
 
 from triton._C.libtriton import ir
 from triton.experimental import gluon
@@ -12,31 +11,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from ..runtime.triton_versions import barrier, tma_load
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot
-from .triton_versions import barrier, tma_load
-
-
-class Constants(NamedTuple):
-    """The warp-specialised backward kernels' compile-time arguments but the mask's (their constexpr `CONSTANTS`;
-    bwd_ws.launch_spec makes it)."""
-    BLOCK_M: int
-    BLOCK_N: int
-    HEAD_D: int          # the head dim in shared memory: the power of two at or above head_dim
-    NUM_STAGES: int      # Q/dO ring
-    DQ_STAGES: int       # dQ hand-off buffers
-    NUM_WARPS: int       # of the first MMA warpgroup(s): the launch's num_warps
-    VARLEN: bool
-    DETERMINISTIC: bool
-    KEY_MAJOR: bool
-    LOADER_REGS: int
-    WRITER_REGS: int
-    MMA_REGS: int        # bwd_ws_split: the second MMA warpgroup's registers
 
 
 @aggregate
 class PartitionConstants:
-    """The constants every partition reads; DQ_PARTS: the dQ hand-off's column parts (one per MMA warpgroup that
-    owns a part of the head dim: 2 in bwd_ws_split)."""
+    """The constants every partition reads: the kernel's tile (config.WsTile: NUM_STAGES the Q/dO ring's, DQ_STAGES
+    the dQ hand-off's buffers, NUM_WARPS the first MMA warpgroup's), the head dim in shared memory (HEAD_D), the
+    deterministic mode, and DQ_PARTS, the dQ hand-off's column parts (one per MMA warpgroup that owns a part of the
+    head dim: 2 in bwd_ws_split)."""
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     HEAD_D: gl.constexpr
@@ -48,10 +32,11 @@ class PartitionConstants:
     KEY_MAJOR: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, CONSTANTS, DQ_PARTS):
-        for name in ("BLOCK_M", "BLOCK_N", "HEAD_D", "NUM_STAGES", "DQ_STAGES", "NUM_WARPS", "DETERMINISTIC",
-                     "KEY_MAJOR"):
-            setattr(self, name, gl.constexpr(getattr(CONSTANTS, name)))
+    def __init__(self, TILE, HEAD_D, DETERMINISTIC, DQ_PARTS):
+        for name in ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "key_major"):
+            setattr(self, name.upper(), gl.constexpr(getattr(TILE, name)))
+        self.HEAD_D = gl.constexpr(HEAD_D)
+        self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_PARTS = gl.constexpr(DQ_PARTS)
 
 
@@ -127,12 +112,12 @@ def tile_schedule(consts, seqs, mask):
 
 # ---- the kernels' shared prologue ------------------------------------------------------------------
 @gluon.jit
-def prologue(CONSTANTS, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, window, MASK):
+def prologue(TILE, CALL, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, window):
     """(PartitionConstants, Sequences, Mask) of a kernel from its arguments (bwd_ws.attn_bwd_ws_kernel's; DQ_PARTS:
     PartitionConstants's)."""
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
-    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, sizes.seqlen_q, sizes.seqlen_k, CONSTANTS.VARLEN, schedule)
-    return PartitionConstants(CONSTANTS, DQ_PARTS), seqs, Mask(window, MASK)
+    seqs = Sequences(cu_seqlens_q, cu_seqlens_k, sizes.seqlen_q, sizes.seqlen_k, CALL.VARLEN, schedule)
+    return PartitionConstants(TILE, CALL.HEAD_D, CALL.DETERMINISTIC, DQ_PARTS), seqs, Mask(window, CALL.MASK)
 
 
 @gluon.jit
@@ -185,8 +170,8 @@ def allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, RELEASES: gl.cons
     for i in gl.static_range(DQ_STAGES):
         mbarrier.init(dq_full.index(i), count=DQ_PARTS)
         mbarrier.init(dq_empty.index(i), count=1)
-    return Buffers(Ring(q_smem, q_ready, tile_empty, NUM_STAGES), Ring(do_smem, do_ready, tile_empty, NUM_STAGES),
-                   k_smem, v_smem, lse_smem, delta_smem, kv_ready, Ring(dq_smem, dq_full, dq_empty, DQ_STAGES))
+    return Buffers(Ring(q_smem, q_ready, tile_empty, NUM_STAGES), Ring(do_smem, do_ready, tile_empty, NUM_STAGES),  # type: ignore[call-arg]
+                   k_smem, v_smem, lse_smem, delta_smem, kv_ready, Ring(dq_smem, dq_full, dq_empty, DQ_STAGES))  # type: ignore[call-arg]
 
 
 # ---- loader partition ------------------------------------------------------------------------
