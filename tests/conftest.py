@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
+
+import pytest
 
 
 def imports_of(names: set[str]) -> re.Pattern:
@@ -39,3 +42,15 @@ def pytest_report_header(config):
     if WHY_LEFT_OUT:
         return [f"left out ({WHY_LEFT_OUT}): {' '.join(collect_ignore)}"]
     return None
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """A gloo process group of this process alone (world size 1), for the context-parallel tests of one module."""
+    import torch.distributed as dist
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

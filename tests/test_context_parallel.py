@@ -484,12 +484,6 @@ def test_refusals_without_a_process_group():
             context_parallel_sdpa(*operands)
 
 
-@pytest.fixture(scope="module")
-def one_process_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
 
 def _outcome(fn):
     try:

@@ -8,8 +8,7 @@ import itertools
 
 import pytest
 import torch
-import torch.distributed as dist
-from test_context_parallel import _free_port, init, spawn, teardown
+from test_context_parallel import init, spawn, teardown
 
 from flash_attn_ck import ArgumentError, flash_attn_func, flash_attn_varlen_func
 from flash_attn_ck.integrations.context_parallel import context_parallel_attn, shard
@@ -88,12 +87,6 @@ def _worker(rank, world, port):
 def test_every_exchange_with_d_v_matches_one_process():
     spawn(_worker, 2)
 
-
-@pytest.fixture(scope="module")
-def one_process_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
