@@ -91,7 +91,8 @@ def value_head_dim(head_dim, features: tl.constexpr):
     """v's head dim (out's, dO's, dV's): features.HEAD_DIM_V where v has one of its own, else q/k's `head_dim`. Its
     block is features.BLOCK_DV (BLOCK_D with one head dim)."""
     if features.HEAD_DIM_V:
-        return features.HEAD_DIM_V
+        # a value of the kernel's, not a bare int: Triton 3.7 on returns no Python int from a jit function
+        return head_dim * 0 + features.HEAD_DIM_V
     else:
         return head_dim
 
