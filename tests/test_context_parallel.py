@@ -88,6 +88,20 @@ def init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
+def every_exchange(rank: int, world: int, port: int, cases, check_dense, check_varlen, check_hybrid) -> None:
+    """A `spawn` worker for a feature's context-parallel tests: each case on the dense exchanges, the first compiled
+    too, then varlen and the hybrid a2a+ring (`check_*` take the world size)."""
+    init(rank, world, port)
+    try:
+        for case in cases:
+            check_dense(case, world)
+        check_dense(cases[0], world, compiled=True)
+        check_varlen(world)
+        check_hybrid(world)
+    finally:
+        teardown()
+
+
 def teardown() -> None:
     """A worker's `finally`: after a successful run the ranks meet at a barrier before any destroys the group (a rank
     that exited while another was still in a collective made gloo abort that one, SIGABRT, once on a loaded 2-core

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from test_context_parallel import init, spawn, teardown
+from test_context_parallel import every_exchange, spawn
 
 from flash_attn_ck import ArgumentError, flash_attn_func, flash_attn_varlen_func
 from flash_attn_ck.integrations.context_parallel import context_parallel_attn, shard
@@ -72,21 +72,8 @@ def _check_hybrid(world):
            *_inputs((2, 4 * world), 2 * world // 2, world // 2), lambda t: shard(t, mesh))
 
 
-def _worker(rank, world, port):
-    init(rank, world, port)
-    try:
-        for case in CASES:
-            _check_dense(case, world)
-        _check_dense(CASES[0], world, compiled=True)
-        _check_varlen(world)
-        _check_hybrid(world)
-    finally:
-        teardown()
-
-
 def test_every_exchange_with_d_v_matches_one_process():
-    spawn(_worker, 2)
-
+    spawn(every_exchange, 2, CASES, _check_dense, _check_varlen, _check_hybrid)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
