@@ -8,7 +8,8 @@ halved when causal) over the median of triton.testing.do_bench; peak extra memor
 allocated during one backward minus what was allocated before it.
 
     python scripts/bench_bwd.py [--quick] [--peers sdpa_flash,cudnn,flex,fa4,...] [--out bench]
-Writes bench/<gpu>-<date>.{json,md,png}. `--warm-only` runs each forward and backward once and times
+Writes bench/<gpu>-<date>.{json,md,png} (scripts/bench_store.py keeps one as the current grid). `--warm-only` runs
+each forward and backward once and times
 nothing: run in another process beforehand, it fills the on-disk compile caches of FlexAttention
 (Inductor) and Triton, so that the timed run does not spend its device minutes compiling.
 Its runners (varlen, windows, deterministic) and timing (`time_passes`) also serve scripts/bench_workloads.py.

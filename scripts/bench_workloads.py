@@ -18,7 +18,8 @@ FA4 (`flash_attn.cute.interface`) is skipped with a note where it does not impor
 dense, unwindowed, non-deterministic rows.
 
     python scripts/bench_workloads.py [--families packed,window,...] [--peers fa4,sdpa_cudnn] [--out bench]
-Writes bench/<gpu>-<date>-workloads.{json,md,png}. Without CUDA it runs the reference backend at tiny sizes
+Writes bench/<gpu>-<date>-workloads.{json,md,png} (scripts/bench_store.py keeps the current one). Without CUDA it
+runs the reference backend at tiny sizes
 (`--tiny` is implied) with the peers skipped: that checks the bookkeeping, not speed.
 """
 

@@ -15,7 +15,8 @@ Two tables (bench/nvidia-h200.md §Host path records them):
    With `--gaps` also the kernels' own TFLOP/s (profiler), which says whether a row is host-bound.
 
 Peers are skipped with a note where they cannot run (no CUDA: everything but ours on the reference
-backend; FA4 not importable; a peer refusing a row). Writes bench/<gpu>-<date>-host-cost{tag}.{json,md,png}.
+backend; FA4 not importable; a peer refusing a row). Writes bench/<gpu>-<date>-host-cost{tag}.{json,md,png}
+(scripts/bench_store.py keeps the current one).
 
     python scripts/host_cost.py [--calls 200] [--repeats 5] [--gaps] [--no-throughput] [--tag -before]
     python scripts/host_cost.py --device cpu --calls 20 --tokens 128 --hidden 64 --seqs 32 --dims 16   # on the CPU
