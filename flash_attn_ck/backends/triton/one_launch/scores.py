@@ -130,7 +130,7 @@ def block_needs_mask(m0, n0, len_k, shift, score_args, BLOCK_M: tl.constexpr, BL
                      features: tl.constexpr):
     """False when every (row, key) of the tile is kept, so the per-element mask can be skipped.
     EVEN_K (every key tile full) with no window bound: False at compile time, so the loop carries no
-    branch (that branch cost 2-3% of the d128 non-causal backward, docs/triton.md)."""
+    branch (a branch the d128 non-causal backward measurably pays for: bench/nvidia-h200.md)."""
     if features.EVEN_K and not features.HAS_LEFT and not features.HAS_RIGHT:
         return False
     partial = n0 + BLOCK_N > len_k
