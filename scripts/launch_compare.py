@@ -1,7 +1,7 @@
 """Whether this tree's Triton backend makes the same kernel launches as another tree's, call for call, without a GPU.
 
     git archive REV flash_attn_ck | tar -x -C /tmp/old
-    python3 scripts/launch_compare.py /tmp/old [NAME_PART]
+    python3 scripts/launch_compare.py /tmp/old [NAME_PART ...]
 
 Runs a grid of calls (`calls`: forward and backward of every Triton operator and mode: the warp-specialised Gluon
 kernels and the one-launch ones, head dims 32..256 with odd ones, MHA and GQA, each mask, ALiBi, softcap, dropout,
@@ -459,14 +459,15 @@ def _run(call: Call, backend, recorder: _Recorder, seed: int) -> None:
         recorder.name(grad, f"d{name}")
 
 
-def record(names: str = "") -> dict[str, Any]:
-    """Every call of the grid whose name contains `names`, run twice: {call: [first record, second record]} (an
-    error as its message)."""
+def record(*names: str) -> dict[str, Any]:
+    """Every call of the grid whose name contains one of `names` (all by default), run twice: {call: [first record,
+    second record]} (a call that raised: its error's first line). Run it in a process of its own: Triton's kernel
+    caches and the backend's launch memos keep the stand-ins."""
     from flash_attn_ck.backends.triton import TritonBackend
     records: dict[str, Any] = {}
     with pretend_sm90(), record_launches():
         for call in calls():
-            if names not in call.name:
+            if names and not any(part in call.name for part in names):
                 continue
             runs = []
             backend = TritonBackend(**call.backend)     # one instance: its second call finds the first's replay
@@ -493,10 +494,11 @@ def record(names: str = "") -> dict[str, Any]:
 # ---- comparing two trees --------------------------------------------------------------------------------------------
 
 
-def tree_records(tree: Path, names: str) -> dict[str, Any]:
+def tree_records(tree: Path, *names: str) -> dict[str, Any]:
+    """`record(*names)` of `tree`'s package, in a process of its own."""
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.pop("FLASH_ATTN_CK_BACKEND", None)
-    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dump", names], cwd=tree, env=env,
+    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--dump", *names], cwd=tree, env=env,
                          capture_output=True, text=True)
     if run.returncode:
         sys.exit(f"recording the launches of {tree} failed:\n{run.stderr[-3000:]}")
@@ -581,11 +583,11 @@ def main():
     if sys.argv[1:2] == ["--dump"]:
         print(json.dumps(record(*sys.argv[2:])))
         return
-    if len(sys.argv) not in (2, 3):
+    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
         sys.exit(__doc__)
-    names = sys.argv[2] if len(sys.argv) == 3 else ""
-    old = tree_records(Path(sys.argv[1]).resolve(), names)
-    new = tree_records(Path(__file__).resolve().parents[1], names)
+    names = sys.argv[2:]
+    old = tree_records(Path(sys.argv[1]).resolve(), *names)
+    new = tree_records(Path(__file__).resolve().parents[1], *names)
     same = differ = added = 0
     intended: collections.Counter = collections.Counter()
     for name in new:
