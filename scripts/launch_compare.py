@@ -6,8 +6,9 @@
 Runs a grid of calls (`calls`: forward and backward of every Triton operator and mode: the warp-specialised Gluon
 kernels and the one-launch ones, head dims 32..256 with odd ones, MHA and GQA, each mask, ALiBi, softcap, dropout,
 sinks, dense and varlen with empty sequences, s_q != s_k, deterministic, a workspace cap, d_v != d) through the public
-API with the Triton backend on CPU tensors that pretend to be on an sm_90 GPU (`pretend_sm90`), each call twice, so
-that the second runs through the launch memo and the replay. Nothing runs: Triton's compile step
+API (flash_attn_func, the varlen and packed forms, and flash_attn_fwd / flash_attn_bwd into given gradients, fp32
+results among them) with the Triton backend on CPU tensors that pretend to be on an sm_90 GPU (`pretend_sm90`), each
+call twice, so that the second runs through the launch memo and the replay. Nothing runs: Triton's compile step
 (`JITFunction._do_compile`, below both trees' own launch code) returns a stand-in whose launcher records the launch
 (`record_launches`), so Triton's own argument binding and specialisation run, and every later launch, through
 Triton's `run`, launch.py's direct path or a replay, reaches the same recorder. Each launch becomes a record without
@@ -357,6 +358,8 @@ class Call:
     backend: dict = dataclasses.field(default_factory=dict, hash=False)   # TritonBackend settings
     workspace_cap: int | None = None
     packed: bool = False        # q, k, v as views of one (b, s, 3, h, d) tensor (flash_attn_qkvpacked_func)
+    ops: bool = False           # flash_attn_fwd, then flash_attn_bwd into given dq, dk, dv (the ops' own path)
+    out_dtype: str | None = None
 
 
 # The Triton backend's settings (operators): each of the grid's calls is made under each.
@@ -374,7 +377,9 @@ FEATURES: dict[str, dict[str, Any]] = {
     "deterministic": dict(deterministic=True, causal=True), "fp16": dict(dtype="float16", causal=True),
     "everything": dict(alibi=True, softcap=20.0, dropout=0.2, window=(50, 7), seqlens=(200, 150)),
     "varlen-everything": dict(varlen=VARLEN, alibi=True, softcap=20.0, dropout=0.2, window=(50, 7)),
-    "packed": dict(packed=True, causal=True)}
+    "packed": dict(packed=True, causal=True), "ops": dict(ops=True, dropout=0.1, causal=True),
+    "ops-fp32-out": dict(ops=True, out_dtype="float32", window=(30, 30)),
+    "ops-varlen": dict(ops=True, varlen=VARLEN, alibi=True)}
 
 
 def calls():
@@ -436,6 +441,9 @@ def _run(call: Call, backend, recorder: _Recorder, seed: int) -> None:
                                    deterministic=call.deterministic, backend=backend)
     if "learnable_sink" in tensors:
         options["learnable_sink"] = tensors["learnable_sink"]
+    if call.ops:
+        _run_ops(call, tensors, options, recorder, seed)
+        return
     if call.packed:
         out = fa.flash_attn_qkvpacked_func(tensors["qkv"], **options)
     elif call.varlen is None:
@@ -445,12 +453,39 @@ def _run(call: Call, backend, recorder: _Recorder, seed: int) -> None:
         out = fa.flash_attn_varlen_func(tensors["q"], tensors["k"], tensors["v"], tensors["cu_seqlens_q"],
                                         tensors["cu_seqlens_k"], max(lengths_q), max(lengths_k), **options)
     recorder.name(out, "out")
-    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.dtype)
-    recorder.name(dout, "dout")
+    dout = _dout(out, recorder, seed)
     leaves = [t for t in tensors.values() if t.requires_grad]
     grads = torch.autograd.grad(out, leaves, dout)
     for name, grad in zip([n for n, t in tensors.items() if t.requires_grad], grads):
         recorder.name(grad, f"d{name}")
+
+
+def _dout(out: torch.Tensor, recorder: _Recorder, seed: int) -> torch.Tensor:
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1)).to(out.dtype)
+    recorder.name(dout, "dout")
+    return dout
+
+
+def _run_ops(call: Call, tensors: dict, options: dict, recorder: _Recorder, seed: int) -> None:
+    """`call` through flash_attn_fwd and flash_attn_bwd (the workspace cap as max_workspace_bytes)."""
+    import flash_attn_ck as fa
+    q, k, v = (tensors[name].detach() for name in "qkv")
+    if call.varlen is not None:
+        lengths_q, lengths_k = zip(*call.varlen)
+        options = dict(options, cu_seqlens_q=tensors["cu_seqlens_q"], cu_seqlens_k=tensors["cu_seqlens_k"],
+                       max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    out_dtype = getattr(torch, call.out_dtype) if call.out_dtype else None
+    out, lse, rng_state = fa.flash_attn_fwd(q, k, v, out_dtype=out_dtype, **options)
+    recorder.name(out, "out")
+    recorder.name(lse, "lse")
+    if out.dtype != q.dtype:        # the backward takes out and dout in q's dtype
+        out = out.to(q.dtype)
+        recorder.name(out, "out_rounded")
+    grads = tuple(torch.empty(t.shape, dtype=out_dtype or t.dtype) for t in (q, k, v))
+    for name, grad in zip(("dq", "dk", "dv"), grads):
+        recorder.name(grad, name)
+    fa.flash_attn_bwd(_dout(out, recorder, seed), q, k, v, out, lse, *grads, rng_state=rng_state,
+                      max_workspace_bytes=call.workspace_cap, out_dtype=out_dtype, **options)
 
 
 def record(*names: str) -> dict[str, Any]:
