@@ -302,7 +302,6 @@ class _StandIn:
     def __init__(self, kernel, options, signature):
         self.kernel, self.options, self.signature = kernel, options, signature
         self.function, self.packed_metadata = None, None
-        self.metadata = options
 
     def launch_metadata(self, *args):
         return None
@@ -399,8 +398,9 @@ def calls():
         for d in (64, 128):
             for feature, options in FEATURES.items():
                 yield Call(f"d{d}-{op}-{feature}", d=d, heads=(8, 2), backend=settings, **options)
-            yield Call(f"d{d}-{op}-workspace-cap", d=d, heads=(8, 2), seqlens=(512, 512), causal=True,
-                       workspace_cap=(d // 64) << 20, backend=settings)     # chunks: by batch entries or kv heads
+            for through_ops in (False, True):      # chunks: by batch entries or kv heads
+                yield Call(f"d{d}-{op}{'-ops' * through_ops}-workspace-cap", d=d, heads=(8, 2), seqlens=(512, 512),
+                           causal=True, workspace_cap=(d // 64) << 20, ops=through_ops, backend=settings)
         for d, d_v in ((64, 128), (128, 64), (96, 40), (192, 128)):
             yield Call(f"dv-d{d}-v{d_v}-{op}", d=d, d_v=d_v, heads=(8, 2), causal=True, backend=settings)
             yield Call(f"dv-varlen-d{d}-v{d_v}-{op}", d=d, d_v=d_v, heads=(4, 2), varlen=VARLEN, backend=settings)
@@ -488,6 +488,21 @@ def _run_ops(call: Call, tensors: dict, options: dict, recorder: _Recorder, seed
                       max_workspace_bytes=call.workspace_cap, out_dtype=out_dtype, **options)
 
 
+@contextlib.contextmanager
+def _environment(name: str, value: str | None):
+    """Within the block the environment variable `name` is `value` (None: as it was)."""
+    saved = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
+
+
 def record(*names: str) -> dict[str, Any]:
     """Every call of the grid whose name contains one of `names` (all by default), run twice: {call: [first record,
     second record]} (a call that raised: its error's first line). Run it in a process of its own: Triton's kernel
@@ -503,19 +518,16 @@ def record(*names: str) -> dict[str, Any]:
             for seed in (0, 1):
                 recorder = _Recorder()
                 _CURRENT.append(recorder)
-                env = os.environ.copy()
-                if call.workspace_cap is not None:
-                    os.environ["FLASH_ATTN_CK_MAX_WORKSPACE_BYTES"] = str(call.workspace_cap)
+                # the workspace cap: the ops' max_workspace_bytes, else the environment's
+                cap = None if call.ops or call.workspace_cap is None else str(call.workspace_cap)
                 try:
-                    with _Buffers(recorder):
+                    with _environment("FLASH_ATTN_CK_MAX_WORKSPACE_BYTES", cap), _Buffers(recorder):
                         _run(call, backend, recorder, seed)
                     runs.append(recorder.finish())
                 except Exception as error:      # a call one tree refuses: compared like a record
                     runs.append({"error": f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"})
                 finally:
                     _CURRENT.pop()
-                    os.environ.clear()
-                    os.environ.update(env)
             records[call.name] = runs
     return records
 
