@@ -1,0 +1,37 @@
+"""Adversarial round on the value head dim (d_v != d) and learnable sinks, on the public functions and the ops: each
+test holds a class of input that was mishandled, named for the rule it checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_edge_cases import SETTINGS
+
+import flash_attn_ck as fa
+from flash_attn_ck.core.errors import ArgumentError
+
+
+@settings(max_examples=12, **SETTINGS)
+@given(rank=st.sampled_from([0, 1, 2, 5]), varlen=st.booleans(), given_dq=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_flash_attn_bwd_with_a_sink_refuses_a_q_of_another_rank_naming_q(rank, varlen, given_dq, seed):
+    """flash_attn_bwd given a learnable_sink and a q of the wrong rank (dense wants 4 dims, varlen 3): an ArgumentError
+    naming q and the rank, before the sink is checked against q's heads, and nothing written."""
+    if varlen and rank == 2:        # 2 dims is bad for both layouts; one draw of it is enough
+        rank = 4
+    gen = torch.Generator().manual_seed(seed)
+    heads, d, d_v = 4, 16, 24
+    rows = (7,) if varlen else (2, 7)
+    k, v = torch.randn(*rows, 2, d, generator=gen), torch.randn(*rows, 2, d_v, generator=gen)
+    out, dout = torch.randn(*rows, heads, d_v, generator=gen), torch.randn(*rows, heads, d_v, generator=gen)
+    lse = torch.randn(heads, 7) if varlen else torch.randn(2, heads, 7)
+    q = torch.randn((3,) * rank, generator=gen)
+    dq = torch.full_like(q, 5.0) if given_dq else None
+    varlen_args = dict(cu_seqlens_q=torch.tensor([0, 7], dtype=torch.int32),
+                       cu_seqlens_k=torch.tensor([0, 7], dtype=torch.int32), max_seqlen_q=7, max_seqlen_k=7)
+    with pytest.raises(ArgumentError, match=rf"^q: expected {3 if varlen else 4} dimensions"):
+        fa.flash_attn_bwd(dout, q, k, v, out, lse, dq, **(varlen_args if varlen else {}),
+                          learnable_sink=torch.randn(heads, generator=gen), backend="reference")
+    if given_dq:
+        assert (dq == 5.0).all()
