@@ -35,3 +35,20 @@ def test_flash_attn_bwd_with_a_sink_refuses_a_q_of_another_rank_naming_q(rank, v
                           learnable_sink=torch.randn(heads, generator=gen), backend="reference")
     if given_dq:
         assert (dq == 5.0).all()
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(head_dim=st.integers(1, 256), head_dim_v=st.integers(1, 256), varlen=st.booleans())
+def test_a_refused_call_is_described_with_both_head_dims(head_dim, head_dim_v, varlen):
+    """A call no backend runs (here: the Triton backend, asked for on the CPU) is refused with a description of the
+    call that gives v's head dim d_v where it differs from d (and only d where they are equal)."""
+    rows = (5,) if varlen else (1, 5)
+    q, k = torch.randn(*rows, 2, head_dim), torch.randn(*rows, 2, head_dim)
+    v = torch.randn(*rows, 2, head_dim_v)
+    varlen_args = dict(cu_seqlens_q=torch.tensor([0, 5], dtype=torch.int32),
+                       cu_seqlens_k=torch.tensor([0, 5], dtype=torch.int32), max_seqlen_q=5, max_seqlen_k=5)
+    with pytest.raises(fa.NoBackendError) as refused:
+        fa.flash_attn_fwd(q, k, v, **(varlen_args if varlen else {}), backend="triton")
+    described = str(refused.value).splitlines()[0]
+    head_dims = f" d={head_dim} " if head_dim_v == head_dim else f" d={head_dim} d_v={head_dim_v} "
+    assert head_dims in described, described
