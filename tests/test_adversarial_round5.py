@@ -52,3 +52,30 @@ def test_a_refused_call_is_described_with_both_head_dims(head_dim, head_dim_v, v
     described = str(refused.value).splitlines()[0]
     head_dims = f" d={head_dim} " if head_dim_v == head_dim else f" d={head_dim} d_v={head_dim_v} "
     assert head_dims in described, described
+
+
+@settings(max_examples=8, **SETTINGS)
+@given(head_dim=st.integers(1, 256), head_dim_v=st.integers(1, 256), lengths=st.lists(st.integers(1, 300), min_size=1,
+                                                                                    max_size=4),
+       seqused=st.booleans(), deterministic=st.booleans())
+def test_backward_workspace_of_a_meta_varlen_call_that_needs_chunks_says_why_it_cannot_plan(
+        head_dim, head_dim_v, lengths, seqused, deterministic):
+    """backward_workspace from meta tensors (varlen, d_v drawn apart from d): under a cap the unchunked call fits, a
+    plan; under one it does not, each CK-contract backend answers a WorkspaceError saying that the chunks need the
+    cu_seqlens offsets, which meta tensors do not hold (not torch's NotImplementedError from reading them)."""
+    meta = dict(device="meta")
+    total = sum(lengths)
+    q = torch.empty(total, 4, head_dim, dtype=torch.bfloat16, **meta)
+    k = torch.empty(total, 2, head_dim, dtype=torch.bfloat16, **meta)
+    v = torch.empty(total, 2, head_dim_v, dtype=torch.bfloat16, **meta)
+    cu = torch.empty(len(lengths) + 1, dtype=torch.int32, **meta)
+    call = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths),
+                seqused_k=torch.empty(len(lengths), dtype=torch.int32, **meta) if seqused else None,
+                deterministic=deterministic, backends=("reference", "ck"))
+    unchunked = fa.backward_workspace(q, k, v, **call, max_workspace_bytes=-1)
+    for name, plan in unchunked.items():
+        assert not isinstance(plan, str), plan
+        assert len(fa.backward_workspace(q, k, v, **call, max_workspace_bytes=plan.peak_bytes)[name].chunks) == 1
+        refused = fa.backward_workspace(q, k, v, **call, max_workspace_bytes=plan.peak_bytes - 1)[name]
+        assert isinstance(refused, str) and refused.startswith(f"WorkspaceError: backend {name!r}"), refused
+        assert "meta cu_seqlens" in refused, refused
