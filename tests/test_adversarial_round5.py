@@ -79,3 +79,70 @@ def test_backward_workspace_of_a_meta_varlen_call_that_needs_chunks_says_why_it_
         refused = fa.backward_workspace(q, k, v, **call, max_workspace_bytes=plan.peak_bytes - 1)[name]
         assert isinstance(refused, str) and refused.startswith(f"WorkspaceError: backend {name!r}"), refused
         assert "meta cu_seqlens" in refused, refused
+
+
+@st.composite
+def views_of_one_buffer(draw):
+    """Two views of one buffer with equal strides and sizes of their own (column slices of a (rows, cols) layout
+    at random offsets, as dk and dv of one dkv buffer are)."""
+    shape = draw(st.lists(st.integers(1, 5), min_size=1, max_size=3))
+    width = draw(st.integers(2, 24))
+    strides = []
+    step = width
+    for size in reversed(shape):
+        strides.insert(0, step)
+        step *= size
+    buffer = torch.zeros(step + width)
+
+    def view():
+        cols = draw(st.integers(1, width))
+        start = draw(st.integers(0, step + width - cols - sum((n - 1) * s for n, s in zip(shape, strides))))
+        return buffer.as_strided((*shape, cols), (*strides, 1), start)
+    return view(), view()
+
+
+def _addresses(t: torch.Tensor) -> set[int]:
+    offsets = torch.zeros((), dtype=torch.int64) + t.storage_offset()
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = offsets.unsqueeze(-1) + torch.arange(size) * stride
+    return set(offsets.flatten().tolist())
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(pair=views_of_one_buffer())
+def test_equally_strided_views_of_other_sizes_overlap_exactly_when_they_share_an_element(pair):
+    """tensors_overlap on two equally strided views of one buffer whose sizes differ (dk, dv = dkv[..., :d],
+    dkv[..., d:] with d_v != d): True exactly when an element address is common."""
+    from flash_attn_ck.core.checks import tensors_overlap
+    a, b = pair
+    assert tensors_overlap(a, b) == bool(_addresses(a) & _addresses(b))
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(head_dim=st.integers(1, 40), head_dim_v=st.integers(1, 40), shift=st.sampled_from([0, -1]),
+       varlen=st.booleans(), seed=st.integers(0, 2 ** 16))
+def test_dk_and_dv_as_column_slices_of_one_buffer_are_accepted_with_d_v_other_than_d(head_dim, head_dim_v, shift,
+                                                                                     varlen, seed):
+    """flash_attn_bwd writing dk and dv into column slices of one (.., d + d_v) buffer (a fused kv projection's
+    gradient): disjoint slices run and equal separate buffers whatever d and d_v; slices that share a column
+    (shift -1) are refused naming dk, with nothing written."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = (9,) if varlen else (2, 7)
+    q = torch.randn(*rows, 4, head_dim, generator=gen)
+    k, v = torch.randn(*rows, 2, head_dim, generator=gen), torch.randn(*rows, 2, head_dim_v, generator=gen)
+    varlen_args = dict(cu_seqlens_q=torch.tensor([0, 4, 9], dtype=torch.int32),
+                       cu_seqlens_k=torch.tensor([0, 4, 9], dtype=torch.int32), max_seqlen_q=5,
+                       max_seqlen_k=5) if varlen else {}
+    call = dict(**varlen_args, causal=True, backend="reference")
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, **call)
+    dout = torch.randn(out.shape, generator=gen)
+    separate = fa.flash_attn_bwd(dout, q, k, v, out, lse, **call)
+    dkv = torch.full((*rows, 2, head_dim + head_dim_v), 7.0)
+    dk, dv = dkv[..., :head_dim], dkv[..., head_dim + shift:head_dim + shift + head_dim_v]
+    if shift == 0:
+        fa.flash_attn_bwd(dout, q, k, v, out, lse, None, dk, dv, **call)
+        assert torch.equal(dk, separate[1]) and torch.equal(dv, separate[2])
+    else:
+        with pytest.raises(ArgumentError, match=r"^dk: shares memory with dv"):
+            fa.flash_attn_bwd(dout, q, k, v, out, lse, None, dk, dv, **call)
+        assert (dkv == 7.0).all()
