@@ -21,7 +21,6 @@ import torch
 from . import ops
 from .backends.registry import backend_class
 from .core.checks import (
-    check_learnable_sink,
     check_packed_slots,
     check_real_devices,
     check_rng_state,
@@ -29,7 +28,7 @@ from .core.checks import (
     check_varlen_arguments,
 )
 from .core.errors import ArgumentError, WorkspaceError
-from .core.inputs import describe_call, sequence_tensors
+from .core.inputs import check_structure, describe_call, sequence_tensors
 from .core.options import AttentionOptions
 from .core.problem import AttentionParams
 from .pipeline.backward import gradient_outputs
@@ -181,8 +180,8 @@ def flash_attn_bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, *
             check_tensor(name, t)
     check_real_devices((("q", q), *operands, ("dq", dq), ("dk", dk), ("dv", dv), *options.tensors(),
                         ("rng_state", rng_state)))
-    if learnable_sink is not None:      # the backward ops take no sink (ops.py): checked here
-        check_learnable_sink(learnable_sink, q.shape[-2], q.device)
+    if learnable_sink is not None:      # the backward ops take no sink (ops.py): checked here, after q's rank
+        check_structure(q, k, v, options)
     if dq is None and dk is None and dv is None:
         return _with_sink_gradient(ops.backward(dout, q, k, v, out, softmax_lse, options, rng_state),
                                    learnable_sink, softmax_lse)

@@ -287,16 +287,14 @@ def _element_range(t: torch.Tensor) -> tuple[int, int]:
     return lo, hi
 
 
-def _lattice_hits(delta: int, dims: list[tuple[int, int]]) -> bool:
-    """Whether delta = sum(i_k * stride_k) with |i_k| < size_k, for dims (size, stride) sorted by stride
+def _lattice_hits(delta: int, dims: list[tuple[int, int, int]]) -> bool:
+    """Whether delta = sum(i_k * stride_k) with lo_k <= i_k <= hi_k, for dims (lo, hi, stride) sorted by stride
     descending and nested (each stride larger than the span of the smaller ones)."""
     if not dims:
         return delta == 0
-    (size, stride), rest = dims[0], dims[1:]
-    if stride == 0:
-        return _lattice_hits(delta, rest)
+    (lo, hi, stride), rest = dims[0], dims[1:]
     q = delta // stride
-    return any(abs(i) < size and _lattice_hits(delta - i * stride, rest) for i in (q, q + 1))
+    return any(lo <= i <= hi and _lattice_hits(delta - i * stride, rest) for i in (q, q + 1))
 
 
 def _byte_span(t: torch.Tensor) -> tuple[int, int]:
@@ -308,7 +306,8 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
 
 def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors share an element of memory. Exact for disjoint storage or element ranges and for
-    equally strided views of one storage (dk, dv = dkv[:, :, 0], dkv[:, :, 1]); otherwise conservative (True)."""
+    equally strided views of one storage (dk, dv = dkv[:, :, 0], dkv[:, :, 1], or dkv[..., :d], dkv[..., d:] with
+    d_v != d); otherwise conservative (True)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
     a_storage, b_storage = a.untyped_storage(), b.untyped_storage()
@@ -325,14 +324,17 @@ def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     (a_lo, a_hi), (b_lo, b_hi) = _element_range(a), _element_range(b)
     if a_hi < b_lo or b_hi < a_lo:
         return False
-    if a.shape != b.shape or a.stride() != b.stride() or any(s < 0 for s in a.stride()):
+    if a.dim() != b.dim() or a.stride() != b.stride() or any(s < 0 for s in a.stride()):
         return True
-    dims = sorted(((n, s) for n, s in zip(a.shape, a.stride()) if n > 1), key=lambda d: -d[1])
+    # a's element i meets b's element j where sum((i_k - j_k) * stride_k) is b's offset minus a's, with
+    # 1 - b.size(k) <= i_k - j_k <= a.size(k) - 1 (sizes may differ: dk, dv = dkv[..., :d], dkv[..., d:]).
+    dims = sorted(((1 - n_b, n_a - 1, s) for n_a, n_b, s in zip(a.shape, b.shape, a.stride()) if max(n_a, n_b) > 1),
+                  key=lambda d: -d[2])
     span = 0
-    for n, s in reversed(dims):
+    for lo, hi, s in reversed(dims):
         if s <= span:
             return True          # not nested: cannot decide cheaply
-        span += (n - 1) * s
+        span += max(hi, -lo) * s
     return _lattice_hits(int(b.storage_offset()) - int(a.storage_offset()), dims)
 
 

@@ -178,7 +178,7 @@ def local_attention(q, k, v, attention_mask, kwargs: dict, options: dict) -> tor
     if lengths is None:
         return flash_attn_func(q, k, v, **options)
     out = flash_attn_varlen_func(*(t.reshape(-1, *t.shape[2:]) for t in (q, k, v)), *lengths, **options)
-    return out.view(q.shape)
+    return out.view(*q.shape[:2], *out.shape[1:])      # v's head dim
 
 
 def _given_lengths(kwargs: dict) -> tuple | None:

@@ -394,6 +394,11 @@ def _plan_chunks(problem: AttentionProblem, backend, cap: int | None,
     if problem.varlen:
         if params is None:
             raise TypeError("planning chunks of a varlen call needs its params (the sequence offsets)")
+        if any(cu.is_meta for cu in params.offsets()):     # backward_workspace plans from meta tensors
+            raise WorkspaceError(f"backend {backend.name!r}: the backward needs {format_bytes(plan.peak_bytes)} of "
+                                 f"workspace, over the cap of {format_bytes(cap)}, and a varlen call is chunked by "
+                                 "its sequences, whose offsets meta cu_seqlens do not hold (plan with tensors on a "
+                                 f"real device, or raise max_workspace_bytes or {WORKSPACE_ENV})")
         planner.offsets = HostOffsets.read(params)
     row_sizes = _row_sizes(problem, backend)
     smallest = planner.cost(_grid(p, 1, 1, 1, row_sizes[-1]))

@@ -98,7 +98,8 @@ def _choose(problem: AttentionProblem, requested: str | type[Backend] | None,
 def describe_problem(p: AttentionProblem) -> str:
     kind = f"varlen b={p.batch} max_s_q={p.seqlen_q} max_s_k={p.seqlen_k}" if p.varlen else \
         f"b={p.batch} s_q={p.seqlen_q} s_k={p.seqlen_k}"
-    return (f"{kind} h={p.heads_q}/{p.heads_k} d={p.head_dim} {str(p.dtype).removeprefix('torch.')} "
+    head_dims = f"d={p.head_dim}" if p.head_dim_v == p.head_dim else f"d={p.head_dim} d_v={p.head_dim_v}"
+    return (f"{kind} h={p.heads_q}/{p.heads_k} {head_dims} {str(p.dtype).removeprefix('torch.')} "
             f"on {p.device.type}, mask={p.mask.type.name.lower()}")
 
 
