@@ -5,7 +5,7 @@
 # set; otherwise under the subcommand's default, given below.
 #
 #   bash scripts/device.sh tests [PYTEST ARGS]   GPU tests, two pytest processes side by side (420 s):
-#                                                 tests/test_triton.py -> triton.log, and the ops / torch.compile /
+#                                                 tests/gpu/test_triton.py -> triton.log, and the ops / torch.compile /
 #                                                 CUDA graphs / chunking files (-m gpu) -> ops.log; then the host-time
 #                                                 breakdown of a small backward. PYTEST ARGS go to both (e.g. -k 256).
 #                                                 WARM_FLEX=1: also fill FlexAttention's compile caches for a grid
@@ -71,10 +71,10 @@ case $cmd in
         warm+=($!)
       done
     fi
-    limit 420 python3 -m pytest -q -p no:cacheprovider -rf tests/test_triton.py "$@" > "$OUT/triton.log" 2>&1 &
+    limit 420 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_triton.py "$@" > "$OUT/triton.log" 2>&1 &
     triton_pid=$!
-    limit 420 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/test_ops.py tests/test_compile.py \
-      tests/test_cuda_graphs.py tests/test_chunking_gpu.py "$@" > "$OUT/ops.log" 2>&1
+    limit 420 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/api/test_ops.py tests/api/test_compile.py \
+      tests/gpu/test_cuda_graphs.py tests/gpu/test_chunking_gpu.py "$@" > "$OUT/ops.log" 2>&1
     echo "ops/compile/graphs/chunking rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/ops.log" | tail -6
     wait "$triton_pid"; echo "test_triton rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/triton.log" | tail -6
     for pid in "${warm[@]}"; do wait "$pid"; done
@@ -90,16 +90,16 @@ case $cmd in
     mkdir -p .devrun && touch ".devrun/$passed" "/root/$passed"
     sort -u -o ".devrun/$passed" ".devrun/$passed" "/root/$passed"
     # the files with GPU tests, riskiest (host path, ops, compile) first; their CPU tests come along
-    python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_host_path.py tests/test_sdpa_gpu.py \
-      tests/test_ops.py tests/test_cuda_graphs.py tests/test_compile.py tests/test_chunking_gpu.py tests/test_replay.py \
-      tests/test_out_dtype.py tests/test_forward_out.py tests/test_seqused_k.py tests/test_edge_cases.py \
-      tests/test_backend_selection.py tests/test_context_parallel.py tests/test_main.py \
-      tests/test_triton_ws.py tests/test_triton_fwd_ws.py tests/test_triton_launch.py tests/test_varlen_schedule.py \
-      tests/test_varlen_schedule_launch.py tests/test_outside_rows.py tests/test_launch_cache.py tests/test_triton.py \
-      tests/test_triton_versions_gpu.py tests/test_hf_local.py \
+    python3 -m pytest --collect-only -q -p no:cacheprovider tests/api/test_host_path.py tests/gpu/test_sdpa_gpu.py \
+      tests/api/test_ops.py tests/gpu/test_cuda_graphs.py tests/api/test_compile.py tests/gpu/test_chunking_gpu.py tests/triton/test_replay.py \
+      tests/api/test_out_dtype.py tests/api/test_forward_out.py tests/api/test_seqused_k.py tests/api/test_edge_cases.py \
+      tests/api/test_backend_selection.py tests/integrations/test_context_parallel.py tests/api/test_main.py \
+      tests/triton/test_triton_ws.py tests/triton/test_triton_fwd_ws.py tests/triton/test_triton_launch.py tests/triton/test_varlen_schedule.py \
+      tests/triton/test_varlen_schedule_launch.py tests/triton/test_outside_rows.py tests/triton/test_launch_cache.py tests/gpu/test_triton.py \
+      tests/gpu/test_triton_versions_gpu.py tests/integrations/test_hf_local.py \
       2>/dev/null | grep '::' > .devrun/gpu-all.txt
     # files whose CPU tests are long (interpreted kernels, gradchecks): their GPU tests only
-    python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_sinks.py 2>/dev/null | grep '::' \
+    python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/api/test_sinks.py 2>/dev/null | grep '::' \
       >> .devrun/gpu-all.txt
     # GPU_TESTS_FIRST=A|B|...: the ids A matches go first, then B's, ... (workers take the list in order)
     grep -vxF -f ".devrun/$passed" .devrun/gpu-all.txt > .devrun/gpu-todo.txt
