@@ -12,6 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from cases import seeded_inputs
 from flash_attn_ck import ArgumentError, NoBackendError
 from flash_attn_ck.api import backward_workspace, flash_attn_bwd, flash_attn_fwd
 from flash_attn_ck.core.errors import WorkspaceError
@@ -19,13 +20,6 @@ from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.mask import MaskInfo
 from flash_attn_ck.core.options import AttentionOptions
 from flash_attn_ck.core.problem import AttentionProblem
-
-
-def _inputs(dtype, b=2, s_q=5, s_k=7, h=4, h_k=2, d=20, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q, dout = (torch.randn(b, s_q, h, d, generator=g).to(dtype) for _ in range(2))
-    k, v = (torch.randn(b, s_k, h_k, d, generator=g).to(dtype) for _ in range(2))
-    return q, k, v, dout
 
 
 @settings(max_examples=30, deadline=None)
@@ -36,7 +30,7 @@ def test_fp32_results_round_to_the_default_ones(dtype, h_k, d, causal, determini
     """The reference computes in fp32: with out_dtype=float32 out, dq, dk, dv are its results before the rounding,
     so they round to the default call's bit for bit, GQA (expanded dK/dV), padded head dims, chunks under a
     workspace cap (their partial sums) and varlen included."""
-    q, k, v, dout = _inputs(dtype, h_k=h_k, d=d, seed=seed)
+    q, k, v, dout = seeded_inputs(dtype, h_k=h_k, d=d, seed=seed)
     options = dict(causal=causal, deterministic=deterministic, backend="reference")
     if varlen:
         cu_q, cu_k = (torch.tensor([0, 3, 3, n], dtype=torch.int32) for n in (10, 14))
@@ -77,7 +71,7 @@ def test_fp32_results_round_to_the_default_ones(dtype, h_k, d, causal, determini
     (torch.int32, "out_dtype: expected None or bfloat16 or float32 for bfloat16 q"),
 ])
 def test_bad_values_are_refused_before_anything_is_written(value, message):
-    q, k, v, dout = _inputs(torch.bfloat16)
+    q, k, v, dout = seeded_inputs(torch.bfloat16)
     out, lse, _ = flash_attn_fwd(q, k, v)
     given = torch.full_like(q, 3.0, dtype=torch.float32)
     with pytest.raises(ArgumentError, match=message):
@@ -90,7 +84,7 @@ def test_bad_values_are_refused_before_anything_is_written(value, message):
 
 
 def test_results_must_have_the_asked_dtype():
-    q, k, v, dout = _inputs(torch.float16)
+    q, k, v, dout = seeded_inputs(torch.float16)
     out, lse, _ = flash_attn_fwd(q, k, v)
     with pytest.raises(ArgumentError, match=r"out: expected dtype float32 \(out_dtype\), got float16"):
         flash_attn_fwd(q, k, v, out=torch.empty_like(q), out_dtype=torch.float32)
@@ -105,7 +99,7 @@ def test_results_must_have_the_asked_dtype():
 
 
 def test_fp32_results_are_not_differentiable():
-    q, k, v, _ = _inputs(torch.bfloat16)
+    q, k, v, _ = seeded_inputs(torch.bfloat16)
     q.requires_grad_()
     with pytest.raises(ArgumentError, match="out_dtype: results in float32, not q's dtype, are not differentiable"):
         flash_attn_fwd(q, k, v, out_dtype=torch.float32)
@@ -118,7 +112,7 @@ def test_ck_declines_with_its_reason():
 
     from flash_attn_ck.backends.ck.backend import CkBackend
     ck = CkBackend.on_library(EmulatedCkLibrary(Memory()), {"cpu"}, lambda device: "gfx942")
-    q, k, v, _ = _inputs(torch.bfloat16, d=64)
+    q, k, v, _ = seeded_inputs(torch.bfloat16, d=64)
     assert ck.not_supported_reasons(describe_call(q, k, v, AttentionOptions())) == []
     with pytest.raises(NoBackendError, match="out_dtype float32: CK's fmha kernels write out, dq, dk and dv in the "
                                              "input dtype"):
@@ -170,7 +164,7 @@ def test_the_triton_backend_says_when_fp32_results_would_take_slower_kernels():
 def test_context_parallel_steps_take_fp32_only_without_a_cost(monkeypatch):
     from flash_attn_ck.backends.reference import ReferenceBackend
     from flash_attn_ck.integrations.context_parallel.plan import choose_step_dtype
-    q, k, v, _ = _inputs(torch.bfloat16, d=64)
+    q, k, v, _ = seeded_inputs(torch.bfloat16, d=64)
     options = AttentionOptions(backend="reference")
     assert choose_step_dtype(q, k, v, options) == torch.float32
     monkeypatch.setattr(ReferenceBackend, "fp32_outputs_slower", lambda self, problem: "a faster kernel")
@@ -179,47 +173,10 @@ def test_context_parallel_steps_take_fp32_only_without_a_cost(monkeypatch):
 
 
 def test_the_fakes_allocate_the_asked_dtype():
-    q, k, v, dout = _inputs(torch.bfloat16)
+    q, k, v, dout = seeded_inputs(torch.bfloat16)
     with FakeTensorMode() as mode:
         q, k, v, dout = (mode.from_tensor(t) for t in (q, k, v, dout))
         out, lse, _ = flash_attn_fwd(q, k, v, out_dtype=torch.float32)
         assert out.dtype == torch.float32
         grads = flash_attn_bwd(dout, q, k, v, out.to(torch.bfloat16), lse, out_dtype=torch.float32)[:3]
         assert all(g.dtype == torch.float32 for g in grads)
-
-
-def _sdpa_with_grads(q, k, v, dout, dtype, causal):
-    """Math SDPA in `dtype` on (b, s, h, d) operands -> out, dq, dk, dv in that layout."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    q, k, v = (t.to(dtype).transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-    with sdpa_kernel(SDPBackend.MATH):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    grads = torch.autograd.grad(out, (q, k, v), dout.to(dtype).transpose(1, 2))
-    return tuple(t.transpose(1, 2) for t in (out, *grads))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("s, h_k, causal", [(77, 4, True), (300, 2, False), (4096, 2, True)])
-def test_triton_fp32_results_on_the_gpu(s, h_k, causal):
-    """The Triton backend's fp32 results on CUDA come from its one-launch kernels, also where the default call runs
-    the warp-specialised ones (s4096): within the 2x rule of math SDPA in bf16, and rounded, the default call's bits
-    wherever the default runs the same kernel."""
-    from flash_attn_ck.backends.registry import backend_instance
-    from tests.oracle import assert_close_2x
-    q, k, v, dout = (t.cuda() for t in _inputs(torch.bfloat16, b=1, s_q=s, s_k=s, h=4, h_k=h_k, d=128))
-    options = dict(causal=causal, backend="triton")
-    out, lse, _ = flash_attn_fwd(q, k, v, **options)
-    grads = flash_attn_bwd(dout, q, k, v, out, lse, **options)[:3]
-    out32, lse32, _ = flash_attn_fwd(q, k, v, out_dtype=torch.float32, **options)
-    grads32 = flash_attn_bwd(dout, q, k, v, out, lse, out_dtype=torch.float32, **options)[:3]
-    ref = _sdpa_with_grads(q, k, v, dout, torch.float64, causal)
-    pt = _sdpa_with_grads(q, k, v, dout, torch.bfloat16, causal)
-    for name, ours, r, p in zip(("out", "dq", "dk", "dv"), (out32, *grads32), ref, pt, strict=True):
-        assert ours.dtype == torch.float32, name
-        assert_close_2x(name, ours, r, p)
-    backend = backend_instance("triton")
-    problem = describe_call(q, k, v, AttentionOptions(causal=causal))
-    if backend.forward_kernel(problem).startswith("forward "):
-        assert torch.equal(out32.to(torch.bfloat16), out) and torch.equal(lse32, lse)
-    if h_k == 4 and backend.backward_plan(problem).kernel.startswith("bwd_main (one launch"):
-        assert all(torch.equal(g32.to(torch.bfloat16), g) for g32, g in zip(grads32, grads, strict=True))

@@ -1,8 +1,8 @@
 """On a GPU: a warp-specialised kernel that fails to compile gives way to the one-launch kernels for the call that
 met the failure and every later one, with one warning and results that match the oracle (the CPU tests,
-tests/triton/test_triton_versions.py, hold the same rule with stand-ins for the kernels). Each case runs in a fresh process:
-the failure is made by replacing a Gluon builtin the kernel calls, and Triton's in-process caches must not hold the
-kernel compiled already."""
+tests/triton/test_triton_versions.py, hold the same rule with stand-ins for the kernels). Each case runs in a fresh
+process: the failure is made by replacing a Gluon builtin the kernel calls, and Triton's in-process caches must not
+hold the kernel compiled already."""
 
 from __future__ import annotations
 

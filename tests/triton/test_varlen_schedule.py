@@ -16,6 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cases import cumulative
+
 pytest.importorskip("triton")
 from flash_attn_ck.backends.triton.runtime import varlen_schedule as vs
 from flash_attn_ck.core.mask import MaskInfo
@@ -26,13 +28,6 @@ lengths = st.lists(st.integers(0, 300) | st.sampled_from([0, 1]), min_size=0, ma
 walks = st.builds(vs.TileWalk, own_block=st.sampled_from([1, 16, 64, 128]), walk_block=st.sampled_from([1, 32, 64]),
                   owns_keys=st.booleans(), left=st.integers(-1, 200), right=st.integers(-1, 40),
                   top_left=st.booleans())
-
-
-def cumulative(values: list[int]) -> list[int]:
-    out = [0]
-    for n in values:
-        out.append(out[-1] + n)
-    return out
 
 
 def brute_steps(len_q: int, len_k: int, tile: int, walk: vs.TileWalk) -> int:
@@ -143,24 +138,3 @@ def test_the_triton_builder_compiles_for_sm90_without_spills():
                             options=dict(num_warps=vs.schedule_warps(items)))
     report = ptxas_report(kernel.asm["ptx"])
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("use_triton", [True, False])
-def test_both_builders_run_on_the_gpu_without_a_host_sync(use_triton):
-    """The schedule of a packed pack with empty and 1-token documents, built under CUDA's sync debug mode
-    "error" (any host sync raises), equals the model's."""
-    seqlens = [0, 1, 700, 5, 0, 3000, 1, 129, 128, 64]
-    cu = cumulative(seqlens)
-    walk = vs.TileWalk(128, 64, True, -1, 0)
-    bound = vs.schedule_bound(cu[-1], len(seqlens), 128)
-    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
-    vs.build_schedule(cu_dev, cu_dev, walk, bound, use_triton=use_triton)     # compiles outside the check
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        built = vs.build_schedule(cu_dev, cu_dev, walk, bound, use_triton=use_triton)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert built.cpu().tolist() == vs.schedule_model(cu, cu, walk, bound)
