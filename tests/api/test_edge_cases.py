@@ -740,7 +740,8 @@ def test_triton_interpreter():
     assert proc.returncode == 0 and "PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-if __name__ == "__main__":      # a case by name, for debugging: python tests/api/test_edge_cases.py check_window
+# a case by name, for debugging: PYTHONPATH=tests python tests/api/test_edge_cases.py check_window
+if __name__ == "__main__":
     print(json.dumps(globals()[sys.argv[1]]() or "ok"))
 
 
