@@ -60,6 +60,6 @@ COPY . .
 RUN cp build/ck/libflash_attn_ck.so flash_attn_ck/backends/ck/ \
  && python3 -m pip install --no-cache-dir --no-deps --no-build-isolation -e .
 
-# tests/test_ck_compiled.py checks the exported C ABI of this library (no GPU needed).
+# tests/ck/test_ck_compiled.py checks the exported C ABI of this library (no GPU needed).
 ENV FLASH_ATTN_CK_CHECK_LIBRARY=/opt/flash_attn_ck/flash_attn_ck/backends/ck/libflash_attn_ck.so
 CMD ["python3", "-m", "pytest", "-q", "tests"]

@@ -5,21 +5,24 @@
 # set; otherwise under the subcommand's default, given below.
 #
 #   bash scripts/device.sh tests [PYTEST ARGS]   GPU tests, two pytest processes side by side (420 s):
-#                                                 tests/test_triton.py -> triton.log, and the ops / torch.compile /
-#                                                 CUDA graphs / chunking files (-m gpu) -> ops.log; then the host-time
-#                                                 breakdown of a small backward. PYTEST ARGS go to both (e.g. -k 256).
-#                                                 WARM_FLEX=1: also fill FlexAttention's compile caches for a grid
-#                                                 run in the next call (two bench_bwd.py --warm-only shards).
-#   bash scripts/device.sh gpu-tests             every test of the files with GPU tests (host path, SDPA, ops, compile,
-#                                                 graphs, chunking, replays, context parallelism at world 1, the Triton
-#                                                 and Gluon kernels), 14 workers, spread over calls: the
-#                                                 node ids listed in .devrun/gpu-passed-tritonVERSION.txt are left out (540 s) ->
-#                                                 gpu-tests.log, gpu-passed-tritonVERSION.txt (those ids plus this call's passes; to
-#                                                 resume on a fresh machine, copy it into .devrun/ here and carry .devrun;
-#                                                 a warm machine also keeps it in /root). With a carried
-#                                                 pytest-timeout (the image's, or a carried wheel: pip download --no-deps
-#                                                 pytest-timeout -d .devrun/wheels) a test hung past 300 s fails alone (its worker is
-#                                                 replaced) instead of holding the call to its limit
+#                                                 tests/gpu/test_triton.py -> triton.log, and the ops / torch.compile /
+#                                                 CUDA graphs / chunking files of tests/gpu/ -> ops.log; then the
+#                                                 host-time breakdown of a small backward. PYTEST ARGS go to both
+#                                                 (e.g. -k 256). WARM_FLEX=1: also fill FlexAttention's compile caches
+#                                                 for a grid run in the next call (two bench_bwd.py --warm-only shards).
+#   bash scripts/device.sh gpu-tests             every test of tests/gpu/ (each needs a CUDA GPU; the tests of other
+#                                                 folders run the same on any host and stay on the CPU machine: those
+#                                                 that compile for sm_90a run under each Triton through
+#                                                 scripts/triton_matrix.sh), riskiest (host path, SDPA, ops, graphs,
+#                                                 compile) first, 14 workers, spread over calls: the node ids listed in
+#                                                 .devrun/gpu-passed-tritonVERSION.txt are left out (540 s) ->
+#                                                 gpu-tests.log, gpu-passed-tritonVERSION.txt (those ids plus this
+#                                                 call's passes; to resume on a fresh machine, copy it into .devrun/
+#                                                 here and carry .devrun; a warm machine also keeps it in /root). With a
+#                                                 carried pytest-timeout (the image's, or a carried wheel: pip download
+#                                                 --no-deps pytest-timeout -d .devrun/wheels) a test hung past 300 s
+#                                                 fails alone (its worker is replaced) instead of holding the call to
+#                                                 its limit
 #   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
 #                                                 (ws: the warp-specialised kernels' case, synccheck too, and
 #                                                 racecheck on the `handoff` baseline it is read against)
@@ -71,10 +74,10 @@ case $cmd in
         warm+=($!)
       done
     fi
-    limit 420 python3 -m pytest -q -p no:cacheprovider -rf tests/test_triton.py "$@" > "$OUT/triton.log" 2>&1 &
+    limit 420 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_triton.py "$@" > "$OUT/triton.log" 2>&1 &
     triton_pid=$!
-    limit 420 python3 -m pytest -q -p no:cacheprovider -rf -m gpu tests/test_ops.py tests/test_compile.py \
-      tests/test_cuda_graphs.py tests/test_chunking_gpu.py "$@" > "$OUT/ops.log" 2>&1
+    limit 420 python3 -m pytest -q -p no:cacheprovider -rf tests/gpu/test_ops_gpu.py tests/gpu/test_compile_gpu.py \
+      tests/gpu/test_cuda_graphs.py tests/gpu/test_chunking_gpu.py "$@" > "$OUT/ops.log" 2>&1
     echo "ops/compile/graphs/chunking rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/ops.log" | tail -6
     wait "$triton_pid"; echo "test_triton rc=$?"; grep -E "passed|failed|^FAILED|^ERROR" "$OUT/triton.log" | tail -6
     for pid in "${warm[@]}"; do wait "$pid"; done
@@ -89,18 +92,12 @@ case $cmd in
     passed=gpu-passed-triton$(python3 -c "import triton; print(triton.__version__)").txt
     mkdir -p .devrun && touch ".devrun/$passed" "/root/$passed"
     sort -u -o ".devrun/$passed" ".devrun/$passed" "/root/$passed"
-    # the files with GPU tests, riskiest (host path, ops, compile) first; their CPU tests come along
-    python3 -m pytest --collect-only -q -p no:cacheprovider tests/test_host_path.py tests/test_sdpa_gpu.py \
-      tests/test_ops.py tests/test_cuda_graphs.py tests/test_compile.py tests/test_chunking_gpu.py tests/test_replay.py \
-      tests/test_out_dtype.py tests/test_forward_out.py tests/test_seqused_k.py tests/test_edge_cases.py \
-      tests/test_backend_selection.py tests/test_context_parallel.py tests/test_main.py \
-      tests/test_triton_ws.py tests/test_triton_fwd_ws.py tests/test_triton_launch.py tests/test_varlen_schedule.py \
-      tests/test_varlen_schedule_launch.py tests/test_outside_rows.py tests/test_launch_cache.py tests/test_triton.py \
-      tests/test_triton_versions_gpu.py tests/test_hf_local.py \
-      2>/dev/null | grep '::' > .devrun/gpu-all.txt
-    # files whose CPU tests are long (interpreted kernels, gradchecks): their GPU tests only
-    python3 -m pytest --collect-only -q -p no:cacheprovider -m gpu tests/test_sinks.py 2>/dev/null | grep '::' \
-      >> .devrun/gpu-all.txt
+    # every test of tests/gpu/, the riskiest files (host path, SDPA, ops, graphs, compile) first
+    python3 -m pytest --collect-only -q -p no:cacheprovider tests/gpu 2>/dev/null | grep '::' > .devrun/gpu-collected.txt
+    for file in host_path_gpu sdpa_gpu ops_gpu cuda_graphs compile_gpu; do
+      grep -F "tests/gpu/test_$file.py::" .devrun/gpu-collected.txt
+    done > .devrun/gpu-all.txt
+    grep -vxF -f .devrun/gpu-all.txt .devrun/gpu-collected.txt >> .devrun/gpu-all.txt
     # GPU_TESTS_FIRST=A|B|...: the ids A matches go first, then B's, ... (workers take the list in order)
     grep -vxF -f ".devrun/$passed" .devrun/gpu-all.txt > .devrun/gpu-todo.txt
     first=${GPU_TESTS_FIRST:-}

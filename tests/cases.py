@@ -81,6 +81,21 @@ def make_sink(cfg: Config, device="cpu", seed=0) -> torch.Tensor | None:
     return (torch.randn(cfg.heads_q, generator=gen) + 3.0).to(device=device, dtype=cfg.sink_dtype)
 
 
+def cumulative(values: list[int]) -> list[int]:
+    out = [0]
+    for n in values:
+        out.append(out[-1] + n)
+    return out
+
+
+def seeded_inputs(dtype, b=2, s_q=5, s_k=7, h=4, h_k=2, d=20, seed=0):
+    """Random q, k, v, dout in (b, s, h, d) layout, drawn from one seeded generator on the CPU."""
+    g = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(b, s_q, h, d, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, s_k, h_k, d, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, dout
+
+
 def varlen_meta(cfg: Config, device="cpu"):
     lengths_q = torch.tensor([0] + [s for s, _ in cfg.seqlens])
     lengths_k = torch.tensor([0] + [s for _, s in cfg.seqlens])

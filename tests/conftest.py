@@ -1,12 +1,19 @@
-"""On a torch older than the integrations need, their test files are left out, and the header says which."""
+"""Every folder of test modules on sys.path (folders.py); a collection where a test's folder and its gpu/rocm
+marker disagree is refused. On a torch older than the integrations need, their test files are left out, and the
+header says which."""
 
 from __future__ import annotations
 
 import re
 import socket
+import sys
 from pathlib import Path
 
 import pytest
+
+from folders import IMPORT_PATHS, MARKED_FOLDERS, TESTS
+
+sys.path[:0] = [str(path) for path in IMPORT_PATHS if str(path) not in sys.path]
 
 
 def imports_of(names: set[str]) -> re.Pattern:
@@ -23,19 +30,44 @@ def _integrations_unavailable() -> str | None:
 
 
 def integration_test_files(folder: Path) -> list[str]:
-    """Test modules that import an integration at module level, directly or through another such module."""
-    sources = {path.stem: path.read_text() for path in folder.glob("*.py")}
+    """Test modules (paths relative to `folder`) that import an integration at module level, directly or through
+    another such module."""
+    paths = {path.stem: path for path in folder.rglob("*.py")}
+    sources = {name: path.read_text() for name, path in paths.items()}
     left_out = {"flash_attn_ck.integrations"}
     while True:
         pattern = imports_of(left_out)
         more = {name for name, text in sources.items() if pattern.search(text)} - left_out
         if not more:
-            return sorted(f"{name}.py" for name in left_out if name.startswith("test_"))
+            return sorted(paths[name].relative_to(folder).as_posix() for name in left_out if name.startswith("test_"))
         left_out |= more
 
 
 WHY_LEFT_OUT = _integrations_unavailable()
-collect_ignore = integration_test_files(Path(__file__).parent) if WHY_LEFT_OUT else []
+collect_ignore = integration_test_files(TESTS) if WHY_LEFT_OUT else []
+
+
+def misplaced(items) -> list[str]:
+    """Items whose gpu/rocm markers are not their folder's: every test under tests/gpu/ carries `gpu`, every one
+    under tests/rocm/ `rocm`, and no test elsewhere carries either."""
+    wrong = []
+    for item in items:
+        if not item.path.is_relative_to(TESTS):
+            continue
+        folder = item.path.relative_to(TESTS).parts[0]
+        wanted = {MARKED_FOLDERS[folder]} if folder in MARKED_FOLDERS else set()
+        carried = {mark.name for mark in item.iter_markers()} & set(MARKED_FOLDERS.values())
+        if carried != wanted:
+            wrong.append(f"{item.nodeid}: marked {sorted(carried) or 'neither'}, its folder wants "
+                         f"{sorted(wanted) or 'neither'}")
+    return wrong
+
+
+@pytest.hookimpl(tryfirst=True)      # before -m deselects anything
+def pytest_collection_modifyitems(config, items):
+    if wrong := misplaced(items):
+        raise pytest.UsageError("tests whose folder says another place to run (tests/folders.py):\n  "
+                                + "\n  ".join(wrong))
 
 
 def pytest_report_header(config):

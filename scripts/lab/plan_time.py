@@ -1,6 +1,6 @@
 """Time the backward's chunk planning (pipeline/chunking.py) over a grid of shapes and caps, on meta
 tensors (no compute). Prints one row per case: backend, shape, cap, chunks, time. The result is in
-README.md (§A cap on the backward workspace); tests/test_workspace_plan.py checks the plans themselves.
+README.md (§A cap on the backward workspace); tests/core/test_workspace_plan.py checks the plans themselves.
 
     PYTHONPATH=. python3 scripts/lab/plan_time.py
 """

@@ -42,7 +42,7 @@ FACK_HIP_ERROR = 3
 FACK_LAUNCH_ERROR = 5
 
 
-# ---- the C structs (csrc_ck/include/flash_attn_ck.h); tests/test_ck_abi.py checks every offset ----
+# ---- the C structs (csrc_ck/include/flash_attn_ck.h); tests/ck/test_ck_abi.py checks every offset ----
 
 class FackTensor(ctypes.Structure):
     """A (batch, rows, heads, head dim) tensor, last dimension contiguous; strides in elements."""

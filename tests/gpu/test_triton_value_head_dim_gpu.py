@@ -1,0 +1,56 @@
+"""GPU tests of v's own head dim on the Triton backend (skipped without CUDA): the one-launch kernels with
+features.HEAD_DIM_V / BLOCK_DV against the float64 oracle under the 2x rule, over the pairs models use (MLA's
+192/128 first), d_v narrower, wider and not a multiple of 8, every backward mode (the accumulator epilogue asked for
+runs the group loop), TMA, varlen with empty sequences and bit-identical deterministic repeats. Their logic runs on
+the CPU in tests/triton/test_triton_interpret.py (TRITON_INTERPRET=1); scripts/triton_compile_check.py compiles them for
+sm_90a."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cases import check_case
+from oracle import Config
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from flash_attn_ck import use_backend  # noqa: E402
+from flash_attn_ck.backends.triton import TritonBackend  # noqa: E402
+
+PAIRS = [(192, 128), (128, 64), (64, 128), (40, 21), (256, 8), (96, 200)]
+OPTIONS = {"defaults": dict(), "accumulate-asked": dict(gqa_epilogue="accumulate"), "atomic-dq": dict(dq_mode="atomic"),
+           "tma": dict(use_tma=True)}
+
+
+@pytest.mark.parametrize("options", list(OPTIONS))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("head_dim", "head_dim_v"), PAIRS, ids=[f"{d}-{d_v}" for d, d_v in PAIRS])
+def test_pairs_match_the_oracle(head_dim, head_dim_v, dtype, options):
+    cfg = Config(batch=2, seqlen_q=301, seqlen_k=257, heads_q=8, heads_k=2, head_dim=head_dim, head_dim_v=head_dim_v,
+                 causal=True, dtype=dtype)
+    with use_backend(TritonBackend(**OPTIONS[options])):
+        check_case(cfg, backend="triton", device="cuda")
+
+
+@pytest.mark.parametrize("features", [dict(window=(64, 16)), dict(alibi=True), dict(softcap=20.0),
+                                      dict(dropout_p=0.2)], ids=["window", "alibi", "softcap", "dropout"])
+def test_features_with_mla_head_dims(features):
+    check_case(Config(batch=2, seqlen_q=200, seqlen_k=333, heads_q=4, heads_k=2, head_dim=192, head_dim_v=128,
+                      **features), backend="triton", device="cuda")
+
+
+def test_varlen_with_empty_sequences():
+    cfg = Config(seqlens=[(130, 77), (0, 40), (57, 0), (0, 0), (300, 301)], heads_q=6, heads_k=2, head_dim=192,
+                 head_dim_v=128, causal=True)
+    check_case(cfg, backend="triton", device="cuda")
+
+
+def test_deterministic_repeats_are_bit_identical():
+    cfg = Config(batch=2, seqlen_q=257, seqlen_k=300, heads_q=8, heads_k=2, head_dim=192, head_dim_v=128,
+                 deterministic=True, seqlens=None)
+    first = check_case(cfg, backend="triton", device="cuda")
+    second = check_case(cfg, backend="triton", device="cuda")
+    assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
