@@ -9,7 +9,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_store.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_store.py"
 spec = importlib.util.spec_from_file_location("bench_store", SCRIPT)
 bench_store = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench_store)
