@@ -6,15 +6,17 @@
     # every rank: its shard of input_ids, position_ids and the globally shifted labels (`shard_for_causal_lm`)
     loss = model(**shard_for_causal_lm(input_ids, mesh), use_cache=False).loss
 
-The model's attention layers then call `context_parallel_sdpa` on their (b, h, s / W, d) projections: causal
-over the whole sequence, GQA unexpanded, the layer's scaling and dropout. Everything else in the model works
+The model's attention layers then call `context_parallel_attn` on (b, s / W, h, d) views of their projections:
+causal over the whole sequence, GQA unexpanded, the layer's scaling and dropout, attention sinks (`s_aux`) as
+`learnable_sink` (folded once into the merged lse), and sliding windows where the exchange runs them
+(`kv_exchange="allgather"`; the ring refuses them, naming `sliding_window`). Everything else in the model works
 per token, so it runs on the shard as it is, given the shard's global `position_ids` (RoPE). The causal LM loss
 shifts labels inside the shard, which would pair tokens across chunk boundaries: `shard_for_causal_lm` shifts
 them on the full sequence first (transformers' `shift_labels`) and passes `num_items_in_batch`, the group's
 count of predicted tokens, so each rank's loss is its share of the global mean (sum them with an all-reduce;
 the parameters' gradients likewise). One sequence per row: padding masks, packed documents (position_ids that
-restart inside a row, `cu_seq_lens_*`) and what the attention cannot run (sliding windows, softcapping, sinks)
-are refused with the argument named, never ignored.
+restart inside a row, `cu_seq_lens_*`) and what the attention cannot run (softcapping; a sliding window on the
+ring) are refused with the argument named, never ignored.
 
 One device, every flash-attn feature (`register_hf_attention_local`, "ck_attention"):
 
@@ -41,7 +43,7 @@ import torch
 
 from ..api import flash_attn_func, flash_attn_varlen_func
 from ..core.errors import ArgumentError
-from .context_parallel import context_parallel_sdpa, process_group, shard
+from .context_parallel import context_parallel_attn, process_group, shard
 
 NAME = "context_parallel_ck"    # no "flash" in it: transformers would try to load a flash-attn kernel of that name
 LOCAL_NAME = "ck_attention"
@@ -59,7 +61,8 @@ def register_hf_attention(mesh_or_group=None, *, name: str = NAME, layout: str =
 
     positions: dict[tuple[int, torch.device], torch.Tensor] = {}   # (shard length, device) -> this shard's positions
 
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                  sliding_window=None, s_aux=None, **kwargs):
         if attention_mask is not None:
             raise ArgumentError(f"attention_mask: {name} takes unpadded sequences (the causal mask comes from "
                                 "is_causal over the whole sequence); one sequence per row, without padding")
@@ -75,10 +78,15 @@ def register_hf_attention(mesh_or_group=None, *, name: str = NAME, layout: str =
         if position_ids is not None:
             _check_positions(position_ids, positions, group, layout)
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        out = context_parallel_sdpa(query, key, value, group, is_causal=causal, scale=scaling,
-                                    enable_gqa=key.shape[1] != query.shape[1], dropout_p=dropout, layout=layout,
-                                    kv_exchange=kv_exchange, backend=backend)
-        return out.transpose(1, 2), None       # transformers' attention functions return (b, s, h, d)
+        if sliding_window is not None and kv_exchange != "allgather":
+            raise ArgumentError(f"sliding_window: {name} runs sliding windows with kv_exchange='allgather' only "
+                                f"(registered with {kv_exchange!r}; the layer asks for sliding_window="
+                                f"{_short(sliding_window)})")
+        # transformers' attention functions take (b, h, s, d) and return (b, s, h, d): the flash-attn layout
+        return context_parallel_attn(*(t.transpose(1, 2) for t in (query, key, value)), group, softmax_scale=scaling,
+                                     causal=causal, window_size=_window(sliding_window, causal), dropout_p=dropout,
+                                     layout=layout, kv_exchange=kv_exchange, backend=backend,
+                                     learnable_sink=s_aux), None
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, flash_attention_mask)   # None without padding, as for flash-attn
@@ -86,8 +94,7 @@ def register_hf_attention(mesh_or_group=None, *, name: str = NAME, layout: str =
 
 
 # Options transformers passes to attention functions that this one cannot honour: refused, never ignored.
-UNSUPPORTED_OPTIONS = {"sliding_window": "sliding-window attention", "softcap": "logit softcapping",
-                       "s_aux": "attention sinks"}
+UNSUPPORTED_OPTIONS = {"softcap": "logit softcapping"}
 # What transformers passes for documents packed into one row (DataCollatorWithFlattening).
 PACKING_OPTIONS = ("cu_seq_lens_q", "cu_seq_lens_k")
 

@@ -92,13 +92,15 @@ def _refusal_worker(rank, world, port):
         input_ids = torch.randint(0, 61, (2, 4 * world), generator=torch.Generator().manual_seed(1))
         name = register_hf_attention(backend="reference")
         # What the layers ask for that this attention cannot run: refused with the option named, not ignored.
-        for config, option in ((transformers.MistralConfig(**small, sliding_window=3), "sliding_window"),
-                               (transformers.Gemma2Config(**small, sliding_window=64, attn_logit_softcapping=30.0,
-                                                          layer_types=["full_attention"] * 2), "softcap")):
+        for config, refusal in ((transformers.MistralConfig(**small, sliding_window=3),
+                                 rf"^sliding_window: {name} runs sliding windows with kv_exchange='allgather' only"),
+                                (transformers.Gemma2Config(**small, sliding_window=64, attn_logit_softcapping=30.0,
+                                                           layer_types=["full_attention"] * 2),
+                                 rf"^softcap: {name} does not run")):
             torch.manual_seed(0)
             model = transformers.AutoModelForCausalLM.from_config(config).double()
             model.set_attn_implementation(name)
-            with pytest.raises(ArgumentError, match=rf"^{option}: {name} does not run"):
+            with pytest.raises(ArgumentError, match=refusal):
                 model(**shard_for_causal_lm(input_ids), use_cache=False)
         # Packed documents: position_ids restarting inside a row would attend across documents.
         model = _model(name)
@@ -114,9 +116,44 @@ def _refusal_worker(rank, world, port):
 
 
 def test_what_the_attention_cannot_run_is_refused_not_ignored():
-    """A sliding window (Mistral), logit softcapping (Gemma2) and packed documents (position_ids restarting inside a
-    row, cu_seq_lens) each raise, naming the argument; before, the model silently ran full causal attention."""
+    """A sliding window on the ring (Mistral), logit softcapping (Gemma2) and packed documents (position_ids
+    restarting inside a row, cu_seq_lens) each raise, naming the argument; before, the model silently ran full
+    causal attention."""
     spawn(_refusal_worker, 2)
+
+
+def _sinks_and_windows_worker(rank, world, port):
+    from flash_attn_ck.integrations.context_parallel import sum_gradients
+    from flash_attn_ck.integrations.hf import register_hf_attention, shard_for_causal_lm
+    from hf_models import _model as small_model
+    init(rank, world, port)
+    softmax = torch.nn.functional.softmax      # eager's softmax kept in float64: an exact reference
+    torch.nn.functional.softmax = lambda x, dim=None, _stacklevel=3, dtype=None: softmax(x, dim=dim)
+    try:
+        input_ids = torch.randint(1, 61, (2, 4 * world), generator=torch.Generator().manual_seed(1))
+        name = register_hf_attention(kv_exchange="allgather", backend="reference")
+        for kind in ("gpt_oss_sinks", "mistral_sliding"):
+            reference = small_model(kind, "eager")
+            loss = reference(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+            loss.backward()
+            model = small_model(kind, name)
+            local_loss = model(**shard_for_causal_lm(input_ids), use_cache=False).loss
+            local_loss.backward()
+            total = local_loss.detach().clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, loss.detach(), atol=0, rtol=1e-6)
+            sum_gradients(model.parameters())
+            _assert_same_gradients(model, reference, kind)
+    finally:
+        torch.nn.functional.softmax = softmax
+        teardown()
+
+
+def test_sinks_and_sliding_windows_equal_the_full_sequence_with_the_allgather_exchange():
+    """GPT-OSS (`s_aux` sinks on every layer, a window on every other one) and Mistral (a window shorter than the
+    sequence on every layer) registered with kv_exchange="allgather": loss and every gradient, sinks' included,
+    equal eager attention on the full sequence."""
+    spawn(_sinks_and_windows_worker, 2)
 
 
 def _compile_worker(rank, world, port):
