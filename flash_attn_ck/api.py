@@ -207,6 +207,7 @@ def _with_sink_gradient(grads: tuple, sink, softmax_lse) -> tuple:
 def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                        seqused_k=None, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                        softcap=0.0, alibi_slopes=None, deterministic=False, max_workspace_bytes=None,
+                       out_dtype=None, learnable_sink=None,
                        backends=("reference", "ck", "triton")) -> dict[str, ChunkPlan | str]:
     """The backward workspace each backend would allocate for this call. Plans depend only on shapes,
     so q/k/v may be `device="meta"` tensors of any size.
@@ -226,7 +227,7 @@ def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seqused_k=seqused_k, max_seqlen_q=max_seqlen_q,
         max_seqlen_k=max_seqlen_k, alibi_slopes=alibi_slopes, dropout_p=dropout_p, softmax_scale=softmax_scale,
         causal=causal, window_size=window_size, softcap=softcap, deterministic=deterministic,
-        max_workspace_bytes=max_workspace_bytes)
+        max_workspace_bytes=max_workspace_bytes, out_dtype=out_dtype, learnable_sink=learnable_sink)
     problem = describe_call(q, k, v, options)
     params = AttentionParams(q, k, v, *sequence_tensors(options))
     cap = workspace_cap(max_workspace_bytes)

@@ -3,6 +3,9 @@ test holds a class of input that was mishandled, named for the rule it checks.""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -11,6 +14,7 @@ from test_edge_cases import SETTINGS
 
 import flash_attn_ck as fa
 from flash_attn_ck.core.errors import ArgumentError
+from flash_attn_ck.core.options import AttentionOptions
 
 
 @settings(max_examples=12, **SETTINGS)
@@ -146,3 +150,30 @@ def test_dk_and_dv_as_column_slices_of_one_buffer_are_accepted_with_d_v_other_th
         with pytest.raises(ArgumentError, match=r"^dk: shares memory with dv"):
             fa.flash_attn_bwd(dout, q, k, v, out, lse, None, dk, dv, **call)
         assert (dkv == 7.0).all()
+
+
+def test_backward_workspace_takes_every_option_flash_attn_bwd_takes():
+    """backward_workspace plans "as for flash_attn_bwd": each of flash_attn_bwd's call options is a parameter of it
+    (`backend` excepted: it plans for the `backends` it is given). out_dtype and learnable_sink raised TypeError."""
+    options = {field.name for field in dataclasses.fields(AttentionOptions)} - {"backend"}
+    taken_by_bwd = options & set(inspect.signature(fa.flash_attn_bwd).parameters)
+    assert taken_by_bwd - set(inspect.signature(fa.backward_workspace).parameters) == set()
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(batch=st.integers(1, 3), seqlen_k=st.integers(1, 300), heads_k=st.integers(1, 3), group=st.integers(2, 4),
+       head_dim=st.sampled_from([32, 64, 128]), head_dim_v=st.sampled_from([32, 64, 128]), sink=st.booleans())
+def test_backward_workspace_plans_fp32_gradients_of_a_gqa_call_in_fp32(batch, seqlen_k, heads_k, group, head_dim,
+                                                                        head_dim_v, sink):
+    """With GQA the reference (CK's contract) holds dK and dV per query head before the group sum: with
+    out_dtype=fp32 those are fp32, 2 bytes more per element than bf16's, (d + d_v) elements a key row and head."""
+    heads = heads_k * group
+    q = torch.empty(batch, 5, heads, head_dim, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(batch, seqlen_k, heads_k, head_dim, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(batch, seqlen_k, heads_k, head_dim_v, device="meta", dtype=torch.bfloat16)
+    learnable_sink = torch.zeros(heads, device="meta") if sink else None
+    plans = {out_dtype: fa.backward_workspace(q, k, v, out_dtype=out_dtype, learnable_sink=learnable_sink,
+                                              backends=("reference",))["reference"]
+             for out_dtype in (None, torch.float32)}
+    grown = plans[torch.float32].peak_bytes - plans[None].peak_bytes
+    assert grown == 2 * batch * seqlen_k * heads * (head_dim + head_dim_v)
