@@ -28,7 +28,9 @@ warpgroups of 64 query rows each and a loader warp share the CTA:
                          lse = m * scale + ln(l) in fp32; a row that sees no key gets O = 0, lse = +inf.
 
 Every consumer walks every key tile the CTA sees (the loader loads each once); a tile that no row of a
-warpgroup sees gives P = 0 there. Three consumers (FA3's d64 shape, 192 query rows per CTA) have 160 registers
+warpgroup sees gives P = 0 there. Each key tile tests at run time whether it needs the mask; with SPLIT_MASK
+(config.FwdWsTile.split_mask) a consumer instead walks the tiles its rows see in full (gluon_common.Mask.
+unmasked_key_tiles) in a loop of their own that has no mask code, and the tiles before and after them masked. Three consumers (FA3's d64 shape, 192 query rows per CTA) have 160 registers
 each, room for no OVERLAP. Tensors reach the kernel as host TMA descriptors with boxes of one
 head over 3-D (rows, heads, head_dim) views (gluon_common.descriptor), so one descriptor serves dense and
 varlen calls: a key tile may read rows of the next sequence (masked to P = 0, as every tile past len_k
@@ -277,12 +279,12 @@ def _overlap_steps(consts, bufs, mask, q_tile, s_zero, keys, start, stop, carry,
 
 
 @gluon.jit
-def _steps(consts, bufs, mask, q_tile, s_zero, keys, start, stop, carry, WARPGROUP: gl.constexpr,
+def _steps(consts, bufs, mask, q_tile, s_zero, keys, start, stop, state, WARPGROUP: gl.constexpr,
            MASKED: gl.constexpr):
     """Without OVERLAP: key tiles [start, stop), each S round, softmax and P V round in turn. `keys` as
-    `_overlap_steps`'; `carry`: (m, l, O, rounds)."""
+    `_overlap_steps`'; `state`: (m, l, O, rounds), returned after tile stop - 1."""
     offs_m, offs_n, m0, n_lo, len_k, shift, scale_log2 = keys
-    m_i, l_i, acc, rounds = carry
+    m_i, l_i, acc, rounds = state
     for j in range(start, stop):
         s, rounds = _s_round(consts, bufs, q_tile, s_zero, j, rounds, WARPGROUP)
         p, alpha, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo + j * consts.BLOCK_N, offs_m, offs_n, m0,
@@ -343,15 +345,15 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr)
             p, m_i, l_i, acc, rounds = carry
             acc, rounds = _pv_round(consts, bufs, p, n_tiles - 1, acc, rounds, WARPGROUP)
     else:
-        carry = (m_i, l_i, acc, rounds)
+        state = (m_i, l_i, acc, rounds)
         if consts.SPLIT_MASK:
             first, end = _unmasked_tiles(consts, mask, m0, len_q, len_k, shift, n_lo, n_tiles, 0)
-            carry = _steps(consts, bufs, mask, q_tile, s_zero, keys, 0, first, carry, WARPGROUP, True)
-            carry = _steps(consts, bufs, mask, q_tile, s_zero, keys, first, end, carry, WARPGROUP, False)
-            carry = _steps(consts, bufs, mask, q_tile, s_zero, keys, end, n_tiles, carry, WARPGROUP, True)
+            state = _steps(consts, bufs, mask, q_tile, s_zero, keys, 0, first, state, WARPGROUP, True)
+            state = _steps(consts, bufs, mask, q_tile, s_zero, keys, first, end, state, WARPGROUP, False)
+            state = _steps(consts, bufs, mask, q_tile, s_zero, keys, end, n_tiles, state, WARPGROUP, True)
         else:
-            carry = _steps(consts, bufs, mask, q_tile, s_zero, keys, 0, n_tiles, carry, WARPGROUP, None)
-        m_i, l_i, acc, rounds = carry
+            state = _steps(consts, bufs, mask, q_tile, s_zero, keys, 0, n_tiles, state, WARPGROUP, None)
+        m_i, l_i, acc, rounds = state
 
     # ---- epilogue: O / l and lse; rows that see no key get O = 0, lse = +inf ----
     empty = l_i == 0.0
