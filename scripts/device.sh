@@ -42,7 +42,8 @@
 #                                                 (300 s) -> ncu-KERNEL.txt
 #   bash scripts/device.sh candidates           the experiment of scripts/lab/candidates.sh: tiles compiled but not yet
 #                                                 run, checked and timed beside the defaults by scripts/lab/fwd_ws_check.py
-#                                                 and bwd_ws_check.py -> candidates-fwd.log, candidates-bwd.log
+#                                                 and bwd_ws_check.py -> candidates-fwd-split.log, candidates-fwd.log,
+#                                                 candidates-bwd.log
 #   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
 #                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
 #                                                 this tree: old, new, old, new, so each version is timed twice

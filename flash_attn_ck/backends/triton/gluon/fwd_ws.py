@@ -29,8 +29,9 @@ warpgroups of 64 query rows each and a loader warp share the CTA:
 
 Every consumer walks every key tile the CTA sees (the loader loads each once); a tile that no row of a
 warpgroup sees gives P = 0 there. Each key tile tests at run time whether it needs the mask; with SPLIT_MASK
-(config.FwdWsTile.split_mask) a consumer instead walks the tiles its rows see in full (gluon_common.Mask.
-unmasked_key_tiles) in a loop of their own that has no mask code, and the tiles before and after them masked. Three consumers (FA3's d64 shape, 192 query rows per CTA) have 160 registers
+(config.FwdWsTile.split_mask) a consumer instead walks the tiles its rows see in full
+(gluon_common.Mask.unmasked_key_tiles) in a loop of their own without mask code, and those before and after them
+with the mask. Three consumers (FA3's d64 shape, 192 query rows per CTA) have 160 registers
 each, room for no OVERLAP. Tensors reach the kernel as host TMA descriptors with boxes of one
 head over 3-D (rows, heads, head_dim) views (gluon_common.descriptor), so one descriptor serves dense and
 varlen calls: a key tile may read rows of the next sequence (masked to P = 0, as every tile past len_k

@@ -149,10 +149,11 @@ class Mask:
 
     @gluon.jit
     def unmasked_key_tiles(self, m0, rows, len_q, len_k, shift, n_lo, n_tiles, BLOCK_N: gl.constexpr):
-        """Tiles [first, end) of the `n_tiles` key tiles from key `n_lo` (`key_tiles`) whose every key every query row
-        of [m0, min(m0 + rows, len_q)) sees, m0 < len_q: the keys seen by all rows start where the last row's
-        `key_range` does and end where the first row's does (both bounds grow with the row). Numerators stay
-        non-negative, so the divisions read the same in a kernel (truncating) and in Python (flooring)."""
+        """Tiles [first, end), 0 <= first <= end <= n_tiles, of the `n_tiles` key tiles from key `n_lo` (`key_tiles`)
+        whose every key every query row of [m0, min(m0 + rows, len_q)) sees (for m0 >= len_q, rows never written,
+        some such range): the keys all rows see start where the last row's `key_range` does and end where the first
+        row's does (both bounds grow with the row). Numerators stay non-negative, so the divisions read the same in
+        a kernel (truncating) and in Python (flooring)."""
         seen_lo = self.key_range(gl.minimum(m0 + rows, len_q) - 1, len_q, len_k, shift, 1, 1)[0]
         seen_hi = self.key_range(m0, len_q, len_k, shift, 1, 1)[1]
         first = gl.minimum(gl.cdiv(gl.maximum(seen_lo - n_lo, 0), BLOCK_N), n_tiles)
