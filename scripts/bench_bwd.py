@@ -376,10 +376,12 @@ def guarded(timing: Callable[[], dict], device: torch.device) -> dict:
 
 def measure_peer(row: Row, name: str, device: torch.device, *, warm_only=False, configs=None) -> dict:
     """Raw timings of one runner on one row (`time_passes`' keys), or `skipped`/`error` with why. Without CUDA only
-    the reference runs; the others say why they would not run the row, or that they need CUDA."""
+    the reference runs; the others say why they would not run the row, or else that they need CUDA."""
     def timing():
+        if why := row_refusal(name, row):
+            raise Unsupported(why)
         if device.type != "cuda" and name != "reference":
-            raise Unsupported(row_refusal(name, row) or "needs CUDA")
+            raise Unsupported("needs CUDA")
         with _backend_of(name, configs) if device.type == "cuda" else contextlib.nullcontext():
             return time_row(row, name, device, warm_only)
     return guarded(timing, device)
@@ -565,7 +567,8 @@ def main(argv=None):
     ap.add_argument("--tuned", default="", help="JSON of scripts/triton_tune.py: backward tiles per head dim")
     ap.add_argument("--replot", default="", help="redraw the PNG and markdown of an earlier JSON and exit")
     ap.add_argument("--merge", default="", help="A.json,B.json,...: one JSON/markdown/PNG of several runs' rows")
-    ap.add_argument("--warm-only", action="store_true", help="compile and run each case once, time nothing")
+    ap.add_argument("--warm-only", action="store_true",
+                    help="compile and run each case once, time nothing (SDPA peers left out: nothing cached on disk)")
     ap.add_argument("--budget-s", type=float, default=0.0, help="start no row after this many seconds (0: no limit)")
     ap.add_argument("--plan", type=int, default=None, metavar="WARM_SHARDS", nargs="?", const=0,
                     help="list the rows and the estimated seconds (with WARM_SHARDS warm-up processes) and exit")
@@ -590,6 +593,8 @@ def run(args) -> dict:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     names = args.peers.split(",")
+    if args.warm_only:      # SDPA keeps nothing on disk for a later process
+        names = [n for n in names if not n.startswith("sdpa_")]
     if not cuda:    # ours through the reference backend; the others say why they did not run
         names = list(dict.fromkeys("reference" if n == "triton" else n for n in names))
     ours = "triton" if cuda else "reference"
