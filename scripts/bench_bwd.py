@@ -450,13 +450,15 @@ def ratios(peers: dict, ours: str, kinds=("fwd", "bwd")) -> dict:
 
 
 def feature_costs(results: list[dict], ours: str) -> None:
-    """Each feature row's `cost`: ours' time with the feature over ours' time on the same shape without it, minus
-    one, per pass ({} where either is missing)."""
-    plain = {Row.from_result(r).shape: r["peers"].get(ours, {}) for r in results if r.get("feature", "none") == "none"}
+    """Each feature row's `cost`: ours' time with the feature over ours' time on the same shape without it (in the
+    same row set), minus one, per pass ({} where either is missing)."""
+    def twin(r):
+        return r.get("row_set", ""), Row.from_result(r).shape
+    plain = {twin(r): r["peers"].get(ours, {}) for r in results if r.get("feature", "none") == "none"}
     for r in results:
         if r.get("feature", "none") == "none":
             continue
-        mine, base = r["peers"].get(ours, {}), plain.get(Row.from_result(r).shape, {})
+        mine, base = r["peers"].get(ours, {}), plain.get(twin(r), {})
         r["cost"] = {kind: mine[f"{kind}_ms"] / base[f"{kind}_ms"] - 1 for kind in ("fwd", "bwd")
                      if f"{kind}_ms" in mine and f"{kind}_ms" in base}
 
@@ -498,8 +500,8 @@ def rewrite(args):
 
 
 def selected_rows(args) -> list[Row]:
-    """The rows to time: --shapes, else the named sets; then --dims and --shard (by compile key: a shard compiles
-    what no other shard does)."""
+    """The rows to time: --shapes, else the named sets; then --dims, --skip-done and --shard (by compile key: a shard
+    compiles what no other shard does)."""
     if args.shapes:
         rows = [Row(d, h, h_k, s, bool(c), row_set="shapes")
                 for d, h, h_k, s, c in (map(int, spec.split(":")) for spec in args.shapes.split(","))]
@@ -508,6 +510,10 @@ def selected_rows(args) -> list[Row]:
                 for row in ROW_SETS[name](args.quick)]
     if args.dims:
         rows = [row for row in rows if row.d in {int(x) for x in args.dims.split(",")}]
+    if args.skip_done:
+        done = {Row.from_result(r) for path in args.skip_done.split(",")
+                for r in json.loads(Path(path).read_text())["results"]}
+        rows = [row for row in rows if row not in done]
     if args.shard:
         i, n = (int(x) for x in args.shard.split("/"))
         keys = list(dict.fromkeys(row.compile_key() for row in rows))
@@ -530,16 +536,20 @@ def _cache_kind(name: str) -> str:
 
 def plan(rows: list[Row], names: list[str], warm_shards: int) -> dict:
     """Seconds a run of `rows` should take under the ASSUMED_* costs: compiling, timing, in all; and with the
-    compiling done first by `warm_shards` processes side by side (peers with an on-disk cache: ours, FA4, Flex)."""
+    compiling done first by `warm_shards` processes side by side (`--shard i/n`: peers with an on-disk cache, ours,
+    FA4 and Flex, compile there; the slowest shard sets the warm-up's length)."""
     compiles: dict[str, set] = {}
+    cached_by_key: dict[tuple, set] = {}       # compile key -> the cached kinds that compile it
     timed = 0
     for row in rows:
         for name in names:
             if row_refusal(name, row):
                 continue
             timed += 1
-            key = row.shape if _cache_kind(name) == "sdpa" else row.compile_key()
-            compiles.setdefault(_cache_kind(name), set()).add(key)
+            kind = _cache_kind(name)
+            compiles.setdefault(kind, set()).add(row.shape if kind == "sdpa" else row.compile_key())
+            if kind != "sdpa":
+                cached_by_key.setdefault(row.compile_key(), set()).add(kind)
     compile_s = {kind: len(keys) * ASSUMED_COMPILE_S.get(kind, ASSUMED_COMPILE_S["ours"])
                  for kind, keys in compiles.items()}
     timed_s = timed * ASSUMED_TIMED_S
@@ -547,8 +557,10 @@ def plan(rows: list[Row], names: list[str], warm_shards: int) -> dict:
                     compile_s=compile_s, timed_s=timed_s,
                     one_process_s=ASSUMED_START_S + sum(compile_s.values()) + timed_s)
     if warm_shards:
-        cached = sum(s for kind, s in compile_s.items() if kind != "sdpa")
-        estimate["warm_s"] = ASSUMED_START_S + cached / warm_shards
+        keys = list(dict.fromkeys(row.compile_key() for row in rows))
+        shards = [sum(ASSUMED_COMPILE_S[kind] for key in keys[i::warm_shards] for kind in cached_by_key.get(key, ()))
+                  for i in range(warm_shards)]
+        estimate["warm_s"] = ASSUMED_START_S + max(shards)
         estimate["after_warm_s"] = ASSUMED_START_S + compile_s.get("sdpa", 0.0) + timed_s
         estimate["warmed_total_s"] = estimate["warm_s"] + estimate["after_warm_s"]
     return estimate
@@ -563,6 +575,7 @@ def main(argv=None):
     ap.add_argument("--tag", default="")
     ap.add_argument("--shapes", default="", help="d:h:h_k:s:causal,... instead of the row sets (causal 0/1)")
     ap.add_argument("--dims", default="", help="only the rows of these head dims (q's), e.g. 64,128")
+    ap.add_argument("--skip-done", default="", help="A.json,...: leave out the rows these runs hold (then --merge)")
     ap.add_argument("--shard", default="", help="i/n: the rows of every n-th compile key from key i (--warm-only)")
     ap.add_argument("--tuned", default="", help="JSON of scripts/triton_tune.py: backward tiles per head dim")
     ap.add_argument("--replot", default="", help="redraw the PNG and markdown of an earlier JSON and exit")

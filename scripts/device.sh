@@ -35,11 +35,13 @@
 #                                                 under WARM_S seconds, default 200; SDPA peers left out: nothing of
 #                                                 theirs is cached on disk) fill the on-disk compile caches of Triton
 #                                                 and FA4 (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1), so the timed run
-#                                                 compiles almost nothing -> warm*.log, bench.log. The rows of both
-#                                                 issues' benchmarks in one call (not run yet; `--plan 12` prints the
-#                                                 rows and the estimate):
-#                                                 WARM=12 bash scripts/device.sh bench --rows features,grid --quick \
-#                                                   --peers triton,fa4,sdpa_cudnn --budget-s 300 --tag=-features-grid
+#                                                 compiles almost nothing -> warm*.log, bench.log. The feature rows
+#                                                 and the head-dim grid in one call (not run yet; `bench_bwd.py ... --plan
+#                                                 16` lists the rows and estimates the minutes; bench/nvidia-h200.md
+#                                                 §How to reproduce):
+#                                                 WARM=16 WARM_S=200 bash scripts/device.sh bench --rows features,grid \
+#                                                   --quick --peers triton,fa4,sdpa_cudnn --budget-s 300 \
+#                                                   --tag=-features-grid
 #   bash scripts/device.sh kernels [SHAPES]      GPU time of each backward kernel, TMA tiles on and off
 #                                                 (scripts/launch_overhead.py --kernels, 60 s each)
 #   bash scripts/device.sh main [ARGS]           the main job, python3 -m flash_attn_ck ARGS (120 s) -> main-job.txt

@@ -62,7 +62,7 @@ def test_the_default_set_is_todays_grid():
 
 
 def test_shards_split_the_rows_by_compile_key():
-    args = bb.argparse.Namespace(shapes="", rows="features,grid", quick=True, dims="", shard="")
+    args = bb.argparse.Namespace(shapes="", rows="features,grid", quick=True, dims="", shard="", skip_done="")
     every = bb.selected_rows(args)
     shards = [bb.selected_rows(bb.argparse.Namespace(**{**vars(args), "shard": f"{i}/5"})) for i in range(5)]
     assert sorted(map(repr, every)) == sorted(repr(r) for shard in shards for r in shard)
@@ -323,3 +323,13 @@ def test_the_budget_leaves_rows_unreached_and_says_which(tmp_path):
                       "--out", str(tmp_path)])
     assert report["results"] == [] and report["meta"]["not_reached"] == ["shapes: d64 h2/2 s8 causal",
                                                                          "shapes: d64 h2/2 s8 full"]
+
+
+def test_skip_done_leaves_out_the_rows_a_cut_off_run_holds(stand_in_run, tmp_path):
+    report, _, out = stand_in_run
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps(dict(meta=report["meta"], results=report["results"][:10])))
+    args = bb.argparse.Namespace(shapes="", rows="features,grid", quick=True, dims="", shard="", skip_done=str(part))
+    left = bb.selected_rows(args)
+    every = bb.selected_rows(bb.argparse.Namespace(**{**vars(args), "skip_done": ""}))
+    assert left == every[10:]
