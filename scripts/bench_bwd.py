@@ -610,7 +610,7 @@ def run(args) -> dict:
         names = [n for n in names if not n.startswith("sdpa_")]
     if not cuda:    # ours through the reference backend; the others say why they did not run
         names = list(dict.fromkeys("reference" if n == "triton" else n for n in names))
-    ours = "triton" if cuda else "reference"
+    ours = next((n for n in names if n in OURS or n in VARIANTS), names[0])   # the ratio and cost columns' ours
     versions = dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
     if cuda and (fa4 := fa4_version(names)):
         versions["flash_attn_4"] = fa4

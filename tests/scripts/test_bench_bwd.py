@@ -5,6 +5,8 @@ and a run of the features set with the reference backend at tiny sizes."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
 import sys
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_bwd as bb
@@ -333,3 +337,20 @@ def test_skip_done_leaves_out_the_rows_a_cut_off_run_holds(stand_in_run, tmp_pat
     left = bb.selected_rows(args)
     every = bb.selected_rows(bb.argparse.Namespace(**{**vars(args), "skip_done": ""}))
     assert left == every[10:]
+
+
+@settings(max_examples=50, deadline=None)
+@given(feature=st.text(max_size=12).filter(lambda x: x not in bb.FEATURES))
+def test_a_row_refuses_an_unknown_feature(feature):
+    with pytest.raises(ValueError, match=r"Row\.feature: expected one of"):
+        bb.Row(64, 2, 2, 16, True, feature)
+
+
+@settings(max_examples=30, deadline=None)
+@given(name=st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=1, max_size=10).filter(
+    lambda x: x not in bb.ROW_SETS))
+def test_an_unknown_row_set_is_refused_naming_the_option(name):
+    err = io.StringIO()
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
+        bb.main(["--rows", f"features,{name}", "--plan"])
+    assert f"--rows: unknown ['{name}']" in err.getvalue()
