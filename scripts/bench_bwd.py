@@ -534,6 +534,10 @@ def _cache_kind(name: str) -> str:
     return "ours" if name in OURS or name in VARIANTS else "sdpa" if name.startswith("sdpa_") else name
 
 
+def _assumed_compile_s(kind: str) -> float:
+    return ASSUMED_COMPILE_S.get(kind, ASSUMED_COMPILE_S["ours"])
+
+
 def plan(rows: list[Row], names: list[str], warm_shards: int) -> dict:
     """Seconds a run of `rows` should take under the ASSUMED_* costs: compiling, timing, in all; and with the
     compiling done first by `warm_shards` processes side by side (`--shard i/n`: peers with an on-disk cache, ours,
@@ -550,15 +554,14 @@ def plan(rows: list[Row], names: list[str], warm_shards: int) -> dict:
             compiles.setdefault(kind, set()).add(row.shape if kind == "sdpa" else row.compile_key())
             if kind != "sdpa":
                 cached_by_key.setdefault(row.compile_key(), set()).add(kind)
-    compile_s = {kind: len(keys) * ASSUMED_COMPILE_S.get(kind, ASSUMED_COMPILE_S["ours"])
-                 for kind, keys in compiles.items()}
+    compile_s = {kind: len(keys) * _assumed_compile_s(kind) for kind, keys in compiles.items()}
     timed_s = timed * ASSUMED_TIMED_S
     estimate = dict(rows=len(rows), runs=timed, compile_keys={k: len(v) for k, v in compiles.items()},
                     compile_s=compile_s, timed_s=timed_s,
                     one_process_s=ASSUMED_START_S + sum(compile_s.values()) + timed_s)
     if warm_shards:
         keys = list(dict.fromkeys(row.compile_key() for row in rows))
-        shards = [sum(ASSUMED_COMPILE_S[kind] for key in keys[i::warm_shards] for kind in cached_by_key.get(key, ()))
+        shards = [sum(_assumed_compile_s(kind) for key in keys[i::warm_shards] for kind in cached_by_key.get(key, ()))
                   for i in range(warm_shards)]
         estimate["warm_s"] = ASSUMED_START_S + max(shards)
         estimate["after_warm_s"] = ASSUMED_START_S + compile_s.get("sdpa", 0.0) + timed_s
