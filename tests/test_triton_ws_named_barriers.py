@@ -4,8 +4,11 @@ and uses barrier ids that Triton's own code leaves free; the tile spells and che
 
 from __future__ import annotations
 
+import copy
 import re
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -90,3 +93,18 @@ def test_named_barriers_need_a_barrier_per_stage(stages, dq_stages):
 def test_the_split_kernel_refuses_named_barriers():
     with pytest.raises(ValueError, match=r"named_barriers.*split_d=False"):
         replace(config.BWD_WS_SM90[256], named_barriers=True)
+
+
+def test_launch_compare_takes_the_flag_off_for_the_launches_of_a_tree_without_it():
+    """scripts/launch_compare.py: a bwd_ws launch whose tile has named_barriers off matches an older tree's launch
+    without the field; on, it differs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from launch_compare import compare
+
+    old = {"launches": [{"kernel": "attn_bwd_ws_kernel", "grid": [4, 1, 2], "options": {"num_warps": 8},
+                         "runtime": [], "constexprs": {"BLOCK_M": 64, "KEY_MAJOR": False}}]}
+    for named in (False, True):
+        new = copy.deepcopy(old)
+        new["launches"][0]["constexprs"]["NAMED_BARRIERS"] = named
+        found, intended = compare(old, new)
+        assert (found == [] and len(intended) == 1) if not named else any("NAMED_BARRIERS" in f for f in found)
