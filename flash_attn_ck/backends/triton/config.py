@@ -51,7 +51,7 @@ class WsTile:
     key tiles of every head before any shorter one. `named_barriers`: the MMA partition releases a Q/dO slot and
     hands dQ over by a hardware named barrier that each of its threads arrives on (the loader and the dQ writer wait on
     it), not by a one-thread mbarrier arrive, before and after which Triton puts a barrier of the whole partition
-    (bwd_ws_workers.NamedBarriers; bwd_ws.py only, not split_d)."""
+    (bwd_ws_workers.named_arrive; bwd_ws.py only, not split_d)."""
     block_m: int
     block_n: int
     num_stages: int = 2

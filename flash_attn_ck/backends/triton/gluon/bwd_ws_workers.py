@@ -23,7 +23,7 @@ class PartitionConstants:
     deterministic mode, and DQ_PARTS, the dQ hand-off's column parts (one per MMA warpgroup that owns a part of the
     head dim: 2 in bwd_ws_split); with NAMED_BARRIERS (config.WsTile.named_barriers) the hardware barriers of the
     Q/dO ring's slots (from RING_BARRIER) and of the dQ hand-off's buffers (from DQ_BARRIER), each completed by
-    NAMED_THREADS threads: the MMA partition's and one worker warp's (NamedBarriers)."""
+    NAMED_THREADS threads: the MMA partition's and one worker warp's (named_arrive, named_wait)."""
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     HEAD_D: gl.constexpr
