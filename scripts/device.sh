@@ -23,9 +23,11 @@
 #                                                 --no-deps pytest-timeout -d .devrun/wheels) a test hung past 300 s
 #                                                 fails alone (its worker is replaced) instead of holding the call to
 #                                                 its limit
-#   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
+#   bash scripts/device.sh sanitize [ws|ws-named]
+#                                                 compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
 #                                                 (ws: the warp-specialised kernels' case, synccheck too, and
-#                                                 racecheck on the `handoff` baseline it is read against)
+#                                                 racecheck on the `handoff` baseline it is read against; ws-named:
+#                                                 the backward's with config.WsTile.named_barriers, synccheck too)
 #                                                 (the tools side by side, 240 s each) -> sanitizer[-ws]-<tool>.log
 #   bash scripts/device.sh memory                the workspace cap measured (scripts/memory_cap.py, 100 s each):
 #                                                 triton s16384, reference s4096 causal -> memory-*.json
@@ -51,9 +53,11 @@
 #                                                 scripts/profile_case.py --shape SHAPE (default 128:16:16:8192:0):
 #                                                 speed of light, tensor-pipe and shared-memory load, warp stalls
 #                                                 (300 s) -> ncu-KERNEL.txt
-#   bash scripts/device.sh candidates           the experiment of scripts/lab/candidates.sh: tiles compiled but not yet
-#                                                 run, checked and timed beside the defaults by scripts/lab/fwd_ws_check.py
-#                                                 and bwd_ws_check.py -> candidates-fwd.log, candidates-bwd.log
+#   bash scripts/device.sh candidates [EXPERIMENT ...]
+#                                                 the experiments of scripts/lab/candidates.sh (fwd, bwd, bwd-named; all
+#                                                 by default): tiles compiled but not yet run, checked and timed beside
+#                                                 the defaults by scripts/lab/fwd_ws_check.py and bwd_ws_check.py
+#                                                 -> candidates-EXPERIMENT.log
 #   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
 #                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
 #                                                 this tree: old, new, old, new, so each version is timed twice
@@ -146,7 +150,7 @@ case $cmd in
     info
     # `sanitize ws`: the warp-specialised kernel's case, also under synccheck (its named barriers)
     # The tools run side by side (one process each; most of a run is compiling and instrumenting on the host).
-    case=${1:-}; tools="memcheck racecheck"; [ "$case" = ws ] && tools="memcheck racecheck synccheck"
+    case=${1:-}; tools="memcheck racecheck"; [[ "$case" == ws* ]] && tools="memcheck racecheck synccheck"
     pids=()
     for tool in $tools; do
       limit 240 compute-sanitizer --tool "$tool" --target-processes all python3 scripts/sanitize_case.py $case \
@@ -213,7 +217,7 @@ case $cmd in
     info
     export OUT TIMEOUT
     export -f limit
-    bash scripts/lab/candidates.sh
+    bash scripts/lab/candidates.sh "$@"
     ;;
   ab)
     [ $# -eq 2 ] || { echo "usage: bash scripts/device.sh ab OLD_TREE SHAPES" >&2; exit 2; }
