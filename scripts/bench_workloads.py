@@ -40,7 +40,18 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_bwd import Unsupported, _stem, fa4_version, make_runner, time_passes
+from bench_bwd import (
+    PEER_TITLES,
+    _stem,
+    fa4_version,
+    guarded,
+    leaf,
+    make_runner,
+    not_measured,
+    number,
+    ratios,
+    time_passes,
+)
 
 FAMILIES = ("packed", "window", "long", "short", "deterministic")
 PASSES = {"fwd": 1.0, "bwd": 2.5, "step": 3.5}       # FLOPs of a pass, in forwards
@@ -162,11 +173,7 @@ def inputs(w: Workload, device: torch.device, seed: int = 0):
     """(q, k, v) leaves and the runner's varlen argument (None for a dense batch)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     rows = (sum(w.lengths),) if w.packed else (len(w.lengths), w.lengths[0])
-
-    def leaf(heads):
-        t = torch.randn(*rows, heads, w.head_dim, generator=gen, device=device, dtype=torch.float32)
-        return t.to(torch.bfloat16).requires_grad_()
-    q, k, v = leaf(w.heads), leaf(w.kv_heads), leaf(w.kv_heads)
+    q, k, v = (leaf((*rows, heads, w.head_dim), gen, device) for heads in (w.heads, w.kv_heads, w.kv_heads))
     if not w.packed:
         return (q, k, v), None
     cu = torch.tensor([0, *itertools.accumulate(w.lengths)], dtype=torch.int32, device=device)
@@ -178,25 +185,14 @@ def measure(w: Workload, peer: str, device: torch.device) -> dict:
     if device.type != "cuda" and peer != "reference":
         return dict(skipped="needs CUDA")
     leaves, varlen = inputs(w, device)
-    try:
+
+    def timing():
         fwd = make_runner(peer, *leaves, w.causal, window=w.window, deterministic=w.deterministic, varlen=varlen)
-        timed = time_passes(fwd, leaves, step=True)
-    except Unsupported as e:
-        return dict(skipped=str(e))
-    except Exception as e:     # a peer failing on one shape is a result, not the end of the run
-        return dict(error=f"{type(e).__name__}: {str(e)[:200]}")
-    finally:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        return time_passes(fwd, leaves, step=True)
+    timed = guarded(timing, device)
+    if "step_ms" not in timed:
+        return timed
     return dict(timed, **{f"{kind}_tflops": w.flops(kind) / timed[f"{kind}_ms"] / 1e9 for kind in PASSES})
-
-
-def ratios(peers: dict, ours: str) -> dict:
-    """ours / peer per pass, for every peer with a number."""
-    mine = peers.get(ours, {})
-    return {f"{kind}_{peer}": mine[f"{kind}_tflops"] / r[f"{kind}_tflops"]
-            for peer, r in peers.items() if peer != ours for kind in PASSES
-            if f"{kind}_tflops" in r and f"{kind}_tflops" in mine}
 
 
 def run(args) -> dict:
@@ -222,7 +218,7 @@ def run(args) -> dict:
             continue
         measured = {peer: dict(skipped=unavailable[peer]) if peer in unavailable else measure(w, peer, device)
                     for peer in (ours, *peers)}
-        row = dict(dataclasses.asdict(w), pairs=w.pairs, peers=measured, ratios=ratios(measured, ours))
+        row = dict(dataclasses.asdict(w), pairs=w.pairs, peers=measured, ratios=ratios(measured, ours, PASSES))
         results.append(row)
         cells = " ".join(f"{p}={r['step_tflops']:.0f}" if "step_tflops" in r else f"{p}=-"
                          for p, r in measured.items())
@@ -241,19 +237,10 @@ def write(stem: Path, report: dict) -> None:
     plot(report, stem.with_suffix(".png"))
 
 
-PEER_TITLES = {"triton": "ours", "reference": "ours (reference)", "fa4": "FA4", "sdpa_cudnn": "cuDNN"}
-
-
 def markdown(report: dict) -> str:
     meta, results = report["meta"], report["results"]
     everyone, peers = meta["peers"], [p for p in meta["peers"] if p != meta["ours"]]
     titles = {p: PEER_TITLES.get(p, p) for p in meta["peers"]}
-
-    def number(r, key, fmt=None):
-        x = r.get(key)
-        if x is None:
-            return "-"
-        return (fmt or ("{:.0f}" if x >= 10 else "{:.2g}")).format(x)   # CPU runs: TF/s far below 1
     head = ["family", "workload"] + [f"step {titles[p]}" for p in meta["peers"]] \
         + [f"step ours / {titles[p]}" for p in peers] + [f"fwd {titles[p]}" for p in meta["peers"]] \
         + [f"bwd {titles[p]}" for p in meta["peers"]] + [f"bwd ours / {titles[p]}" for p in peers] \
@@ -264,22 +251,15 @@ def markdown(report: dict) -> str:
              "sequence over the attended (query, key) pairs (forward 4·d·h·pairs, backward 2.5x, step 3.5x); "
              "step = one forward + backward; MiB = peak extra memory of one step (beyond inputs and dout).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    notes = {}
     for row in results:
         p, rat = row["peers"], row["ratios"]
-        cells = [row["family"], row["name"]] + [number(p[x], "step_tflops") for x in everyone] \
-            + [number(rat, f"step_{x}", "{:.2f}") for x in peers] \
-            + [number(p[x], "fwd_tflops") for x in everyone] + [number(p[x], "bwd_tflops") for x in everyone] \
-            + [number(rat, f"bwd_{x}", "{:.2f}") for x in peers] + [number(p[x], "step_peak_mib") for x in everyone]
+        cells = [row["family"], row["name"]] + [number(p[x].get("step_tflops")) for x in everyone] \
+            + [number(rat.get(f"step_{x}"), "{:.2f}") for x in peers] \
+            + [number(p[x].get("fwd_tflops")) for x in everyone] + [number(p[x].get("bwd_tflops")) for x in everyone] \
+            + [number(rat.get(f"bwd_{x}"), "{:.2f}") for x in peers] \
+            + [number(p[x].get("step_peak_mib")) for x in everyone]
         lines.append("| " + " | ".join(cells) + " |")
-        for x in everyone:
-            why = p[x].get("skipped") or p[x].get("error")
-            if why:
-                notes.setdefault(f"{titles[x]}: {why}", []).append(row["name"])
-    if notes:
-        lines += ["", "Not measured:"]
-        lines += [f"- {why} ({'all rows' if len(rows) == len(results) else '; '.join(rows)})"
-                  for why, rows in notes.items()]
+    lines += not_measured([(row["name"], row["peers"]) for row in results], titles)
     return "\n".join(lines) + "\n"
 
 

@@ -23,14 +23,27 @@
 #                                                 --no-deps pytest-timeout -d .devrun/wheels) a test hung past 300 s
 #                                                 fails alone (its worker is replaced) instead of holding the call to
 #                                                 its limit
-#   bash scripts/device.sh sanitize [ws]         compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
+#   bash scripts/device.sh sanitize [ws|ws-named]
+#                                                 compute-sanitizer memcheck and racecheck on scripts/sanitize_case.py
 #                                                 (ws: the warp-specialised kernels' case, synccheck too, and
-#                                                 racecheck on the `handoff` baseline it is read against)
+#                                                 racecheck on the `handoff` baseline it is read against; ws-named:
+#                                                 the backward's with config.WsTile.named_barriers, synccheck too)
 #                                                 (the tools side by side, 240 s each) -> sanitizer[-ws]-<tool>.log
 #   bash scripts/device.sh memory                the workspace cap measured (scripts/memory_cap.py, 100 s each):
 #                                                 triton s16384, reference s4096 causal -> memory-*.json
 #   bash scripts/device.sh bench [ARGS]          scripts/bench_bwd.py --out $OUT ARGS (no default limit), e.g.
-#                                                 --dims 64,128 --tag=-grid-a; --merge A.json,B.json --tag=-grid-final
+#                                                 --dims 64,128 --tag=-grid-a; --merge A.json,B.json --tag=-grid-final.
+#                                                 WARM=N: first N `--warm-only --shard i/N` processes side by side (each
+#                                                 under WARM_S seconds, default 200; SDPA peers left out: nothing of
+#                                                 theirs is cached on disk) fill the on-disk compile caches of Triton
+#                                                 and FA4 (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1), so the timed run
+#                                                 compiles almost nothing -> warm*.log, bench.log. The feature rows
+#                                                 and the head-dim grid in one call (not run yet; `bench_bwd.py ... --plan
+#                                                 16` lists the rows and estimates the minutes; bench/nvidia-h200.md
+#                                                 §How to reproduce):
+#                                                 WARM=16 WARM_S=200 bash scripts/device.sh bench --rows features,grid \
+#                                                   --quick --peers triton,fa4,sdpa_cudnn --budget-s 300 \
+#                                                   --tag=-features-grid
 #   bash scripts/device.sh kernels [SHAPES]      GPU time of each backward kernel, TMA tiles on and off
 #                                                 (scripts/launch_overhead.py --kernels, 60 s each)
 #   bash scripts/device.sh main [ARGS]           the main job, python3 -m flash_attn_ck ARGS (120 s) -> main-job.txt
@@ -40,10 +53,11 @@
 #                                                 scripts/profile_case.py --shape SHAPE (default 128:16:16:8192:0):
 #                                                 speed of light, tensor-pipe and shared-memory load, warp stalls
 #                                                 (300 s) -> ncu-KERNEL.txt
-#   bash scripts/device.sh candidates           the experiment of scripts/lab/candidates.sh: tiles compiled but not yet
-#                                                 run, checked and timed beside the defaults by scripts/lab/fwd_ws_check.py
-#                                                 and bwd_ws_check.py -> candidates-fwd-split.log, candidates-fwd.log,
-#                                                 candidates-bwd.log
+#   bash scripts/device.sh candidates [EXPERIMENT ...]
+#                                                 the experiments of scripts/lab/candidates.sh (fwd-split, fwd, bwd,
+#                                                 bwd-named; all by default): tiles compiled but not yet run, checked
+#                                                 and timed beside the defaults by scripts/lab/fwd_ws_check.py and
+#                                                 bwd_ws_check.py -> candidates-EXPERIMENT.log
 #   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
 #                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
 #                                                 this tree: old, new, old, new, so each version is timed twice
@@ -136,7 +150,7 @@ case $cmd in
     info
     # `sanitize ws`: the warp-specialised kernel's case, also under synccheck (its named barriers)
     # The tools run side by side (one process each; most of a run is compiling and instrumenting on the host).
-    case=${1:-}; tools="memcheck racecheck"; [ "$case" = ws ] && tools="memcheck racecheck synccheck"
+    case=${1:-}; tools="memcheck racecheck"; [[ "$case" == ws* ]] && tools="memcheck racecheck synccheck"
     pids=()
     for tool in $tools; do
       limit 240 compute-sanitizer --tool "$tool" --target-processes all python3 scripts/sanitize_case.py $case \
@@ -164,8 +178,18 @@ case $cmd in
     ;;
   bench)
     info
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1   # FA4 keeps what it compiles on disk, as Triton does
+    warm=()
+    for ((i = 0; i < ${WARM:-0}; i++)); do
+      limit "${WARM_S:-200}" python3 scripts/bench_bwd.py "$@" --warm-only --shard "$i/$WARM" \
+        > "$OUT/warm$i.log" 2>&1 &
+      warm+=($!)
+    done
+    for pid in "${warm[@]}"; do wait "$pid"; done
+    [ ${#warm[@]} -gt 0 ] && echo "warm-up: ${#warm[@]} processes done after $SECONDS s"
     limit 0 python3 scripts/bench_bwd.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" \
-      | grep -E "bwd TF/s|not importable|Error"
+      | grep -E "bwd TF/s|not importable|Error|not reached"
+    echo "bench done after $SECONDS s"
     ;;
   kernels)
     info
@@ -193,7 +217,7 @@ case $cmd in
     info
     export OUT TIMEOUT
     export -f limit
-    bash scripts/lab/candidates.sh
+    bash scripts/lab/candidates.sh "$@"
     ;;
   ab)
     [ $# -eq 2 ] || { echo "usage: bash scripts/device.sh ab OLD_TREE SHAPES" >&2; exit 2; }

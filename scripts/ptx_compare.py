@@ -80,6 +80,9 @@ def main():
     if sys.argv[1:2] == ["--dump"]:
         print(json.dumps(dump(*sys.argv[2:])))
         return
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(__doc__)
+        return
     if len(sys.argv) not in (2, 3):
         sys.exit(__doc__)
     names = sys.argv[2] if len(sys.argv) == 3 else ""

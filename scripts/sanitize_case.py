@@ -8,7 +8,8 @@ key tile (the EVEN_K kernels, TMA tiles).
 `python3 scripts/sanitize_case.py ws` runs the warp-specialised kernels (fwd_ws.py, bwd_ws.py) instead: a
 causal GQA 8/2 varlen call with empty sequences at d64 (bwd_ws's two-CTAs-per-SM tile), d128 (bwd_ws, key-major
 grid) and d256 (bwd_ws_split), deterministic (the backward's semaphore-ordered dQ adds) and not, and a dense
-windowed one.
+windowed one. `ws-named` runs the same backward calls at d64 and d128 with their table tiles'
+config.WsTile.named_barriers (the hand-offs by hardware named barriers), without the forward's.
 
 `python3 scripts/sanitize_case.py ws-switch` runs a Gluon kernel whose two partitions touch no shared memory
 of their own (each writes its own global rows): whatever racecheck reports there belongs to the code Triton
@@ -22,6 +23,7 @@ checked exactly. Whatever racecheck reports there says which correct mbarrier ha
 (what it reported on the H200: bench/nvidia-h200.md §compute-sanitizer)."""
 
 import sys
+from dataclasses import replace
 
 import torch
 from triton.experimental import gluon
@@ -30,6 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import TritonBackend
+from flash_attn_ck.backends.triton.config import BWD_WS_SM90
 
 torch.manual_seed(0)
 
@@ -46,14 +49,16 @@ def varlen_backward(lens_q, lens_k, head_dim, deterministic):
     out.backward(torch.randn_like(out))
 
 
-def ws_case():
-    with fa.use_backend(TritonBackend(ws=True, fwd_ws=True)):
-        for head_dim in (64, 128, 256):
+def ws_case(backends):
+    """`backends`: {head dim: the TritonBackend that runs its calls}."""
+    for head_dim, backend in backends.items():
+        with fa.use_backend(backend):
             for deterministic in (True, False):
                 varlen_backward([137, 0, 70, 5, 200], [150, 9, 70, 0, 129], head_dim, deterministic)
-        qd, kd, vd = (torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                      for h in (4, 2, 2))
-        fa.flash_attn_func(qd, kd, vd, window_size=(100, 20), backend="triton").sum().backward()
+            if head_dim == 128:
+                qd, kd, vd = (torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                              for h in (4, 2, 2))
+                fa.flash_attn_func(qd, kd, vd, window_size=(100, 20), backend="triton").sum().backward()
 
 
 @gluon.jit
@@ -125,7 +130,14 @@ if sys.argv[1:] == ["ws-switch"]:
     sys.exit(0)
 
 if sys.argv[1:] == ["ws"]:
-    ws_case()
+    ws_case({head_dim: TritonBackend(ws=True, fwd_ws=True) for head_dim in (64, 128, 256)})
+    torch.cuda.synchronize()
+    print("case done")
+    sys.exit(0)
+
+if sys.argv[1:] == ["ws-named"]:
+    ws_case({head_dim: TritonBackend(ws=True, ws_tile=replace(BWD_WS_SM90[head_dim], named_barriers=True))
+             for head_dim in (64, 128)})
     torch.cuda.synchronize()
     print("case done")
     sys.exit(0)

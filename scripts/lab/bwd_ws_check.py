@@ -6,8 +6,8 @@ timing, against the current Triton backward and torch SDPA (FA2, cuDNN) in the s
         [--only REGEX] [--case-timeout SECONDS]
 
 Tiles: config.BWD_WS_SM90's, or per head block (config.head_block of a head dim) the list of a --tiles spec,
-a tile in config.WsTile.parse's 'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xKEY_MAJOR]]]]]' (a block
-whose table tile splits the head dim keeps bwd_ws_split.py), e.g. --tiles 64=64x64x2x1x4x128,64x64x3x1x4x128.
+a tile in config.WsTile.parse's 'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xKEY_MAJOR[xNAMED_BARRIERS]]]]]]'
+(a block whose table tile splits the head dim keeps bwd_ws_split.py), e.g. --tiles 64=64x64x2x1x4x128,64x64x3x1x4x128.
 Round i checks the i-th tile of every block.
 
 Prints one line per case; exits non-zero if a check fails, with 3 (after a HANG line) if a case has not finished

@@ -29,25 +29,30 @@ def _assert_same_gradients(model, reference, what):
                                    msg=lambda m, n=name: f"{what} {n}: {m}")
 
 
-def _worker(rank, world, port):
+def _assert_cp_equals_the_full_sequence(model, reference, input_ids, what, layout="zigzag"):
+    """`reference` on the full sequence, `model` on this rank's shard: the group's summed loss and gradients equal
+    the reference's (transformers computes the loss from fp32 logits: the loss holds to fp32 rounding)."""
     from flash_attn_ck.integrations.context_parallel import sum_gradients
-    from flash_attn_ck.integrations.hf import register_hf_attention, shard_for_causal_lm
+    from flash_attn_ck.integrations.hf import shard_for_causal_lm
+    loss = reference(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    loss.backward()
+    local_loss = model(**shard_for_causal_lm(input_ids, layout=layout), use_cache=False).loss
+    local_loss.backward()
+    total = local_loss.detach().clone()
+    dist.all_reduce(total)
+    torch.testing.assert_close(total, loss.detach(), atol=0, rtol=1e-6)
+    sum_gradients(model.parameters())
+    _assert_same_gradients(model, reference, what)
+
+
+def _worker(rank, world, port):
+    from flash_attn_ck.integrations.hf import register_hf_attention
     init(rank, world, port)
     try:
         input_ids = torch.randint(0, 61, (2, 4 * world), generator=torch.Generator().manual_seed(1))
-        reference = _model("sdpa")
-        loss = reference(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-        loss.backward()
         for layout in ("zigzag", "contiguous"):
             model = _model(register_hf_attention(layout=layout, backend="reference"))
-            local_loss = model(**shard_for_causal_lm(input_ids, layout=layout), use_cache=False).loss
-            local_loss.backward()
-            total = local_loss.detach().clone()
-            dist.all_reduce(total)
-            # transformers computes the loss from fp32 logits: the comparison holds to fp32 rounding.
-            torch.testing.assert_close(total, loss.detach(), atol=0, rtol=1e-6)
-            sum_gradients(model.parameters())
-            _assert_same_gradients(model, reference, layout)
+            _assert_cp_equals_the_full_sequence(model, _model("sdpa"), input_ids, layout, layout)
     finally:
         teardown()
 
@@ -123,8 +128,7 @@ def test_what_the_attention_cannot_run_is_refused_not_ignored():
 
 
 def _sinks_and_windows_worker(rank, world, port):
-    from flash_attn_ck.integrations.context_parallel import sum_gradients
-    from flash_attn_ck.integrations.hf import register_hf_attention, shard_for_causal_lm
+    from flash_attn_ck.integrations.hf import register_hf_attention
     from hf_models import _model as small_model
     init(rank, world, port)
     softmax = torch.nn.functional.softmax      # eager's softmax kept in float64: an exact reference
@@ -133,17 +137,7 @@ def _sinks_and_windows_worker(rank, world, port):
         input_ids = torch.randint(1, 61, (2, 4 * world), generator=torch.Generator().manual_seed(1))
         name = register_hf_attention(kv_exchange="allgather", backend="reference")
         for kind in ("gpt_oss_sinks", "mistral_sliding"):
-            reference = small_model(kind, "eager")
-            loss = reference(input_ids=input_ids, labels=input_ids, use_cache=False).loss
-            loss.backward()
-            model = small_model(kind, name)
-            local_loss = model(**shard_for_causal_lm(input_ids), use_cache=False).loss
-            local_loss.backward()
-            total = local_loss.detach().clone()
-            dist.all_reduce(total)
-            torch.testing.assert_close(total, loss.detach(), atol=0, rtol=1e-6)
-            sum_gradients(model.parameters())
-            _assert_same_gradients(model, reference, kind)
+            _assert_cp_equals_the_full_sequence(small_model(kind, name), small_model(kind, "eager"), input_ids, kind)
     finally:
         torch.nn.functional.softmax = softmax
         teardown()

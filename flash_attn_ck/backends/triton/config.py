@@ -48,7 +48,10 @@ class WsTile:
     `max_registers`: registers per thread at launch (ptxas maxnreg), 0 for Triton's choice, which hands one CTA
     the whole register file; 128 with a 4-warp MMA partition (8 warps in all) lets two CTAs share an SM.
     `key_major`: a key-major grid (bwd_ws_workers.cta_coords), which under a causal mask starts the longest
-    key tiles of every head before any shorter one."""
+    key tiles of every head before any shorter one. `named_barriers`: the MMA partition releases a Q/dO slot and
+    hands dQ over by a hardware named barrier that each of its threads arrives on (the loader and the dQ writer wait on
+    it), not by a one-thread mbarrier arrive, before and after which Triton puts a barrier of the whole partition
+    (bwd_ws_workers.named_arrive; bwd_ws.py only, not split_d)."""
     block_m: int
     block_n: int
     num_stages: int = 2
@@ -60,21 +63,38 @@ class WsTile:
     mma_regs: int = 240
     max_registers: int = 0
     key_major: bool = False
+    named_barriers: bool = False
+
+    def __post_init__(self):
+        if self.named_barriers and self.split_d:
+            raise ValueError(f"WsTile {self}: named_barriers is bwd_ws.py's (its one MMA partition); "
+                             "expected split_d=False")
+        if self.named_barriers and NAMED_BARRIER_FIRST + self.num_stages + self.dq_stages > NAMED_BARRIER_COUNT:
+            raise ValueError(f"WsTile {self}: named_barriers needs one hardware barrier per Q/dO and dQ stage, ids "
+                             f"{NAMED_BARRIER_FIRST} to {NAMED_BARRIER_COUNT - 1}; expected num_stages + dq_stages "
+                             f"<= {NAMED_BARRIER_COUNT - NAMED_BARRIER_FIRST}")
 
     @classmethod
     def parse(cls, text: str) -> WsTile:
-        """'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xKEY_MAJOR]]]]]' (the flag 0 or 1), as the
-        benchmark scripts take it."""
-        names = ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "max_registers", "key_major")
+        """'BMxBN[xSTAGES[xDQ_STAGES[xWARPS[xMAX_REGISTERS[xKEY_MAJOR[xNAMED_BARRIERS]]]]]]' (the flags 0 or 1), as
+        the benchmark scripts take it."""
+        names = ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "max_registers", "key_major",
+                 "named_barriers")
         values: list[Any] = list(map(int, text.split("x")))
         values[6:] = map(bool, values[6:])
         return cls(**dict(zip(names, values)))
 
     def __str__(self) -> str:
         text = f"{self.block_m}x{self.block_n}x{self.num_stages}x{self.dq_stages}"
-        if (self.num_warps, self.max_registers, self.key_major) != (8, 0, False):
+        if (self.num_warps, self.max_registers, self.key_major, self.named_barriers) != (8, 0, False, False):
             text += f"x{self.num_warps}x{self.max_registers}x{int(self.key_major)}"
-        return text
+        return text + "x1" if self.named_barriers else text
+
+
+# Hardware named barriers of a CTA (bar.sync ids 0-15); Triton's own code uses the lowest ids (0 for a partition's
+# barrier, 1 for the start and end of warp specialisation), WsTile.named_barriers the ids from NAMED_BARRIER_FIRST.
+NAMED_BARRIER_COUNT = 16
+NAMED_BARRIER_FIRST = 8
 
 
 def head_block(head_dim: int) -> int:

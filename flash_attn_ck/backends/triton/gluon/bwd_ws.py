@@ -139,7 +139,7 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes):
         # ---- hand dQ (scaled) to the writer ----
         workers.hand_dq(consts, bufs, dq, scale, step, 0)
         dk = warpgroup_mma_wait(0, deps=(dk, ds_op))[0]
-        bufs.q.release(step)   # dK and dV, the last readers of Q and dO, are done
+        workers.release_slot(consts, bufs, step)   # dK and dV, the last readers of Q and dO, are done
 
     # ---- epilogue: dK (scaled) and dV in the output dtype ----
     workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, head_dim, scale, 0, seqs.VARLEN)

@@ -11,6 +11,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from .. import config
 from ..runtime.triton_versions import barrier, tma_load
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot
 
@@ -20,7 +21,9 @@ class PartitionConstants:
     """The constants every partition reads: the kernel's tile (config.WsTile: NUM_STAGES the Q/dO ring's, DQ_STAGES
     the dQ hand-off's buffers, NUM_WARPS the first MMA warpgroup's), the head dim in shared memory (HEAD_D), the
     deterministic mode, and DQ_PARTS, the dQ hand-off's column parts (one per MMA warpgroup that owns a part of the
-    head dim: 2 in bwd_ws_split)."""
+    head dim: 2 in bwd_ws_split); with NAMED_BARRIERS (config.WsTile.named_barriers) the hardware barriers of the
+    Q/dO ring's slots (from RING_BARRIER) and of the dQ hand-off's buffers (from DQ_BARRIER), each completed by
+    NAMED_THREADS threads: the MMA partition's and one worker warp's (named_arrive, named_wait)."""
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     HEAD_D: gl.constexpr
@@ -30,14 +33,21 @@ class PartitionConstants:
     NUM_WARPS: gl.constexpr
     DETERMINISTIC: gl.constexpr
     KEY_MAJOR: gl.constexpr
+    NAMED_BARRIERS: gl.constexpr
+    NAMED_THREADS: gl.constexpr
+    RING_BARRIER: gl.constexpr
+    DQ_BARRIER: gl.constexpr
 
     @gluon.constexpr_function
     def __init__(self, TILE, HEAD_D, DETERMINISTIC, DQ_PARTS):
-        for name in ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "key_major"):
+        for name in ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "key_major", "named_barriers"):
             setattr(self, name.upper(), gl.constexpr(getattr(TILE, name)))
         self.HEAD_D = gl.constexpr(HEAD_D)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_PARTS = gl.constexpr(DQ_PARTS)
+        self.NAMED_THREADS = gl.constexpr(32 * (TILE.num_warps + 1))
+        self.RING_BARRIER = gl.constexpr(config.NAMED_BARRIER_FIRST)
+        self.DQ_BARRIER = gl.constexpr(config.NAMED_BARRIER_FIRST + TILE.num_stages)
 
 
 @aggregate
@@ -73,6 +83,31 @@ def tma_reduce_add(desc, coord, src, _semantic=None):
     (tma.async_atomic_add arrives in Triton 3.8)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+
+
+# ---- hand-offs by hardware named barriers (config.WsTile.named_barriers) --------------------------------------
+# Triton fences a one-thread mbarrier arrive with a barrier of the whole partition before it (the arrive must follow
+# every thread's accesses) and one at the next shared-memory access after it (its analysis takes the arrive for an
+# access to all of shared memory). A named barrier that every MMA thread arrives on and the worker warp waits on
+# needs neither, and an arrive orders the thread's earlier memory accesses before the waiter's later ones. Gluon
+# gives no shared-memory address of an mbarrier to arrive on from every thread (an inline asm takes no memdesc).
+@gluon.constexpr_function
+def _named_barrier_asm(op, threads):
+    return gl.constexpr(f"barrier.{op} $1, {threads};\n mov.b32 $0, $1;")
+
+
+@gluon.jit
+def named_arrive(consts, barrier_id):
+    """This thread arrives on hardware barrier `barrier_id` (a tensor) and goes on."""
+    gl.inline_asm_elementwise(_named_barrier_asm("arrive", consts.NAMED_THREADS), "=r,r", [barrier_id],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def named_wait(consts, barrier_id):
+    """This thread arrives on hardware barrier `barrier_id` (a tensor) and waits until it completes."""
+    gl.inline_asm_elementwise(_named_barrier_asm("sync", consts.NAMED_THREADS), "=r,r", [barrier_id],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 # ---- schedule: which (query head, query tile) pairs a key tile visits --------------------------
@@ -200,7 +235,11 @@ def loader(consts, bufs, seqs, mask, descs, rows, group):
         phase = (step // NUM_STAGES) & 1
         head = kv_head * group + step // m_tiles
         m0 = m_lo + (step % m_tiles) * BLOCK_M
-        mbarrier.wait(bufs.q.empty.index(stage), phase ^ 1)
+        if consts.NAMED_BARRIERS:
+            if step >= NUM_STAGES:   # the slot's previous tile is released
+                named_wait(consts, consts.RING_BARRIER + stage)
+        else:
+            mbarrier.wait(bufs.q.empty.index(stage), phase ^ 1)
         mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
         tma_load(q_desc, [q_row0 + m0, head, 0], q_ready.index(stage),
                                         bufs.q.bufs.index(stage))
@@ -215,6 +254,9 @@ def loader(consts, bufs, seqs, mask, descs, rows, group):
         bufs.lse.index(stage).store(gl.load(Lse + head_offset + offs_m, mask=row_ok, other=float("inf")) * LOG2E)
         bufs.delta.index(stage).store(gl.load(Delta + head_offset + offs_m, mask=row_ok, other=0.0))
         mbarrier.arrive(q_ready.index(stage), count=1)
+    if consts.NAMED_BARRIERS:   # complete the last tiles' releases: a CTA ends with no barrier half arrived
+        for step in range(gl.maximum(steps - NUM_STAGES, 0), steps):
+            named_wait(consts, consts.RING_BARRIER + step % NUM_STAGES)
 
 
 # ---- dQ writer partition ---------------------------------------------------------------------
@@ -242,7 +284,10 @@ def dq_writer(consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
         phase = (step // DQ_STAGES) & 1
         head = kv_head * group + step // m_tiles
         m0 = m_lo + (step % m_tiles) * BLOCK_M
-        mbarrier.wait(bufs.dq.ready.index(stage), phase)
+        if consts.NAMED_BARRIERS:
+            named_wait(consts, consts.DQ_BARRIER + stage)
+        else:
+            mbarrier.wait(bufs.dq.ready.index(stage), phase)
         if consts.DETERMINISTIC:
             # Key tiles add into a query tile in ascending order: tile n waits until the tiles before it
             # that see this query tile (from the first one, Mask.first_key_tile) have added theirs.
@@ -262,9 +307,19 @@ def dq_writer(consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
 
 
 @gluon.jit
+def release_slot(consts, bufs, step):
+    """The MMA partition is done with the Q/dO slot of `step`: one arrival on "tile_empty" (every thread's on the
+    slot's named barrier)."""
+    if consts.NAMED_BARRIERS:
+        named_arrive(consts, consts.RING_BARRIER + step % consts.NUM_STAGES)
+    else:
+        bufs.q.release(step)
+
+
+@gluon.jit
 def hand_dq(consts, bufs, dq, scale, step, PART: gl.constexpr):
     """Hand step's dQ (scaled; its part PART of consts.DQ_PARTS) to the writer once its buffer is free: every warp's
-    rows in shared memory, then one arrival on "dq_full"."""
+    rows in shared memory, then one arrival on "dq_full" (every thread's on the buffer's named barrier)."""
     dq_stage = step % consts.DQ_STAGES
     mbarrier.wait(bufs.dq.empty.index(dq_stage), ((step // consts.DQ_STAGES) & 1) ^ 1)
     if consts.DQ_PARTS == 1:
@@ -272,8 +327,11 @@ def hand_dq(consts, bufs, dq, scale, step, PART: gl.constexpr):
     else:
         slot(bufs.dq.bufs, dq_stage * consts.DQ_PARTS + PART).store(dq * scale)
     fence_async_shared()
-    barrier()   # every warp's dQ is in shared memory
-    mbarrier.arrive(bufs.dq.ready.index(dq_stage), count=1)
+    if consts.NAMED_BARRIERS:
+        named_arrive(consts, consts.DQ_BARRIER + dq_stage)
+    else:
+        barrier()   # every warp's dQ is in shared memory
+        mbarrier.arrive(bufs.dq.ready.index(dq_stage), count=1)
 
 
 # ---- epilogue of the MMA partitions -------------------------------------------------------------
