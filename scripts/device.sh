@@ -54,10 +54,10 @@
 #                                                 speed of light, tensor-pipe and shared-memory load, warp stalls
 #                                                 (300 s) -> ncu-KERNEL.txt
 #   bash scripts/device.sh candidates [EXPERIMENT ...]
-#                                                 the experiments of scripts/lab/candidates.sh (fwd, bwd, bwd-named; all
-#                                                 by default): tiles compiled but not yet run, checked and timed beside
-#                                                 the defaults by scripts/lab/fwd_ws_check.py and bwd_ws_check.py
-#                                                 -> candidates-EXPERIMENT.log
+#                                                 the experiments of scripts/lab/candidates.sh (fwd-split, fwd, bwd,
+#                                                 bwd-named; all by default): tiles compiled but not yet run, checked
+#                                                 and timed beside the defaults by scripts/lab/fwd_ws_check.py and
+#                                                 bwd_ws_check.py -> candidates-EXPERIMENT.log
 #   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
 #                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
 #                                                 this tree: old, new, old, new, so each version is timed twice

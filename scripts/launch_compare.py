@@ -582,6 +582,8 @@ INTENDED = (
      lambda launch: {"DETERMINISTIC": False}),
     ("WsTile.named_barriers off (the hand-offs by one-thread mbarrier arrives)",
      ("attn_bwd_ws_kernel", "attn_bwd_ws_split_kernel"), lambda launch: {"NAMED_BARRIERS": False}),
+    ("FwdWsTile.split_mask off (each key tile tests at run time whether it needs the mask)", ("attn_fwd_ws_kernel",),
+     lambda launch: {"SPLIT_MASK": False}),
 )
 
 

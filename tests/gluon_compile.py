@@ -152,3 +152,26 @@ def spill_allowance(tuned_bytes: int) -> int:
     from flash_attn_ck.backends.triton.runtime import triton_versions
     same = triton_versions.release(triton_versions.installed()) == TUNED_WITH
     return tuned_bytes if same else tuned_bytes + OTHER_PTXAS_SPILL_SLACK
+
+
+def sass_loops(cubin: bytes) -> list[list[str]]:
+    """The innermost loops of a cubin's SASS (cuobjdump from the triton wheel) that issue a wgmma (HGMMA): each loop's
+    instructions (NOPs left out), from its head to its backward branch, in program order: the consumers' key-tile
+    loops of the warp-specialised kernels."""
+    from triton import knobs
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([str(knobs.nvidia.cuobjdump.path), "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    code = [(int(m.group(1), 16), m.group(2).strip()) for line in sass.splitlines()
+            if (m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line))]
+    at = {address: i for i, (address, _) in enumerate(code)}
+    loops = []
+    for i, (address, text) in enumerate(code):
+        target = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < address and int(target.group(1), 16) in at:
+            loops.append((at[int(target.group(1), 16)], i))
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    bodies = [[text for _, text in code[a:b + 1] if not text.startswith("NOP")] for a, b in sorted(innermost)]
+    return [body for body in bodies if any("HGMMA" in text for text in body)]

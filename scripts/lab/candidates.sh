@@ -3,6 +3,8 @@
 # [EXPERIMENT ...]` (from the repository root, logs to $OUT, each step under device.sh's `limit`; the experiments named,
 # by default all of them). Edit the lists here; the decisions they lead to go into config.py and their numbers into
 # bench/nvidia-h200.md §The measurements behind the design decisions.
+#   fwd-split (360 s): the d64 and d128 table tiles beside each with config.FwdWsTile.split_mask (the key tiles a
+#     consumer's rows see in full in a loop without mask code) -> candidates-fwd-split.log
 #   fwd (400 s): three consumer warpgroups (192 query rows, FA3's d64 shape; at d128 with 64 key rows) and three
 #     K/V stages (d128: 225 KB of shared memory) -> candidates-fwd.log
 #   bwd (200 s): deeper Q/dO and dQ rings on the two-CTAs d64 tile (three stages, two dQ buffers: up to 108 KB a
@@ -12,9 +14,16 @@
 #     cuDNN -> candidates-bwd-named.log
 set -u
 experiments=("$@")
-[ ${#experiments[@]} -eq 0 ] && experiments=(fwd bwd bwd-named)
+[ ${#experiments[@]} -eq 0 ] && experiments=(fwd-split fwd bwd bwd-named)
 for experiment in "${experiments[@]}"; do
   case $experiment in
+    fwd-split)
+      limit 360 python3 scripts/lab/fwd_ws_check.py \
+        --tiles 64=128x128x2x1x0,128x128x2x1x0x0x1,128x128x2x1x1,128x128x2x1x1x0x1 \
+        --tiles 128=128x128x2x1x0,128x128x2x1x0x0x1,128x128x2x1x1,128x128x2x1x1x0x1 \
+        --shapes 128:16:16,64:32:32 --seqlens 2048,8192 2>&1 | tee "$OUT/candidates-fwd-split.log" \
+        | grep -E "^(PASS|FAIL|TIME|ERROR)"
+      ;;
     fwd)
       limit 400 python3 scripts/lab/fwd_ws_check.py \
         --tiles 64=128x128x2x1x0,128x128x2x1x1,192x128x2x0x0,192x128x2x0x1,128x128x3x1x0 \
@@ -35,6 +44,6 @@ for experiment in "${experiments[@]}"; do
           --peers triton-one-launch,sdpa_cudnn --shapes 128:16:16:8192,128:32:8:8192,64:32:32:8192,128:16:16:2048
       } 2>&1 | tee "$OUT/candidates-bwd-named.log" | grep -E "^(PASS|FAIL|TIME|HANG|ERROR)"
       ;;
-    *) echo "unknown experiment $experiment (fwd, bwd, bwd-named)" >&2; exit 2 ;;
+    *) echo "unknown experiment $experiment (fwd-split, fwd, bwd, bwd-named)" >&2; exit 2 ;;
   esac
 done

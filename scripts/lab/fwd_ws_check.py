@@ -8,10 +8,10 @@ forward and torch SDPA (flash, cuDNN) in the same process.
 
 Tiles: config.FWD_WS_SM90's (each head block's causal and non-causal tiles), or per head block (config.head_block
 of a head dim: d96 and d80 run in the 128 tiles, d192 in the 256 ones) the list of a --tiles spec, a tile in
-config.FwdWsTile.parse's 'BMxBNxSTAGESxOVERLAPxPINGPONG[xQUERY_MAJOR]' (BM 192: three consumer warpgroups), e.g.
---tiles 128=128x128x2x1x0,128x128x2x1x1. Every case runs with every tile of its block. Prints PASS/FAIL per case
-and a TIME line per shape; a variant that fails to compile or run prints its error and the script goes on. Exits
-non-zero if a check fails. Needs an sm_90 GPU.
+config.FwdWsTile.parse's 'BMxBNxSTAGESxOVERLAPxPINGPONG[xQUERY_MAJOR[xSPLIT_MASK]]' (BM 192: three consumer
+warpgroups), e.g. --tiles 128=128x128x2x1x0,128x128x2x1x1. Every case runs with every tile of its block. Prints
+PASS/FAIL per case and a TIME line per shape; a variant that fails to compile or run prints its error and the script
+goes on. Exits non-zero if a check fails. Needs an sm_90 GPU.
 """
 
 from __future__ import annotations
@@ -71,6 +71,11 @@ CASES = [   # name, b, h, h_k, s_q, s_k, d, causal, window, varlen lengths, dtyp
     ("causal s_q 300 > s_k 100 (rows with no key)", 2, 4, 4, 300, 100, 128, True, (-1, -1), None, torch.bfloat16),
     ("window (64, 32) d128", 2, 4, 4, 384, 384, 128, False, (64, 32), None, torch.bfloat16),
     ("window (17, -1) s_q 300 > s_k 200", 2, 4, 4, 300, 200, 128, False, (17, -1), None, torch.bfloat16),
+    # key tiles masked at a window's left edge, then seen in full, then masked at its right edge and at len_k
+    ("window (300, 200) s1000", 2, 4, 4, 1000, 1000, 128, False, (300, 200), None, torch.bfloat16),
+    ("varlen window (257, 0) gqa", 0, 4, 2, 0, 0, 128, False, (257, 0),
+     [(700, 900), (130, 70), (0, 10), (513, 513)], torch.bfloat16),
+    ("d64 causal s_q 700 < s_k 1000", 2, 4, 4, 700, 1000, 64, True, (-1, -1), None, torch.bfloat16),
     ("gqa 8/2 causal", 2, 8, 2, 256, 256, 128, True, (-1, -1), None, torch.bfloat16),
     ("gqa 8/1 (mqa)", 1, 8, 1, 256, 256, 128, False, (-1, -1), None, torch.bfloat16),
     ("d64 dense s300", 2, 4, 4, 300, 300, 64, False, (-1, -1), None, torch.bfloat16),

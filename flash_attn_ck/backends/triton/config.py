@@ -170,7 +170,9 @@ class FwdWsTile:
     current P V (intra-warpgroup overlap), whether the consumers take turns issuing their matmuls (ping-pong), the
     register budgets of a consumer warpgroup (None: FWD_WS_CONSUMER_REGS) and of the 1-warp loader, and whether the
     grid is query-tile-major (`query_major`: under a causal mask the longest query tiles of every head start before
-    any shorter one; fwd_ws._cta_coords)."""
+    any shorter one; fwd_ws._cta_coords), and whether each consumer runs the key tiles its rows see in full in a loop
+    of their own without the mask's code (`split_mask`: gluon_common.Mask.unmasked_key_tiles; off, each key tile
+    tests at run time whether it needs the mask)."""
     block_m: int
     block_n: int
     num_stages: int = 2
@@ -180,6 +182,7 @@ class FwdWsTile:
     loader_regs: int = 24
     query_major: bool = False
     consumers: int = 2
+    split_mask: bool = False
 
     def __post_init__(self):
         if self.consumers not in FWD_WS_CONSUMER_REGS or self.block_m != 64 * self.consumers:
@@ -190,15 +193,17 @@ class FwdWsTile:
 
     @classmethod
     def parse(cls, text: str) -> FwdWsTile:
-        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG[xQUERY_MAJOR]]]]' (flags 0 or 1), as scripts/lab/fwd_ws_check.py
-        takes it; BM 192 means three consumer warpgroups."""
-        names = ("block_m", "block_n", "num_stages", "overlap", "pingpong", "query_major")
+        """'BMxBN[xSTAGES[xOVERLAP[xPINGPONG[xQUERY_MAJOR[xSPLIT_MASK]]]]]' (flags 0 or 1), as
+        scripts/lab/fwd_ws_check.py takes it; BM 192 means three consumer warpgroups."""
+        names = ("block_m", "block_n", "num_stages", "overlap", "pingpong", "query_major", "split_mask")
         values: list[Any] = list(map(int, text.split("x")))
         values[3:] = map(bool, values[3:])
         return cls(**dict(zip(names, values)), consumers=values[0] // 64)
 
     def __str__(self) -> str:
         text = f"{self.block_m}x{self.block_n}x{self.num_stages}x{int(self.overlap)}x{int(self.pingpong)}"
+        if self.split_mask:
+            return f"{text}x{int(self.query_major)}x1"
         return text + "x1" if self.query_major else text
 
 

@@ -28,7 +28,10 @@ warpgroups of 64 query rows each and a loader warp share the CTA:
                          lse = m * scale + ln(l) in fp32; a row that sees no key gets O = 0, lse = +inf.
 
 Every consumer walks every key tile the CTA sees (the loader loads each once); a tile that no row of a
-warpgroup sees gives P = 0 there. Three consumers (FA3's d64 shape, 192 query rows per CTA) have 160 registers
+warpgroup sees gives P = 0 there. Each key tile tests at run time whether it needs the mask; with SPLIT_MASK
+(config.FwdWsTile.split_mask) a consumer instead walks the tiles its rows see in full
+(gluon_common.Mask.unmasked_key_tiles) in a loop of their own without mask code, and those before and after them
+with the mask. Three consumers (FA3's d64 shape, 192 query rows per CTA) have 160 registers
 each, room for no OVERLAP. Tensors reach the kernel as host TMA descriptors with boxes of one
 head over 3-D (rows, heads, head_dim) views (gluon_common.descriptor), so one descriptor serves dense and
 varlen calls: a key tile may read rows of the next sequence (masked to P = 0, as every tile past len_k
@@ -76,6 +79,7 @@ class PartitionConstants:
     OVERLAP: gl.constexpr
     PINGPONG: gl.constexpr
     QUERY_MAJOR: gl.constexpr
+    SPLIT_MASK: gl.constexpr
     s_layout: gl.constexpr
     o_layout: gl.constexpr
     p_layout: gl.constexpr
@@ -83,7 +87,8 @@ class PartitionConstants:
 
     @gluon.constexpr_function
     def __init__(self, TILE, HEAD_D):
-        for name in ("block_m", "block_n", "num_stages", "consumers", "overlap", "pingpong", "query_major"):
+        for name in ("block_m", "block_n", "num_stages", "consumers", "overlap", "pingpong", "query_major",
+                     "split_mask"):
             setattr(self, name.upper(), gl.constexpr(getattr(TILE, name)))
         self.HEAD_D = gl.constexpr(HEAD_D)
         self.ROWS = gl.constexpr(TILE.block_m // TILE.consumers)
@@ -145,8 +150,7 @@ def _tile_schedule(consts, seqs, mask):
     q_row0, len_q = seqs.query(b)
     k_row0, len_k = seqs.key(b)
     shift = mask.shift(len_q, len_k)
-    n_lo, n_hi = mask.key_range(m0, len_q, len_k, shift, consts.BLOCK_M, consts.BLOCK_N)
-    n_tiles = gl.maximum(gl.cdiv(n_hi - n_lo, consts.BLOCK_N), 0)
+    n_lo, n_tiles = mask.key_tiles(m0, len_q, len_k, shift, consts.BLOCK_M, consts.BLOCK_N)
     return m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles
 
 
@@ -224,10 +228,15 @@ def _pass_turn(consts, turn, WARPGROUP: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(consts, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shift, scale_log2):
+def _softmax_step(consts, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shift, scale_log2, MASKED: gl.constexpr):
     """One key tile's online-softmax update of raw scores s: (P, alpha that rescales O, new max, new sum).
-    The max is kept on raw scores; exp2 takes s * scale * log2e - m * scale * log2e (one FFMA)."""
-    if mask.tile_needs_mask(m0, n0, len_k, shift, consts.ROWS, consts.BLOCK_N):
+    The max is kept on raw scores; exp2 takes s * scale * log2e - m * scale * log2e (one FFMA). MASKED: whether
+    the tile needs the mask (True, False: no mask code), or None: the tile decides at run time."""
+    if MASKED is None:
+        masked = mask.tile_needs_mask(m0, n0, len_k, shift, consts.ROWS, consts.BLOCK_N)
+    else:
+        masked = MASKED
+    if masked:
         # (relative to the tile: columns 0..BLOCK_N - 1 against per-row bounds, no per-column key index)
         keep = mask.keep(gl.expand_dims(offs_m - n0, 1), gl.expand_dims(offs_n, 0), len_k - n0, shift)
         s = gl.where(keep, s, float("-inf"))
@@ -237,6 +246,53 @@ def _softmax_step(consts, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shif
     alpha = gl.exp2(m_i * scale_log2 - m_scaled)
     l_new = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_new
+
+
+@gluon.jit
+def _unmasked_tiles(consts, mask, m0, len_q, len_k, shift, n_lo, n_tiles, start):
+    """SPLIT_MASK: the consumer's key tiles [start, first) need the mask, [first, end) do not (every row of the
+    warpgroup sees every key of them: gluon_common.Mask.unmasked_key_tiles), [end, n_tiles) do."""
+    first, end = mask.unmasked_key_tiles(m0, consts.ROWS, len_q, len_k, shift, n_lo, n_tiles, consts.BLOCK_N)
+    first = gl.maximum(first, start)
+    return first, gl.maximum(end, first)
+
+
+@gluon.jit
+def _overlap_steps(consts, bufs, mask, q_tile, s_zero, keys, start, stop, carry, WARPGROUP: gl.constexpr,
+                   MASKED: gl.constexpr):
+    """OVERLAP: key tiles [start, stop), start > 0 (`_softmax_step`'s MASKED for each). `keys`: (offs_m, offs_n, m0,
+    n_lo, len_k, shift, scale_log2); `carry`: (P of tile start - 1, m, l, O, rounds), returned after tile stop - 1."""
+    offs_m, offs_n, m0, n_lo, len_k, shift, scale_log2 = keys
+    p, m_i, l_i, acc, rounds = carry
+    for j in range(start, stop):
+        rounds = _take_turn(consts, bufs.turn, rounds, WARPGROUP)
+        s = bufs.k.issue_mma(q_tile, s_zero, j)
+        acc = _issue_pv(consts, p, bufs.v, j - 1, acc)
+        _pass_turn(consts, bufs.turn, WARPGROUP)
+        s = warpgroup_mma_wait(1, deps=(s,))
+        bufs.k.release(j)
+        p, alpha, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo + j * consts.BLOCK_N, offs_m, offs_n,
+                                           m0, len_k, shift, scale_log2, MASKED)
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        bufs.v.release(j - 1)
+        acc = _rescale(acc, alpha, consts.o_layout)
+    return p, m_i, l_i, acc, rounds
+
+
+@gluon.jit
+def _steps(consts, bufs, mask, q_tile, s_zero, keys, start, stop, state, WARPGROUP: gl.constexpr,
+           MASKED: gl.constexpr):
+    """Without OVERLAP: key tiles [start, stop), each S round, softmax and P V round in turn. `keys` as
+    `_overlap_steps`'; `state`: (m, l, O, rounds), returned after tile stop - 1."""
+    offs_m, offs_n, m0, n_lo, len_k, shift, scale_log2 = keys
+    m_i, l_i, acc, rounds = state
+    for j in range(start, stop):
+        s, rounds = _s_round(consts, bufs, q_tile, s_zero, j, rounds, WARPGROUP)
+        p, alpha, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo + j * consts.BLOCK_N, offs_m, offs_n, m0,
+                                           len_k, shift, scale_log2, MASKED)
+        acc = _rescale(acc, alpha, consts.o_layout)
+        acc, rounds = _pv_round(consts, bufs, p, j, acc, rounds, WARPGROUP)
+    return m_i, l_i, acc, rounds
 
 
 @gluon.jit
@@ -272,32 +328,33 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr)
         _pass_turn(consts, bufs.turn, WARPGROUP)   # consumer 0 issues first
 
     # ---- online softmax over the visible key tiles ----
+    keys = (offs_m, offs_n, m0, n_lo, len_k, shift, scale_log2)
     if consts.OVERLAP:
         # S_{j+1} is issued before P V_j; the softmax of tile j + 1 overlaps P V_j.
         if n_tiles > 0:
             s, rounds = _s_round(consts, bufs, q_tile, s_zero, 0, rounds, WARPGROUP)
             p, _, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo, offs_m, offs_n, m0, len_k, shift,
-                                           scale_log2)
-            for j in range(1, n_tiles):
-                rounds = _take_turn(consts, bufs.turn, rounds, WARPGROUP)
-                s = bufs.k.issue_mma(q_tile, s_zero, j)
-                acc = _issue_pv(consts, p, bufs.v, j - 1, acc)
-                _pass_turn(consts, bufs.turn, WARPGROUP)
-                s = warpgroup_mma_wait(1, deps=(s,))
-                bufs.k.release(j)
-                p, alpha, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo + j * consts.BLOCK_N, offs_m, offs_n,
-                                                   m0, len_k, shift, scale_log2)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
-                bufs.v.release(j - 1)
-                acc = _rescale(acc, alpha, consts.o_layout)
+                                           scale_log2, None)
+            carry = (p, m_i, l_i, acc, rounds)
+            if consts.SPLIT_MASK:
+                first, end = _unmasked_tiles(consts, mask, m0, len_q, len_k, shift, n_lo, n_tiles, 1)
+                carry = _overlap_steps(consts, bufs, mask, q_tile, s_zero, keys, 1, first, carry, WARPGROUP, True)
+                carry = _overlap_steps(consts, bufs, mask, q_tile, s_zero, keys, first, end, carry, WARPGROUP, False)
+                carry = _overlap_steps(consts, bufs, mask, q_tile, s_zero, keys, end, n_tiles, carry, WARPGROUP, True)
+            else:
+                carry = _overlap_steps(consts, bufs, mask, q_tile, s_zero, keys, 1, n_tiles, carry, WARPGROUP, None)
+            p, m_i, l_i, acc, rounds = carry
             acc, rounds = _pv_round(consts, bufs, p, n_tiles - 1, acc, rounds, WARPGROUP)
     else:
-        for j in range(n_tiles):
-            s, rounds = _s_round(consts, bufs, q_tile, s_zero, j, rounds, WARPGROUP)
-            p, alpha, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo + j * consts.BLOCK_N, offs_m, offs_n, m0,
-                                               len_k, shift, scale_log2)
-            acc = _rescale(acc, alpha, consts.o_layout)
-            acc, rounds = _pv_round(consts, bufs, p, j, acc, rounds, WARPGROUP)
+        state = (m_i, l_i, acc, rounds)
+        if consts.SPLIT_MASK:
+            first, end = _unmasked_tiles(consts, mask, m0, len_q, len_k, shift, n_lo, n_tiles, 0)
+            state = _steps(consts, bufs, mask, q_tile, s_zero, keys, 0, first, state, WARPGROUP, True)
+            state = _steps(consts, bufs, mask, q_tile, s_zero, keys, first, end, state, WARPGROUP, False)
+            state = _steps(consts, bufs, mask, q_tile, s_zero, keys, end, n_tiles, state, WARPGROUP, True)
+        else:
+            state = _steps(consts, bufs, mask, q_tile, s_zero, keys, 0, n_tiles, state, WARPGROUP, None)
+        m_i, l_i, acc, rounds = state
 
     # ---- epilogue: O / l and lse; rows that see no key get O = 0, lse = +inf ----
     empty = l_i == 0.0

@@ -142,6 +142,25 @@ class Mask:
         return lo, hi
 
     @gluon.jit
+    def key_tiles(self, m0, len_q, len_k, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+        """(first key, number of key tiles of BLOCK_N keys from it) that cover `key_range`."""
+        lo, hi = self.key_range(m0, len_q, len_k, shift, BLOCK_M, BLOCK_N)
+        return lo, gl.maximum(gl.cdiv(hi - lo, BLOCK_N), 0)
+
+    @gluon.jit
+    def unmasked_key_tiles(self, m0, rows, len_q, len_k, shift, n_lo, n_tiles, BLOCK_N: gl.constexpr):
+        """Tiles [first, end), 0 <= first <= end <= n_tiles, of the `n_tiles` key tiles from key `n_lo` (`key_tiles`)
+        whose every key every query row of [m0, min(m0 + rows, len_q)) sees (for m0 >= len_q, rows never written,
+        some such range): the keys all rows see start where the last row's `key_range` does and end where the first
+        row's does (both bounds grow with the row). Numerators stay non-negative, so the divisions read the same in
+        a kernel (truncating) and in Python (flooring)."""
+        seen_lo = self.key_range(gl.minimum(m0 + rows, len_q) - 1, len_q, len_k, shift, 1, 1)[0]
+        seen_hi = self.key_range(m0, len_q, len_k, shift, 1, 1)[1]
+        first = gl.minimum(gl.cdiv(gl.maximum(seen_lo - n_lo, 0), BLOCK_N), n_tiles)
+        end = gl.maximum(gl.minimum(gl.maximum(seen_hi - n_lo, 0) // BLOCK_N, n_tiles), first)
+        return first, end
+
+    @gluon.jit
     def first_key_tile(self, m0, shift, BLOCK_N: gl.constexpr):
         """The first key tile (of BLOCK_N keys) that sees query row m0, and so the query tile starting there (its later
         rows reach no further left): the deterministic mode's dQ adds into that query tile start from it."""
