@@ -1,4 +1,4 @@
-"""Adversarial round on the value head dim (d_v != d) and learnable sinks, on the public functions and the ops: each
+"""The value head dim (d_v != d) and learnable sinks at the edges of the public functions and the ops: each
 test holds a class of input that was mishandled, named for the rule it checks."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Adversarial round on the value head dim (d_v != d) and learnable sinks through the integrations (one-device HF
-attention): each test holds a class of input that was mishandled, named for the rule it checks."""
+"""The value head dim (d_v != d) and learnable sinks through the one-device HF attention (integrations/hf.py,
+register_hf_attention_local): each test holds a class of input that was mishandled, named for the rule it checks."""
 
 from __future__ import annotations
 
