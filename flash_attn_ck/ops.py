@@ -38,11 +38,12 @@ from torch._C import _len_torch_dispatch_stack
 
 from .backends.base import Backend
 from .backends.registry import backend_from_key, backend_key
-from .core.inputs import check_structure, varlen_arguments
+from .core import checks
+from .core.inputs import check_shapes, varlen_arguments
 from .core.options import AttentionOptions
-from .core.problem import pad_head_dim, row_stats_shape
-from .pipeline.backward import attention_backward
-from .pipeline.forward import attention_forward
+from .core.problem import pad_head_dim, result_shape, row_stats_shape
+from .pipeline.backward import attention_backward, check_backward_operands
+from .pipeline.forward import attention_forward, check_forward_out
 from .pipeline.prepare import PreparedCall, prepare
 from .pipeline.sink import sink_gradient
 
@@ -164,14 +165,19 @@ def _(q, k, v, *flat, rng_state=None):
 
 @torch.library.register_fake("flash_attn_ck::fwd_out")
 def _(q, k, v, out, *flat, rng_state=None):
-    return _fake_results(q, k, v, flat)
+    results = _fake_results(q, k, v, flat)
+    options = _unflatten(flat, _FWD)
+    check_forward_out(q, k, v, out, options, rng_state, checks.check_out_dtype_for(options.out_dtype, q.dtype),
+                      result_shape(q, v))
+    return results
 
 
 def _fake_results(q, k, v, flat: tuple) -> tuple[torch.Tensor, ...]:
-    """The fakes' lse, rng_state and probs, as the real forward allocates them, after the checks the real forward
-    runs on shapes (check_structure), so that a traced call fails as an eager one does."""
+    """The fakes' lse, rng_state and probs, as the real forward allocates them, after the real forward's checks
+    that read no tensor's values (check_shapes), so that a traced call fails as an eager one does. The values
+    (cu_seqlens offsets, seqused_k against them) are not there to read: the real op checks them where it runs."""
     options = _unflatten(flat, _FWD)
-    check_structure(q, k, v, options)
+    check_shapes(q, k, v, options)
     accum = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_empty(row_stats_shape(tuple(q.shape[:-2]), q.shape[-2]), dtype=accum)
     if options.varlen:      # the problem's lengths: max_seqlen, bounded by the packed rows (core/inputs.py)
@@ -198,8 +204,8 @@ torch.library.impl("flash_attn_ck::bwd", "CompositeExplicitAutograd", torch.no_g
 
 @torch.library.register_fake("flash_attn_ck::bwd")
 def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
-    options = _bwd_options(args)[0]
-    check_structure(q, k, v, options)
+    options, rng_state = _bwd_options(args)
+    _check_fake_backward(dout, q, k, v, out, softmax_lse, None, None, None, options, rng_state)
     dtype = options.out_dtype
     return (*(torch.empty_like(t, dtype=dtype) for t in (q, k, v)), softmax_lse.new_empty(softmax_lse.shape))
 
@@ -213,9 +219,15 @@ torch.library.impl("flash_attn_ck::bwd_out", "CompositeExplicitAutograd", torch.
 
 
 @torch.library.register_fake("flash_attn_ck::bwd_out")
-def _(dout, q, k, v, out, softmax_lse, *args, **kwargs):
-    check_structure(q, k, v, _bwd_options(args[3:])[0])
+def _(dout, q, k, v, out, softmax_lse, dq, dk, dv, *args):
+    _check_fake_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, *_bwd_options(args))
     return softmax_lse.new_empty(softmax_lse.shape)
+
+
+def _check_fake_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, options, rng_state) -> None:
+    """The real backward's checks that read no tensor's values (as `_fake_results` for the forward)."""
+    check_shapes(q, k, v, options)
+    check_backward_operands(q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state, options)
 
 
 # ---- autograd: a Function around the forward op ----------------------------------------------------

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.types import FloatLikeType, IntLikeType
 
 from .errors import ArgumentError
@@ -61,7 +62,7 @@ def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
         raise ArgumentError(f"{name}: expected a contiguous last dimension (stride 1), got strides {t.stride()}")
 
 
-def check_shape(name: str, t: torch.Tensor, expected: Sequence[int]) -> None:
+def check_shape(name: str, t: torch.Tensor, expected: Sequence[IntLikeType]) -> None:
     if t.shape != tuple(expected):     # torch.Size is a tuple
         raise ArgumentError(f"{name}: expected shape {tuple(expected)}, got {tuple(t.shape)}")
 
@@ -304,21 +305,32 @@ def _byte_span(t: torch.Tensor) -> tuple[int, int]:
     return base + lo * t.element_size(), base + (hi + 1) * t.element_size()
 
 
+def _storages_meet(a: torch.Tensor, b: torch.Tensor) -> bool | None:
+    """Whether two tensors of distinct storages share memory; None where they have one storage (their views decide)."""
+    a_storage, b_storage = a.untyped_storage(), b.untyped_storage()
+    if is_fake(a) or is_fake(b):
+        # Fake tensors (the ops' fakes, torch.compile tracing) have no memory: they share it only as one storage.
+        return None if a_storage._cdata == b_storage._cdata else False
+    a_base, b_base = a_storage.data_ptr(), b_storage.data_ptr()
+    if a_base == b_base:
+        return None
+    # Two storages share memory only where one buffer backs both (torch.from_numpy / frombuffer views of one
+    # array): where their memory meets, the elements' byte spans decide (spans that meet count as shared).
+    if a_base + a_storage.nbytes() <= b_base or b_base + b_storage.nbytes() <= a_base:
+        return False
+    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+    return a_start < b_end and b_start < a_end
+
+
 def tensors_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors share an element of memory. Exact for disjoint storage or element ranges and for
     equally strided views of one storage (dk, dv = dkv[:, :, 0], dkv[:, :, 1], or dkv[..., :d], dkv[..., d:] with
     d_v != d); otherwise conservative (True)."""
     if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
         return False
-    a_storage, b_storage = a.untyped_storage(), b.untyped_storage()
-    a_base, b_base = a_storage.data_ptr(), b_storage.data_ptr()
-    if a_base != b_base:
-        # Two storages share memory only where one buffer backs both (torch.from_numpy / frombuffer views of one
-        # array): where their memory meets, the elements' byte spans decide (spans that meet count as shared).
-        if a_base + a_storage.nbytes() <= b_base or b_base + b_storage.nbytes() <= a_base:
-            return False
-        (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
-        return a_start < b_end and b_start < a_end
+    storages_meet = _storages_meet(a, b)
+    if storages_meet is not None:
+        return storages_meet
     if a.element_size() != b.element_size() or a.dtype != b.dtype:
         return torch._C._overlaps(a, b)
     (a_lo, a_hi), (b_lo, b_hi) = _element_range(a), _element_range(b)
@@ -372,9 +384,8 @@ def check_learnable_sink(sink: torch.Tensor, heads_q: int, device: torch.device)
                             f"got {tuple(sink.shape)}")
 
 
-def check_cu_seqlens(name: str, cu: torch.Tensor, batch: int, total: int, max_seqlen: IntLikeType,
-                     device: torch.device) -> None:
-    """Shape and dtype always; the values only on the CPU (reading them from a GPU would sync)."""
+def check_cu_seqlens(name: str, cu: torch.Tensor, batch: IntLikeType, device: torch.device) -> None:
+    """Shape, dtype, device and layout; not the values (`check_cu_seqlens_values`), which a fake tensor has none of."""
     check_tensor(name, cu, 1)
     check_dtype(name, cu, torch.int32)
     check_device(name, cu, device)
@@ -382,7 +393,6 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, batch: int, total: int, max_se
     if not cu.is_contiguous():
         # Kernels read cu_seqlens as a plain int32 array (CK's seqstart[b]): a strided view would be misread.
         raise ArgumentError(f"{name}: must be contiguous, got stride {cu.stride()}")
-    check_cu_seqlens_values(name, cu, total, max_seqlen)
 
 
 def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_seqlen: IntLikeType) -> None:
@@ -398,13 +408,12 @@ def check_cu_seqlens_values(name: str, cu: torch.Tensor, total: int, max_seqlen:
                                 f"({max(lengths)})")
 
 
-def check_seqused_k(seqused_k: torch.Tensor, batch: int, cu_seqlens_k: torch.Tensor, device: torch.device) -> None:
-    """Shape, dtype and device always; the values only on the CPU, as for cu_seqlens."""
+def check_seqused_k(seqused_k: torch.Tensor, batch: IntLikeType, device: torch.device) -> None:
+    """Shape, dtype and device; not the values (`check_seqused_k_values`), as for cu_seqlens."""
     check_tensor("seqused_k", seqused_k, 1)
     check_dtype("seqused_k", seqused_k, torch.int32)
     check_device("seqused_k", seqused_k, device)
     check_shape("seqused_k", seqused_k, (batch,))
-    check_seqused_k_values(seqused_k, cu_seqlens_k)
 
 
 def check_seqused_k_values(seqused_k: torch.Tensor, cu_seqlens_k: torch.Tensor) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.types import IntLikeType
 
 from . import checks
 from .errors import ArgumentError
@@ -31,7 +32,7 @@ from .problem import AttentionParams, AttentionProblem
 
 def check_structure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> None:
     """The checks of describe_call that read only the operands' ranks, dtypes, devices, strides and head counts and
-    which options are given: what the ops' fakes run too (no value and no symbolic size is read)."""
+    which options are given (no value and no rows): the first part of check_shapes."""
     o = options
     varlen = o.varlen
     ndim = 3 if varlen else 4
@@ -58,9 +59,39 @@ def check_structure(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: 
         checks.check_learnable_sink(o.learnable_sink, heads_q, q.device)
 
 
-def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> AttentionProblem:
-    """Check q/k/v against each other and the options that depend on their shapes; the problem."""
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> IntLikeType:
+    """Every check of describe_call that reads no tensor's values (`check_values` reads those): check_structure, then
+    the operands' sizes against each other and the options' tensors. What the ops' fakes run too, so only equality
+    and sign tests on sizes (symbolic under torch.compile: guards, never a specialised size). The call's batch."""
     check_structure(q, k, v, options)
+    o = options
+    head_dim, heads_q = q.shape[-1], q.shape[-2]
+    heads_k = k.shape[-2]
+    if o.varlen:
+        given = varlen_arguments(o)
+        checks.check_tensor("cu_seqlens_q", given.cu_seqlens_q, 1)
+        batch = given.cu_seqlens_q.shape[0] - 1
+        checks.check_positive_batch(batch, "cu_seqlens_q")
+        checks.check_cu_seqlens("cu_seqlens_q", given.cu_seqlens_q, batch, q.device)
+        checks.check_cu_seqlens("cu_seqlens_k", given.cu_seqlens_k, batch, q.device)
+        checks.check_shape("k", k, (k.shape[0], heads_k, head_dim))
+        if o.seqused_k is not None:
+            checks.check_seqused_k(o.seqused_k, batch, q.device)
+    else:
+        if o.seqused_k is not None:
+            raise ArgumentError("seqused_k: only varlen calls take it (with cu_seqlens_q/k)")
+        batch = q.shape[0]
+        checks.check_positive_batch(batch)
+        checks.check_shape("k", k, (batch, k.shape[1], heads_k, head_dim))
+    checks.check_shape("v", v, (*k.shape[:-1], v.shape[-1]))      # k's rows and heads; its own head dim d_v
+    if o.alibi_slopes is not None:
+        checks.check_alibi_slopes(o.alibi_slopes, batch, heads_q, q.device)
+    return batch
+
+
+def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: AttentionOptions) -> AttentionProblem:
+    """Check q/k/v against each other and the options that depend on their shapes, then the values; the problem."""
+    batch = int(check_shapes(q, k, v, options))      # eager sizes: ints
     o = options
     varlen = o.varlen
     out_dtype = checks.check_out_dtype_for(o.out_dtype, q.dtype)
@@ -68,40 +99,24 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
     heads_k = k.shape[-2]
     if varlen:
         given = varlen_arguments(o)
-        checks.check_tensor("cu_seqlens_q", given.cu_seqlens_q, 1)
-        batch = given.cu_seqlens_q.numel() - 1
         total_q, total_k = q.shape[0], k.shape[0]
-        checks.check_positive_batch(batch, "cu_seqlens_q")
-        checks.check_cu_seqlens("cu_seqlens_q", given.cu_seqlens_q, batch, total_q, given.max_seqlen_q, q.device)
-        checks.check_cu_seqlens("cu_seqlens_k", given.cu_seqlens_k, batch, total_k, given.max_seqlen_k, q.device)
         # max_seqlen is a launch bound, not data: no sequence is longer than its packed tensor, so the
         # problem's lengths are the tighter of the two (workspace and scratch are sized from them).
         seqlen_q, seqlen_k = min(int(given.max_seqlen_q), total_q), min(int(given.max_seqlen_k), total_k)
-        checks.check_shape("k", k, (total_k, heads_k, head_dim))
-        if o.seqused_k is not None:
-            checks.check_seqused_k(o.seqused_k, batch, given.cu_seqlens_k, q.device)
     else:
-        if o.seqused_k is not None:
-            raise ArgumentError("seqused_k: only varlen calls take it (with cu_seqlens_q/k)")
-        batch, seqlen_q = q.shape[0], q.shape[1]
-        seqlen_k = k.shape[1]
+        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
         total_q = total_k = 0
-        checks.check_positive_batch(batch)
-        checks.check_shape("k", k, (batch, seqlen_k, heads_k, head_dim))
-    head_dim_v = v.shape[-1]
-    checks.check_shape("v", v, (*k.shape[:-1], head_dim_v))      # k's rows and heads; its own head dim d_v
-    if o.alibi_slopes is not None:
-        checks.check_alibi_slopes(o.alibi_slopes, batch, heads_q, q.device)
-
     mask = MaskInfo.from_flash_args(o.causal, o.window_size, seqlen_q, seqlen_k)
-    return AttentionProblem(
+    problem = AttentionProblem(
         batch=batch if o.seqused_k is None else 2 * batch,      # the kernels' sequences (sequence_tensors)
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, heads_q=heads_q, heads_k=heads_k,
-        head_dim=head_dim, head_dim_v=head_dim_v, dtype=q.dtype, device=q.device, mask=mask,
+        head_dim=head_dim, head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, mask=mask,
         softmax_scale=o.scale_for(head_dim),
         varlen=varlen, total_q=total_q, total_k=total_k, has_alibi=o.alibi_slopes is not None,
         dropout_p=float(o.dropout_p), softcap=float(o.softcap), deterministic=bool(o.deterministic),
         out_dtype=out_dtype)
+    check_values(problem, options)
+    return problem
 
 
 def varlen_arguments(options: AttentionOptions) -> checks.VarlenArguments:

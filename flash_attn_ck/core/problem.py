@@ -29,6 +29,16 @@ def row_stats_shape(rows: tuple[int, ...], heads: int) -> tuple[int, ...]:
     return (heads, *rows) if len(rows) == 1 else (rows[0], heads, rows[1])
 
 
+def accum_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """lse, D and dQ accumulators: fp32 as in CK; fp64 inputs (gradcheck on the reference) keep fp64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def result_shape(q: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+    """out and dout: q's rows and heads, v's head dim."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a chunk of a call sits in the whole call (pipeline/chunking.py). Dropout counters and
@@ -115,8 +125,7 @@ class AttentionProblem:
 
     @property
     def accum_dtype(self) -> torch.dtype:
-        """lse, D and dQ accumulators: fp32 as in CK; fp64 inputs (gradcheck on the reference) keep fp64."""
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
+        return accum_dtype_for(self.dtype)
 
     @property
     def group_size(self) -> int:

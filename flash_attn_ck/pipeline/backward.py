@@ -17,7 +17,7 @@ from ..core import checks
 from ..core.inputs import sequence_tensors
 from ..core.options import AttentionOptions
 from ..core.plan import WorkspacePlan
-from ..core.problem import AttentionParams, AttentionProblem
+from ..core.problem import AttentionParams, AttentionProblem, accum_dtype_for, result_shape, row_stats_shape
 from .chunking import (
     backward_plan,
     chunk_problem,
@@ -44,7 +44,7 @@ def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     # ---- validate: everything before any allocation, so a failing call mutates nothing ----------
     if prepared is None:
         prepared = prepare(q, k, v, options)
-        check_backward_operands(prepared.problem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state, options)
+        check_backward_operands(q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state, options)
     problem = prepared.problem
     chosen = prepared_backend(prepared, options.backend, forward_backend(softmax_lse, options.backend))
     cap = workspace_cap(options.max_workspace_bytes)
@@ -70,27 +70,30 @@ def gradient_outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dq: torc
             torch.empty_like(v, dtype=dtype) if dv is None else dv)
 
 
-def check_backward_operands(problem: AttentionProblem, q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state,
-                            options: AttentionOptions) -> None:
+def check_backward_operands(q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_state, options: AttentionOptions) -> None:
+    """The backward's operands besides q, k, v (which have passed `check_shapes` with the options): shapes, dtypes,
+    devices, strides and aliasing, no values, so the ops' fakes run it too."""
+    out_shape = result_shape(q, v)
     for name, t in (("out", out), ("dout", dout)):
         checks.check_tensor(name, t)
-        checks.check_value_head_dim(name, t, problem.head_dim_v)
-        checks.check_like(name, t, q.dtype, q.device, problem.out_shape)
+        checks.check_value_head_dim(name, t, out_shape[-1])
+        checks.check_like(name, t, q.dtype, q.device, out_shape)
     checks.check_tensor("softmax_lse", softmax_lse)
-    checks.check_dtype("softmax_lse", softmax_lse, problem.accum_dtype)
+    checks.check_dtype("softmax_lse", softmax_lse, accum_dtype_for(q.dtype))
     checks.check_device("softmax_lse", softmax_lse, q.device)
-    checks.check_shape("softmax_lse", softmax_lse, problem.lse_shape)
+    checks.check_shape("softmax_lse", softmax_lse, row_stats_shape(tuple(q.shape[:-2]), q.shape[-2]))
     checks.check_last_dim_contiguous("softmax_lse", softmax_lse)   # the kernels index rows with unit stride
+    results_dtype = checks.check_out_dtype_for(options.out_dtype, q.dtype)
     for name, t, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if t is not None:
-            checks.check_result(name, t, q, problem.results_dtype, like.shape)
+            checks.check_result(name, t, q, results_dtype, like.shape)
     # Preallocated outputs: no stride 0, no memory shared with an input or another output (the kernels
     # read inputs while they write outputs, so an alias would corrupt the result).
     checks.check_outputs_disjoint(
         (("dq", dq), ("dk", dk), ("dv", dv)),
         (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse), *options.tensors(),
          ("rng_state", rng_state)))
-    if problem.dropout_p > 0:
+    if options.dropout_p > 0:
         if rng_state is None:
             raise checks.ArgumentError("rng_state: required when dropout_p > 0 "
                                        "(pass the rng_state the forward returned)")
