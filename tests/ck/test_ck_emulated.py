@@ -290,11 +290,11 @@ def test_finding3_no_keys_no_launch(varlen):
 
 def test_finding4_max_seqlen_k_too_small_is_caught_on_the_device(monkeypatch):
     # On a GPU the frontend does not read cu_seqlens (a sync); simulate that by skipping the CPU check.
-    original = checks.check_cu_seqlens
+    original = checks.check_cu_seqlens_values
 
-    def gpu_like(name, cu, batch, total, max_seqlen, device):
-        original(name, cu, batch, total, 10 ** 9, device)      # shapes etc., not the lengths
-    monkeypatch.setattr(checks, "check_cu_seqlens", gpu_like)
+    def gpu_like(name, cu, total, max_seqlen):
+        original(name, cu, total, 10 ** 9)      # the offsets, not the lengths against max_seqlen
+    monkeypatch.setattr(checks, "check_cu_seqlens_values", gpu_like)
     cfg = Config(**{**BASE, "deterministic": True, "seqlens": [(20, 300), (10, 20)]})
     q, k, v, dout, _ = make_inputs(cfg)
     cu_q = torch.tensor([0, 20, 30], dtype=torch.int32)
