@@ -8,7 +8,8 @@ kernels and the one-launch ones, head dims 32..256 with odd ones, MHA and GQA, e
 sinks, dense and varlen with empty sequences, s_q != s_k, deterministic, a workspace cap, d_v != d) through the public
 API (flash_attn_func, the varlen and packed forms, and flash_attn_fwd / flash_attn_bwd into given gradients, fp32
 results among them) with the Triton backend on CPU tensors that pretend to be on an sm_90 GPU (`pretend_sm90`), each
-call twice, so that the second runs through the launch memo and the replay. Nothing runs: Triton's compile step
+call twice, so that the second runs through the launch memo and the replay (each launch says which path issued it:
+Triton's own run, the backend's direct launcher, or a replay). Nothing runs: Triton's compile step
 (`JITFunction._do_compile`, below both trees' own launch code) returns a stand-in whose launcher records the launch
 (`record_launches`), so Triton's own argument binding and specialisation run, and every later launch, through
 Triton's `run`, launch.py's direct path or a replay, reaches the same recorder. Each launch becomes a record without
@@ -28,6 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import importlib
 import json
 import os
 import re
@@ -294,6 +296,7 @@ def _plain(value: Any) -> Any:
 
 _CURRENT: list[_Recorder] = []
 _IN_TRITON_RUN: list[bool] = []     # within Triton's own `JITFunction.run`
+_IN_REPLAY: list[bool] = []         # within the backend's `Replay.run`
 
 
 class _StandIn:
@@ -308,13 +311,15 @@ class _StandIn:
 
     def run(self, grid_x, grid_y, grid_z, stream, function, metadata, launch_metadata, enter, exit, *args):
         _CURRENT[-1].launch(self.kernel, self.options, self.signature, (grid_x, grid_y, grid_z), args,
-                            "triton" if _IN_TRITON_RUN else "launcher")
+                            "triton" if _IN_TRITON_RUN else "replay" if _IN_REPLAY else "launcher")
 
 
 @contextlib.contextmanager
 def record_launches():
-    """Within the block Triton compiles nothing: a kernel's first launch of each specialisation gets a `_StandIn`."""
+    """Within the block Triton compiles nothing: a kernel's first launch of each specialisation gets a `_StandIn`; a
+    launch re-issued by the backend's replay (its module where this tree keeps it) is told from a direct one."""
     from triton.runtime.jit import JITFunction
+    replay = _replay_module()
 
     def stand_in(self, key, signature, device, constexprs, options, attrs, warmup):
         kernel = _StandIn(self, options, signature)
@@ -326,12 +331,33 @@ def record_launches():
             return real_run(self, *args, **kwargs)
         finally:
             _IN_TRITON_RUN.pop()
+    def replayed(self, *args, **kwargs):
+        _IN_REPLAY.append(True)
+        try:
+            return real_replay(self, *args, **kwargs)
+        finally:
+            _IN_REPLAY.pop()
     real, real_run = JITFunction._do_compile, JITFunction.run
+    real_replay = replay.Replay.run if replay else None
     JITFunction._do_compile, JITFunction.run = stand_in, run
+    if replay:
+        replay.Replay.run = replayed
     try:
         yield
     finally:
         JITFunction._do_compile, JITFunction.run = real, real_run
+        if replay:
+            replay.Replay.run = real_replay
+
+
+def _replay_module():
+    """The Triton backend's replay module, where a tree keeps it (None: a tree without one)."""
+    for name in ("flash_attn_ck.backends.triton.runtime.replay", "flash_attn_ck.backends.triton.replay"):
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    return None
 
 
 # ---- the calls ----------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ tensors in the same roles, and nothing is recorded where a replay could differ f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 import weakref
@@ -194,6 +195,37 @@ def test_an_argument_of_an_unknown_kind_is_not_replayed():
     x = torch.zeros(4)
     assert replay._Args.of((x, 3, (1.5, None, "s")), {id(x): 0}).tensors == ((0, 0),)
     for unknown in ([x], object(), torch.float32):
+        with pytest.raises(replay._NotReplayable):
+            replay._Args.of((x, unknown), {id(x): 0})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flags:
+    ON: bool = True
+    SIZES: tuple = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Aggregate:
+    """A constexpr aggregate as the Gluon kernels take them (config.WsTile, launch.GluonCall): fields nested."""
+    BLOCK: int = 64
+    FLAGS: _Flags = _Flags()
+    EXTRA: object = None
+
+
+@dataclasses.dataclass
+class _Mutable:
+    BLOCK: int = 64
+
+
+def test_a_frozen_aggregate_of_scalars_is_a_constant_and_one_holding_anything_else_is_not_replayed():
+    """The Gluon kernels take their tile and call as frozen dataclasses: a replay keeps them as recorded, so their
+    launches replay; an aggregate that holds a tensor or a list somewhere, or one that can change, is not replayed."""
+    x = torch.zeros(4)
+    kept = _Aggregate()
+    args = replay._Args.of((x, kept, 3), {id(x): 0})
+    assert args.template[1] is kept and args.tensors == ((0, 0),)
+    for unknown in (_Aggregate(EXTRA=x), _Aggregate(FLAGS=_Flags(SIZES=(64, x))), _Aggregate(EXTRA=[1]), _Mutable()):
         with pytest.raises(replay._NotReplayable):
             replay._Args.of((x, unknown), {id(x): 0})
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
 import torch
@@ -136,6 +136,18 @@ class _NotReplayable(Exception):
 _CONSTANT_TYPES = (bool, int, float, str, type(None))
 
 
+def _constant(value: Any) -> bool:
+    """Whether a replay may keep `value` as recorded: a scalar, or a frozen dataclass (the Gluon kernels' constexpr
+    tile and call aggregates) whose fields are scalars, tuples of them or such dataclasses in turn."""
+    if isinstance(value, _CONSTANT_TYPES):
+        return True
+    if isinstance(value, tuple):
+        return all(map(_constant, value))
+    if is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen:
+        return all(_constant(getattr(value, field.name)) for field in fields(value))
+    return False
+
+
 @dataclass(frozen=True)
 class _Launch:
     """One recorded launch: the compiled kernel, its grid, its arguments with the call's tensors taken out (`args`,
@@ -238,7 +250,7 @@ class _Args:
             elif hasattr(value, "base") and hasattr(value, "block_shape"):      # a host TMA descriptor
                 descriptors.append((position, _role(value.base, roles)))
                 template[position] = _with_base(value, None)
-            elif not isinstance(value, _CONSTANT_TYPES):
+            elif not _constant(value):
                 raise _NotReplayable    # what it holds cannot be told apart from a constant: never replayed
         make = _maker(type(args)) if hasattr(args, "_fields") else None
         return _Args(tuple(template), make, tuple(tensors), tuple(nested), tuple(descriptors))
