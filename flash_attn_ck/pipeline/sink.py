@@ -30,7 +30,7 @@ def fold_sink(sink: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     over_keys = lse.masked_fill(lse == inf, -inf)
     total = torch.logaddexp(over_keys, _per_head(sink, lse))
     scale = torch.exp(over_keys - total).nan_to_num(0.0)       # -inf - -inf: a row with nothing at all
-    out.copy_(out.to(lse.dtype) * _row_scale(scale))
+    out.mul_(_row_scale(scale))     # one pass over out: the product in fp32 (scale's dtype), rounded once
     lse.copy_(total.masked_fill(total == -inf, inf))
 
 
