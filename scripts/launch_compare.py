@@ -226,7 +226,7 @@ class _Recorder:
         for param, arg in zip(kernel.params, args):
             value = self.value(arg, signature.get(param.name))
             for path, leaf in _leaves(param.name, value):
-                if param.is_constexpr:
+                if param.is_constexpr or arg is None:       # Triton specialises a None argument as a constant
                     name = path.rsplit(".", 1)[-1].upper()
                     constexprs[name if constexprs.get(name, leaf) == leaf else path] = leaf
                 else:
@@ -610,6 +610,7 @@ INTENDED = (
      ("attn_bwd_ws_kernel", "attn_bwd_ws_split_kernel"), lambda launch: {"NAMED_BARRIERS": False}),
     ("FwdWsTile.split_mask off (each key tile tests at run time whether it needs the mask)", ("attn_fwd_ws_kernel",),
      lambda launch: {"SPLIT_MASK": False}),
+    ("no learnable sink in the one-launch forward (Sink None)", ("attn_fwd_kernel",), lambda launch: {"SINK": None}),
 )
 
 

@@ -184,11 +184,30 @@ def gluon_variants(head_dims, names: str = ""):
 
 
 def older_variants(head_blocks, names: str = ""):
-    """(name, launch spec) of the older kernels (`variants`) at `head_blocks`."""
+    """(name, launch spec) of the older kernels (`variants`) at `head_blocks`, then the forward's with a learnable
+    sink (`sink_variants`)."""
     for d, tag, varlen, role, spec in variants(head_blocks):
         name = f"{spec.kernel.fn.__name__} d{d} {tag} varlen={varlen}" + role.removeprefix("fwd").removeprefix("bwd")
         if names in name:
             yield name, spec
+    yield from sink_variants(head_blocks, names)
+
+
+def sink_variants(head_blocks, names: str = ""):
+    """(name, launch spec) of the one-launch forward taking a learnable sink (its `Sink` argument) at `head_blocks`:
+    causal and with every score feature, dense and varlen, with the sm_90 tiles of the causal table row."""
+    for block_d in head_blocks:
+        cfg = config.SM90[(block_d, True)]
+        for tag in ("causal", "all"):
+            for varlen in (False, True):
+                t = _Tensors(block_d, varlen)
+                fwd_tma = cfg.fwd_tma and not varlen
+                spec = launch.forward(t.q, t.k, t.v, t.q, t.lse, t.seq, t.sizes, t.scores, FEATURE_SETS[tag]._replace(
+                    VARLEN=varlen, USE_TMA=fwd_tma, TMA_LOADS=fwd_tma, EVEN_K=not varlen), cfg.forward, block_d,
+                    (1, 1), t.sink)
+                name = f"attn_fwd_kernel d{block_d} {tag} varlen={varlen} sink"
+                if names in name:
+                    yield name, spec
 
 
 def small_variants(names: str = ""):
@@ -285,6 +304,7 @@ class _Tensors:
         self.sems = make(4, batch, heads, dtype=torch.int32)
         cu = make(batch + 1, dtype=torch.int32)
         self.seq = launch.SequenceArgs(cu, cu, make(heads, dtype=torch.float32), make(2, dtype=torch.int64))
+        self.sink = make(heads, dtype=torch.float32)
         self.batch = batch
         self.sizes = launch.Sizes(heads, group, seqlen, seqlen, d)
         self.scores = launch.ScoreArgs(0.1, 0.0, 0.0, 0, 0)

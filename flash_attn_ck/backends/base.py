@@ -114,6 +114,12 @@ class Backend(Capabilities, abc.ABC):
         """Write `out` (layout of q) and fp32 `lse` ((b, h, s_q) or varlen (h, total_q)). The pipeline
         calls it only when the call has query rows and key rows (empty calls need no kernel)."""
 
+    def forward_takes_sink(self, problem: AttentionProblem) -> bool:
+        """Whether the forward that ran `problem` took `params.learnable_sink` into its softmax, so that its out and lse
+        are already the sink's; False (the default): the pipeline folds the sink around the kernel (pipeline/sink.py),
+        one more pass over out. Asked after `forward` returns: it names what ran."""
+        return False
+
     def fp32_outputs_slower(self, problem: AttentionProblem) -> str | None:
         """Why fp32 results (`out_dtype`) of this fp16/bf16 call would run slower kernels than its input-dtype
         results, or None where the same kernels write both (a caller that may choose, context parallelism, then

@@ -113,6 +113,7 @@ def describe_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: At
         head_dim=head_dim, head_dim_v=v.shape[-1], dtype=q.dtype, device=q.device, mask=mask,
         softmax_scale=o.scale_for(head_dim),
         varlen=varlen, total_q=total_q, total_k=total_k, has_alibi=o.alibi_slopes is not None,
+        has_sink=o.learnable_sink is not None,
         dropout_p=float(o.dropout_p), softcap=float(o.softcap), deterministic=bool(o.deterministic),
         out_dtype=out_dtype)
     check_values(problem, options)
@@ -195,4 +196,7 @@ def kernel_params(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v
     p = problem
     if p.padded:
         q, k, v = pad_to(q, p.head_dim_padded), pad_to(k, p.head_dim_padded), pad_to(v, p.head_dim_v_padded)
-    return AttentionParams(q, k, v, *sequence_tensors(options), rng_state)
+    sink = options.learnable_sink
+    if sink is not None:
+        sink = sink.detach().to(torch.float32).contiguous()
+    return AttentionParams(q, k, v, *sequence_tensors(options), rng_state, sink)

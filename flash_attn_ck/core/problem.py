@@ -66,6 +66,7 @@ class AttentionProblem:
     total_q: int = 0            # varlen only: rows of the packed q / k
     total_k: int = 0
     has_alibi: bool = False
+    has_sink: bool = False      # a learnable sink (AttentionOptions.learnable_sink)
     dropout_p: float = 0.0
     softcap: float = 0.0
     deterministic: bool = False
@@ -200,6 +201,9 @@ class AttentionParams:
     cu_seqlens_k: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None   # fp32 (h,) or (b, h)
     rng_state: torch.Tensor | None = None      # int64 [seed, offset], dropout only
+    # fp32 (h,) logits of a learnable sink, forward only: a backend whose forward takes it (Backend.forward_takes_sink)
+    # reads it, the others leave it to the pipeline's fold (pipeline/sink.py)
+    learnable_sink: torch.Tensor | None = None
 
     def offsets(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`(cu_seqlens_q, cu_seqlens_k)` of a varlen call (a dense call has none: asking is a bug)."""

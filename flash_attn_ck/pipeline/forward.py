@@ -85,13 +85,16 @@ def _rng_states(problem: AttentionProblem, rng_state: torch.Tensor | None,
 
 def _compute(chosen: Backend, problem: AttentionProblem, params: AttentionParams, options: AttentionOptions,
              target: torch.Tensor, lse: torch.Tensor) -> None:
-    """The forward into `target` and `lse`: the kernel, then the sink, then the rows in no sequence."""
+    """The forward into `target` and `lse`: the kernel, then the sink where the kernel did not take it, then the rows
+    in no sequence."""
+    folded = False
     if problem.has_queries and problem.has_keys:
         chosen.forward(problem, params, target, lse)
+        folded = problem.has_sink and chosen.forward_takes_sink(problem)
     else:       # an empty grid is an invalid launch: no kernel; every row sees no key
         target.zero_()
         lse.fill_(float("inf"))
-    if options.learnable_sink is not None:      # before the rows in no sequence are filled: they keep +inf
+    if options.learnable_sink is not None and not folded:   # before the rows in no sequence: they keep +inf
         fold_sink(options.learnable_sink, target, lse)
     if problem.varlen:      # rows after cu_seqlens_q[-1] belong to no sequence: out 0, lse +inf (every backend)
         cu_seqlens_q, _ = params.offsets()      # (the kernels' offsets end where the call's do)

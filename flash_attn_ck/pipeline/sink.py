@@ -25,11 +25,12 @@ def _row_scale(scale: torch.Tensor) -> torch.Tensor:
 
 def fold_sink(sink: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Turn the kernels' out and lse over the keys into the sink's, in place. A row without keys (lse +inf, the
-    kernels' convention) gets L = sink and keeps out 0; a row whose L is -inf (no key, sink -inf) keeps +inf."""
+    kernels' convention) gets L = sink and keeps out 0; a row whose L is -inf (no key, sink -inf) keeps +inf; a NaN
+    sink gives its head NaN, as the softmax it stands for would."""
     inf = float("inf")
     over_keys = lse.masked_fill(lse == inf, -inf)
     total = torch.logaddexp(over_keys, _per_head(sink, lse))
-    scale = torch.exp(over_keys - total).nan_to_num(0.0)       # -inf - -inf: a row with nothing at all
+    scale = torch.exp(over_keys - total).masked_fill(total == -inf, 0.0)    # -inf - -inf: a row with nothing at all
     out.mul_(_row_scale(scale))     # one pass over out: the product in fp32 (scale's dtype), rounded once
     lse.copy_(total.masked_fill(total == -inf, inf))
 

@@ -314,3 +314,53 @@ def test_interpreted_triton_kernels_with_a_sink(name):
     pytest.importorskip("triton")
     from test_triton_interpret import _INTERPRETER_PATCH, _interpret
     _interpret(_INTERPRETER_PATCH + _TRITON_RUNNER, json.dumps(TRITON_CASES[name]))
+
+
+_SPECIAL_SINKS_RUNNER = r"""
+import json, sys
+import torch
+import flash_attn_ck as fa
+from flash_attn_ck.backends.triton import TritonBackend
+
+TritonBackend.device_types = frozenset({"cuda", "cpu"})   # the interpreter runs on CPU tensors
+cfg = json.loads(sys.argv[1])
+gen = torch.Generator().manual_seed(0)
+lengths = [[5, 9], [0, 7], [17, 3], [4, 0]]        # a sequence without queries, one without keys
+cu_q, cu_k = (torch.tensor([0, *torch.tensor([pair[i] for pair in lengths]).cumsum(0).tolist()], dtype=torch.int32)
+              for i in (0, 1))
+d, d_v = cfg["d"], cfg["d_v"]
+q = torch.randn(int(cu_q[-1]), 4, d, generator=gen).half()
+k = torch.randn(int(cu_k[-1]), 2, d, generator=gen).half()
+v = torch.randn(int(cu_k[-1]), 2, d_v, generator=gen).half()
+sink = torch.tensor(cfg["sink"], dtype=torch.float32)
+results = {}
+for name in ("triton", "reference"):
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=17, max_seqlen_k=9,
+                                    causal=cfg["causal"], learnable_sink=sink, out_dtype=cfg.get("out_dtype") and
+                                    torch.float32, backend=name)
+    results[name] = (out.float(), lse)
+(out, lse), (ref_out, ref_lse) = results["triton"], results["reference"]
+assert torch.equal(lse.isnan(), ref_lse.isnan()) and torch.equal(lse.isinf(), ref_lse.isinf()), (lse, ref_lse)
+assert torch.equal(lse[lse.isinf()], ref_lse[ref_lse.isinf()]), "lse: the same infinities"
+finite = lse.isfinite()
+torch.testing.assert_close(lse[finite], ref_lse[finite], atol=1e-4, rtol=1e-5)
+assert torch.equal(out.isnan(), ref_out.isnan()), "out: NaN where the fold gives NaN"
+torch.testing.assert_close(out.nan_to_num(), ref_out.nan_to_num(), atol=2e-3, rtol=2e-3)
+print("PASS")
+"""
+
+# Sinks far above and below the scores, +-inf, a NaN; with v's own head dim and fp32 results; the reference
+# backend's fold is the yardstick (NaN, infinities and empty rows alike).
+SPECIAL_SINKS = {
+    "infinities": dict(sink=[float("-inf"), float("inf"), 60.0, -60.0], d=16, d_v=16, causal=True),
+    "nan_d_v_fp32": dict(sink=[float("nan"), 0.5, float("-inf"), 30.0], d=24, d_v=40, causal=False, out_dtype=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECIAL_SINKS))
+def test_interpreted_triton_forward_takes_special_sinks_as_the_fold_does(name):
+    """The one-launch forward takes the sink into its softmax (TritonBackend.forward_takes_sink): rows without keys,
+    sinks of +-inf, far above or below every score and NaN give the out and lse the fold around a kernel gives."""
+    pytest.importorskip("triton")
+    from test_triton_interpret import _INTERPRETER_PATCH, _interpret
+    _interpret(_INTERPRETER_PATCH + _SPECIAL_SINKS_RUNNER, json.dumps(SPECIAL_SINKS[name]))

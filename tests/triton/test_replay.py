@@ -539,7 +539,7 @@ def test_the_entry_points_read_the_device_and_stream_once_and_key_on_the_device(
     def call(out=None, seed=0):
         q, out_, lse = _tensors(3, seed=seed)
         params = types.SimpleNamespace(q=q, k=None, v=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                                       alibi_slopes=None, rng_state=None)
+                                       alibi_slopes=None, rng_state=None, learnable_sink=None)
         out = out_ if out is None else out
         state["reads"] = 0
         backend.forward(problem, params, out, lse)

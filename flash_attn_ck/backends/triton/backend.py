@@ -94,7 +94,7 @@ def _replayed(method):
         has_workspace = isinstance(rest[-1], dict)
         workspace, positional = (rest[-1], rest[:-1]) if has_workspace else ({}, rest)
         tensors = (params.q, params.k, params.v, params.cu_seqlens_q, params.cu_seqlens_k, params.alibi_slopes,
-                   params.rng_state, *positional, *workspace.values())
+                   params.rng_state, params.learnable_sink, *positional, *workspace.values())
         replays = p.memo.get((self, name, "replays"))
         if replays is None:
             replays = p.remember((self, name, "replays"), {})
@@ -210,6 +210,9 @@ class TritonBackend(Backend):
 
     def forward_kernel(self, problem: AttentionProblem) -> str:
         return self.kernel_choice(problem, "forward")
+
+    def forward_takes_sink(self, problem: AttentionProblem) -> bool:
+        return self.operator(problem, "forward").takes_sink
 
     def fp32_outputs_slower(self, problem: AttentionProblem) -> str | None:
         """The operators that write input-dtype results only (the Gluon ones): a call they run takes a later operator

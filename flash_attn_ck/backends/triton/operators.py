@@ -92,6 +92,9 @@ class Operator(Capabilities):
     architecture_refusal: ClassVar[str] = ""
     # Whether it runs only under the Triton releases the backend's tests cover (triton_versions.gluon_refusal).
     tested_releases_only: ClassVar[bool] = False
+    # A forward's: whether its kernel takes the learnable sink into its softmax (Backend.forward_takes_sink); else the
+    # pipeline folds the sink around it.
+    takes_sink: ClassVar[bool] = False
     # The TritonBackend setting that forces it (True) or turns it off (False); None: neither.
     option: ClassVar[str | None] = None
     # Its tile table, keyed by head block (config.head_block); None: a tile for every head dim.
@@ -275,6 +278,7 @@ class FwdWs(GluonOperator, ForwardOperator):
 class Forward(ForwardOperator):
     """The one-launch Triton forward (one_launch/forward.py): one program per query tile."""
     name = "forward"
+    takes_sink = True
 
     @classmethod
     def describe(cls, backend, p: AttentionProblem) -> str:
@@ -289,7 +293,7 @@ class Forward(ForwardOperator):
         sizes = backend.sizes(p, params.q.shape[-1])
         launch.forward(params.q, params.k, params.v, out, lse, backend.sequence_args(p, params, lse), sizes, scores,
                        features, tile, config.head_block(sizes.head_dim),
-                       (cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q)).launch()
+                       (cdiv(p.seqlen_q, tile.block_m), p.batch * p.heads_q), params.learnable_sink).launch()
 
 
 # ---- backward --------------------------------------------------------------------------------------------------

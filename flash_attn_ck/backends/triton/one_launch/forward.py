@@ -27,7 +27,20 @@ from .scores import (
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args,
+def take_sink(m_i, l_i, sink):
+    """The running max and sum of a row's softmax over its keys (log2 units) with the sink's logit `sink` (log2 units)
+    taken in as one more term, and the factor that moves the keys' terms to the new max. A row without keys gets
+    l = 1 and max = sink (out 0, lse = sink); with a sink of -inf it stays empty; a sink of +inf takes the whole row
+    (out 0, lse +inf)."""
+    m_new = tl.maximum(m_i, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)      # no key and a sink of -inf: nothing at all
+    alpha = tl.exp2(m_i - m_safe)
+    sink_term = tl.where(sink == float("inf"), 1.0, tl.exp2(sink - m_safe))
+    return m_new, l_i * alpha + sink_term, alpha
+
+
+@triton.jit
+def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args, Sink,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, features: tl.constexpr):
     BLOCK_DV: tl.constexpr = features.BLOCK_DV       # v's and out's head block (BLOCK_D with one head dim)
     # ---- program -> (query tile, sequence, head); the longest causal tiles go first ----
@@ -65,9 +78,14 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args,
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    # ---- normalise; empty rows give out = 0, lse = +inf ----
+    # ---- the sink: one more logit of the row's softmax, with no value ----
+    alpha = 1.0
+    if Sink is not None:
+        m_i, l_i, alpha = take_sink(m_i, l_i, tl.load(Sink + h) * LOG2E)
+
+    # ---- normalise; empty rows (no key, and no sink or a sink of -inf) give out = 0, lse = +inf ----
     empty = l_i == 0.0
-    inv_l = tl.where(empty, 0.0, 1.0 / l_i)
+    inv_l = tl.where(empty, 0.0, alpha / l_i)
     if features.HAS_DROPOUT:
         inv_l = inv_l / (1.0 - score_args.dropout_p)
     out = acc * inv_l[:, None]

@@ -461,14 +461,16 @@ def _with_value_block(features: Features, block_d: int) -> Features:
 
 
 def forward(q, k, v, out, lse, seq: SequenceArgs, sizes: Sizes, scores: ScoreArgs, features: Features,
-            tile: Tile, block_d: int, grid: tuple[int, int]) -> LaunchSpec:
+            tile: Tile, block_d: int, grid: tuple[int, int], sink: torch.Tensor | None = None) -> LaunchSpec:
+    """The one-launch forward; `sink`: fp32 (h,) logits taken into each row's softmax, or None (a constexpr None: the
+    kernel compiles without it)."""
     from ..one_launch.forward import attn_fwd_kernel
     features = _with_value_block(features, block_d)
     varlen = features.VARLEN
     strides = ForwardStrides(*rows3(q, varlen), *rows3(k, varlen), *rows3(v, varlen), *rows3(out, varlen),  # type: ignore[call-arg]
                              *lse_strides(lse, varlen), slope_batch_stride(seq.slopes, features.HAS_ALIBI))
     return LaunchSpec(attn_fwd_kernel, grid, dict(
-        Q=q, K=k, V=v, Out=out, Lse=lse, seq=seq, strides=strides, sizes=sizes, score_args=scores,
+        Q=q, K=k, V=v, Out=out, Lse=lse, seq=seq, strides=strides, sizes=sizes, score_args=scores, Sink=sink,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_D=block_d, features=features),
         tile.num_warps, tile.num_stages)
 
