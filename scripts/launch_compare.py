@@ -610,7 +610,8 @@ INTENDED = (
      ("attn_bwd_ws_kernel", "attn_bwd_ws_split_kernel"), lambda launch: {"NAMED_BARRIERS": False}),
     ("FwdWsTile.split_mask off (each key tile tests at run time whether it needs the mask)", ("attn_fwd_ws_kernel",),
      lambda launch: {"SPLIT_MASK": False}),
-    ("no learnable sink in the one-launch forward (Sink None)", ("attn_fwd_kernel",), lambda launch: {"SINK": None}),
+    ("no learnable sink in the forward kernel (Sink None)", ("attn_fwd_kernel", "attn_fwd_ws_kernel"),
+     lambda launch: {"SINK": None}),
 )
 
 

@@ -77,14 +77,16 @@ def _schedule(schedule: bool, block: int):
     return varlen_schedule.build_schedule(cu, cu, walk, varlen_schedule.schedule_bound(512, 1, block))
 
 
-def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), schedule: bool = False):
+def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), schedule: bool = False,
+             sink: bool = False):
     """fwd_ws.launch_spec of `tile` for a call of `head_dim` (bf16, 512 rows, 4 heads) with `masks` (TOP_LEFT,
-    HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule."""
+    HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule; `sink`: with a learnable sink."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
     _, t, call = _call(head_dim, varlen, masks)
     q = t["q"]
     return fwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), t["lse"], t["cu_seqlens"], t["cu_seqlens"],
-                              tile=tile, schedule=_schedule(schedule, tile.block_m), **call)[0]
+                              tile=tile, schedule=_schedule(schedule, tile.block_m),
+                              sink=torch.zeros(q.shape[-2]) if sink else None, **call)[0]
 
 
 def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False,

@@ -215,6 +215,9 @@ FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, 
 # these longest-sequence lengths per head block (256: the shortest measured); the operator fwd_ws declares them.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
+# Whether fwd_ws takes a learnable sink into its epilogue (operators.FwdWs.takes_sink) instead of the pipeline's fold
+# pass over out: on once tests/gpu/test_sinks_gpu.py's in-kernel cases pass on a GPU (docs/triton.md §Learnable sinks).
+FWD_WS_TAKES_SINK = False
 
 
 def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile | None:

@@ -26,6 +26,8 @@ warpgroups of 64 query rows each and a loader warp share the CTA:
                          Epilogue: O / l in the input dtype (a TMA store through the warpgroup's own Q
                          buffer when its rows lie in the sequence, else a row-masked pointer store) and
                          lse = m * scale + ln(l) in fp32; a row that sees no key gets O = 0, lse = +inf.
+                         With a learnable sink (`Sink`) its logit is first taken in as one more term
+                         of m and l (softmax_sink.take_sink).
 
 Every consumer walks every key tile the CTA sees (the loader loads each once); a tile that no row of a
 warpgroup sees gives P = 0 there. Each key tile tests at run time whether it needs the mask; with SPLIT_MASK
@@ -61,6 +63,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
 from ..runtime.triton_versions import tma_load, tma_store
+from ..softmax_sink import take_sink
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot, uniform_descriptor
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
@@ -304,8 +307,8 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 @gluon.jit
 def _consumer(consts, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr):
     """Query rows [m0 + ROWS * WARPGROUP, + ROWS) of the CTA's tile. `outputs`: (o_desc, Out, Lse, (out row, lse
-    batch, lse head) strides); `sizes`: the kernel's."""
-    o_desc, Out, Lse, strides = outputs
+    batch, lse head) strides, Sink: a learnable sink's fp32 (heads,) logits or None); `sizes`: the kernel's."""
+    o_desc, Out, Lse, strides, Sink = outputs
     stride_out_row, stride_lse_b, stride_lse_h = strides
     head_dim, scale = sizes.head_dim, sizes.scale
     m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(consts, seqs, mask)
@@ -356,11 +359,18 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr)
             state = _steps(consts, bufs, mask, q_tile, s_zero, keys, 0, n_tiles, state, WARPGROUP, None)
         m_i, l_i, acc, rounds = state
 
-    # ---- epilogue: O / l and lse; rows that see no key get O = 0, lse = +inf ----
-    empty = l_i == 0.0
-    inv_l = gl.where(empty, 0.0, 1.0 / l_i)
-    out = _rescale(acc, inv_l, consts.o_layout).to(dtype)
-    lse = gl.where(empty, float("inf"), m_i * scale + gl.log2(gl.where(empty, 1.0, l_i)) / LOG2E)
+    # ---- epilogue: O / l and lse; rows that see no key (and no sink, or a sink of -inf) get O = 0, lse = +inf ----
+    if Sink is not None:    # the sink as one more term of the row's softmax (log2 units)
+        sink = gl.load(Sink + head + offs_m * 0) * LOG2E
+        m_log2, l_i, alpha = take_sink(m_i * scale_log2, l_i, sink)
+        empty = l_i == 0.0
+        out = _rescale(acc, gl.where(empty, 0.0, alpha / l_i), consts.o_layout).to(dtype)
+        lse = gl.where(empty, float("inf"), (m_log2 + gl.log2(gl.where(empty, 1.0, l_i))) / LOG2E)
+    else:
+        empty = l_i == 0.0
+        inv_l = gl.where(empty, 0.0, 1.0 / l_i)
+        out = _rescale(acc, inv_l, consts.o_layout).to(dtype)
+        lse = gl.where(empty, float("inf"), m_i * scale + gl.log2(gl.where(empty, 1.0, l_i)) / LOG2E)
     lse_rows = Lse + b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + offs_m
     if seqs.VARLEN:
         lse_rows += q_row0
@@ -382,13 +392,14 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, WARPGROUP: gl.constexpr)
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
-def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, schedule, strides, sizes, window,
+def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, schedule, strides, sizes, window, Sink,
                        TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR, or with a
     `schedule` (varlen: int32 (rows, 2) [sequence, query tile], else a constexpr None) (query heads, rows); num_warps =
     CONSUMER_WARPS (consumer 0). `cu_seqlens`: (q, k); `strides`: (out row, lse batch, lse head); `sizes`:
-    launch.GluonSizes; `window`: (left, right); TILE: config.FwdWsTile; CALL: launch.GluonCall. See the module
-    docstring."""
+    launch.GluonSizes; `window`: (left, right); `Sink`: a learnable sink's fp32 (query heads,) logits, taken into each
+    row's softmax, or None (a constant: the kernel compiles without it); TILE: config.FwdWsTile; CALL:
+    launch.GluonCall. See the module docstring."""
     consts = PartitionConstants(TILE, CALL.HEAD_D)
     seqlen_q, seqlen_k, group = sizes.seqlen_q, sizes.seqlen_k, sizes.group
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
@@ -422,7 +433,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
     bufs = Buffers(q_smem, q_ready, Ring(k_smem, k_ready, k_empty, NUM_STAGES),  # type: ignore[call-arg]
                    Ring(v_smem, v_ready, v_empty, NUM_STAGES), turn)  # type: ignore[call-arg]
     mask = Mask(window, CALL.MASK)
-    outputs = (o_desc, Out, Lse, strides)
+    outputs = (o_desc, Out, Lse, strides, Sink)
     gl.warp_specialize(
         [(_consumer, (consts, bufs, seqs, mask, outputs, sizes, wg)) for wg in (0, 1, 2)[:CONSUMERS]]
         + [(_loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc), group))],
@@ -431,11 +442,13 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
 
 # ---- host side -------------------------------------------------------------------------------
 def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int, seqlen_q: int,
-                seqlen_k: int, scale: float, mask: GluonMask, tile, schedule=None) -> tuple[LaunchSpec, object]:
+                seqlen_k: int, scale: float, mask: GluonMask, tile, schedule=None,
+                sink=None) -> tuple[LaunchSpec, object]:
     """The launch of attn_fwd_ws_kernel for out (layout of q) and lse ((b, h, s_q) or varlen (h, total_q)), and the
     tensor it writes: out itself, or a copy of it that a descriptor can view (launch copies it back). `schedule`
     (varlen only): the call's (sequence, query tile) items (varlen_schedule.build_schedule of a walk that owns query
-    tiles of tile.block_m rows), run on a grid (query heads, items); None: the grid over every (batch, query tile)."""
+    tiles of tile.block_m rows), run on a grid (query heads, items); None: the grid over every (batch, query tile).
+    `sink`: fp32 (query heads,) logits of a learnable sink the kernel takes into its softmax, or None."""
     d = q.shape[-1]
     group = q.shape[-2] // k.shape[-2]
     rows_per_consumer = tile.block_m // tile.consumers
@@ -454,7 +467,7 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
         q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=out_desc, Out=target, Lse=lse,
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
-        sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
+        sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window, Sink=sink,
         TILE=tile, CALL=GluonCall(out_desc.block_shape[-1], varlen, mask.flags)), CONSUMER_WARPS.value), target
 
 
