@@ -164,7 +164,8 @@ def gluon_variants(head_dims, names: str = ""):
     """(name, launch spec) of the warp-specialised kernels at each of `head_dims` that their tables hold, built by their
     own launch_spec functions (through tests/gluon_compile.py) from CPU tensors of each variant's layout: dense and
     causal calls, a top-left window with varlen and the deterministic mode, and the varlen schedule with every mask
-    flag and, deterministic, with a causal mask (a deterministic call with a left window keeps the grid)."""
+    flag and, deterministic, with a causal mask (a deterministic call with a left window keeps the grid); the forward
+    with a softcap and a learnable sink (its options off by default: config.FWD_WS_SOFTCAP, FWD_WS_TAKES_SINK)."""
     from gluon_compile import bwd_spec, fwd_spec
     cases = [(d, causal, (False, False, causal), False, False, False)
              for d in head_dims for causal in (False, True)] + \
@@ -181,6 +182,10 @@ def gluon_variants(head_dims, names: str = ""):
             name = f"{spec.kernel.fn.__name__} d{d} causal={causal} varlen={varlen} det={deterministic}{scheduled}"
             if names in name:
                 yield name, spec
+    for d in head_dims:
+        name = f"fwd_ws d{d} causal=True varlen=True softcap sink"
+        if d in config.FWD_WS_SM90 and names in name:
+            yield name, fwd_spec(config.FWD_WS_SM90[d][True], d, True, (False, False, True), softcap=30.0, sink=True)
 
 
 def older_variants(head_blocks, names: str = ""):

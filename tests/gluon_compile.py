@@ -78,15 +78,16 @@ def _schedule(schedule: bool, block: int):
 
 
 def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), schedule: bool = False,
-             sink: bool = False):
+             sink: bool = False, softcap: float = 0.0):
     """fwd_ws.launch_spec of `tile` for a call of `head_dim` (bf16, 512 rows, 4 heads) with `masks` (TOP_LEFT,
-    HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule; `sink`: with a learnable sink."""
+    HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule; `sink`: with a learnable sink;
+    `softcap`: with that cap (0: none)."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
     _, t, call = _call(head_dim, varlen, masks)
     q = t["q"]
     return fwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), t["lse"], t["cu_seqlens"], t["cu_seqlens"],
                               tile=tile, schedule=_schedule(schedule, tile.block_m),
-                              sink=torch.zeros(q.shape[-2]) if sink else None, **call)[0]
+                              sink=torch.zeros(q.shape[-2]) if sink else None, softcap=softcap, **call)[0]
 
 
 def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False,

@@ -235,6 +235,30 @@ def test_three_consumer_forward_matches(tile, case):
         check_case(cfg, backend="triton", device="cuda", seed=3)
 
 
+# fwd_ws with the softcap in its softmax step (config.FWD_WS_SOFTCAP, off by default until these pass): caps small
+# and large (tanh's series branch), causal GQA, a window, varlen with empty sequences, with a learnable sink.
+FWD_WS_SOFTCAP_CASES = {
+    "causal_gqa": dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, softcap=8.0, causal=True),
+    "window_large_cap": dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, softcap=2e4, window=(100, 7)),
+    "varlen_sink": dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129)], heads_q=4, heads_k=1, softcap=30.0,
+                        causal=True, sink_dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("name", sorted(FWD_WS_SOFTCAP_CASES))
+def test_fwd_ws_softcap_matches(monkeypatch, name, head_dim):
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    monkeypatch.setattr(operators.FwdWs, "supports_softcap", True)
+    caps, real = [], fwd_ws.launch
+    monkeypatch.setattr(fwd_ws, "launch",
+                        lambda *args, **kwargs: (caps.append(kwargs["softcap"]), real(*args, **kwargs)))
+    cfg = Config(**FWD_WS_SOFTCAP_CASES[name], head_dim=head_dim, dtype=torch.bfloat16)
+    with use_backend(TritonBackend(fwd_ws=True)):
+        check_case(cfg, backend="triton", device="cuda")
+    assert caps and all(cap == cfg.softcap for cap in caps), "fwd_ws ran the forward with the cap"
+
+
 @pytest.mark.parametrize("name", ["mqa_causal", "window", "alibi_softcap_window", "dropout_causal_gqa"])
 def test_features_other_modes(name, backend_options):
     _check(feature_case(FEATURES[name], 80))

@@ -218,6 +218,9 @@ FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
 # Whether fwd_ws takes a learnable sink into its epilogue (operators.FwdWs.takes_sink) instead of the pipeline's fold
 # pass over out: on once tests/gpu/test_sinks_gpu.py's in-kernel cases pass on a GPU (docs/triton.md §Learnable sinks).
 FWD_WS_TAKES_SINK = False
+# Whether fwd_ws runs softcap calls (operators.FwdWs.supports_softcap): the scores' tanh in its softmax step; on once
+# tests/gpu/test_triton.py's fwd_ws softcap cases pass on a GPU and it measures faster than the one-launch forward.
+FWD_WS_SOFTCAP = False
 
 
 def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile | None:

@@ -256,6 +256,7 @@ class FwdWs(GluonOperator, ForwardOperator):
     shorter = "not measured faster there (TritonBackend(fwd_ws=True) runs it)"
     positive_scale = True
     takes_sink = config.FWD_WS_TAKES_SINK
+    supports_softcap = config.FWD_WS_SOFTCAP
 
     @classmethod
     @per_problem(owners=2)
@@ -274,7 +275,7 @@ class FwdWs(GluonOperator, ForwardOperator):
         fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
                       tile=cls.tile(backend, p), mask=cls.mask(backend, p), schedule=cls.schedule(backend, p, params),
-                      sink=params.learnable_sink if cls.takes_sink else None)
+                      softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None)
 
 
 class Forward(ForwardOperator):

@@ -19,10 +19,8 @@ Conventions (checked by the tests against core/mask.py and core/dropout.py):
 import triton
 import triton.language as tl
 
+from ..softmax_terms import LOG2E, accurate_tanh
 from .row_io import head_rows, load_rows, row_tiles
-
-LOG2E = tl.constexpr(1.4426950408889634)
-
 
 # ---- sequences and query-tile programs ----
 
@@ -152,16 +150,6 @@ def keep_positions(rows, cols, len_k, shift, score_args, features: tl.constexpr)
 
 
 # ---- score modifiers (softcap, ALiBi) and one key tile's scores ----
-
-@triton.jit
-def accurate_tanh(x):
-    """tanh in fp32 to a few ulp relative everywhere. 1 - 2 / (e^2x + 1) cancels as x -> 0 (x = 1e-8 gives 0), and a
-    large softcap multiplies that error back: below |x| = 1/4 the Taylor series to x^7 (truncation < 4e-7
-    relative) takes over."""
-    x2 = x * x
-    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    return tl.where(tl.abs(x) < 0.25, series, 1.0 - 2.0 / (tl.exp2((2.0 * LOG2E) * x) + 1.0))
-
 
 @triton.jit
 def scores_log2(qk, rows, cols, bias_shift, score_args, slope, features: tl.constexpr):

@@ -143,7 +143,8 @@ def _constant(value: Any) -> bool:
         return True
     if isinstance(value, tuple):
         return all(map(_constant, value))
-    if is_dataclass(value) and not isinstance(value, type) and value.__dataclass_params__.frozen:
+    params = getattr(type(value), "__dataclass_params__", None)     # a dataclass's; an instance's class, not a class's
+    if is_dataclass(value) and params is not None and params.frozen:
         return all(_constant(getattr(value, field.name)) for field in fields(value))
     return False
 

@@ -1,9 +1,10 @@
-"""CPU tests of the learnable sink taken into the Triton forwards' softmax (softmax_sink.take_sink; docs/semantics.md
-§Learnable sinks): which operator takes it (Backend.forward_takes_sink, the operators' `takes_sink`), what each one
-launches for a sink call without a GPU (scripts/launch_compare.py's recorder: the kernel's Sink argument, and
-whether the pipeline's fold still passes over out), and that fwd_ws's sink variant compiles to sm_90a with the
-sink's load and terms in it. The one-launch kernel's numbers run under the interpreter (tests/api/test_sinks.py),
-fwd_ws's on a GPU (tests/gpu/test_sinks_gpu.py)."""
+"""CPU tests of the terms both Triton kernel families compute alike (softmax_terms.py) in the forwards: a learnable
+sink taken into the softmax (docs/semantics.md §Learnable sinks) and fwd_ws's softcap. Which operator takes each
+(Backend.forward_takes_sink and the operators' `takes_sink`; FwdWs.supports_softcap), what each launches for such a
+call without a GPU (scripts/launch_compare.py's recorder: the kernel's Sink and softcap arguments, and whether the
+pipeline's fold still passes over out), and that fwd_ws's variants compile to sm_90a with the terms in them. The
+one-launch kernel's numbers run under the interpreter (tests/api/test_sinks.py), fwd_ws's on a GPU
+(tests/gpu/test_sinks_gpu.py, tests/gpu/test_triton.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_compile import compile_spec, fwd_spec, pretend_capability
+from gluon_compile import compile_spec, fwd_spec, pretend_capability, ptxas_report
 
 from flash_attn_ck.backends.triton import config, operators
 from flash_attn_ck.backends.triton.backend import TritonBackend
@@ -53,16 +54,17 @@ _RECORD = r"""
 import json, sys
 sys.path.insert(0, "scripts")
 from flash_attn_ck.backends.triton import operators
-operators.FwdWs.takes_sink = sys.argv[1] == "on"
+operators.FwdWs.takes_sink = operators.FwdWs.supports_softcap = sys.argv[1] == "on"
 import launch_compare
 print(json.dumps(launch_compare.record(*sys.argv[2:])))
 """
 
 
-def _records(fwd_ws_takes_sink: bool, *names: str) -> dict:
+def _records(fwd_ws_takes_them: bool, *names: str) -> dict:
+    """launch_compare's records of the grid's calls `names`, with fwd_ws taking sinks and softcap or not."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("FLASH_ATTN_CK_BACKEND", None)
-    run = subprocess.run([sys.executable, "-c", _RECORD, "on" if fwd_ws_takes_sink else "off", *names], cwd=ROOT,
+    run = subprocess.run([sys.executable, "-c", _RECORD, "on" if fwd_ws_takes_them else "off", *names], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.splitlines()[-1])
@@ -99,3 +101,38 @@ def test_fwd_ws_compiles_the_sink_into_its_epilogue(head_dim, varlen):
     loads = {sink: len(re.findall(r"ld\.global", text)) for sink, text in ptx.items()}
     exp2 = {sink: len(re.findall(r"ex2\.approx", text)) for sink, text in ptx.items()}
     assert loads[True] > loads[False] and exp2[True] > exp2[False], (loads, exp2)
+
+
+@pytest.mark.parametrize("fwd_ws_softcap", [False, True], ids=["one-launch", "fwd_ws"])
+def test_a_softcap_call_runs_on_fwd_ws_only_where_it_is_declared(fwd_ws_softcap):
+    """A softcap call on the warp-specialised setting: its forward on fwd_ws with the call's cap as the kernel's
+    `softcap` where FwdWs.supports_softcap says so, else on the one-launch forward; its backward on the one-launch
+    kernels either way (the Gluon backward takes no softcap)."""
+    for run in _records(fwd_ws_softcap, "d128-ws-softcap")["d128-ws-softcap"]:
+        forward, backward = run["launches"][0], run["launches"][-1]
+        if fwd_ws_softcap:
+            assert forward["kernel"] == "attn_fwd_ws_kernel"
+            assert [float(value) for path, value in forward["runtime"] if path == "softcap"] == [30.0]
+        else:
+            assert forward["kernel"] == "attn_fwd_kernel"
+        assert backward["kernel"] == "attn_bwd_kernel"
+
+
+def test_fwd_ws_names_the_softcap_among_its_reasons_while_off():
+    backend, p = TritonBackend(), _problem(4096, 128, softcap=20.0)
+    with pretend_capability():
+        reasons = backend.reasons(p, operators.FwdWs)
+        assert ("softcap is not supported" in reasons) is not operators.FwdWs.supports_softcap
+
+
+@pytest.mark.parametrize("head_dim", sorted(config.FWD_WS_SM90))
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_fwd_ws_compiles_the_softcap_into_its_softmax_step(head_dim, varlen):
+    """The softcap variant computes tanh per score (its exp2 and reciprocal, beside the softmax's exp2) and spills no
+    more than the variant without it; with a sink too."""
+    tile = config.fwd_ws_tile(head_dim, causal=True)
+    ptx = {cap: compile_spec(fwd_spec(tile, head_dim, varlen, (False, False, True), softcap=cap,
+                                      sink=bool(cap))).asm["ptx"] for cap in (0.0, 30.0)}
+    exp2 = {cap: len(re.findall(r"ex2\.approx", text)) for cap, text in ptx.items()}
+    assert exp2[30.0] >= 2 * exp2[0.0] - 16, exp2
+    assert ptxas_report(ptx[30.0])["spill_stores"] <= ptxas_report(ptx[0.0])["spill_stores"]
