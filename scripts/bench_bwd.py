@@ -310,7 +310,10 @@ def _flex():
 VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq": dict(dq_mode="atomic"),
             "triton-dq-pass": dict(dq_mode="pass"), "triton-pointers": dict(use_tma=False),
             "triton-tma": dict(use_tma=True), "triton-one-launch": dict(ws=False, fwd_ws=False),
-            "triton-ws": dict(ws=True, fwd_ws=True)}
+            "triton-ws": dict(ws=True, fwd_ws=True), "triton-fwd-ws-terms": {}}
+# Operator declarations still off by default, switched on while a variant runs (measured before a default changes):
+# "triton-fwd-ws-terms" gives fwd_ws the learnable sink and the softcap (config.FWD_WS_TAKES_SINK, FWD_WS_SOFTCAP).
+DECLARATIONS = {"triton-fwd-ws-terms": (("FwdWs", "takes_sink", True), ("FwdWs", "supports_softcap", True))}
 
 
 def leaf(shape, generator: torch.Generator, device: torch.device, dtype=torch.bfloat16) -> torch.Tensor:
@@ -345,10 +348,21 @@ def with_tflops(row: Row, timed: dict) -> dict:
                 bwd_tflops=problem.backward_flops() / timed["bwd_ms"] / 1e9)
 
 
+@contextlib.contextmanager
 def _backend_of(name: str, configs=None, backend=None):
-    """The TritonBackend our runners use while `name` is timed (a variant's options, tuned tiles)."""
-    from flash_attn_ck.backends.triton import TritonBackend
-    return fa.use_backend(backend or TritonBackend(configs=configs, **VARIANTS.get(name, {})))
+    """Within the block our runners use the TritonBackend of `name` (a variant's options, tuned tiles) with the
+    variant's operator DECLARATIONS."""
+    from flash_attn_ck.backends.triton import TritonBackend, operators
+    switched = [(getattr(operators, owner), attribute, value) for owner, attribute, value in DECLARATIONS.get(name, ())]
+    saved = [(owner, attribute, getattr(owner, attribute)) for owner, attribute, _ in switched]
+    for owner, attribute, value in switched:
+        setattr(owner, attribute, value)
+    try:
+        with fa.use_backend(backend or TritonBackend(configs=configs, **VARIANTS.get(name, {}))):
+            yield
+    finally:
+        for owner, attribute, value in saved:
+            setattr(owner, attribute, value)
 
 
 def measure(name, b, h, h_k, s, d, causal, configs=None, warm_only=False, backend=None):
