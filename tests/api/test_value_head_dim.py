@@ -143,16 +143,21 @@ def test_a_refused_ck_call_runs_elsewhere_or_says_why():
 
 def test_triton_runs_d_v_on_the_one_launch_kernels_and_says_why_not_the_others():
     """The one-launch kernels take v's head dim (tests/triton/test_triton_interpret.py runs them); the warp-specialised
-    kernels (one head block) and the GQA accumulator epilogue (one row width) say why they do not run such a call."""
+    backward kernels (one head block) and the GQA accumulator epilogue (one row width) say why they do not run such a
+    call; the warp-specialised forward runs a narrower v padded to q/k's head dim (tests/triton/test_triton_fwd_ws.py)
+    and names a wider one."""
     from flash_attn_ck.backends.triton import TritonBackend
-    from flash_attn_ck.backends.triton.operators import BACKWARD, FORWARD, GluonOperator
+    from flash_attn_ck.backends.triton.operators import BACKWARD, FORWARD, FwdWs, GluonOperator
     assert not any("head dim" in r for r in TritonBackend.not_supported_reasons(_problem(192, 128, "cuda")))
     backend = TritonBackend(gqa_epilogue="accumulate")
     problem = _problem(192, 128)        # (on the CPU: the Gluon reasons then ask no GPU for its capability)
     why = "value head dim 128 != head dim 192: the kernel has one head block"
     for operator in FORWARD + BACKWARD:
-        assert (why in backend.reasons(problem, operator)) == issubclass(operator, GluonOperator), operator.name
+        refused = issubclass(operator, GluonOperator) and operator is not FwdWs
+        assert (why in backend.reasons(problem, operator)) == refused, operator.name
         assert why not in backend.reasons(_problem(192, 192), operator)
+    assert not any("value head dim" in r for r in backend.reasons(problem, FwdWs))
+    assert any("value head dim 192 above" in r for r in backend.reasons(_problem(128, 192), FwdWs))
     assert not backend.accumulate_kv(_problem(192, 128, heads=(4, 2)))
     assert backend.accumulate_kv(_problem(192, 190, heads=(4, 2)))     # padded alike: one kernel head dim
 

@@ -54,3 +54,20 @@ def test_deterministic_repeats_are_bit_identical():
     first = check_case(cfg, backend="triton", device="cuda")
     second = check_case(cfg, backend="triton", device="cuda")
     assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+
+
+@pytest.mark.parametrize("case", [
+    dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, head_dim=192, head_dim_v=128, causal=True),
+    dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129)], heads_q=4, heads_k=1, head_dim=192, head_dim_v=128,
+         causal=True),
+    dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, head_dim=256, head_dim_v=200, window=(100, 7)),
+], ids=["mla-causal-gqa", "mla-varlen-empty", "d256-v200-window"])
+def test_fwd_ws_runs_a_narrower_v_padded_to_q_k_s_head_dim(monkeypatch, case):
+    """fwd_ws takes (192, 128) and (256, 200) calls with v padded with zeros (operators.FwdWs.run): the kernel gets
+    q/k's width for v and out, and the result is the d_v attention."""
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    widths, real = [], fwd_ws.launch
+    monkeypatch.setattr(fwd_ws, "launch", lambda q, k, v, out, *args, **kwargs: (
+        widths.append((q.shape[-1], v.shape[-1], out.shape[-1])), real(q, k, v, out, *args, **kwargs)))
+    check_case(Config(**case, dtype=torch.bfloat16), backend="triton", device="cuda")
+    assert widths and all(len(set(w)) == 1 for w in widths), widths

@@ -215,6 +215,10 @@ FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, 
 # these longest-sequence lengths per head block (256: the shortest measured); the operator fwd_ws declares them.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
+# Head blocks (q/k's) where fwd_ws runs a v of a narrower head dim padded with zeros to q/k's: bench/nvidia-h100.md,
+# (192, 128) causal on the one-launch forward at 186-230 TF/s against 428-527 for fwd_ws's d192 rows, the work of
+# the padded call (its TF/s then count (192 + 128) / (2 * 192) of it: 355-437).
+FWD_WS_PADDED_VALUE_HEAD_BLOCKS = frozenset({256})
 # Whether fwd_ws takes a learnable sink into its epilogue (operators.FwdWs.takes_sink) instead of the pipeline's fold
 # pass over out: on once tests/gpu/test_sinks_gpu.py's in-kernel cases pass on a GPU (docs/triton.md §Learnable sinks).
 FWD_WS_TAKES_SINK = False

@@ -257,11 +257,28 @@ class FwdWs(GluonOperator, ForwardOperator):
     positive_scale = True
     takes_sink = config.FWD_WS_TAKES_SINK
     supports_softcap = config.FWD_WS_SOFTCAP
+    value_head_dim_refusal = None     # a narrower v runs padded with zeros to q/k's head dim (extra_reasons)
 
     @classmethod
     @per_problem(owners=2)
     def tile(cls, backend, p: AttentionProblem) -> config.FwdWsTile | None:
         return backend.fwd_ws_tile or config.fwd_ws_tile(p.head_dim_padded, p.mask.is_causal)
+
+    @classmethod
+    def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
+        """The kernel has one head block: a v narrower than q/k runs padded with zeros to q/k's head dim (out's extra
+        columns are then zero and dropped: exact), where config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS says that is faster
+        than the one-launch forward's own d_v tiles."""
+        d, d_v = p.head_dim_padded, p.head_dim_v_padded
+        if d_v == d:
+            return []
+        if d_v > d:
+            return [f"value head dim {p.head_dim_v} above q/k's {p.head_dim}: the kernel has one head block"]
+        if setting is None and config.head_block(d) not in config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS:
+            return [f"value head dim {p.head_dim_v} below q/k's {p.head_dim}: runs padded to the head block "
+                    f"{config.head_block(d)}, not measured faster than the previous forward there "
+                    "(TritonBackend(fwd_ws=True) runs it)"]
+        return []
 
     @classmethod
     def describe(cls, backend, p: AttentionProblem) -> str:
@@ -270,12 +287,19 @@ class FwdWs(GluonOperator, ForwardOperator):
 
     @classmethod
     def run(cls, backend, p: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """One launch of fwd_ws."""
+        """One launch of fwd_ws; a narrower v (extra_reasons) padded with zeros to q/k's head dim, out through a buffer
+        of that width whose first d_v columns it keeps."""
         from .gluon import fwd_ws
-        fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
+        v, target = params.v, out
+        if v.shape[-1] != params.q.shape[-1]:
+            v = torch.nn.functional.pad(v, (0, params.q.shape[-1] - v.shape[-1]))
+            target = out.new_empty((*out.shape[:-1], params.q.shape[-1]))
+        fwd_ws.launch(params.q, params.k, v, target, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
                       tile=cls.tile(backend, p), mask=cls.mask(backend, p), schedule=cls.schedule(backend, p, params),
                       softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None)
+        if target is not out:
+            out.copy_(target[..., :out.shape[-1]])
 
 
 class Forward(ForwardOperator):
