@@ -325,29 +325,28 @@ def record_launches():
         kernel = _StandIn(self, options, signature)
         self.device_caches[device][0][key] = kernel
         return kernel
-    def run(self, *args, **kwargs):
-        _IN_TRITON_RUN.append(True)
-        try:
-            return real_run(self, *args, **kwargs)
-        finally:
-            _IN_TRITON_RUN.pop()
-    def replayed(self, *args, **kwargs):
-        _IN_REPLAY.append(True)
-        try:
-            return real_replay(self, *args, **kwargs)
-        finally:
-            _IN_REPLAY.pop()
     real, real_run = JITFunction._do_compile, JITFunction.run
     real_replay = replay.Replay.run if replay else None
-    JITFunction._do_compile, JITFunction.run = stand_in, run
+    JITFunction._do_compile, JITFunction.run = stand_in, _marking(_IN_TRITON_RUN, real_run)
     if replay:
-        replay.Replay.run = replayed
+        replay.Replay.run = _marking(_IN_REPLAY, real_replay)
     try:
         yield
     finally:
         JITFunction._do_compile, JITFunction.run = real, real_run
         if replay:
             replay.Replay.run = real_replay
+
+
+def _marking(marks: list, method):
+    """`method` that keeps a mark on `marks` while it runs (which path a launch inside it came through)."""
+    def marked(self, *args, **kwargs):
+        marks.append(True)
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            marks.pop()
+    return marked
 
 
 def _replay_module():

@@ -373,17 +373,14 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
         m_i, l_i, acc, rounds = state
 
     # ---- epilogue: O / l and lse; rows that see no key (and no sink, or a sink of -inf) get O = 0, lse = +inf ----
-    if Sink is not None:    # the sink as one more term of the row's softmax (log2 units)
-        sink = gl.load(Sink + head + offs_m * 0) * LOG2E
-        m_log2, l_i, alpha = take_sink(m_i * scale_log2, l_i, sink)
-        empty = l_i == 0.0
-        out = _rescale(acc, gl.where(empty, 0.0, alpha / l_i), consts.o_layout).to(dtype)
-        lse = gl.where(empty, float("inf"), (m_log2 + gl.log2(gl.where(empty, 1.0, l_i))) / LOG2E)
-    else:
-        empty = l_i == 0.0
-        inv_l = gl.where(empty, 0.0, 1.0 / l_i)
-        out = _rescale(acc, inv_l, consts.o_layout).to(dtype)
-        lse = gl.where(empty, float("inf"), m_i * scale + gl.log2(gl.where(empty, 1.0, l_i)) / LOG2E)
+    alpha = 1.0     # what moves O to the max the sink may raise
+    if Sink is not None:    # the sink as one more term of the row's softmax; m then in log2 units
+        m_i, l_i, alpha = take_sink(m_i * scale_log2, l_i, gl.load(Sink + head + offs_m * 0) * LOG2E)
+        scale = 1.0 / LOG2E
+    empty = l_i == 0.0
+    inv_l = gl.where(empty, 0.0, alpha / l_i)
+    out = _rescale(acc, inv_l, consts.o_layout).to(dtype)
+    lse = gl.where(empty, float("inf"), m_i * scale + gl.log2(gl.where(empty, 1.0, l_i)) / LOG2E)
     lse_rows = Lse + b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + offs_m
     if seqs.VARLEN:
         lse_rows += q_row0
