@@ -24,7 +24,7 @@ for version in "${versions[@]}"; do
   PYTHONPATH="$PWD/$target" "$python" -m pytest -q -p no:cacheprovider tests/triton/test_triton_versions.py \
     tests/triton/test_triton_ws.py tests/triton/test_triton_ws_named_barriers.py \
     tests/triton/test_triton_fwd_ws.py tests/triton/test_fwd_ws_split_mask.py \
-    tests/triton/test_varlen_schedule_launch.py \
+    tests/triton/test_varlen_schedule_launch.py tests/triton/test_triton_softmax_terms.py \
     tests/scripts/test_ptx_compare.py \
     2>&1 | tail -n 3 || status=1
 done

@@ -63,8 +63,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
+from ..runtime.softmax_terms import accurate_tanh, take_sink
 from ..runtime.triton_versions import tma_load, tma_store
-from ..softmax_terms import accurate_tanh, take_sink
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot, uniform_descriptor
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition

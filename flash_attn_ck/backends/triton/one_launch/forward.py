@@ -13,7 +13,7 @@ HEAD_DIM_V / BLOCK_DV for v's and out's head dim and block, scores.value_head_di
 import triton
 import triton.language as tl
 
-from ..softmax_terms import take_sink
+from ..runtime.softmax_terms import take_sink
 from .row_io import head_rows, store_rows
 from .scores import (
     LOG2E,

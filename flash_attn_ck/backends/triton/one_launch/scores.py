@@ -19,7 +19,7 @@ Conventions (checked by the tests against core/mask.py and core/dropout.py):
 import triton
 import triton.language as tl
 
-from ..softmax_terms import LOG2E, accurate_tanh
+from ..runtime.softmax_terms import LOG2E, accurate_tanh
 from .row_io import head_rows, load_rows, row_tiles
 
 # ---- sequences and query-tile programs ----
