@@ -161,7 +161,7 @@ class GluonOperator(Operator):
     no score features; the mask as gluon_common.Mask takes it, and the varlen schedule of their tiles."""
     supports_alibi = supports_softcap = supports_dropout = False
     fp32_outputs_refusal = "its TMA stores go through shared tiles of the input dtype"
-    value_head_dim_refusal = "the kernel has one head block"
+    value_head_dim_refusal: ClassVar[str | None] = "the kernel has one head block"
     architectures = frozenset({9})
     architecture_refusal = "needs an sm_90 GPU (Gluon wgmma/TMA kernel)"
     tested_releases_only = True
