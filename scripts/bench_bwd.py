@@ -310,10 +310,13 @@ def _flex():
 VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq": dict(dq_mode="atomic"),
             "triton-dq-pass": dict(dq_mode="pass"), "triton-pointers": dict(use_tma=False),
             "triton-tma": dict(use_tma=True), "triton-one-launch": dict(ws=False, fwd_ws=False),
-            "triton-ws": dict(ws=True, fwd_ws=True), "triton-fwd-ws-terms": {}}
+            "triton-ws": dict(ws=True, fwd_ws=True), "triton-ws-terms": {}}
 # Operator declarations still off by default, switched on while a variant runs (measured before a default changes):
-# "triton-fwd-ws-terms" gives fwd_ws the learnable sink and the softcap (config.FWD_WS_TAKES_SINK, FWD_WS_SOFTCAP).
-DECLARATIONS = {"triton-fwd-ws-terms": (("FwdWs", "takes_sink", True), ("FwdWs", "supports_softcap", True))}
+# "triton-ws-terms" gives fwd_ws the learnable sink, the softcap and ALiBi, bwd_ws the softcap and ALiBi, bwd_ws_split
+# ALiBi (config.FWD_WS_TAKES_SINK, FWD_WS_SOFTCAP, BWD_WS_SOFTCAP, FWD_WS_ALIBI, BWD_WS_ALIBI).
+DECLARATIONS = {"triton-ws-terms": (("FwdWs", "takes_sink", True), ("FwdWs", "supports_softcap", True),
+                                    ("BwdWs", "supports_softcap", True), ("FwdWs", "supports_alibi", True),
+                                    ("BwdWs", "supports_alibi", True), ("BwdWsSplit", "supports_alibi", True))}
 
 
 def leaf(shape, generator: torch.Generator, device: torch.device, dtype=torch.bfloat16) -> torch.Tensor:

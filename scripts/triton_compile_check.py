@@ -164,8 +164,8 @@ def gluon_variants(head_dims, names: str = ""):
     """(name, launch spec) of the warp-specialised kernels at each of `head_dims` that their tables hold, built by their
     own launch_spec functions (through tests/gluon_compile.py) from CPU tensors of each variant's layout: dense and
     causal calls, a top-left window with varlen and the deterministic mode, and the varlen schedule with every mask
-    flag and, deterministic, with a causal mask (a deterministic call with a left window keeps the grid); the forward
-    with a softcap and a learnable sink (its options off by default: config.FWD_WS_SOFTCAP, FWD_WS_TAKES_SINK)."""
+    flag and, deterministic, with a causal mask (a deterministic call with a left window keeps the grid); then the
+    variants with score terms (`term_variants`)."""
     from gluon_compile import bwd_spec, fwd_spec
     cases = [(d, causal, (False, False, causal), False, False, False)
              for d in head_dims for causal in (False, True)] + \
@@ -183,9 +183,32 @@ def gluon_variants(head_dims, names: str = ""):
             if names in name:
                 yield name, spec
     for d in head_dims:
-        name = f"fwd_ws d{d} causal=True varlen=True softcap sink"
-        if d in config.FWD_WS_SM90 and names in name:
-            yield name, fwd_spec(config.FWD_WS_SM90[d][True], d, True, (False, False, True), softcap=30.0, sink=True)
+        yield from term_variants(d, names)
+
+
+def term_variants(d: int, names: str = ""):
+    """(name, launch spec) of the warp-specialised kernels at head dim `d` with the score terms their defaults leave
+    off (config.FWD_WS_SOFTCAP, FWD_WS_TAKES_SINK, BWD_WS_SOFTCAP, FWD_WS_ALIBI, BWD_WS_ALIBI), causal: fwd_ws with a
+    softcap and a sink, and with ALiBi (varlen); the backward with ALiBi, and bwd_ws with a softcap with and without
+    ALiBi (dense and varlen; bwd_ws_split takes no softcap)."""
+    from gluon_compile import bwd_spec, fwd_spec
+    if d in config.FWD_WS_SM90:
+        tile = config.FWD_WS_SM90[d][True]
+        for tag, options in (("softcap sink", dict(softcap=30.0, sink=True)), ("alibi", dict(alibi=True))):
+            name = f"fwd_ws d{d} causal=True varlen=True {tag}"
+            if names in name:
+                yield name, fwd_spec(tile, d, True, (False, False, True), **options)
+    if d in config.BWD_WS_SM90:
+        tile = config.BWD_WS_SM90[d]
+        terms = [("alibi", dict(alibi=True))]
+        if not tile.split_d:    # bwd_ws_split takes no softcap
+            terms += [("softcap", dict(softcap=30.0)), ("softcap alibi", dict(softcap=30.0, alibi=True))]
+        for tag, options in terms:
+            for varlen in (False, True):
+                spec = bwd_spec(tile, d, varlen, (False, False, True), **options)
+                name = f"{spec.kernel.fn.__name__} d{d} causal=True varlen={varlen} {tag}"
+                if names in name:
+                    yield name, spec
 
 
 def older_variants(head_blocks, names: str = ""):

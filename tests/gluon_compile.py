@@ -77,30 +77,38 @@ def _schedule(schedule: bool, block: int):
     return varlen_schedule.build_schedule(cu, cu, walk, varlen_schedule.schedule_bound(512, 1, block))
 
 
+def _alibi(q):
+    """ALiBi's kernel argument for q's heads: (batch, heads) fp32 slopes of one batch entry and their batch stride."""
+    slopes = torch.zeros(1, q.shape[-2])
+    return slopes, slopes.stride(0)
+
+
 def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), schedule: bool = False,
-             sink: bool = False, softcap: float = 0.0):
+             sink: bool = False, softcap: float = 0.0, alibi: bool = False):
     """fwd_ws.launch_spec of `tile` for a call of `head_dim` (bf16, 512 rows, 4 heads) with `masks` (TOP_LEFT,
     HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule; `sink`: with a learnable sink;
-    `softcap`: with that cap (0: none)."""
+    `softcap`: with that cap (0: none); `alibi`: with (batch, heads) ALiBi slopes."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
     _, t, call = _call(head_dim, varlen, masks)
     q = t["q"]
     return fwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), t["lse"], t["cu_seqlens"], t["cu_seqlens"],
                               tile=tile, schedule=_schedule(schedule, tile.block_m),
-                              sink=torch.zeros(q.shape[-2]) if sink else None, softcap=softcap, **call)[0]
+                              sink=torch.zeros(q.shape[-2]) if sink else None, softcap=softcap,
+                              alibi=_alibi(q) if alibi else None, **call)[0]
 
 
 def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False,
-             schedule: bool = False):
+             schedule: bool = False, softcap: float = 0.0, alibi: bool = False):
     """bwd_ws.launch_spec of `tile` (bwd_ws_split's kernel for a split_d tile) for a call like fwd_spec's, in the
-    deterministic mode or not, with the call's varlen schedule or not."""
+    deterministic mode or not, with the call's varlen schedule or not, with a softcap (0: none), with ALiBi or not."""
     from flash_attn_ck.backends.triton.gluon import bwd_ws
     shape, t, call = _call(head_dim, varlen, masks)
     q, lse = t["q"], t["lse"]
     sems = torch.zeros(1, shape[-2], 512 // tile.block_m, dtype=torch.int32) if deterministic else None
     return bwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), lse, lse.clone(), torch.empty(shape), q.clone(),
                               q.clone(), t["cu_seqlens"], t["cu_seqlens"], tile=tile, semaphores=sems,
-                              schedule=_schedule(schedule, tile.block_n), **call)
+                              schedule=_schedule(schedule, tile.block_n), softcap=softcap,
+                              alibi=_alibi(q) if alibi else None, **call)
 
 
 def compile_spec(spec):

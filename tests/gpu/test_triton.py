@@ -235,9 +235,10 @@ def test_three_consumer_forward_matches(tile, case):
         check_case(cfg, backend="triton", device="cuda", seed=3)
 
 
-# fwd_ws with the softcap in its softmax step (config.FWD_WS_SOFTCAP, off by default until these pass): caps small
-# and large (tanh's series branch), causal GQA, a window, varlen with empty sequences, with a learnable sink.
-FWD_WS_SOFTCAP_CASES = {
+# fwd_ws and bwd_ws with the softcap in their kernels (config.FWD_WS_SOFTCAP, BWD_WS_SOFTCAP, off by default until
+# these pass): caps small and large (tanh's series branch), causal GQA, a window, varlen with empty sequences, with a
+# learnable sink.
+WS_SOFTCAP_CASES = {
     "causal_gqa": dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, softcap=8.0, causal=True),
     "window_large_cap": dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, softcap=2e4, window=(100, 7)),
     "varlen_sink": dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129)], heads_q=4, heads_k=1, softcap=30.0,
@@ -246,17 +247,47 @@ FWD_WS_SOFTCAP_CASES = {
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-@pytest.mark.parametrize("name", sorted(FWD_WS_SOFTCAP_CASES))
+@pytest.mark.parametrize("name", sorted(WS_SOFTCAP_CASES))
 def test_fwd_ws_softcap_matches(monkeypatch, name, head_dim):
     from flash_attn_ck.backends.triton.gluon import fwd_ws
     monkeypatch.setattr(operators.FwdWs, "supports_softcap", True)
     caps, real = [], fwd_ws.launch
     monkeypatch.setattr(fwd_ws, "launch",
                         lambda *args, **kwargs: (caps.append(kwargs["softcap"]), real(*args, **kwargs)))
-    cfg = Config(**FWD_WS_SOFTCAP_CASES[name], head_dim=head_dim, dtype=torch.bfloat16)
+    cfg = Config(**WS_SOFTCAP_CASES[name], head_dim=head_dim, dtype=torch.bfloat16)
     with use_backend(TritonBackend(fwd_ws=True)):
         check_case(cfg, backend="triton", device="cuda")
     assert caps and all(cap == cfg.softcap for cap in caps), "fwd_ws ran the forward with the cap"
+
+
+def _softcap_on_bwd_ws(monkeypatch) -> list:
+    """Turn bwd_ws's softcap on; the caps its launches were given."""
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
+    monkeypatch.setattr(operators.BwdWs, "supports_softcap", True)
+    caps, real = [], bwd_ws.launch
+    monkeypatch.setattr(bwd_ws, "launch",
+                        lambda *args, **kwargs: (caps.append(kwargs["softcap"]), real(*args, **kwargs)))
+    return caps
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", sorted(WS_SOFTCAP_CASES))
+def test_bwd_ws_softcap_matches(monkeypatch, name, head_dim):
+    """dq, dk, dv (and dsink) of bwd_ws with the cap's tanh in P and its slope in dS, under the 2x rule (on a fresh
+    backend: the registered one may hold a replay of the same shape recorded without the cap)."""
+    caps = _softcap_on_bwd_ws(monkeypatch)
+    cfg = Config(**WS_SOFTCAP_CASES[name], head_dim=head_dim, dtype=torch.bfloat16)
+    with use_backend(TritonBackend(ws=True)):
+        check_case(cfg, backend="triton", device="cuda")
+    assert caps and all(cap == cfg.softcap for cap in caps), "bwd_ws ran the backward with the cap"
+
+
+def test_bwd_ws_softcap_deterministic_is_bit_identical(monkeypatch):
+    caps = _softcap_on_bwd_ws(monkeypatch)
+    cfg = Config(**WS_SOFTCAP_CASES["causal_gqa"], head_dim=128, dtype=torch.bfloat16, deterministic=True)
+    with use_backend(TritonBackend(ws=True)):
+        (out_a, grads_a), (out_b, grads_b) = (check_case(cfg, backend="triton", device="cuda") for _ in range(2))
+    assert caps and torch.equal(out_a, out_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
 @pytest.mark.parametrize("name", ["mqa_causal", "window", "alibi_softcap_window", "dropout_causal_gqa"])
@@ -508,3 +539,61 @@ def test_varlen_schedule_in_several_kv_head_launches(monkeypatch, deterministic)
     p, params, dout = _schedule_call("causal", d, heads, deterministic, seed=11)
     assert operators.BwdWs.kv_heads_per_launch(TritonBackend(**SCHEDULED), p) == 1
     _compare_schedule(p, params, dout, deterministic)
+
+
+# fwd_ws and the warp-specialised backward with ALiBi in their scores (config.FWD_WS_ALIBI, BWD_WS_ALIBI, off by default
+# until these pass): causal GQA, s_q != s_k with a window, varlen with empty sequences, with a softcap and a sink too.
+WS_ALIBI_CASES = {
+    "causal_gqa": dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, causal=True),
+    "window_sq_ne_sk": dict(batch=2, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, window=(100, 7)),
+    "varlen_empty": dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129)], heads_q=4, heads_k=1, causal=True),
+    "softcap_sink": dict(batch=1, seqlen_q=640, seqlen_k=640, heads_q=4, heads_k=2, causal=True, softcap=20.0,
+                         sink_dtype=torch.float32),
+}
+
+
+def _alibi_on_the_ws_kernels(monkeypatch) -> dict:
+    """Turn ALiBi (and the softcap) on for fwd_ws and the warp-specialised backward; the ALiBi arguments each kernel's
+    launches were given, by kernel."""
+    from flash_attn_ck.backends.triton.gluon import bwd_ws, fwd_ws
+    given: dict = {"fwd_ws": [], "bwd_ws": []}
+    for operator in (operators.FwdWs, operators.BwdWs, operators.BwdWsSplit):
+        monkeypatch.setattr(operator, "supports_alibi", True)
+    for operator in (operators.FwdWs, operators.BwdWs):
+        monkeypatch.setattr(operator, "supports_softcap", True)
+    for name, module in (("fwd_ws", fwd_ws), ("bwd_ws", bwd_ws)):
+        real = module.launch
+        monkeypatch.setattr(module, "launch", lambda *args, _real=real, _name=name, **kwargs: (
+            given[_name].append(kwargs["alibi"]), _real(*args, **kwargs))[1])
+    return given
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("name", sorted(WS_ALIBI_CASES))
+def test_ws_alibi_matches(monkeypatch, name, head_dim):
+    """out, lse, dq, dk, dv (and dsink) of fwd_ws and bwd_ws / bwd_ws_split with ALiBi against the float64 oracle under
+    the 2x rule, on a fresh backend that forces both kernels (the registered one may replay a launch of the same
+    shape recorded without ALiBi)."""
+    given = _alibi_on_the_ws_kernels(monkeypatch)
+    cfg = Config(**WS_ALIBI_CASES[name], head_dim=head_dim, alibi=True, dtype=torch.bfloat16)
+    if cfg.softcap and head_dim > 128:
+        pytest.skip("bwd_ws_split takes no softcap")
+    with use_backend(TritonBackend(ws=True, fwd_ws=True)):
+        check_case(cfg, backend="triton", device="cuda")
+    for kernel, launched in given.items():
+        assert launched and all(alibi is not None for alibi in launched), f"{kernel} ran with the slopes"
+
+
+def test_ws_alibi_takes_head_slopes_as_the_batch_of_them(monkeypatch):
+    """(h,) slopes (batch stride 0) give what the same slopes repeated per batch entry give, bit for bit."""
+    _alibi_on_the_ws_kernels(monkeypatch)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 1024, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+               for _ in range(3))
+    slopes = torch.rand(8, device="cuda", generator=gen) * 0.3
+    results = []
+    with use_backend(TritonBackend(ws=True, fwd_ws=True)):
+        for given in (slopes, slopes.expand(2, 8).contiguous()):
+            out = flash_attn_ck.flash_attn_func(q, k, v, causal=True, alibi_slopes=given)
+            results.append((out, *torch.autograd.grad(out.float().square().sum(), (q, k, v))))
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -357,20 +357,23 @@ def test_an_unknown_row_set_is_refused_naming_the_option(name):
 
 
 def test_a_variant_switches_its_declarations_on_while_it_runs_and_back_after():
-    """`triton-fwd-ws-terms` times fwd_ws with the sink and softcap its defaults leave off (bench_bwd.DECLARATIONS):
-    on inside the block, as they were after it, an error included."""
+    """`triton-ws-terms` times the warp-specialised kernels with the sink, softcap and ALiBi that the defaults leave
+    off (bench_bwd.DECLARATIONS): on inside the block, as they were after it, an error included."""
     from flash_attn_ck.backends.triton import operators
-    before = (operators.FwdWs.takes_sink, operators.FwdWs.supports_softcap)
-    inside = []
+
+    def declared():
+        return (operators.FwdWs.takes_sink, operators.FwdWs.supports_softcap, operators.BwdWs.supports_softcap,
+                operators.FwdWs.supports_alibi, operators.BwdWs.supports_alibi, operators.BwdWsSplit.supports_alibi)
+    before, inside = declared(), []
 
     def run_and_fail():
-        with bb._backend_of("triton-fwd-ws-terms"):
-            inside.append((operators.FwdWs.takes_sink, operators.FwdWs.supports_softcap))
+        with bb._backend_of("triton-ws-terms"):
+            inside.append(declared())
             raise RuntimeError("a peer failing mid-row")
 
     with pytest.raises(RuntimeError, match="mid-row"):
         run_and_fail()
-    assert inside == [(True, True)]
-    assert (operators.FwdWs.takes_sink, operators.FwdWs.supports_softcap) == before
+    assert inside == [(True,) * 6]
+    assert declared() == before
     with bb._backend_of("triton"):
-        assert (operators.FwdWs.takes_sink, operators.FwdWs.supports_softcap) == before
+        assert declared() == before

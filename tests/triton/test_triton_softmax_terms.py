@@ -1,10 +1,11 @@
-"""CPU tests of the terms both Triton kernel families compute alike (softmax_terms.py) in the forwards: a learnable
-sink taken into the softmax (docs/semantics.md §Learnable sinks) and fwd_ws's softcap. Which operator takes each
-(Backend.forward_takes_sink and the operators' `takes_sink`; FwdWs.supports_softcap), what each launches for such a
-call without a GPU (scripts/launch_compare.py's recorder: the kernel's Sink and softcap arguments, and whether the
-pipeline's fold still passes over out), and that fwd_ws's variants compile to sm_90a with the terms in them. The
-one-launch kernel's numbers run under the interpreter (tests/api/test_sinks.py), fwd_ws's on a GPU
-(tests/gpu/test_sinks_gpu.py, tests/gpu/test_triton.py)."""
+"""CPU tests of the terms both Triton kernel families compute alike (softmax_terms.py): a learnable sink taken into
+the forwards' softmax (docs/semantics.md §Learnable sinks), the softcap and ALiBi on the warp-specialised kernels.
+Which operator takes each (Backend.forward_takes_sink and the operators' `takes_sink`; the Gluon operators'
+supports_softcap and supports_alibi), what each launches for such a call without a GPU (scripts/launch_compare.py's
+recorder: the kernel's Sink, softcap and alibi arguments, and whether the pipeline's fold still passes over out), and
+that fwd_ws's, bwd_ws's and bwd_ws_split's variants compile to sm_90a with the terms in them. The one-launch kernels'
+numbers run under the interpreter (tests/api/test_sinks.py), the Gluon kernels' on a GPU (tests/gpu/test_sinks_gpu.py,
+tests/gpu/test_triton.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_compile import compile_spec, fwd_spec, pretend_capability, ptxas_report
+from gluon_compile import bwd_spec, compile_spec, fwd_spec, pretend_capability, ptxas_report
 
 from flash_attn_ck.backends.triton import config, operators
 from flash_attn_ck.backends.triton.backend import TritonBackend
@@ -54,14 +55,17 @@ _RECORD = r"""
 import json, sys
 sys.path.insert(0, "scripts")
 from flash_attn_ck.backends.triton import operators
-operators.FwdWs.takes_sink = operators.FwdWs.supports_softcap = sys.argv[1] == "on"
+on = sys.argv[1] == "on"
+operators.FwdWs.takes_sink = operators.FwdWs.supports_softcap = operators.BwdWs.supports_softcap = on
+operators.FwdWs.supports_alibi = operators.BwdWs.supports_alibi = operators.BwdWsSplit.supports_alibi = on
 import launch_compare
 print(json.dumps(launch_compare.record(*sys.argv[2:])))
 """
 
 
 def _records(fwd_ws_takes_them: bool, *names: str) -> dict:
-    """launch_compare's records of the grid's calls `names`, with fwd_ws taking sinks and softcap or not."""
+    """launch_compare's records of the grid's calls `names`, with fwd_ws taking sinks, softcap and ALiBi, and the
+    warp-specialised backward softcap (bwd_ws) and ALiBi, or not."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("FLASH_ATTN_CK_BACKEND", None)
     run = subprocess.run([sys.executable, "-c", _RECORD, "on" if fwd_ws_takes_them else "off", *names], cwd=ROOT,
@@ -103,26 +107,48 @@ def test_fwd_ws_compiles_the_sink_into_its_epilogue(head_dim, varlen):
     assert loads[True] > loads[False] and exp2[True] > exp2[False], (loads, exp2)
 
 
-@pytest.mark.parametrize("fwd_ws_softcap", [False, True], ids=["one-launch", "fwd_ws"])
-def test_a_softcap_call_runs_on_fwd_ws_only_where_it_is_declared(fwd_ws_softcap):
-    """A softcap call on the warp-specialised setting: its forward on fwd_ws with the call's cap as the kernel's
-    `softcap` where FwdWs.supports_softcap says so, else on the one-launch forward; its backward on the one-launch
-    kernels either way (the Gluon backward takes no softcap)."""
-    for run in _records(fwd_ws_softcap, "d128-ws-softcap")["d128-ws-softcap"]:
-        forward, backward = run["launches"][0], run["launches"][-1]
-        if fwd_ws_softcap:
-            assert forward["kernel"] == "attn_fwd_ws_kernel"
-            assert [float(value) for path, value in forward["runtime"] if path == "softcap"] == [30.0]
-        else:
-            assert forward["kernel"] == "attn_fwd_kernel"
-        assert backward["kernel"] == "attn_bwd_kernel"
+# What each warp-specialised kernel gets for a score term (launch_compare's runtime arguments, by path): the call's
+# cap; the call's (h,) slopes and their batch stride, 0.
+TERM_ARGUMENTS = {"softcap": {"softcap": 30.0}, "alibi": {"alibi[0]": {"tensor": "alibi_slopes"}, "alibi[1]": 0}}
 
 
-def test_fwd_ws_names_the_softcap_among_its_reasons_while_off():
-    backend, p = TritonBackend(), _problem(4096, 128, softcap=20.0)
+@pytest.mark.parametrize("on", [False, True], ids=["one-launch", "ws"])
+@pytest.mark.parametrize("term", sorted(TERM_ARGUMENTS))
+def test_a_score_term_call_runs_on_the_ws_kernels_only_where_it_is_declared(term, on):
+    """A softcap or ALiBi call on the warp-specialised setting (launch_compare's d128-ws-softcap, d128-ws-alibi):
+    its forward on fwd_ws and its backward on bwd_ws, each given the term as its kernel argument, where the operators'
+    supports_softcap / supports_alibi say so, else on the one-launch kernels, which take it among their score
+    arguments."""
+    call = f"d128-ws-{term}"
+    for run in _records(on, call)[call]:
+        kernels = [launch["kernel"] for launch in run["launches"]]
+        if not on:
+            assert "attn_fwd_kernel" in kernels and "attn_bwd_kernel" in kernels, kernels
+            assert not any(kernel.endswith("_ws_kernel") for kernel in kernels), kernels
+            continue
+        assert "attn_fwd_ws_kernel" in kernels and "attn_bwd_ws_kernel" in kernels, kernels
+        for launch in run["launches"]:
+            if launch["kernel"] in ("attn_fwd_ws_kernel", "attn_bwd_ws_kernel"):
+                given = {path: value for path, value in launch["runtime"] if path.startswith(term)}
+                for path, expected in TERM_ARGUMENTS[term].items():
+                    if isinstance(expected, dict):
+                        assert {key: given[path][key] for key in expected} == expected, (launch["kernel"], given)
+                    else:
+                        assert float(given[path]) == expected, (launch["kernel"], given)
+
+
+@pytest.mark.parametrize("feature,declared,refusal", [
+    (dict(softcap=20.0), "supports_softcap", "softcap is not supported"),
+    (dict(has_alibi=True), "supports_alibi", "ALiBi is not supported")], ids=["softcap", "alibi"])
+@pytest.mark.parametrize("operator", [operators.FwdWs, operators.BwdWs, operators.BwdWsSplit],
+                         ids=lambda op: op.name)
+def test_the_ws_kernels_name_a_feature_among_their_reasons_while_off(operator, feature, declared, refusal):
+    head_dim = 256 if operator is operators.BwdWsSplit else 128
+    backend, p = TritonBackend(), _problem(4096, head_dim, **feature)
     with pretend_capability():
-        reasons = backend.reasons(p, operators.FwdWs)
-        assert ("softcap is not supported" in reasons) is not operators.FwdWs.supports_softcap
+        reasons = backend.reasons(p, operator)
+        assert (refusal in reasons) is not getattr(operator, declared), reasons
+    assert not operators.BwdWsSplit.supports_softcap, "bwd_ws_split computes P^T and dS^T in two warpgroups"
 
 
 @pytest.mark.parametrize("head_dim", sorted(config.FWD_WS_SM90))
@@ -136,3 +162,34 @@ def test_fwd_ws_compiles_the_softcap_into_its_softmax_step(head_dim, varlen):
     exp2 = {cap: len(re.findall(r"ex2\.approx", text)) for cap, text in ptx.items()}
     assert exp2[30.0] >= 2 * exp2[0.0] - 16, exp2
     assert ptxas_report(ptx[30.0])["spill_stores"] <= ptxas_report(ptx[0.0])["spill_stores"]
+
+
+@pytest.mark.parametrize("head_dim", sorted(block for block, tile in config.BWD_WS_SM90.items() if not tile.split_d))
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_bwd_ws_compiles_the_softcap_into_its_mma_partition(head_dim, varlen):
+    """The softcap variant of bwd_ws computes tanh per score (one exp2 more per score than the variant without) and
+    takes 1 - tanh^2 into dS (a multiply by the tile that the variant without has not); bwd_ws_split refuses a cap."""
+    tile = config.bwd_ws_tile(head_dim, True, 1, False)
+    ptx = {cap: compile_spec(bwd_spec(tile, head_dim, varlen, (False, False, True), softcap=cap)).asm["ptx"]
+           for cap in (0.0, 30.0)}
+    exp2 = {cap: len(re.findall(r"ex2\.approx", text)) for cap, text in ptx.items()}
+    assert exp2[30.0] == 2 * exp2[0.0], exp2
+    split = next(tile for tile in config.BWD_WS_SM90.values() if tile.split_d)
+    with pytest.raises(AssertionError, match="bwd_ws_split takes no softcap"):
+        bwd_spec(split, 256, varlen, softcap=30.0)
+
+
+@pytest.mark.parametrize("head_dim", sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90)))
+def test_the_ws_kernels_compile_alibi_into_their_scores(head_dim):
+    """fwd_ws, bwd_ws and bwd_ws_split with ALiBi load the head's slope (a global load the variant without has not)
+    and compile for sm_90a, varlen included."""
+    def loads(spec):
+        return len(re.findall(r"ld\.global", compile_spec(spec).asm["ptx"]))
+    for alibi_spec in (fwd_spec, bwd_spec):
+        table = config.FWD_WS_SM90 if alibi_spec is fwd_spec else config.BWD_WS_SM90
+        if head_dim not in table:
+            continue
+        tile = table[head_dim][True] if alibi_spec is fwd_spec else table[head_dim]
+        without, with_alibi = (loads(alibi_spec(tile, head_dim, True, (False, False, True), alibi=alibi))
+                               for alibi in (False, True))
+        assert with_alibi > without, (alibi_spec.__name__, without, with_alibi)

@@ -225,6 +225,15 @@ FWD_WS_TAKES_SINK = False
 # Whether fwd_ws runs softcap calls (operators.FwdWs.supports_softcap): the scores' tanh in its softmax step; on once
 # tests/gpu/test_triton.py's fwd_ws softcap cases pass on a GPU and it measures faster than the one-launch forward.
 FWD_WS_SOFTCAP = False
+# Whether bwd_ws runs softcap calls (operators.BwdWs.supports_softcap): the scores' tanh and dS's 1 - tanh^2 in its MMA
+# partition (bwd_ws_split takes none); on once tests/gpu/test_triton.py's bwd_ws softcap cases pass on a GPU and it
+# measures faster than the one-launch backward.
+BWD_WS_SOFTCAP = False
+# Whether fwd_ws and the warp-specialised backward (bwd_ws, bwd_ws_split) run ALiBi calls (operators' supports_alibi):
+# the head's slope times the distance subtracted from the scores in log2 units; on once tests/gpu/test_triton.py's
+# ws ALiBi cases pass on a GPU and they measure faster than the one-launch kernels.
+FWD_WS_ALIBI = False
+BWD_WS_ALIBI = False
 
 
 def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile | None:

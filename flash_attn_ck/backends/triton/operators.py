@@ -257,6 +257,7 @@ class FwdWs(GluonOperator, ForwardOperator):
     positive_scale = True
     takes_sink = config.FWD_WS_TAKES_SINK
     supports_softcap = config.FWD_WS_SOFTCAP
+    supports_alibi = config.FWD_WS_ALIBI
     value_head_dim_refusal = None     # a narrower v runs padded with zeros to q/k's head dim (extra_reasons)
 
     @classmethod
@@ -297,7 +298,8 @@ class FwdWs(GluonOperator, ForwardOperator):
         fwd_ws.launch(params.q, params.k, v, target, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
                       tile=cls.tile(backend, p), mask=cls.mask(backend, p), schedule=cls.schedule(backend, p, params),
-                      softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None)
+                      softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None,
+                      alibi=_alibi(p, params.alibi_slopes))
         if target is not out:
             out.copy_(target[..., :out.shape[-1]])
 
@@ -360,6 +362,7 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
     """The warp-specialised Gluon backward: bwd_ws, or bwd_ws_split where its tile splits the head dim."""
     split_d: ClassVar[bool]
     option = "ws"
+    supports_alibi = config.BWD_WS_ALIBI
     default_head_dims = config.BWD_WS_DEFAULT_HEAD_DIMS
     slower_head_dim = "the one-launch kernel measured faster"
     min_seqlen = config.BWD_WS_MIN_SEQLEN
@@ -438,10 +441,11 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
             sem = None if sems is None else _dense_prefix(sems, (sems.shape[0], launch_heads.stop, sems.shape[2]))
             lse_h, delta_h = (heads_of(t, stats_heads_dim, hq) for t in (lse, delta))
             dk_h, dv_h = heads_of(dk, -2, kv), heads_of(dv, -2, kv)
+            slopes = None if params.alibi_slopes is None else heads_of(params.alibi_slopes, -1, hq)
             bwd_ws.launch(heads_of(q, -2, hq), heads_of(k, -2, kv), heads_of(v, -2, kv), heads_of(dout, -2, hq), lse_h,
                           delta_h, acc, dk_h, dv_h, params.cu_seqlens_q, params.cu_seqlens_k, varlen=p.varlen,
                           batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale, mask=mask,
-                          tile=tile, semaphores=sem, schedule=schedule)
+                          tile=tile, semaphores=sem, schedule=schedule, softcap=p.softcap, alibi=_alibi(p, slopes))
             dq_h = heads_of(dq, -2, hq)
             cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                  p.rows_q // batch, d)
@@ -453,6 +457,7 @@ class BwdWs(_WarpSpecialisedBackward):
     """The warp-specialised Gluon backward (gluon/bwd_ws.py): one MMA warpgroup, head dims up to 128."""
     name = "bwd_ws"
     split_d = False
+    supports_softcap = config.BWD_WS_SOFTCAP
     tiles = MappingProxyType({block: tile for block, tile in config.BWD_WS_SM90.items() if not tile.split_d})
 
 
@@ -603,6 +608,15 @@ def declared_mask_kinds() -> frozenset[MaskKind]:
 def even_keys(p: AttentionProblem, *key_blocks: int) -> bool:
     """Every key tile of a launch is full: dense, and s_k a multiple of each of its key blocks."""
     return not p.varlen and all(p.seqlen_k % block == 0 for block in key_blocks)
+
+
+def _alibi(p: AttentionProblem, slopes: torch.Tensor | None) -> tuple[torch.Tensor, int] | None:
+    """ALiBi as the Gluon kernels take it: (the fp32 slopes, (heads,) or (batch, heads), and their batch stride, 0 for
+    (heads,)), or None without ALiBi."""
+    if not p.has_alibi:
+        return None
+    assert slopes is not None
+    return slopes, launch.slope_batch_stride(slopes, True)
 
 
 def heads_of(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:

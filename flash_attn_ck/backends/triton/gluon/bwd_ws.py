@@ -13,6 +13,9 @@ bwd_ws_split.py, the kernel for head dims above 128):
             8 warps)    S^T = K Q^T, dP^T = V dO^T                 (shared-memory operands)
                         P^T = exp2(S^T * scale * log2e - lse * log2e), masked
                         dS^T = P^T * (dP^T - delta)
+                        (with a softcap the scores are cap * tanh(scale * S^T / cap) and dS^T takes their slope,
+                        1 - tanh^2: softmax_terms.accurate_tanh, the forwards' tanh; with ALiBi the head's
+                        slope times the distance is subtracted, softmax_terms.alibi_distance, which dS^T does not see)
                         dV += P^T dO, dK += dS^T Q                  (P^T, dS^T from registers)
                         dQ = dS K                                   (dS staged in shared memory)
                       dQ (scaled) goes to a shared-memory buffer for the writer while dK is still
@@ -35,7 +38,8 @@ Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here
 copies tensors whose rows a descriptor cannot view):
   - head_dim padded to a power of two with a tile in config.BWD_WS_SM90 (split_d tiles: bwd_ws_split.py);
     heads adjacent in memory (stride_h = head_dim), rows uniform, 16-byte aligned;
-  - no dropout, ALiBi or softcap.
+  - no dropout; softcap only here, not in bwd_ws_split.py (where one warpgroup computes P^T and the
+    other dS^T, which would need the tanh tile exchanged too).
 Deterministic mode: the writer adds a query tile's dQ only when the semaphore of that (batch, head,
 query tile) counts the key tiles before its own, so the fp32 sums happen in one order on every run.
 """
@@ -53,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
+from ..runtime.softmax_terms import accurate_tanh, alibi_distance
 from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
 from .bwd_ws_shapes import semaphore_tiles
@@ -62,8 +67,10 @@ from .gluon_common import LOG2E, descriptor, probs_transposed, slot
 
 # ---- MMA partition (default) -----------------------------------------------------------------
 @gluon.jit
-def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes):
-    """`grads`: (dK, dV, their strides); `sizes`: the kernel's."""
+def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
+    """`grads`: (dK, dV, their strides); `sizes`: the kernel's; `terms`: (the scores' cap or None, ALiBi's (fp32
+    slopes, their batch stride) or None)."""
+    softcap, alibi = terms
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
     head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
     BLOCK_M: gl.constexpr = consts.BLOCK_M
@@ -113,16 +120,29 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes):
         if not DELTA_AFTER_EXP2:
             delta = bufs.delta.index(stage).load(col_layout)
         offs_m = m0 + offs_m_tile
+        if alibi is not None:
+            slope_log2 = workers.step_slope(alibi, b, kv_head, group, step, m_tiles)
 
         # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked ----
         sT = warpgroup_mma_wait(1, deps=(sT,))
-        pT = probs_transposed(mask, sT, lse2, scale_log2, offs_m, offs_n, m0, n0, len_k, shift, BLOCK_M, BLOCK_N)
+        s_scale = scale_log2    # what takes S^T to log2 units: 1 once the terms below have
+        if softcap is not None:     # the forward's scores, cap * tanh(scale * s / cap), in log2 units
+            tanh = accurate_tanh(sT * (scale / softcap))
+            sT = (tanh * softcap) * LOG2E
+            s_scale = 1.0
+        if alibi is not None:       # minus the slope times the distance from the bottom-right diagonal
+            sT = sT * s_scale - slope_log2 * alibi_distance(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1),
+                                                            len_k - len_q)
+            s_scale = 1.0
+        pT = probs_transposed(mask, sT, lse2, s_scale, offs_m, offs_n, m0, n0, len_k, shift, BLOCK_M, BLOCK_N)
 
         # ---- dS^T = P^T (dP^T - delta); dV += P^T dO ----
         if DELTA_AFTER_EXP2:
             delta = bufs.delta.index(stage).load(col_layout)
         dpT = warpgroup_mma_wait(0, deps=(dpT,))
         dsT = pT * (dpT - gl.expand_dims(delta, 0))
+        if softcap is not None:     # the slope of the capped scores (scale is applied to dQ and dK at their ends)
+            dsT = dsT * (1.0 - tanh * tanh)
         p_op = gl.convert_layout(pT.to(dtype), a_layout)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
 
@@ -147,15 +167,20 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes):
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
-def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem, cu_seqlens, schedule,
-                       stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
+def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, Sem, cu_seqlens, schedule,
+                       stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi, sem_m_tiles,
                        TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR, or with a `schedule`
     (varlen: int32 (rows, 2) [sequence, key tile], else a constexpr None) (kv heads, rows) (workers.cta_coords);
-    num_warps = TILE.num_warps. `cu_seqlens`: (q, k); `stride_lse`: (batch, head); `stride_dk`, `stride_dv`:
-    (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); TILE: config.WsTile; CALL:
+    num_warps = TILE.num_warps. `stats`: (Lse, Delta); `grads`: (dK, dV); `cu_seqlens`: (q, k); `stride_lse`: (batch,
+    head); `stride_dk`, `stride_dv`:
+    (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); `softcap`: the scores' cap, or None;
+    `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch stride, 0 for (query heads,)), or None
+    (None: a constant, the kernel compiles without the term); TILE: config.WsTile; CALL:
     launch.MaskFlags. See the module docstring."""
     consts, seqs, mask = workers.prologue(TILE, CALL, 1, cu_seqlens, schedule, sizes, window)
+    Lse, Delta = stats
+    dK, dV = grads
     if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
@@ -165,7 +190,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
 
     group = sizes.group
     gl.warp_specialize([
-        (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes)),
+        (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes, (softcap, alibi))),
         (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
                           group)),
         (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
@@ -175,14 +200,17 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK,
 # ---- host side -------------------------------------------------------------------------------
 def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int,
                 seqlen_q: int, seqlen_k: int, scale: float, mask: GluonMask, tile, semaphores=None,
-                schedule=None) -> LaunchSpec:
+                schedule=None, softcap: float = 0.0, alibi=None) -> LaunchSpec:
     """The launch of attn_bwd_ws_kernel (of bwd_ws_split's kernel for a `split_d` tile). dq_accum (rows_q, heads_q,
     d) fp32 must be zero; dq_accum receives dQ already scaled. lse/delta: (b, h, s_q) or varlen (h, total_q).
     `semaphores`: zeroed int32 (batch, heads_q, semaphore_tiles(seqlen_q, tile)) for the deterministic mode, else
     None. `schedule` (varlen only): the call's (sequence, key tile) items (varlen_schedule.build_schedule of a walk
     that owns key tiles of tile.block_n rows), run on a grid (kv heads, items); None: the grid over every (batch, key
     tile). In the deterministic mode a schedule must list each sequence's key tiles that share a query tile in
-    ascending order (TritonBackend._schedule_walk keeps the grid where it would not)."""
+    ascending order (TritonBackend._schedule_walk keeps the grid where it would not). `softcap`: the scores' cap (0:
+    none; not on a split_d tile); `alibi`: (fp32 slopes (heads,) or (batch, heads) of the launch's query heads, their
+    batch stride) or None."""
+    assert not (softcap and tile.split_d), "bwd_ws_split takes no softcap"
     d = q.shape[-1]
     heads_k = k.shape[-2]
     group = q.shape[-2] // heads_k
@@ -202,11 +230,11 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
     return LaunchSpec(kernel, grid, dict(
         q_desc=q_desc, k_desc=descriptor(k, varlen, tile.block_n), v_desc=descriptor(v, varlen, tile.block_n),
         do_desc=descriptor(dout, varlen, tile.block_m), dq_desc=descriptor(dq_accum, varlen, tile.block_m, dq_parts),
-        Lse=lse, Delta=delta, dK=dk, dV=dv, Sem=semaphores if semaphores is not None else lse,
+        stats=(lse, delta), grads=(dk, dv), Sem=semaphores if semaphores is not None else lse,
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         stride_lse=lse_strides, stride_dk=dk_strides, stride_dv=dv_strides,
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
-        sem_m_tiles=semaphore_tiles(seqlen_q, tile), TILE=tile,
+        softcap=softcap or None, alibi=alibi, sem_m_tiles=semaphore_tiles(seqlen_q, tile), TILE=tile,
         CALL=GluonCall(q_desc.block_shape[-1], varlen, mask.flags, DETERMINISTIC=semaphores is not None)),
         tile.num_warps, options={"maxnreg": tile.max_registers} if tile.max_registers else {})
 

@@ -9,8 +9,10 @@ as the A operand of their halves of the three gradient matmuls.
 
   loader   (1 warp)       bwd_ws_workers.loader: K, V once; per step Q, dO, lse·log2e and delta (one stage: at d256
                           two stages of Q and dO do not fit beside K, V and the dQ buffers)
-  scores   (default,      S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse * log2e), masked
-            4 warps)      -> P^T to shared memory ("p_ready")
+  scores   (default,      S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse * log2e), masked (with ALiBi, minus
+            4 warps)      the head's slope times the distance in log2 units; no softcap: its slope would be
+                          dS^T's, the other warpgroup's)
+                          -> P^T to shared memory ("p_ready")
   dP       (4 warps)      dP^T = V dO^T; dS^T = P^T (dP^T - delta) -> shared memory ("ds_ready")
   both, on their half h of the columns:
                           dV_h += P^T dO_h, dK_h += dS^T Q_h, dQ_h = dS K_h
@@ -33,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from ..runtime.softmax_terms import alibi_distance
 from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
 from .gluon_common import LOG2E, aggregate, probs_transposed, slot
@@ -53,8 +56,8 @@ class Exchange:
 
 # ---- one MMA warpgroup: its role in S^T / dP^T, then its half of the columns ----------------------
 @gluon.jit
-def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.constexpr):
-    """`grads`: (dK, dV, their strides); `sizes`: the kernel's."""
+def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, alibi, HALF: gl.constexpr):
+    """`grads`: (dK, dV, their strides); `sizes`: the kernel's; `alibi`: (fp32 slopes, their batch stride) or None."""
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
     head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
     BLOCK_M: gl.constexpr = consts.BLOCK_M
@@ -92,8 +95,15 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.conste
             # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked, to shared memory ----
             sT = bufs.q.issue_mma(k_tile, s_zero, step)
             lse2 = bufs.lse.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
+            if alibi is not None:
+                slope_log2 = workers.step_slope(alibi, b, kv_head, group, step, m_tiles)
             sT = warpgroup_mma_wait(0, deps=(sT,))
-            pT = probs_transposed(mask, sT, lse2, scale_log2, m0 + offs_m_tile, offs_n, m0, n0, len_k, shift,
+            s_scale = scale_log2
+            if alibi is not None:   # minus the slope times the distance from the bottom-right diagonal
+                sT = sT * s_scale - slope_log2 * alibi_distance(gl.expand_dims(m0 + offs_m_tile, 0),
+                                                                gl.expand_dims(offs_n, 1), len_k - len_q)
+                s_scale = 1.0
+            pT = probs_transposed(mask, sT, lse2, s_scale, m0 + offs_m_tile, offs_n, m0, n0, len_k, shift,
                                   BLOCK_M, BLOCK_N)
             mbarrier.wait(xchg.ps_free, phase ^ 1)   # the previous step's matmuls have read P^T and dS^T
             xchg.pt.store(pT.to(dtype))
@@ -134,12 +144,15 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, HALF: gl.conste
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
-def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, dK, dV, Sem,
-                             cu_seqlens, schedule, stride_lse, stride_dk, stride_dv, sizes, window, sem_m_tiles,
-                             TILE: gl.constexpr, CALL: gl.constexpr):
+def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, Sem,
+                             cu_seqlens, schedule, stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi,
+                             sem_m_tiles, TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
-    docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
+    docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim, no softcap."""
+    gl.static_assert(softcap is None, "bwd_ws_split takes no softcap")
     consts, seqs, mask = workers.prologue(TILE, CALL, 2, cu_seqlens, schedule, sizes, window)   # dQ in halves
+    Lse, Delta = stats
+    dK, dV = grads
     if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
@@ -161,8 +174,8 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delt
     # One literal list (no comprehension): the code generator then wraps a launch's constant 1 (sem_m_tiles, an lse
     # stride) as a constexpr, which crosses into a worker partition; a comprehension's plain int does not.
     gl.warp_specialize([
-        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, 0)),
-        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, 1)),
+        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, alibi, 0)),
+        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, alibi, 1)),
         (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
                           group)),
         (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),

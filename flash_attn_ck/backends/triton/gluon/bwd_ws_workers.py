@@ -145,6 +145,14 @@ def tile_schedule(consts, seqs, mask):
     return n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles
 
 
+@gluon.jit
+def step_slope(alibi, b, kv_head, group, step, m_tiles):
+    """ALiBi's slope (times log2 e) of the query head of `step` (a CTA walks its kv head's group head by head, the
+    query tiles of each in turn); `alibi`: (fp32 slopes, their batch stride)."""
+    Slopes, slope_batch = alibi
+    return gl.load(Slopes + b.to(gl.int64) * slope_batch + kv_head * group + step // m_tiles) * LOG2E
+
+
 # ---- the kernels' shared prologue ------------------------------------------------------------------
 @gluon.jit
 def prologue(TILE, CALL, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, window):

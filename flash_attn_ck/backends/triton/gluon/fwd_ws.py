@@ -28,7 +28,9 @@ warpgroups of 64 query rows each and a loader warp share the CTA:
                          lse = m * scale + ln(l) in fp32; a row that sees no key gets O = 0, lse = +inf.
                          With a learnable sink (`Sink`) its logit is first taken in as one more term
                          of m and l (softmax_terms.take_sink). With a softcap each S tile becomes
-                         softcap * tanh(scale * S / softcap) in log2 units before the mask and the max.
+                         softcap * tanh(scale * S / softcap) in log2 units before the mask and the max;
+                         with ALiBi the head's slope times each score's distance from the bottom-right
+                         diagonal is subtracted (in log2 units: softmax_terms.alibi_distance).
 
 Every consumer walks every key tile the CTA sees (the loader loads each once); a tile that no row of a
 warpgroup sees gives P = 0 there. Each key tile tests at run time whether it needs the mask; with SPLIT_MASK
@@ -46,8 +48,9 @@ gluon_common.uniform_rows copies tensors whose rows a descriptor cannot view):
   - head_dim padded to a power of two with a tile in config.FWD_WS_SM90; heads adjacent in
     memory (stride_h = head_dim), rows uniform, 16-byte aligned; out viewed the same way;
   - BLOCK_M = 64 * CONSUMERS (config.FwdWsTile checks it);
-  - the softmax scale is positive (the running max is taken on raw scores);
-  - no dropout, ALiBi or softcap.
+  - the softmax scale is positive (the running max is taken on raw scores, or on log2-unit ones with a softcap
+    or ALiBi);
+  - no dropout.
 """
 
 
@@ -63,7 +66,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
-from ..runtime.softmax_terms import accurate_tanh, take_sink
+from ..runtime.softmax_terms import accurate_tanh, alibi_distance, take_sink
 from ..runtime.triton_versions import tma_load, tma_store
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot, uniform_descriptor
 
@@ -232,15 +235,22 @@ def _pass_turn(consts, turn, WARPGROUP: gl.constexpr):
 
 
 @gluon.jit
-def _softmax_step(consts, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shift, scale_log2, softcap,
+def _softmax_step(consts, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shift, scale_log2, score_terms,
                   MASKED: gl.constexpr):
     """One key tile's online-softmax update of raw scores s: (P, alpha that rescales O, new max, new sum).
-    The max is kept on raw scores; exp2 takes s * scale * log2e - m * scale * log2e (one FFMA). `softcap`: (cap or
-    None, scale): with a cap the scores become cap * tanh(scale * s / cap) in log2 units first (scale_log2 is then 1).
-    MASKED: whether the tile needs the mask (True, False: no mask code), or None: the tile decides at run time."""
-    cap, scale = softcap
+    The max is kept on raw scores; exp2 takes s * scale * log2e - m * scale * log2e (one FFMA). `score_terms`: (cap
+    or None, scale, ALiBi's (slope * log2e per row, distance shift) or None): with a cap the scores become cap *
+    tanh(scale * s / cap) in log2 units first, with ALiBi scale * s in log2 units minus the bias (scale_log2 is then
+    1). MASKED: whether the tile needs the mask (True, False: no mask code), or None: the tile decides at run time."""
+    cap, scale, bias = score_terms
     if cap is not None:
         s = (accurate_tanh(s * (scale / cap)) * cap) * LOG2E    # in this order: cap * log2e may overflow fp32
+    elif bias is not None:
+        s = s * (scale * LOG2E)
+    if bias is not None:    # (relative to the tile, as the mask: distance |(i - n0) + shift - column|)
+        slope_log2, alibi_shift = bias
+        s = s - gl.expand_dims(slope_log2, 1) * alibi_distance(gl.expand_dims(offs_m - n0, 1),
+                                                                gl.expand_dims(offs_n, 0), alibi_shift)
     if MASKED is None:
         masked = mask.tile_needs_mask(m0, n0, len_k, shift, consts.ROWS, consts.BLOCK_N)
     else:
@@ -270,9 +280,9 @@ def _unmasked_tiles(consts, mask, m0, len_q, len_k, shift, n_lo, n_tiles, start)
 def _overlap_steps(consts, bufs, mask, q_tile, s_zero, keys, start, stop, carry, WARPGROUP: gl.constexpr,
                    MASKED: gl.constexpr):
     """OVERLAP: key tiles [start, stop), start > 0 (`_softmax_step`'s MASKED for each). `keys`: (offs_m, offs_n, m0,
-    n_lo, len_k, shift, scale_log2, softcap); `carry`: (P of tile start - 1, m, l, O, rounds), returned after tile
+    n_lo, len_k, shift, scale_log2, score_terms); `carry`: (P of tile start - 1, m, l, O, rounds), returned after tile
     stop - 1."""
-    offs_m, offs_n, m0, n_lo, len_k, shift, scale_log2, softcap = keys
+    offs_m, offs_n, m0, n_lo, len_k, shift, scale_log2, score_terms = keys
     p, m_i, l_i, acc, rounds = carry
     for j in range(start, stop):
         rounds = _take_turn(consts, bufs.turn, rounds, WARPGROUP)
@@ -282,7 +292,7 @@ def _overlap_steps(consts, bufs, mask, q_tile, s_zero, keys, start, stop, carry,
         s = warpgroup_mma_wait(1, deps=(s,))
         bufs.k.release(j)
         p, alpha, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo + j * consts.BLOCK_N, offs_m, offs_n,
-                                           m0, len_k, shift, scale_log2, softcap, MASKED)
+                                           m0, len_k, shift, scale_log2, score_terms, MASKED)
         acc = warpgroup_mma_wait(0, deps=(acc,))
         bufs.v.release(j - 1)
         acc = _rescale(acc, alpha, consts.o_layout)
@@ -294,12 +304,12 @@ def _steps(consts, bufs, mask, q_tile, s_zero, keys, start, stop, state, WARPGRO
            MASKED: gl.constexpr):
     """Without OVERLAP: key tiles [start, stop), each S round, softmax and P V round in turn. `keys` as
     `_overlap_steps`'; `state`: (m, l, O, rounds), returned after tile stop - 1."""
-    offs_m, offs_n, m0, n_lo, len_k, shift, scale_log2, softcap = keys
+    offs_m, offs_n, m0, n_lo, len_k, shift, scale_log2, score_terms = keys
     m_i, l_i, acc, rounds = state
     for j in range(start, stop):
         s, rounds = _s_round(consts, bufs, q_tile, s_zero, j, rounds, WARPGROUP)
         p, alpha, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo + j * consts.BLOCK_N, offs_m, offs_n, m0,
-                                           len_k, shift, scale_log2, softcap, MASKED)
+                                           len_k, shift, scale_log2, score_terms, MASKED)
         acc = _rescale(acc, alpha, consts.o_layout)
         acc, rounds = _pv_round(consts, bufs, p, j, acc, rounds, WARPGROUP)
     return m_i, l_i, acc, rounds
@@ -315,9 +325,9 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.constexpr):
     """Query rows [m0 + ROWS * WARPGROUP, + ROWS) of the CTA's tile. `outputs`: (o_desc, Out, Lse, (out row, lse
     batch, lse head) strides); `sizes`: the kernel's; `terms`: (the softcap or None, a learnable sink's fp32 (heads,)
-    logits or None)."""
+    logits or None, ALiBi's (fp32 slopes, their batch stride) or None)."""
     o_desc, Out, Lse, strides = outputs
-    cap, Sink = terms
+    cap, Sink, alibi = terms
     stride_out_row, stride_lse_b, stride_lse_h = strides
     head_dim, scale = sizes.head_dim, sizes.scale
     m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(consts, seqs, mask)
@@ -328,8 +338,14 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
     offs_m = m0 + gl.arange(0, ROWS, layout=consts.row_layout)
     offs_n = gl.arange(0, consts.BLOCK_N, layout=gl.SliceLayout(0, consts.s_layout))
     scale_log2 = scale * LOG2E
-    softcap = (cap, scale)  # with a cap, _softmax_step's scores are cap * tanh(scale * s / cap) in log2 units,
-    if cap is not None:     # which exp2 and lse take as they are
+    # with a cap or ALiBi, _softmax_step's scores are in log2 units, which exp2 and lse take as they are
+    if alibi is not None:   # the head's slope in log2 units, per row; the distance's zero is the bottom-right diagonal
+        Slopes, slope_batch = alibi
+        slope_log2 = gl.load(Slopes + b.to(gl.int64) * slope_batch + head + offs_m * 0) * LOG2E
+        score_terms = (cap, scale, (slope_log2, len_k - len_q))
+    else:
+        score_terms = (cap, scale, alibi)  # type: ignore[assignment]  # (alibi: None, a constant)
+    if cap is not None or alibi is not None:
         scale_log2 = 1.0
         scale = 1.0 / LOG2E
     q_tile = slot(bufs.q, WARPGROUP)
@@ -344,13 +360,13 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
         _pass_turn(consts, bufs.turn, WARPGROUP)   # consumer 0 issues first
 
     # ---- online softmax over the visible key tiles ----
-    keys = (offs_m, offs_n, m0, n_lo, len_k, shift, scale_log2, softcap)
+    keys = (offs_m, offs_n, m0, n_lo, len_k, shift, scale_log2, score_terms)
     if consts.OVERLAP:
         # S_{j+1} is issued before P V_j; the softmax of tile j + 1 overlaps P V_j.
         if n_tiles > 0:
             s, rounds = _s_round(consts, bufs, q_tile, s_zero, 0, rounds, WARPGROUP)
             p, _, m_i, l_i = _softmax_step(consts, mask, s, m_i, l_i, n_lo, offs_m, offs_n, m0, len_k, shift,
-                                           scale_log2, softcap, None)
+                                           scale_log2, score_terms, None)
             carry = (p, m_i, l_i, acc, rounds)
             if consts.SPLIT_MASK:
                 first, end = _unmasked_tiles(consts, mask, m0, len_q, len_k, shift, n_lo, n_tiles, 1)
@@ -403,13 +419,14 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, schedule, strides, sizes, window, softcap,
-                       Sink, TILE: gl.constexpr, CALL: gl.constexpr):
+                       Sink, alibi, TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR, or with a
     `schedule` (varlen: int32 (rows, 2) [sequence, query tile], else a constexpr None) (query heads, rows); num_warps =
     CONSUMER_WARPS (consumer 0). `cu_seqlens`: (q, k); `strides`: (out row, lse batch, lse head); `sizes`:
     launch.GluonSizes; `window`: (left, right); `softcap`: scores softcap * tanh(scale * q.k / softcap), or None;
     `Sink`: a learnable sink's fp32 (query heads,) logits, taken into each row's softmax, or None (None: a constant,
-    the kernel compiles without the term); TILE: config.FwdWsTile; CALL:
+    the kernel compiles without the term); `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch
+    stride (0 for (query heads,))), or None; TILE: config.FwdWsTile; CALL:
     launch.GluonCall. See the module docstring."""
     consts = PartitionConstants(TILE, CALL.HEAD_D)
     seqlen_q, seqlen_k, group = sizes.seqlen_q, sizes.seqlen_k, sizes.group
@@ -446,7 +463,8 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
     mask = Mask(window, CALL.MASK)
     outputs = (o_desc, Out, Lse, strides)
     gl.warp_specialize(
-        [(_consumer, (consts, bufs, seqs, mask, outputs, sizes, (softcap, Sink), wg)) for wg in (0, 1, 2)[:CONSUMERS]]
+        [(_consumer, (consts, bufs, seqs, mask, outputs, sizes, (softcap, Sink, alibi), wg))
+         for wg in (0, 1, 2)[:CONSUMERS]]
         + [(_loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc), group))],
         [CONSUMER_WARPS] * (CONSUMERS - 1) + [1], [TILE.consumer_regs] * (CONSUMERS - 1) + [TILE.loader_regs])
 
@@ -454,13 +472,13 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
 # ---- host side -------------------------------------------------------------------------------
 def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int, seqlen_q: int,
                 seqlen_k: int, scale: float, mask: GluonMask, tile, schedule=None, softcap: float = 0.0,
-                sink=None) -> tuple[LaunchSpec, object]:
+                sink=None, alibi=None) -> tuple[LaunchSpec, object]:
     """The launch of attn_fwd_ws_kernel for out (layout of q) and lse ((b, h, s_q) or varlen (h, total_q)), and the
     tensor it writes: out itself, or a copy of it that a descriptor can view (launch copies it back). `schedule`
     (varlen only): the call's (sequence, query tile) items (varlen_schedule.build_schedule of a walk that owns query
     tiles of tile.block_m rows), run on a grid (query heads, items); None: the grid over every (batch, query tile).
     `softcap`: the scores' cap (0: none); `sink`: fp32 (query heads,) logits of a learnable sink the kernel takes into
-    its softmax, or None."""
+    its softmax, or None; `alibi`: (fp32 slopes (heads,) or (batch, heads), their batch stride) or None."""
     d = q.shape[-1]
     group = q.shape[-2] // k.shape[-2]
     rows_per_consumer = tile.block_m // tile.consumers
@@ -480,7 +498,8 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window, softcap=softcap or None, Sink=sink,
-        TILE=tile, CALL=GluonCall(out_desc.block_shape[-1], varlen, mask.flags)), CONSUMER_WARPS.value), target
+        alibi=alibi, TILE=tile, CALL=GluonCall(out_desc.block_shape[-1], varlen, mask.flags)),
+        CONSUMER_WARPS.value), target
 
 
 def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, **kwargs):

@@ -19,7 +19,7 @@ Conventions (checked by the tests against core/mask.py and core/dropout.py):
 import triton
 import triton.language as tl
 
-from ..runtime.softmax_terms import LOG2E, accurate_tanh
+from ..runtime.softmax_terms import LOG2E, accurate_tanh, alibi_distance
 from .row_io import head_rows, load_rows, row_tiles
 
 # ---- sequences and query-tile programs ----
@@ -165,7 +165,7 @@ def scores_log2(qk, rows, cols, bias_shift, score_args, slope, features: tl.cons
         tanh = qk  # unused: a placeholder of the right shape
         s2 = qk * (score_args.scale * LOG2E)
     if features.HAS_ALIBI:
-        distance = tl.abs(rows + bias_shift - cols).to(tl.float32)
+        distance = alibi_distance(rows, cols, bias_shift)
         s2 = s2 - (slope * LOG2E) * distance
     return s2, tanh
 

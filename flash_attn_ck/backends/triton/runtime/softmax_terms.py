@@ -1,5 +1,6 @@
 """Terms of the scores and of a row's online softmax that both kernel families compute alike: the softcap's tanh
-(`accurate_tanh`) and a learnable sink as the softmax's last term (`take_sink`, docs/semantics.md §Learnable sinks).
+(`accurate_tanh`), ALiBi's distance (`alibi_distance`) and a learnable sink as the softmax's last term (`take_sink`,
+docs/semantics.md §Learnable sinks).
 The one-launch kernels (one_launch/) and the warp-specialised forward (gluon/fwd_ws.py) call the same helpers (in
 runtime/, which both families may import): their `tl` operations are elementwise, so they build the same IR on a Gluon
 kernel's tensors as on a Triton kernel's."""
@@ -18,6 +19,14 @@ def accurate_tanh(x):
     x2 = x * x
     series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
     return tl.where(tl.abs(x) < 0.25, series, 1.0 - 2.0 / (tl.exp2((2.0 * LOG2E) * x) + 1.0))
+
+
+@triton.jit
+def alibi_distance(rows, cols, shift):
+    """ALiBi's |i + shift - j| in fp32 for query rows `rows` and key columns `cols` (broadcast elementwise); the
+    scores lose slope times it. `shift` puts the distance's zero on the bottom-right diagonal whatever the mask's
+    alignment (docs/semantics.md)."""
+    return tl.abs(rows + shift - cols).to(tl.float32)
 
 
 @triton.jit
