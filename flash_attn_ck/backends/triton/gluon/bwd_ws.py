@@ -130,9 +130,11 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
             tanh = accurate_tanh(sT * (scale / softcap))
             sT = (tanh * softcap) * LOG2E
             s_scale = 1.0
-        if alibi is not None:       # minus the slope times the distance from the bottom-right diagonal
-            sT = sT * s_scale - slope_log2 * alibi_distance(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1),
-                                                            len_k - len_q)
+        if alibi is not None:       # minus the slope times the distance from the bottom-right diagonal (from fp32
+            # coordinates, exact below 2^24: ptxas then spills less of this partition than with int ones)
+            sT = sT * s_scale - slope_log2 * alibi_distance(gl.expand_dims(offs_m.to(gl.float32), 0),
+                                                            gl.expand_dims(offs_n.to(gl.float32), 1),
+                                                            (len_k - len_q).to(gl.float32))
             s_scale = 1.0
         pT = probs_transposed(mask, sT, lse2, s_scale, offs_m, offs_n, m0, n0, len_k, shift, BLOCK_M, BLOCK_N)
 
