@@ -1,8 +1,8 @@
 """Terms of the scores and of a row's online softmax that both kernel families compute alike: the softcap's tanh
 (`accurate_tanh`), ALiBi's distance (`alibi_distance`) and a learnable sink as the softmax's last term (`take_sink`,
 docs/semantics.md §Learnable sinks).
-The one-launch kernels (one_launch/) and the warp-specialised forward (gluon/fwd_ws.py) call the same helpers (in
-runtime/, which both families may import): their `tl` operations are elementwise, so they build the same IR on a Gluon
+The one-launch kernels (one_launch/) and the warp-specialised ones (gluon/) call the same helpers (in runtime/, which
+both families may import): their `tl` operations are elementwise, so they build the same IR on a Gluon
 kernel's tensors as on a Triton kernel's."""
 
 import triton
