@@ -310,15 +310,7 @@ def _flex():
 VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq": dict(dq_mode="atomic"),
             "triton-dq-pass": dict(dq_mode="pass"), "triton-pointers": dict(use_tma=False),
             "triton-tma": dict(use_tma=True), "triton-one-launch": dict(ws=False, fwd_ws=False),
-            "triton-ws": dict(ws=True, fwd_ws=True), "triton-ws-terms": {}}
-# Operator declarations still off by default, switched on while a variant runs (measured before a default changes):
-# "triton-ws-terms" gives fwd_ws the learnable sink, the softcap and ALiBi, bwd_ws the softcap and ALiBi, bwd_ws_split
-# ALiBi (config.FWD_WS_TAKES_SINK, FWD_WS_SOFTCAP, BWD_WS_SOFTCAP, FWD_WS_ALIBI, BWD_WS_ALIBI).
-DECLARATIONS = {"triton-ws-terms": (("FwdWs", "takes_sink", True), ("FwdWs", "supports_softcap", True),
-                                    ("BwdWs", "supports_softcap", True), ("FwdWs", "supports_alibi", True),
-                                    ("BwdWs", "supports_alibi", True), ("BwdWsSplit", "supports_alibi", True))}
-
-
+            "triton-ws": dict(ws=True, fwd_ws=True)}
 def leaf(shape, generator: torch.Generator, device: torch.device, dtype=torch.bfloat16) -> torch.Tensor:
     """A seeded standard-normal leaf that requires grad (drawn in fp32: CPU generators draw no bf16)."""
     t = torch.randn(*shape, generator=generator, device=device, dtype=torch.float32)
@@ -353,19 +345,10 @@ def with_tflops(row: Row, timed: dict) -> dict:
 
 @contextlib.contextmanager
 def _backend_of(name: str, configs=None, backend=None):
-    """Within the block our runners use the TritonBackend of `name` (a variant's options, tuned tiles) with the
-    variant's operator DECLARATIONS."""
-    from flash_attn_ck.backends.triton import TritonBackend, operators
-    switched = [(getattr(operators, owner), attribute, value) for owner, attribute, value in DECLARATIONS.get(name, ())]
-    saved = [(owner, attribute, getattr(owner, attribute)) for owner, attribute, _ in switched]
-    for owner, attribute, value in switched:
-        setattr(owner, attribute, value)
-    try:
-        with fa.use_backend(backend or TritonBackend(configs=configs, **VARIANTS.get(name, {}))):
-            yield
-    finally:
-        for owner, attribute, value in saved:
-            setattr(owner, attribute, value)
+    """Within the block our runners use the TritonBackend of `name` (a variant's options, tuned tiles)."""
+    from flash_attn_ck.backends.triton import TritonBackend
+    with fa.use_backend(backend or TritonBackend(configs=configs, **VARIANTS.get(name, {}))):
+        yield
 
 
 def measure(name, b, h, h_k, s, d, causal, configs=None, warm_only=False, backend=None):

@@ -187,10 +187,10 @@ def gluon_variants(head_dims, names: str = ""):
 
 
 def term_variants(d: int, names: str = ""):
-    """(name, launch spec) of the warp-specialised kernels at head dim `d` with the score terms their defaults leave
-    off (config.FWD_WS_SOFTCAP, FWD_WS_TAKES_SINK, BWD_WS_SOFTCAP, FWD_WS_ALIBI, BWD_WS_ALIBI), causal: fwd_ws with a
-    softcap and a sink, and with ALiBi (varlen); the backward with ALiBi, and bwd_ws with a softcap with and without
-    ALiBi (dense and varlen; bwd_ws_split takes no softcap)."""
+    """(name, launch spec) of the warp-specialised kernels at head dim `d` with the score terms they take (the sink,
+    the softcap, ALiBi: operators' takes_sink, supports_softcap, supports_alibi), causal: fwd_ws with a
+    softcap and a sink, and with ALiBi (varlen); the backward with ALiBi, with a softcap, and with both (dense and
+    varlen)."""
     from gluon_compile import bwd_spec, fwd_spec
     if d in config.FWD_WS_SM90:
         tile = config.FWD_WS_SM90[d][True]
@@ -200,9 +200,8 @@ def term_variants(d: int, names: str = ""):
                 yield name, fwd_spec(tile, d, True, (False, False, True), **options)
     if d in config.BWD_WS_SM90:
         tile = config.BWD_WS_SM90[d]
-        terms = [("alibi", dict(alibi=True))]
-        if not tile.split_d:    # bwd_ws_split takes no softcap
-            terms += [("softcap", dict(softcap=30.0)), ("softcap alibi", dict(softcap=30.0, alibi=True))]
+        terms = [("alibi", dict(alibi=True)), ("softcap", dict(softcap=30.0)),
+                 ("softcap alibi", dict(softcap=30.0, alibi=True))]
         for tag, options in terms:
             for varlen in (False, True):
                 spec = bwd_spec(tile, d, varlen, (False, False, True), **options)

@@ -39,13 +39,11 @@ def test_triton_deterministic_with_a_sink_is_bit_identical_on_the_gpu():
     assert torch.equal(out_a, out_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
-# ---- fwd_ws taking the sink in its epilogue (config.FWD_WS_TAKES_SINK) -----------------------------------------
+# ---- fwd_ws taking the sink in its epilogue (operators.FwdWs.takes_sink) ---------------------------------------
 
-def _sink_in_fwd_ws(monkeypatch) -> list:
-    """Turn fwd_ws's in-kernel sink on; the sinks its launches were given (each must be the call's, not None)."""
-    from flash_attn_ck.backends.triton import operators
+def _sinks_given_to_fwd_ws(monkeypatch) -> list:
+    """The sinks fwd_ws's launches were given (each must be the call's, not None)."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
-    monkeypatch.setattr(operators.FwdWs, "takes_sink", True)
     given, real = [], fwd_ws.launch
     monkeypatch.setattr(fwd_ws, "launch", lambda *args, **kwargs: (given.append(kwargs["sink"]), real(*args, **kwargs)))
     return given
@@ -57,7 +55,7 @@ def _sink_in_fwd_ws(monkeypatch) -> list:
 def test_fwd_ws_with_the_sink_in_its_kernel_on_the_gpu(monkeypatch, name):
     import flash_attn_ck as fa
     from flash_attn_ck.backends.triton import TritonBackend
-    given = _sink_in_fwd_ws(monkeypatch)
+    given = _sinks_given_to_fwd_ws(monkeypatch)
     # A fresh backend: the registered one keeps each problem's recorded launches (runtime/replay.py), and a worker
     # that ran this shape with the fold before would replay fwd_ws without the sink.
     with fa.use_backend(TritonBackend()):
@@ -85,7 +83,7 @@ def test_fwd_ws_takes_special_sinks_as_the_fold_does_on_the_gpu(monkeypatch):
         return fa.flash_attn_fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=1024, max_seqlen_k=1024,
                                  causal=True, learnable_sink=sink, backend=TritonBackend())[:2]
     folded_out, folded_lse = forward()
-    given = _sink_in_fwd_ws(monkeypatch)
+    given = _sinks_given_to_fwd_ws(monkeypatch)
     out, lse = forward()
     assert given and all(s is not None for s in given), "fwd_ws ran the forward with the sink"
     for name, ours, folded in (("lse", lse, folded_lse), ("out", out.float(), folded_out.float())):

@@ -235,9 +235,9 @@ def test_three_consumer_forward_matches(tile, case):
         check_case(cfg, backend="triton", device="cuda", seed=3)
 
 
-# fwd_ws and bwd_ws with the softcap in their kernels (config.FWD_WS_SOFTCAP, BWD_WS_SOFTCAP, off by default until
-# these pass): caps small and large (tanh's series branch), causal GQA, a window, varlen with empty sequences, with a
-# learnable sink.
+# fwd_ws and bwd_ws with the softcap in their kernels (forced on: by default fwd_ws takes it in the head blocks of
+# config.FWD_WS_SOFTCAP_HEAD_BLOCKS): caps small and large (tanh's series branch), causal GQA, a window, varlen with
+# empty sequences, with a learnable sink.
 WS_SOFTCAP_CASES = {
     "causal_gqa": dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, softcap=8.0, causal=True),
     "window_large_cap": dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, softcap=2e4, window=(100, 7)),
@@ -250,7 +250,6 @@ WS_SOFTCAP_CASES = {
 @pytest.mark.parametrize("name", sorted(WS_SOFTCAP_CASES))
 def test_fwd_ws_softcap_matches(monkeypatch, name, head_dim):
     from flash_attn_ck.backends.triton.gluon import fwd_ws
-    monkeypatch.setattr(operators.FwdWs, "supports_softcap", True)
     caps, real = [], fwd_ws.launch
     monkeypatch.setattr(fwd_ws, "launch",
                         lambda *args, **kwargs: (caps.append(kwargs["softcap"]), real(*args, **kwargs)))
@@ -260,31 +259,32 @@ def test_fwd_ws_softcap_matches(monkeypatch, name, head_dim):
     assert caps and all(cap == cfg.softcap for cap in caps), "fwd_ws ran the forward with the cap"
 
 
-def _softcap_on_bwd_ws(monkeypatch) -> list:
-    """Turn bwd_ws's softcap on; the caps its launches were given."""
+def _caps_given_to_bwd_ws(monkeypatch) -> list:
+    """The caps bwd_ws's launches were given."""
     from flash_attn_ck.backends.triton.gluon import bwd_ws
-    monkeypatch.setattr(operators.BwdWs, "supports_softcap", True)
     caps, real = [], bwd_ws.launch
     monkeypatch.setattr(bwd_ws, "launch",
                         lambda *args, **kwargs: (caps.append(kwargs["softcap"]), real(*args, **kwargs)))
     return caps
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("name", sorted(WS_SOFTCAP_CASES))
 def test_bwd_ws_softcap_matches(monkeypatch, name, head_dim):
-    """dq, dk, dv (and dsink) of bwd_ws with the cap's tanh in P and its slope in dS, under the 2x rule (on a fresh
-    backend: the registered one may hold a replay of the same shape recorded without the cap)."""
-    caps = _softcap_on_bwd_ws(monkeypatch)
+    """dq, dk, dv (and dsink) of bwd_ws (bwd_ws_split at d256: the slope handed between its warpgroups) with the
+    cap's tanh in P and its slope in dS, under the 2x rule (on a fresh backend: the registered one may hold a replay
+    of the same shape recorded without the cap)."""
+    caps = _caps_given_to_bwd_ws(monkeypatch)
     cfg = Config(**WS_SOFTCAP_CASES[name], head_dim=head_dim, dtype=torch.bfloat16)
     with use_backend(TritonBackend(ws=True)):
         check_case(cfg, backend="triton", device="cuda")
     assert caps and all(cap == cfg.softcap for cap in caps), "bwd_ws ran the backward with the cap"
 
 
-def test_bwd_ws_softcap_deterministic_is_bit_identical(monkeypatch):
-    caps = _softcap_on_bwd_ws(monkeypatch)
-    cfg = Config(**WS_SOFTCAP_CASES["causal_gqa"], head_dim=128, dtype=torch.bfloat16, deterministic=True)
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_bwd_ws_softcap_deterministic_is_bit_identical(monkeypatch, head_dim):
+    caps = _caps_given_to_bwd_ws(monkeypatch)
+    cfg = Config(**WS_SOFTCAP_CASES["causal_gqa"], head_dim=head_dim, dtype=torch.bfloat16, deterministic=True)
     with use_backend(TritonBackend(ws=True)):
         (out_a, grads_a), (out_b, grads_b) = (check_case(cfg, backend="triton", device="cuda") for _ in range(2))
     assert caps and torch.equal(out_a, out_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
@@ -541,8 +541,9 @@ def test_varlen_schedule_in_several_kv_head_launches(monkeypatch, deterministic)
     _compare_schedule(p, params, dout, deterministic)
 
 
-# fwd_ws and the warp-specialised backward with ALiBi in their scores (config.FWD_WS_ALIBI, BWD_WS_ALIBI, off by default
-# until these pass): causal GQA, s_q != s_k with a window, varlen with empty sequences, with a softcap and a sink too.
+# fwd_ws and the warp-specialised backward with ALiBi in their scores (forced on: by default only under the Triton
+# releases of config.WS_ALIBI_TRITON_RELEASES): causal GQA, s_q != s_k with a window, varlen with empty sequences, with
+# a softcap and a sink too.
 WS_ALIBI_CASES = {
     "causal_gqa": dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, causal=True),
     "window_sq_ne_sk": dict(batch=2, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, window=(100, 7)),
@@ -552,15 +553,10 @@ WS_ALIBI_CASES = {
 }
 
 
-def _alibi_on_the_ws_kernels(monkeypatch) -> dict:
-    """Turn ALiBi (and the softcap) on for fwd_ws and the warp-specialised backward; the ALiBi arguments each kernel's
-    launches were given, by kernel."""
+def _alibi_given_to_the_ws_kernels(monkeypatch) -> dict:
+    """The ALiBi arguments the launches of fwd_ws and the warp-specialised backward were given, by kernel."""
     from flash_attn_ck.backends.triton.gluon import bwd_ws, fwd_ws
     given: dict = {"fwd_ws": [], "bwd_ws": []}
-    for operator in (operators.FwdWs, operators.BwdWs, operators.BwdWsSplit):
-        monkeypatch.setattr(operator, "supports_alibi", True)
-    for operator in (operators.FwdWs, operators.BwdWs):
-        monkeypatch.setattr(operator, "supports_softcap", True)
     for name, module in (("fwd_ws", fwd_ws), ("bwd_ws", bwd_ws)):
         real = module.launch
         monkeypatch.setattr(module, "launch", lambda *args, _real=real, _name=name, **kwargs: (
@@ -568,13 +564,13 @@ def _alibi_on_the_ws_kernels(monkeypatch) -> dict:
     return given
 
 
-@pytest.mark.parametrize("name,head_dim", [(name, d) for name in sorted(WS_ALIBI_CASES) for d in (64, 128, 256)
-                                           if d <= 128 or not WS_ALIBI_CASES[name].get("softcap")])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("name", sorted(WS_ALIBI_CASES))
 def test_ws_alibi_matches(monkeypatch, name, head_dim):
     """out, lse, dq, dk, dv (and dsink) of fwd_ws and bwd_ws / bwd_ws_split with ALiBi against the float64 oracle under
     the 2x rule, on a fresh backend that forces both kernels (the registered one may replay a launch of the same
-    shape recorded without ALiBi). bwd_ws_split (d256) takes no softcap: its case runs at d64 and d128."""
-    given = _alibi_on_the_ws_kernels(monkeypatch)
+    shape recorded without ALiBi)."""
+    given = _alibi_given_to_the_ws_kernels(monkeypatch)
     cfg = Config(**WS_ALIBI_CASES[name], head_dim=head_dim, alibi=True, dtype=torch.bfloat16)
     with use_backend(TritonBackend(ws=True, fwd_ws=True)):
         check_case(cfg, backend="triton", device="cuda")
@@ -584,7 +580,7 @@ def test_ws_alibi_matches(monkeypatch, name, head_dim):
 
 def test_ws_alibi_takes_head_slopes_as_the_batch_of_them(monkeypatch):
     """(h,) slopes (batch stride 0) give what the same slopes repeated per batch entry give, bit for bit."""
-    _alibi_on_the_ws_kernels(monkeypatch)
+    _alibi_given_to_the_ws_kernels(monkeypatch)
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, 1024, 8, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                for _ in range(3))

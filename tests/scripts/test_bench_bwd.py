@@ -354,26 +354,3 @@ def test_an_unknown_row_set_is_refused_naming_the_option(name):
     with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
         bb.main(["--rows", f"features,{name}", "--plan"])
     assert f"--rows: unknown ['{name}']" in err.getvalue()
-
-
-def test_a_variant_switches_its_declarations_on_while_it_runs_and_back_after():
-    """`triton-ws-terms` times the warp-specialised kernels with the sink, softcap and ALiBi that the defaults leave
-    off (bench_bwd.DECLARATIONS): on inside the block, as they were after it, an error included."""
-    from flash_attn_ck.backends.triton import operators
-
-    def declared():
-        return (operators.FwdWs.takes_sink, operators.FwdWs.supports_softcap, operators.BwdWs.supports_softcap,
-                operators.FwdWs.supports_alibi, operators.BwdWs.supports_alibi, operators.BwdWsSplit.supports_alibi)
-    before, inside = declared(), []
-
-    def run_and_fail():
-        with bb._backend_of("triton-ws-terms"):
-            inside.append(declared())
-            raise RuntimeError("a peer failing mid-row")
-
-    with pytest.raises(RuntimeError, match="mid-row"):
-        run_and_fail()
-    assert inside == [(True,) * 6]
-    assert declared() == before
-    with bb._backend_of("triton"):
-        assert declared() == before

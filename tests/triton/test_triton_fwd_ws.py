@@ -81,8 +81,7 @@ def test_the_default_runs_it_exactly_where_measured(head_dim, causal, gqa, dtype
     assert runs == measured
 
 
-FEATURES = {"dropout": dict(dropout_p=0.1), "ALiBi": dict(has_alibi=True), "softcap": dict(softcap=5.0),
-            "float32": dict(dtype=torch.float32), "head dim 16": dict(head_dim=16),
+FEATURES = {"dropout": dict(dropout_p=0.1), "float32": dict(dtype=torch.float32), "head dim 16": dict(head_dim=16),
             "head dim 32": dict(head_dim=32), "softmax scale": dict(scale=-0.1)}
 
 

@@ -40,7 +40,8 @@ def _problem(seqlen: int, head_dim: int, **features) -> AttentionProblem:
 @pytest.mark.parametrize("seqlen,head_dim,features,operator", [
     (4096, 128, {}, operators.FwdWs),                  # the warp-specialised forward's calls
     (64, 128, {}, operators.Forward),                  # too short for it
-    (4096, 128, dict(softcap=30.0), operators.Forward),
+    (4096, 128, dict(softcap=30.0), operators.Forward),  # config.FWD_WS_SOFTCAP_HEAD_BLOCKS
+    (4096, 256, dict(softcap=30.0), operators.FwdWs),
     (4096, 80, dict(head_dim_v=64), operators.Forward),
 ])
 def test_the_forward_takes_the_sink_where_its_operator_says(seqlen, head_dim, features, operator):
@@ -48,7 +49,7 @@ def test_the_forward_takes_the_sink_where_its_operator_says(seqlen, head_dim, fe
     with pretend_capability():
         assert backend.operator(p, "forward") is operator
         assert backend.forward_takes_sink(p) is operator.takes_sink
-    assert operators.Forward.takes_sink and operators.FwdWs.takes_sink is config.FWD_WS_TAKES_SINK
+    assert operators.Forward.takes_sink and operators.FwdWs.takes_sink
 
 
 _RECORD = r"""
@@ -148,7 +149,48 @@ def test_the_ws_kernels_name_a_feature_among_their_reasons_while_off(operator, f
     with pretend_capability():
         reasons = backend.reasons(p, operator)
         assert (refusal in reasons) is not getattr(operator, declared), reasons
-    assert not operators.BwdWsSplit.supports_softcap, "bwd_ws_split computes P^T and dS^T in two warpgroups"
+
+
+# (operator, head dim, the call's term, Triton release) -> whether the defaults leave the call to the one-launch kernel,
+# and the words of that reason: config.FWD_WS_SOFTCAP_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES.
+MEASURED_RULES = [
+    (operators.FwdWs, 128, dict(softcap=20.0), "3.6.0", "softcap at head dim 128: not measured faster"),
+    (operators.FwdWs, 64, dict(softcap=20.0), "3.9.0", "softcap at head dim 64: not measured faster"),
+    (operators.FwdWs, 256, dict(softcap=20.0), "3.6.0", None),
+    (operators.FwdWs, 192, dict(softcap=20.0), "3.9.0", None),
+    (operators.BwdWs, 128, dict(softcap=20.0), "3.9.0", None),
+    (operators.BwdWs, 64, dict(softcap=20.0), "3.6.0", None),
+    (operators.BwdWsSplit, 256, dict(softcap=20.0), "3.6.0", "softcap at head dim 256: not measured faster"),
+    (operators.FwdWs, 128, dict(has_alibi=True), "3.6.0", None),
+    (operators.BwdWs, 128, dict(has_alibi=True), "3.6.1", None),
+    (operators.BwdWsSplit, 256, dict(has_alibi=True), "3.6.0", None),
+    (operators.FwdWs, 128, dict(has_alibi=True), "3.9.0", "ALiBi under Triton 3.9.0: not measured faster"),
+    (operators.BwdWs, 64, dict(has_alibi=True), "3.7.1", "ALiBi under Triton 3.7.1: not measured faster"),
+    (operators.BwdWsSplit, 256, dict(has_alibi=True), "3.8.0", "ALiBi under Triton 3.8.0: not measured faster"),
+]
+
+
+@pytest.mark.parametrize("operator,head_dim,feature,version,reason", MEASURED_RULES,
+                         ids=[f"{op.name}-d{d}-{next(iter(f))}-{v}" for op, d, f, v, _ in MEASURED_RULES])
+def test_the_defaults_leave_a_score_term_to_the_one_launch_kernels_only_where_those_measured_faster(
+        monkeypatch, operator, head_dim, feature, version, reason):
+    """Under the default settings the warp-specialised kernel refuses a term it takes where the one-launch kernel
+    measured faster, naming the term and where (the head dim, the Triton release), and takes it elsewhere; with its
+    setting forced on it takes it everywhere. The backend's choice follows."""
+    from flash_attn_ck.backends.triton.runtime import triton_versions
+    monkeypatch.setattr(triton_versions, "installed", lambda: version)
+    with pretend_capability():
+        default = TritonBackend().reasons(_problem(4096, head_dim, **feature), operator)
+        forced = TritonBackend(**{operator.option: True}).reasons(_problem(4096, head_dim, **feature), operator)
+        chosen = TritonBackend().operator(_problem(4096, head_dim, **feature), operator.role)
+    found = [r for r in default if r.startswith(("softcap at", "ALiBi under"))]
+    if reason is None:
+        assert found == [] and chosen is operator, (default, chosen)
+    else:
+        assert len(found) == 1 and found[0].startswith(reason), default
+        assert f"TritonBackend({operator.option}=True) runs it" in found[0]
+        assert not chosen.name.endswith(("_ws", "_ws_split")), chosen
+    assert not [r for r in forced if r.startswith(("softcap at", "ALiBi under"))], forced
 
 
 @pytest.mark.parametrize("head_dim", sorted(config.FWD_WS_SM90))
@@ -164,19 +206,25 @@ def test_fwd_ws_compiles_the_softcap_into_its_softmax_step(head_dim, varlen):
     assert ptxas_report(ptx[30.0])["spill_stores"] <= ptxas_report(ptx[0.0])["spill_stores"]
 
 
-@pytest.mark.parametrize("head_dim", sorted(block for block, tile in config.BWD_WS_SM90.items() if not tile.split_d))
+@pytest.mark.parametrize("head_dim", sorted(config.BWD_WS_SM90))
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_bwd_ws_compiles_the_softcap_into_its_mma_partition(head_dim, varlen):
-    """The softcap variant of bwd_ws computes tanh per score (one exp2 more per score than the variant without) and
-    takes 1 - tanh^2 into dS (a multiply by the tile that the variant without has not); bwd_ws_split refuses a cap."""
+def test_the_ws_backward_compiles_the_softcap_into_its_scores(head_dim, varlen):
+    """The softcap variant of bwd_ws and bwd_ws_split computes tanh per score (one exp2 more per score than the
+    variant without). bwd_ws keeps the tanh tile for dS; bwd_ws_split hands the scores' slope from its scores
+    warpgroup to its dP one through a shared tile of its own (its shared memory grows by one block_n x block_m tile
+    of the input dtype), spilling at most a few registers more."""
     tile = config.bwd_ws_tile(head_dim, True, 1, False)
-    ptx = {cap: compile_spec(bwd_spec(tile, head_dim, varlen, (False, False, True), softcap=cap)).asm["ptx"]
-           for cap in (0.0, 30.0)}
+    kernels = {cap: compile_spec(bwd_spec(tile, head_dim, varlen, (False, False, True), softcap=cap))
+               for cap in (0.0, 30.0)}
+    ptx = {cap: kernel.asm["ptx"] for cap, kernel in kernels.items()}
     exp2 = {cap: len(re.findall(r"ex2\.approx", text)) for cap, text in ptx.items()}
     assert exp2[30.0] == 2 * exp2[0.0], exp2
-    split = next(tile for tile in config.BWD_WS_SM90.values() if tile.split_d)
-    with pytest.raises(AssertionError, match="bwd_ws_split takes no softcap"):
-        bwd_spec(split, 256, varlen, softcap=30.0)
+    grown = kernels[30.0].metadata.shared - kernels[0.0].metadata.shared
+    slope_tile = tile.block_n * tile.block_m * 2 if tile.split_d else 0
+    assert slope_tile <= grown < slope_tile + 1024, grown     # and its alignment (swizzled tiles: 1024 bytes)
+    if tile.split_d:
+        spills = {cap: ptxas_report(text)["spill_stores"] for cap, text in ptx.items()}
+        assert spills[30.0] <= spills[0.0] + 32, spills
 
 
 @pytest.mark.parametrize("head_dim", sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90)))

@@ -73,8 +73,8 @@ def test_the_default_runs_it_exactly_where_measured(head_dim, causal, group, seq
         assert reasons == [f"sequences shorter than {shortest}: the one-launch kernel measured faster"]
 
 
-FEATURES = {"dropout": dict(dropout_p=0.1),
-            "ALiBi": dict(has_alibi=True), "softcap": dict(softcap=5.0)}
+FEATURES = {"dropout": dict(dropout_p=0.1), "float32": dict(dtype=torch.float32),
+            "value head dim": dict(head_dim_v=64)}
 
 
 @settings(max_examples=25, deadline=None)

@@ -219,21 +219,17 @@ FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
 # (192, 128) causal on the one-launch forward at 186-230 TF/s against 428-527 for fwd_ws's d192 rows, the work of
 # the padded call (its TF/s then count (192 + 128) / (2 * 192) of it: 355-437).
 FWD_WS_PADDED_VALUE_HEAD_BLOCKS = frozenset({256})
-# Whether fwd_ws takes a learnable sink into its epilogue (operators.FwdWs.takes_sink) instead of the pipeline's fold
-# pass over out: on once tests/gpu/test_sinks_gpu.py's in-kernel cases pass on a GPU (docs/triton.md §Learnable sinks).
-FWD_WS_TAKES_SINK = False
-# Whether fwd_ws runs softcap calls (operators.FwdWs.supports_softcap): the scores' tanh in its softmax step; on once
-# tests/gpu/test_triton.py's fwd_ws softcap cases pass on a GPU and it measures faster than the one-launch forward.
-FWD_WS_SOFTCAP = False
-# Whether bwd_ws runs softcap calls (operators.BwdWs.supports_softcap): the scores' tanh and dS's 1 - tanh^2 in its MMA
-# partition (bwd_ws_split takes none); on once tests/gpu/test_triton.py's bwd_ws softcap cases pass on a GPU and it
-# measures faster than the one-launch backward.
-BWD_WS_SOFTCAP = False
-# Whether fwd_ws and the warp-specialised backward (bwd_ws, bwd_ws_split) run ALiBi calls (operators' supports_alibi):
-# the head's slope times the distance subtracted from the scores in log2 units; on once tests/gpu/test_triton.py's
-# ws ALiBi cases pass on a GPU and they measure faster than the one-launch kernels.
-FWD_WS_ALIBI = False
-BWD_WS_ALIBI = False
+# Where the defaults give a score term to the warp-specialised kernels, which take the sink, the softcap and ALiBi
+# (operators' takes_sink, supports_softcap, supports_alibi), rather than to the one-launch ones: where they measured
+# faster (bench/nvidia-h100.md §Score terms on the warp-specialised kernels). The sink and bwd_ws's softcap: wherever
+# those kernels run. fwd_ws's softcap: these head blocks (at 128 its tanh tile measured slower than the one-launch
+# forward, at 256 faster).
+FWD_WS_SOFTCAP_HEAD_BLOCKS = frozenset({256})
+# bwd_ws_split's softcap (the scores' slope handed to the dP warpgroup beside P^T): none until it is measured faster.
+BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS: frozenset[int] = frozenset()
+# ALiBi: under these Triton releases, (major, minor); under 3.9 both directions measured slower than the one-launch
+# kernels, and 3.7 and 3.8 were not measured.
+WS_ALIBI_TRITON_RELEASES = frozenset({(3, 6)})
 
 
 def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile | None:

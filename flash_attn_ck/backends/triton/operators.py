@@ -158,13 +158,35 @@ class Operator(Capabilities):
 
 class GluonOperator(Operator):
     """What the warp-specialised Gluon kernels share: sm_90 only, the tested Triton releases only, input-dtype results,
-    no score features; the mask as gluon_common.Mask takes it, and the varlen schedule of their tiles."""
-    supports_alibi = supports_softcap = supports_dropout = False
+    ALiBi (by default only where it measured faster), no dropout, softcap where a kernel says; the mask as
+    gluon_common.Mask takes it, and the varlen schedule of their tiles."""
+    supports_alibi = True
+    supports_softcap = supports_dropout = False
+    # Head blocks where the defaults run its softcap calls (None: wherever it takes them).
+    softcap_head_blocks: ClassVar[frozenset[int] | None] = None
     fp32_outputs_refusal = "its TMA stores go through shared tiles of the input dtype"
     value_head_dim_refusal: ClassVar[str | None] = "the kernel has one head block"
     architectures = frozenset({9})
     architecture_refusal = "needs an sm_90 GPU (Gluon wgmma/TMA kernel)"
     tested_releases_only = True
+
+    @classmethod
+    def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
+        """The score terms it takes but the defaults leave to the one-launch kernels where it was not measured faster
+        (config.FWD_WS_SOFTCAP_HEAD_BLOCKS, BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES); its setting
+        forced on runs them here."""
+        if setting is not None:
+            return []
+        reasons, forced = [], f"(TritonBackend({cls.option}=True) runs it)"
+        block = config.head_block(p.head_dim_padded)
+        if p.softcap != 0.0 and cls.softcap_head_blocks is not None and block not in cls.softcap_head_blocks:
+            reasons.append(f"softcap at head dim {p.head_dim_padded}: not measured faster than the one-launch kernel "
+                           f"there {forced}")
+        version = triton_versions.installed()
+        if p.has_alibi and triton_versions.release(version) not in config.WS_ALIBI_TRITON_RELEASES:
+            reasons.append(f"ALiBi under Triton {version}: not measured faster than the one-launch kernels there "
+                           f"{forced}")
+        return reasons
 
     @classmethod
     def tile(cls, backend, p: AttentionProblem) -> Any:
@@ -255,9 +277,8 @@ class FwdWs(GluonOperator, ForwardOperator):
     min_seqlen = config.FWD_WS_MIN_SEQLEN
     shorter = "not measured faster there (TritonBackend(fwd_ws=True) runs it)"
     positive_scale = True
-    takes_sink = config.FWD_WS_TAKES_SINK
-    supports_softcap = config.FWD_WS_SOFTCAP
-    supports_alibi = config.FWD_WS_ALIBI
+    takes_sink = supports_softcap = True
+    softcap_head_blocks = config.FWD_WS_SOFTCAP_HEAD_BLOCKS
     value_head_dim_refusal = None     # a narrower v runs padded with zeros to q/k's head dim (extra_reasons)
 
     @classmethod
@@ -270,16 +291,15 @@ class FwdWs(GluonOperator, ForwardOperator):
         """The kernel has one head block: a v narrower than q/k runs padded with zeros to q/k's head dim (out's extra
         columns are then zero and dropped: exact), where config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS says that is faster
         than the one-launch forward's own d_v tiles."""
+        reasons = super().extra_reasons(backend, p, setting)
         d, d_v = p.head_dim_padded, p.head_dim_v_padded
-        if d_v == d:
-            return []
         if d_v > d:
-            return [f"value head dim {p.head_dim_v} above q/k's {p.head_dim}: the kernel has one head block"]
-        if setting is None and config.head_block(d) not in config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS:
-            return [f"value head dim {p.head_dim_v} below q/k's {p.head_dim}: runs padded to the head block "
-                    f"{config.head_block(d)}, not measured faster than the previous forward there "
-                    "(TritonBackend(fwd_ws=True) runs it)"]
-        return []
+            reasons.append(f"value head dim {p.head_dim_v} above q/k's {p.head_dim}: the kernel has one head block")
+        elif d_v < d and setting is None and config.head_block(d) not in config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS:
+            reasons.append(f"value head dim {p.head_dim_v} below q/k's {p.head_dim}: runs padded to the head block "
+                           f"{config.head_block(d)}, not measured faster than the previous forward there "
+                           "(TritonBackend(fwd_ws=True) runs it)")
+        return reasons
 
     @classmethod
     def describe(cls, backend, p: AttentionProblem) -> str:
@@ -362,7 +382,6 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
     """The warp-specialised Gluon backward: bwd_ws, or bwd_ws_split where its tile splits the head dim."""
     split_d: ClassVar[bool]
     option = "ws"
-    supports_alibi = config.BWD_WS_ALIBI
     default_head_dims = config.BWD_WS_DEFAULT_HEAD_DIMS
     slower_head_dim = "the one-launch kernel measured faster"
     min_seqlen = config.BWD_WS_MIN_SEQLEN
@@ -370,10 +389,11 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
 
     @classmethod
     def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
+        reasons = super().extra_reasons(backend, p, setting)
         given = backend.ws_tile
         if given is not None and given.split_d != cls.split_d:
-            return [f"the given ws_tile {given} is {'bwd_ws_split' if given.split_d else 'bwd_ws'}'s"]
-        return []
+            reasons.append(f"the given ws_tile {given} is {'bwd_ws_split' if given.split_d else 'bwd_ws'}'s")
+        return reasons
 
     @classmethod
     @per_problem(owners=2)
@@ -457,7 +477,7 @@ class BwdWs(_WarpSpecialisedBackward):
     """The warp-specialised Gluon backward (gluon/bwd_ws.py): one MMA warpgroup, head dims up to 128."""
     name = "bwd_ws"
     split_d = False
-    supports_softcap = config.BWD_WS_SOFTCAP
+    supports_softcap = True
     tiles = MappingProxyType({block: tile for block, tile in config.BWD_WS_SM90.items() if not tile.split_d})
 
 
@@ -465,6 +485,8 @@ class BwdWsSplit(_WarpSpecialisedBackward):
     """The warp-specialised Gluon backward whose two MMA warpgroups split the head dim (gluon/bwd_ws_split.py)."""
     name = "bwd_ws_split"
     split_d = True
+    supports_softcap = True
+    softcap_head_blocks = config.BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS
     tiles = MappingProxyType({block: tile for block, tile in config.BWD_WS_SM90.items() if tile.split_d})
 
 

@@ -38,8 +38,7 @@ Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here
 copies tensors whose rows a descriptor cannot view):
   - head_dim padded to a power of two with a tile in config.BWD_WS_SM90 (split_d tiles: bwd_ws_split.py);
     heads adjacent in memory (stride_h = head_dim), rows uniform, 16-byte aligned;
-  - no dropout; softcap only here, not in bwd_ws_split.py (where one warpgroup computes P^T and the
-    other dS^T, which would need the tanh tile exchanged too).
+  - no dropout.
 Deterministic mode: the writer adds a query tile's dQ only when the semaphore of that (batch, head,
 query tile) counts the key tiles before its own, so the fp32 sums happen in one order on every run.
 """
@@ -210,9 +209,8 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
     that owns key tiles of tile.block_n rows), run on a grid (kv heads, items); None: the grid over every (batch, key
     tile). In the deterministic mode a schedule must list each sequence's key tiles that share a query tile in
     ascending order (TritonBackend._schedule_walk keeps the grid where it would not). `softcap`: the scores' cap (0:
-    none; not on a split_d tile); `alibi`: (fp32 slopes (heads,) or (batch, heads) of the launch's query heads, their
+    none); `alibi`: (fp32 slopes (heads,) or (batch, heads) of the launch's query heads, their
     batch stride) or None."""
-    assert not (softcap and tile.split_d), "bwd_ws_split takes no softcap"
     d = q.shape[-1]
     heads_k = k.shape[-2]
     group = q.shape[-2] // heads_k

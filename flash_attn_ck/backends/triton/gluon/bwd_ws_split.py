@@ -9,11 +9,11 @@ as the A operand of their halves of the three gradient matmuls.
 
   loader   (1 warp)       bwd_ws_workers.loader: K, V once; per step Q, dO, lse·log2e and delta (one stage: at d256
                           two stages of Q and dO do not fit beside K, V and the dQ buffers)
-  scores   (default,      S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse * log2e), masked (with ALiBi, minus
-            4 warps)      the head's slope times the distance in log2 units; no softcap: its slope would be
-                          dS^T's, the other warpgroup's)
-                          -> P^T to shared memory ("p_ready")
-  dP       (4 warps)      dP^T = V dO^T; dS^T = P^T (dP^T - delta) -> shared memory ("ds_ready")
+  scores   (default,      S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse * log2e), masked (with a softcap the
+            4 warps)      scores are cap * tanh(scale * S^T / cap), softmax_terms.accurate_tanh; with ALiBi the
+                          head's slope times the distance is subtracted, in log2 units)
+                          -> P^T to shared memory, and with a softcap the scores' slope 1 - tanh^2 ("p_ready")
+  dP       (4 warps)      dP^T = V dO^T; dS^T = P^T (dP^T - delta) (times the slope) -> shared memory ("ds_ready")
   both, on their half h of the columns:
                           dV_h += P^T dO_h, dK_h += dS^T Q_h, dQ_h = dS K_h
                           then P^T/dS^T ("ps_free") and the Q/dO slot ("tile_empty") are released and dQ_h
@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..runtime.softmax_terms import alibi_distance
+from ..runtime.softmax_terms import accurate_tanh, alibi_distance
 from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
 from .gluon_common import LOG2E, aggregate, probs_transposed, slot
@@ -56,8 +56,10 @@ class Exchange:
 
 # ---- one MMA warpgroup: its role in S^T / dP^T, then its half of the columns ----------------------
 @gluon.jit
-def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, alibi, HALF: gl.constexpr):
-    """`grads`: (dK, dV, their strides); `sizes`: the kernel's; `alibi`: (fp32 slopes, their batch stride) or None."""
+def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl.constexpr):
+    """`grads`: (dK, dV, their strides); `sizes`: the kernel's; `terms`: (softcap: the cap or None, the shared tile of
+    the capped scores' slope or None, alibi: (fp32 slopes, their batch stride) or None)."""
+    softcap, slope_tile, alibi = terms
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
     head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
     BLOCK_M: gl.constexpr = consts.BLOCK_M
@@ -99,6 +101,10 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, alibi, HALF: gl
                 slope_log2 = workers.step_slope(alibi, b, kv_head, group, step, m_tiles)
             sT = warpgroup_mma_wait(0, deps=(sT,))
             s_scale = scale_log2
+            if softcap is not None:     # the forward's scores, cap * tanh(scale * s / cap), in log2 units
+                tanh = accurate_tanh(sT * (scale / softcap))
+                sT = (tanh * softcap) * LOG2E
+                s_scale = 1.0
             if alibi is not None:   # minus the slope times the distance from the bottom-right diagonal
                 sT = sT * s_scale - slope_log2 * alibi_distance(gl.expand_dims(m0 + offs_m_tile, 0),
                                                                 gl.expand_dims(offs_n, 1), len_k - len_q)
@@ -107,6 +113,8 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, alibi, HALF: gl
                                   BLOCK_M, BLOCK_N)
             mbarrier.wait(xchg.ps_free, phase ^ 1)   # the previous step's matmuls have read P^T and dS^T
             xchg.pt.store(pT.to(dtype))
+            if softcap is not None:     # dS^T's factor, rounded as P^T is (scale goes to dQ and dK at their ends)
+                slope_tile.store((1.0 - tanh * tanh).to(dtype))
             fence_async_shared()
             barrier()
             mbarrier.arrive(xchg.p_ready, count=1)
@@ -120,7 +128,10 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, alibi, HALF: gl
             dpT = warpgroup_mma_wait(0, deps=(dpT,))
             mbarrier.wait(xchg.p_ready, phase)   # after scores' wait on ps_free: dS^T's buffer is free too
             pT = xchg.pt.load(s_layout).to(gl.float32)
-            xchg.dst.store((pT * (dpT - gl.expand_dims(delta, 0))).to(dtype))
+            dsT = pT * (dpT - gl.expand_dims(delta, 0))
+            if softcap is not None:     # the slope of the capped scores, written with P^T
+                dsT = dsT * slope_tile.load(s_layout).to(gl.float32)
+            xchg.dst.store(dsT.to(dtype))
             fence_async_shared()
             barrier()
             mbarrier.arrive(xchg.ds_ready, count=1)
@@ -148,8 +159,7 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, gr
                              cu_seqlens, schedule, stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi,
                              sem_m_tiles, TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
-    docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim, no softcap."""
-    gl.static_assert(softcap is None, "bwd_ws_split takes no softcap")
+    docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim."""
     consts, seqs, mask = workers.prologue(TILE, CALL, 2, cu_seqlens, schedule, sizes, window)   # dQ in halves
     Lse, Delta = stats
     dK, dV = grads
@@ -160,6 +170,11 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, gr
     st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([consts.BLOCK_N, consts.BLOCK_M], dtype)
     pt_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], st_layout)
     dst_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], st_layout)
+    if softcap is not None:     # the capped scores' slope, from the scores warpgroup to the dP one beside P^T
+        slope_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], st_layout)
+    else:
+        # a constexpr None: a plain one cannot go into the partitions' tuples
+        slope_smem: gl.constexpr = softcap  # type: ignore[no-redef]
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -174,8 +189,8 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, gr
     # One literal list (no comprehension): the code generator then wraps a launch's constant 1 (sem_m_tiles, an lse
     # stride) as a constexpr, which crosses into a worker partition; a comprehension's plain int does not.
     gl.warp_specialize([
-        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, alibi, 0)),
-        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, alibi, 1)),
+        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, (softcap, slope_smem, alibi), 0)),
+        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, (softcap, slope_smem, alibi), 1)),
         (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
                           group)),
         (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
