@@ -186,3 +186,20 @@ def sass_loops(cubin: bytes) -> list[list[str]]:
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     bodies = [[text for _, text in code[a:b + 1] if not text.startswith("NOP")] for a, b in sorted(innermost)]
     return [body for body in bodies if any("HGMMA" in text for text in body)]
+
+
+def hardware_tanh_kernel():
+    """A Gluon kernel that writes gluon_common.hardware_tanh of each of n fp32 values (grid: cdiv(n, 512), 4 warps):
+    the helper alone, compiled here for sm_90a and run by the GPU tests."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from flash_attn_ck.backends.triton.gluon.gluon_common import hardware_tanh
+
+    @gluon.jit
+    def tanh_kernel(x_ptr, y_ptr, n, BLOCK: gl.constexpr):
+        layout: gl.constexpr = gl.BlockedLayout([4], [32], [4], [0])
+        offsets = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=layout)
+        inside = offsets < n
+        gl.store(y_ptr + offsets, hardware_tanh(gl.load(x_ptr + offsets, mask=inside)), mask=inside)
+    return tanh_kernel

@@ -9,6 +9,7 @@ tests/gpu/test_triton.py)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -21,7 +22,16 @@ import torch
 
 pytest.importorskip("triton")
 
-from gluon_compile import bwd_spec, compile_spec, fwd_spec, pretend_capability, ptxas_report
+from gluon_compile import (
+    bwd_spec,
+    compile_sm90,
+    compile_spec,
+    fwd_spec,
+    hardware_tanh_kernel,
+    pretend_capability,
+    ptxas_report,
+    sass_loops,
+)
 
 from flash_attn_ck.backends.triton import config, operators
 from flash_attn_ck.backends.triton.backend import TritonBackend
@@ -193,37 +203,59 @@ def test_the_defaults_leave_a_score_term_to_the_one_launch_kernels_only_where_th
     assert not [r for r in forced if r.startswith(("softcap at", "ALiBi under"))], forced
 
 
+def test_hardware_tanh_is_one_mufu_op_per_value():
+    """gluon_common.hardware_tanh compiles to the GPU's tanh (tests/gpu/test_triton.py measures its error)."""
+    kernel = compile_sm90(hardware_tanh_kernel(), {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {"BLOCK": 512}, 4)
+    assert re.findall(r"tanh\.approx\.f32", kernel.asm["ptx"]) and "ex2" not in kernel.asm["ptx"]
+
+
+def _loop_mufu(kernel) -> collections.Counter:
+    """The MUFU (special-function unit) ops of the kernel's busiest wgmma loop in SASS, by op: the key-tile loop of
+    the forward's consumers, the query-tile loop of the backward's MMA warps."""
+    loops = [collections.Counter(found.group(0) for text in body if (found := re.search(r"MUFU\.\w+", text)))
+             for body in sass_loops(kernel.asm["cubin"])]
+    return max(loops, key=lambda counts: sum(counts.values()))
+
+
+def _assert_one_tanh_per_score(without: collections.Counter, capped: collections.Counter):
+    """The capped loop takes one MUFU.TANH per score (as many as the per-score exp2s of the loop without, which the
+    forward's has one or two more of, its rows' rescale), keeps the softmax's exp2s, and adds no other MUFU op but a
+    scalar reciprocal: two MUFU ops a score, where one_launch's accurate_tanh makes three."""
+    exp2 = without["MUFU.EX2"]
+    assert exp2 - 2 <= capped["MUFU.TANH"] <= exp2, (without, capped)
+    assert capped["MUFU.EX2"] == exp2, (without, capped)
+    assert sum(capped.values()) - capped["MUFU.TANH"] - exp2 <= 1, (without, capped)
+
+
 @pytest.mark.parametrize("head_dim", sorted(config.FWD_WS_SM90))
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_fwd_ws_compiles_the_softcap_into_its_softmax_step(head_dim, varlen):
-    """The softcap variant computes tanh per score (its exp2 and reciprocal, beside the softmax's exp2) and spills no
-    more than the variant without it; with a sink too."""
+    """The softcap variant computes the hardware tanh per score beside the softmax's exp2 and spills no more than the
+    variant without it; with a sink too."""
     tile = config.fwd_ws_tile(head_dim, causal=True)
-    ptx = {cap: compile_spec(fwd_spec(tile, head_dim, varlen, (False, False, True), softcap=cap,
-                                      sink=bool(cap))).asm["ptx"] for cap in (0.0, 30.0)}
-    exp2 = {cap: len(re.findall(r"ex2\.approx", text)) for cap, text in ptx.items()}
-    assert exp2[30.0] >= 2 * exp2[0.0] - 16, exp2
-    assert ptxas_report(ptx[30.0])["spill_stores"] <= ptxas_report(ptx[0.0])["spill_stores"]
+    kernels = {cap: compile_spec(fwd_spec(tile, head_dim, varlen, (False, False, True), softcap=cap, sink=bool(cap)))
+               for cap in (0.0, 30.0)}
+    _assert_one_tanh_per_score(_loop_mufu(kernels[0.0]), _loop_mufu(kernels[30.0]))
+    spills = {cap: ptxas_report(kernel.asm["ptx"])["spill_stores"] for cap, kernel in kernels.items()}
+    assert spills[30.0] <= spills[0.0], spills
 
 
 @pytest.mark.parametrize("head_dim", sorted(config.BWD_WS_SM90))
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_the_ws_backward_compiles_the_softcap_into_its_scores(head_dim, varlen):
-    """The softcap variant of bwd_ws and bwd_ws_split computes tanh per score (one exp2 more per score than the
-    variant without). bwd_ws keeps the tanh tile for dS; bwd_ws_split hands the scores' slope from its scores
-    warpgroup to its dP one through a shared tile of its own (its shared memory grows by one block_n x block_m tile
-    of the input dtype), spilling at most a few registers more."""
+    """The softcap variant of bwd_ws and bwd_ws_split computes the hardware tanh per score beside P^T's exp2. bwd_ws
+    keeps the tanh tile for dS; bwd_ws_split hands the scores' slope from its scores warpgroup to its dP one through
+    a shared tile of its own (its shared memory grows by one block_n x block_m tile of the input dtype), spilling at
+    most a few registers more."""
     tile = config.bwd_ws_tile(head_dim, True, 1, False)
     kernels = {cap: compile_spec(bwd_spec(tile, head_dim, varlen, (False, False, True), softcap=cap))
                for cap in (0.0, 30.0)}
-    ptx = {cap: kernel.asm["ptx"] for cap, kernel in kernels.items()}
-    exp2 = {cap: len(re.findall(r"ex2\.approx", text)) for cap, text in ptx.items()}
-    assert exp2[30.0] == 2 * exp2[0.0], exp2
+    _assert_one_tanh_per_score(_loop_mufu(kernels[0.0]), _loop_mufu(kernels[30.0]))
     grown = kernels[30.0].metadata.shared - kernels[0.0].metadata.shared
     slope_tile = tile.block_n * tile.block_m * 2 if tile.split_d else 0
     assert slope_tile <= grown < slope_tile + 1024, grown     # and its alignment (swizzled tiles: 1024 bytes)
     if tile.split_d:
-        spills = {cap: ptxas_report(text)["spill_stores"] for cap, text in ptx.items()}
+        spills = {cap: ptxas_report(kernel.asm["ptx"])["spill_stores"] for cap, kernel in kernels.items()}
         assert spills[30.0] <= spills[0.0] + 32, spills
 
 

@@ -14,7 +14,7 @@ bwd_ws_split.py, the kernel for head dims above 128):
                         P^T = exp2(S^T * scale * log2e - lse * log2e), masked
                         dS^T = P^T * (dP^T - delta)
                         (with a softcap the scores are cap * tanh(scale * S^T / cap) and dS^T takes their slope,
-                        1 - tanh^2: softmax_terms.accurate_tanh, the forwards' tanh; with ALiBi the head's
+                        1 - tanh^2: gluon_common.hardware_tanh, fwd_ws's tanh; with ALiBi the head's
                         slope times the distance is subtracted, softmax_terms.alibi_distance, which dS^T does not see)
                         dV += P^T dO, dK += dS^T Q                  (P^T, dS^T from registers)
                         dQ = dS K                                   (dS staged in shared memory)
@@ -56,12 +56,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
-from ..runtime.softmax_terms import accurate_tanh, alibi_distance
+from ..runtime.softmax_terms import alibi_distance
 from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
 from .bwd_ws_shapes import semaphore_tiles
 from .bwd_ws_split import attn_bwd_ws_split_kernel
-from .gluon_common import LOG2E, descriptor, probs_transposed, slot
+from .gluon_common import LOG2E, descriptor, hardware_tanh, probs_transposed, slot
 
 
 # ---- MMA partition (default) -----------------------------------------------------------------
@@ -126,7 +126,7 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
         sT = warpgroup_mma_wait(1, deps=(sT,))
         s_scale = scale_log2    # what takes S^T to log2 units: 1 once the terms below have
         if softcap is not None:     # the forward's scores, cap * tanh(scale * s / cap), in log2 units
-            tanh = accurate_tanh(sT * (scale / softcap))
+            tanh = hardware_tanh(sT * (scale / softcap))
             sT = (tanh * softcap) * LOG2E
             s_scale = 1.0
         if alibi is not None:       # minus the slope times the distance from the bottom-right diagonal (from fp32

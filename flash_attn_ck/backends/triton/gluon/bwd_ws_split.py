@@ -10,7 +10,7 @@ as the A operand of their halves of the three gradient matmuls.
   loader   (1 warp)       bwd_ws_workers.loader: K, V once; per step Q, dO, lse·log2e and delta (one stage: at d256
                           two stages of Q and dO do not fit beside K, V and the dQ buffers)
   scores   (default,      S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse * log2e), masked (with a softcap the
-            4 warps)      scores are cap * tanh(scale * S^T / cap), softmax_terms.accurate_tanh; with ALiBi the
+            4 warps)      scores are cap * tanh(scale * S^T / cap), gluon_common.hardware_tanh; with ALiBi the
                           head's slope times the distance is subtracted, in log2 units)
                           -> P^T to shared memory, and with a softcap the scores' slope 1 - tanh^2 ("p_ready")
   dP       (4 warps)      dP^T = V dO^T; dS^T = P^T (dP^T - delta) (times the slope) -> shared memory ("ds_ready")
@@ -35,10 +35,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from ..runtime.softmax_terms import accurate_tanh, alibi_distance
+from ..runtime.softmax_terms import alibi_distance
 from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
-from .gluon_common import LOG2E, aggregate, probs_transposed, slot
+from .gluon_common import LOG2E, aggregate, hardware_tanh, probs_transposed, slot
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per half
 
@@ -102,7 +102,7 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
             sT = warpgroup_mma_wait(0, deps=(sT,))
             s_scale = scale_log2
             if softcap is not None:     # the forward's scores, cap * tanh(scale * s / cap), in log2 units
-                tanh = accurate_tanh(sT * (scale / softcap))
+                tanh = hardware_tanh(sT * (scale / softcap))
                 sT = (tanh * softcap) * LOG2E
                 s_scale = 1.0
             if alibi is not None:   # minus the slope times the distance from the bottom-right diagonal

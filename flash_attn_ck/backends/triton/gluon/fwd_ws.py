@@ -66,9 +66,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
-from ..runtime.softmax_terms import accurate_tanh, alibi_distance, take_sink
+from ..runtime.softmax_terms import alibi_distance, take_sink
 from ..runtime.triton_versions import tma_load, tma_store
-from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot, uniform_descriptor
+from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, hardware_tanh, slot, uniform_descriptor
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
 
@@ -244,7 +244,7 @@ def _softmax_step(consts, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shif
     1). MASKED: whether the tile needs the mask (True, False: no mask code), or None: the tile decides at run time."""
     cap, scale, bias = score_terms
     if cap is not None:
-        s = (accurate_tanh(s * (scale / cap)) * cap) * LOG2E    # in this order: cap * log2e may overflow fp32
+        s = (hardware_tanh(s * (scale / cap)) * cap) * LOG2E    # in this order: cap * log2e may overflow fp32
     elif bias is not None:
         s = s * (scale * LOG2E)
     if bias is not None:    # (relative to the tile, as the mask: distance |(i - n0) + shift - column|)

@@ -1,6 +1,7 @@
-"""Terms of the scores and of a row's online softmax that both kernel families compute alike: the softcap's tanh
-(`accurate_tanh`), ALiBi's distance (`alibi_distance`) and a learnable sink as the softmax's last term (`take_sink`,
-docs/semantics.md §Learnable sinks).
+"""Terms of the scores and of a row's online softmax that both kernel families compute alike: ALiBi's distance
+(`alibi_distance`) and a learnable sink as the softmax's last term (`take_sink`, docs/semantics.md §Learnable sinks).
+(The softcap's tanh differs: one_launch/scores.accurate_tanh, which the interpreter runs, and the GPU's own in the
+Gluon kernels, gluon_common.hardware_tanh.)
 The one-launch kernels (one_launch/) and the warp-specialised ones (gluon/) call the same helpers (in runtime/, which
 both families may import): their `tl` operations are elementwise, so they build the same IR on a Gluon
 kernel's tensors as on a Triton kernel's."""
@@ -9,16 +10,6 @@ import triton
 import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def accurate_tanh(x):
-    """tanh in fp32 to a few ulp relative everywhere. 1 - 2 / (e^2x + 1) cancels as x -> 0 (x = 1e-8 gives 0), and a
-    large softcap multiplies that error back: below |x| = 1/4 the Taylor series to x^7 (truncation < 4e-7
-    relative) takes over."""
-    x2 = x * x
-    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
-    return tl.where(tl.abs(x) < 0.25, series, 1.0 - 2.0 / (tl.exp2((2.0 * LOG2E) * x) + 1.0))
 
 
 @triton.jit
