@@ -58,11 +58,13 @@
 #                                                 bwd-named; all by default): tiles compiled but not yet run, checked
 #                                                 and timed beside the defaults by scripts/lab/fwd_ws_check.py and
 #                                                 bwd_ws_check.py -> candidates-EXPERIMENT.log
-#   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton backward of OLD_TREE (e.g. made by
-#                                                 `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`) and
-#                                                 this tree: old, new, old, new, so each version is timed twice
+#   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton forward and backward of OLD_TREE (e.g.
+#                                                 made by `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`)
+#                                                 and this tree: old, new, old, new, so each version is timed twice
 #                                                 (the spread between a version's runs is the noise). SHAPES is
-#                                                 d:h:h_k:s:causal,...
+#                                                 d:h:h_k:s:causal,... or a row set of bench_bwd.py's --rows
+#                                                 (features: the softcap, ALiBi and sink rows). AB_PEER=triton-ws times
+#                                                 the warp-specialised kernels forced (bench_bwd.py's VARIANTS)
 set -u
 cmd=${1:-}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -223,11 +225,22 @@ case $cmd in
     [ $# -eq 2 ] || { echo "usage: bash scripts/device.sh ab OLD_TREE SHAPES" >&2; exit 2; }
     info
     old=$1 shapes=$2
+    rows=(--shapes "$shapes"); [[ "$shapes" == *:* ]] || rows=(--rows "$shapes")
+    peer=${AB_PEER:-triton}
     for round in 1 2; do
       for tree in "$old" .; do
         name=$([ "$tree" = . ] && echo new || echo old)
-        limit 0 python3 "$tree/scripts/bench_bwd.py" --peers triton --shapes "$shapes" --out "$OUT/ab-$name-$round" 2>&1 \
-          | grep -E "bwd TF/s|Error" | sed "s|^|$name#$round |"
+        limit 0 python3 "$tree/scripts/bench_bwd.py" --peers "$peer" "${rows[@]}" --out "$OUT/ab-$name-$round" 2>&1 \
+          | grep -E "Error" | sed "s|^|$name#$round |"
+        # each row's forward and backward TF/s, from the run's json
+        python3 - "$OUT/ab-$name-$round" "$name#$round" "$peer" <<'PY'
+import json, pathlib, sys
+for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
+    for row in json.loads(path.read_text())["results"]:
+        ours = row["peers"].get(sys.argv[3], {})
+        print(sys.argv[2], row["d"], row["h"], row["h_k"], row["s"], "causal" if row["causal"] else "-", row["feature"],
+              "fwd", round(ours.get("fwd_tflops", 0)), "bwd", round(ours.get("bwd_tflops", 0)))
+PY
       done
     done
     ;;
