@@ -16,7 +16,15 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from gluon_compile import SM90_SHARED_BYTES, compile_spec, fwd_spec, pretend_capability, ptxas_report, spill_allowance  # noqa: E402
+from gluon_compile import (  # noqa: E402
+    SM90_SHARED_BYTES,
+    compile_as_launched,
+    compile_spec,
+    fwd_spec,
+    pretend_capability,
+    ptxas_report,
+    spill_allowance,
+)
 
 from cases import tile_head_dims  # noqa: E402
 from flash_attn_ck.backends.triton import backend as triton_backend  # noqa: E402
@@ -306,3 +314,26 @@ def test_a_query_major_grid_counts_query_tiles_in_z():
     for query_major, axis in ((False, "x"), (True, "z")):
         ptx = _compile(replace(tile, query_major=query_major), 128, True, (False, False, True), True).asm["ptx"]
         assert f"%nctaid.{axis}" in ptx and f"%nctaid.{'xz'.replace(axis, '')}" not in ptx
+
+
+@pytest.mark.parametrize("term", ["none", "softcap sink", "alibi"])
+@pytest.mark.parametrize("head_dim", sorted(config.FWD_WS_SM90))
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_a_few_queries_against_long_keys_compile_as_launched(head_dim, seqlen_q, term):
+    """The defaults run fwd_ws on these (the longest sequence decides), with the sink, the softcap and ALiBi: at
+    s_q = 1 lse's head stride is 1 and a launch specialises it to the constant 1, which reaches the consumer
+    partitions (the class of compile failures the one-launch backward had at one query row)."""
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
+    q, out = (torch.empty(2, seqlen_q, 8, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.empty(2, 4096, 2, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.empty(2, 8, seqlen_q)
+    cu = torch.tensor([0, seqlen_q], dtype=torch.int32)
+    spec, _ = fwd_ws.launch_spec(q, k, v, out, lse, cu, cu, varlen=False, batch=2, seqlen_q=seqlen_q, seqlen_k=4096,
+                                 scale=0.1, mask=GluonMask((0, 0), MaskFlags(False, False, True)),
+                                 tile=config.fwd_ws_tile(head_dim, causal=True),
+                                 softcap=30.0 if "softcap" in term else 0.0,
+                                 sink=torch.zeros(8) if "sink" in term else None,
+                                 alibi=(torch.rand(8), 0) if term == "alibi" else None)
+    assert seqlen_q > 1 or spec.args["strides"][-1] == 1, spec.args["strides"]
+    assert "wgmma.mma_async" in compile_as_launched(spec).asm["ptx"]

@@ -31,6 +31,7 @@ from gluon_compile import (
     pretend_capability,
     ptxas_report,
     sass_loops,
+    spill_allowance,
 )
 
 from flash_attn_ck.backends.triton import config, operators
@@ -231,13 +232,13 @@ def _assert_one_tanh_per_score(without: collections.Counter, capped: collections
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_fwd_ws_compiles_the_softcap_into_its_softmax_step(head_dim, varlen):
     """The softcap variant computes the hardware tanh per score beside the softmax's exp2 and spills no more than the
-    variant without it; with a sink too."""
+    variant without it (under the ptxas the tiles were tuned with; gluon_compile.spill_allowance); with a sink too."""
     tile = config.fwd_ws_tile(head_dim, causal=True)
     kernels = {cap: compile_spec(fwd_spec(tile, head_dim, varlen, (False, False, True), softcap=cap, sink=bool(cap)))
                for cap in (0.0, 30.0)}
     _assert_one_tanh_per_score(_loop_mufu(kernels[0.0]), _loop_mufu(kernels[30.0]))
     spills = {cap: ptxas_report(kernel.asm["ptx"])["spill_stores"] for cap, kernel in kernels.items()}
-    assert spills[30.0] <= spills[0.0], spills
+    assert spills[30.0] <= spill_allowance(spills[0.0]), spills
 
 
 @pytest.mark.parametrize("head_dim", sorted(config.BWD_WS_SM90))
@@ -256,7 +257,7 @@ def test_the_ws_backward_compiles_the_softcap_into_its_scores(head_dim, varlen):
     assert slope_tile <= grown < slope_tile + 1024, grown     # and its alignment (swizzled tiles: 1024 bytes)
     if tile.split_d:
         spills = {cap: ptxas_report(kernel.asm["ptx"])["spill_stores"] for cap, kernel in kernels.items()}
-        assert spills[30.0] <= spills[0.0] + 32, spills
+        assert spills[30.0] <= spill_allowance(spills[0.0] + 32), spills
 
 
 @pytest.mark.parametrize("head_dim", sorted(set(config.FWD_WS_SM90) | set(config.BWD_WS_SM90)))

@@ -278,13 +278,14 @@ def test_split_kernel_compiles_to_the_designed_instructions(head_dim, varlen, ma
         assert ptxas_report(ptx)["spill_stores"] <= spill_allowance(0)
 
 
+@pytest.mark.parametrize("term", ["none", "softcap", "alibi"])
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("seqlen_q", [1, 64])
-def test_a_few_queries_against_long_keys_compile_as_launched(head_dim, seqlen_q):
-    """The backward runs these (max(s_q, s_k) >= 2048): at s_q = 1 lse's head stride is 1, at s_q <= 64 the
-    semaphore rows per head (sem_m_tiles) are 1, and a launch specialises both to the constant 1, which has to cross
-    into the worker partitions (bwd_ws_split built its partition list in a comprehension, whose plain ints do not:
-    "'int' object has no attribute '_flatten_ir'" for every such d256 call)."""
+def test_a_few_queries_against_long_keys_compile_as_launched(head_dim, seqlen_q, term):
+    """The backward runs these (max(s_q, s_k) >= 2048), with the score terms the defaults give it too: at s_q = 1
+    lse's head stride is 1, at s_q <= 64 the semaphore rows per head (sem_m_tiles) are 1, and a launch specialises
+    both to the constant 1, which has to cross into the worker partitions (bwd_ws_split built its partition list in a
+    comprehension, whose plain ints do not: "'int' object has no attribute '_flatten_ir'" for every such d256 call)."""
     from flash_attn_ck.backends.triton.gluon import bwd_ws
     from flash_attn_ck.backends.triton.runtime.launch import GluonMask, MaskFlags
     q, dout = (torch.empty(1, seqlen_q, 4, head_dim, dtype=torch.bfloat16) for _ in range(2))
@@ -294,7 +295,9 @@ def test_a_few_queries_against_long_keys_compile_as_launched(head_dim, seqlen_q)
     tile = config.bwd_ws_tile(head_dim, causal=False)
     spec = bwd_ws.launch_spec(q, k, v, dout, lse, delta, torch.empty(1, seqlen_q, 4, head_dim), dk, dv, cu, cu,
                               varlen=False, batch=1, seqlen_q=seqlen_q, seqlen_k=4096, scale=0.1,
-                              mask=GluonMask((0, 0), MaskFlags(False, False, False)), tile=tile)
+                              mask=GluonMask((0, 0), MaskFlags(False, False, False)), tile=tile,
+                              softcap=30.0 if term == "softcap" else 0.0,
+                              alibi=(torch.rand(4), 0) if term == "alibi" else None)
     assert spec.args["sem_m_tiles"] == 1 and (seqlen_q > 1 or spec.args["stride_lse"][1] == 1)
     assert "wgmma.mma_async" in compile_as_launched(spec).asm["ptx"]
 
