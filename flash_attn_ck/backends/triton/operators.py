@@ -158,10 +158,10 @@ class Operator(Capabilities):
 
 class GluonOperator(Operator):
     """What the warp-specialised Gluon kernels share: sm_90 only, the tested Triton releases only, input-dtype results,
-    ALiBi (by default only where it measured faster), no dropout, softcap where a kernel says; the mask as
-    gluon_common.Mask takes it, and the varlen schedule of their tiles."""
-    supports_alibi = True
-    supports_softcap = supports_dropout = False
+    the softcap and ALiBi (by default only where they measured faster), no dropout; the mask as gluon_common.Mask
+    takes it, and the varlen schedule of their tiles."""
+    supports_alibi = supports_softcap = True
+    supports_dropout = False
     # Head blocks where the defaults run its softcap calls (None: wherever it takes them).
     softcap_head_blocks: ClassVar[frozenset[int] | None] = None
     fp32_outputs_refusal = "its TMA stores go through shared tiles of the input dtype"
@@ -277,7 +277,7 @@ class FwdWs(GluonOperator, ForwardOperator):
     min_seqlen = config.FWD_WS_MIN_SEQLEN
     shorter = "not measured faster there (TritonBackend(fwd_ws=True) runs it)"
     positive_scale = True
-    takes_sink = supports_softcap = True
+    takes_sink = True
     softcap_head_blocks = config.FWD_WS_SOFTCAP_HEAD_BLOCKS
     value_head_dim_refusal = None     # a narrower v runs padded with zeros to q/k's head dim (extra_reasons)
 
@@ -477,7 +477,6 @@ class BwdWs(_WarpSpecialisedBackward):
     """The warp-specialised Gluon backward (gluon/bwd_ws.py): one MMA warpgroup, head dims up to 128."""
     name = "bwd_ws"
     split_d = False
-    supports_softcap = True
     tiles = MappingProxyType({block: tile for block, tile in config.BWD_WS_SM90.items() if not tile.split_d})
 
 
@@ -485,7 +484,6 @@ class BwdWsSplit(_WarpSpecialisedBackward):
     """The warp-specialised Gluon backward whose two MMA warpgroups split the head dim (gluon/bwd_ws_split.py)."""
     name = "bwd_ws_split"
     split_d = True
-    supports_softcap = True
     softcap_head_blocks = config.BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS
     tiles = MappingProxyType({block: tile for block, tile in config.BWD_WS_SM90.items() if tile.split_d})
 
