@@ -311,6 +311,8 @@ VARIANTS = {"triton-accum": dict(gqa_epilogue="accumulate"), "triton-atomic-dq":
             "triton-dq-pass": dict(dq_mode="pass"), "triton-pointers": dict(use_tma=False),
             "triton-tma": dict(use_tma=True), "triton-one-launch": dict(ws=False, fwd_ws=False),
             "triton-ws": dict(ws=True, fwd_ws=True)}
+
+
 def leaf(shape, generator: torch.Generator, device: torch.device, dtype=torch.bfloat16) -> torch.Tensor:
     """A seeded standard-normal leaf that requires grad (drawn in fp32: CPU generators draw no bf16)."""
     t = torch.randn(*shape, generator=generator, device=device, dtype=torch.float32)
