@@ -25,7 +25,7 @@ LOG2E: gl.constexpr = gl.constexpr(1.4426950408889634)
 @gluon.jit
 def hardware_tanh(x):
     """tanh of fp32 scores by the GPU's own approximation (`tanh.approx.f32`, one MUFU op; relative error about
-    2^-11, under a bf16 score's rounding). softmax_terms.accurate_tanh takes an exp2 and a reciprocal, two MUFU ops
+    2^-11, under a bf16 score's rounding). one_launch/scores.accurate_tanh takes an exp2 and a reciprocal, two MUFU ops
     more beside the softmax's exp2 per score: the softmax step is bound by that unit at d64 and d128, where the
     matmuls of a score take fewer cycles than three MUFU ops (the interpreter-run one-launch kernels keep it)."""
     return gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True, pack=1)
