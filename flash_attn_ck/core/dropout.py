@@ -1,15 +1,17 @@
 """The dropout keep pattern, defined once for every backend that draws it itself.
 
-`rng_state` is an int64 tensor `[seed, offset]` on the device. Element `(b, h, i, j)` of the
-attention matrix (b the sequence, h the query head, i/j rows/columns inside the sequence) draws
-Philox-4x32-10 with the 64-bit seed as key and the 128-bit counter
+`rng_state` is an int64 tensor `[seed, offset]` on the device. Each group of four columns of a row
+shares one Philox-4x32-10 draw: element `(b, h, i, j)` of the attention matrix (b the sequence, h the
+query head, i/j rows/columns inside the sequence) takes output word `j % 4` of the draw with the 64-bit
+seed as key and the 128-bit counter
 
-    (c0, c1, c2, c3) = (j, i, low32(offset + b * heads + h), high32(offset + b * heads + h))
+    (c0, c1, c2, c3) = (j // 4, i, low32(offset + b * heads + h), high32(offset + b * heads + h))
 
-(`triton.language.philox(seed, c0, c1, c2, c3)`, first output word), so the Triton kernels and this
-PyTorch version draw the same bits. It is kept iff `(bits >> 8) * 2**-24 >= p` in fp32 (24-bit
-uniforms are exact in both). The pattern depends on the element's coordinates only, never on
-launch bounds: varlen calls with different `max_seqlen` draw the same pattern.
+(`triton.language.philox(seed, c0, c1, c2, c3)`), so the Triton kernels and this PyTorch version draw
+the same bits, and a kernel pays one draw (about 80 integer operations) per four scores. It is kept iff
+`(bits >> 8) * 2**-24 >= p` in fp32 (24-bit uniforms are exact in both). The pattern depends on the
+element's coordinates only, never on launch bounds: varlen calls with different `max_seqlen` draw the
+same pattern.
 
 The CK kernels draw their own pattern from the same `[seed, offset]` (CK's Philox layout).
 """
@@ -31,15 +33,16 @@ def _mulhilo32(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi & _MASK32, (a * b) & _MASK32
 
 
-def philox(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor) -> torch.Tensor:
-    """First output word of Philox-4x32-10 for int64 tensors of 32-bit counter words, as int64 in [0, 2**32)."""
+def philox(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor,
+           c3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four output words of Philox-4x32-10 for int64 tensors of 32-bit counter words, as int64 in [0, 2**32)."""
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     for _ in range(PHILOX_ROUNDS):
         hi_b, lo_b = _mulhilo32(_ROUND_B, c2)
         hi_a, lo_a = _mulhilo32(_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
-    return c0
+    return c0, c1, c2, c3
 
 
 def keep_mask(rng_state: tuple[int, int], p: float, batch_index: int, heads: int, head_ids: torch.Tensor,
@@ -50,11 +53,14 @@ def keep_mask(rng_state: tuple[int, int], p: float, batch_index: int, heads: int
     seed, offset = rng_state
     plane = offset + batch_index * heads + head_ids.to(torch.int64)          # (H,)
     shape = (len(head_ids), len(rows), len(cols))
-    c0 = (cols.to(torch.int64) & _MASK32)[None, None, :].expand(shape)
+    cols = cols.to(torch.int64)
+    c0 = ((cols >> 2) & _MASK32)[None, None, :].expand(shape)
     c1 = (rows.to(torch.int64) & _MASK32)[None, :, None].expand(shape)
     c2 = (plane & _MASK32)[:, None, None].expand(shape)
     c3 = ((plane >> 32) & _MASK32)[:, None, None].expand(shape)
-    uniform = (philox(seed, c0, c1, c2, c3) >> 8).to(torch.float32) * (2.0 ** -24)
+    words = torch.stack(philox(seed, c0, c1, c2, c3))                       # (4, H, rows, cols)
+    bits = words.gather(0, (cols & 3)[None, None, None, :].expand(1, *shape))[0]
+    uniform = (bits >> 8).to(torch.float32) * (2.0 ** -24)
     return uniform >= torch.tensor(p, dtype=torch.float32)
 
 

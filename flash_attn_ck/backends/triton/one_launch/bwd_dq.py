@@ -65,7 +65,7 @@ def query_tile_dq(m_block, b, h, Q, K, V, dOut, Lse, Delta, dQ, seq, strides, si
         if not features.DP_FIRST:
             dp = tl.dot(do, tl.trans(v))
         if features.HAS_DROPOUT:
-            kept = dropout_keep(seed, offset, b * sizes.heads + h, offs_m[:, None], cols[None, :], score_args.dropout_p)
+            kept = dropout_keep(seed, offset, b * sizes.heads + h, offs_m, n0, score_args.dropout_p, BLOCK_N, False)
             dp = tl.where(kept, dp * (1.0 / (1.0 - score_args.dropout_p)), 0.0)
         ds = p * (dp - delta[:, None])
         if features.HAS_SOFTCAP:

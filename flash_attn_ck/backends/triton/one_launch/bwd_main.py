@@ -155,8 +155,7 @@ def key_tile_dkdv(n_block, b, prog_head, Q, K, V, dOut, Lse, Delta, grads, kv_ac
                 dpT = tl.dot(v, tl.trans(do))
             # ---- dV and dS^T (dropout scales the kept entries by 1 / (1 - p)) ----
             if features.HAS_DROPOUT:
-                kept = dropout_keep(seed, offset, b * sizes.heads + h, offs_m[None, :], offs_n[:, None],
-                                    score_args.dropout_p)
+                kept = dropout_keep(seed, offset, b * sizes.heads + h, offs_m, n0, score_args.dropout_p, BLOCK_N, True)
                 inv_keep = 1.0 / (1.0 - score_args.dropout_p)
                 dv += tl.dot(tl.where(kept, pT * inv_keep, 0.0).to(do.dtype), do)
                 dpT = tl.where(kept, dpT * inv_keep, 0.0)

@@ -61,7 +61,7 @@ def attn_fwd_kernel(Q, K, V, Out, Lse, seq, strides, sizes, score_args, Sink,
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if features.HAS_DROPOUT:
-            kept = dropout_keep(seed, offset, b * sizes.heads + h, offs_m[:, None], cols[None, :], score_args.dropout_p)
+            kept = dropout_keep(seed, offset, b * sizes.heads + h, offs_m, n0, score_args.dropout_p, BLOCK_N, False)
             p = tl.where(kept, p, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new

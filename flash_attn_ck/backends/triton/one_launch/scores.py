@@ -224,16 +224,30 @@ def dropout_seed(seq, features: tl.constexpr):
 
 
 @triton.jit
-def dropout_keep(seed, offset, plane, rows, cols, dropout_p):
-    """core/dropout.py: Philox(seed, counter (j, i, low32(offset + plane), high32(offset + plane))), kept
-    iff (bits >> 8) * 2**-24 >= p in fp32. `plane` = b * heads + h. Only the element's own coordinates
-    enter the counter, so the pattern does not depend on launch bounds (max_seqlen)."""
-    zero = rows * 0 + cols * 0
+def dropout_keep(seed, offset, plane, rows, n0, dropout_p, BLOCK_N: tl.constexpr, KEYS_FIRST: tl.constexpr):
+    """core/dropout.py: the keep mask of rows `rows` (1-D) and keys [n0, n0 + BLOCK_N), n0 a multiple of 4;
+    (rows, keys), or (keys, rows) with KEYS_FIRST. Key j takes word j % 4 of Philox(seed, counter (j // 4,
+    i, low32(offset + plane), high32(offset + plane))), kept iff (bits >> 8) * 2**-24 >= p in fp32; one draw
+    serves four keys. `plane` = b * heads + h. Only the element's own coordinates enter the counter, so the
+    pattern does not depend on launch bounds (max_seqlen)."""
+    groups = n0 // 4 + tl.arange(0, BLOCK_N // 4)
     word = offset.to(tl.int64) + plane.to(tl.int64)
-    c0 = (cols + zero).to(tl.uint32)
-    c1 = (rows + zero).to(tl.uint32)
+    if KEYS_FIRST:
+        zero = groups[:, None] * 0 + rows[None, :] * 0
+        c0 = (groups[:, None] + zero).to(tl.uint32)
+        c1 = (rows[None, :] + zero).to(tl.uint32)
+    else:
+        zero = rows[:, None] * 0 + groups[None, :] * 0
+        c0 = (groups[None, :] + zero).to(tl.uint32)
+        c1 = (rows[:, None] + zero).to(tl.uint32)
     c2 = (zero + (word & 0xFFFFFFFF)).to(tl.uint32)
     c3 = (zero + ((word >> 32) & 0xFFFFFFFF)).to(tl.uint32)
-    bits, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
+    # (..., group, 2, 2) with [k, l] = word 2k + l: key 4 * group + 2k + l once flattened
+    words = tl.join(tl.join(w0, w2), tl.join(w1, w3))
+    if KEYS_FIRST:
+        bits = tl.reshape(tl.permute(words, (0, 2, 3, 1)), (BLOCK_N, rows.shape[0]))
+    else:
+        bits = tl.reshape(words, (rows.shape[0], BLOCK_N))
     uniform = (bits >> 8).to(tl.float32) * 5.960464477539063e-08  # 2**-24
     return uniform >= dropout_p
