@@ -84,17 +84,18 @@ def _alibi(q):
 
 
 def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), schedule: bool = False,
-             sink: bool = False, softcap: float = 0.0, alibi: bool = False):
+             sink: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False):
     """fwd_ws.launch_spec of `tile` for a call of `head_dim` (bf16, 512 rows, 4 heads) with `masks` (TOP_LEFT,
     HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule; `sink`: with a learnable sink;
-    `softcap`: with that cap (0: none); `alibi`: with (batch, heads) ALiBi slopes."""
+    `softcap`: with that cap (0: none); `alibi`: with (batch, heads) ALiBi slopes; `dropout`: with p = 0.1."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
     _, t, call = _call(head_dim, varlen, masks)
     q = t["q"]
     return fwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), t["lse"], t["cu_seqlens"], t["cu_seqlens"],
                               tile=tile, schedule=_schedule(schedule, tile.block_m),
                               sink=torch.zeros(q.shape[-2]) if sink else None, softcap=softcap,
-                              alibi=_alibi(q) if alibi else None, **call)[0]
+                              alibi=_alibi(q) if alibi else None,
+                              dropout=(torch.zeros(2, dtype=torch.int64), 0.1) if dropout else None, **call)[0]
 
 
 def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False,
@@ -203,3 +204,34 @@ def hardware_tanh_kernel():
         inside = offsets < n
         gl.store(y_ptr + offsets, hardware_tanh(gl.load(x_ptr + offsets, mask=inside)), mask=inside)
     return tanh_kernel
+
+
+def dropout_keep_kernel():
+    """A Gluon kernel that writes gluon/dropout.Dropout.keep of one (ROWS, BLOCK_N) tile as int8 (1: kept), in the
+    wgmma accumulator layout the kernels hold scores in, (rows, keys) or (keys, rows) with KEYS_FIRST (4 warps, one
+    program): `call` is (int64 [seed, offset] rng_state, p, query heads), the tile is sequence b's head h, rows
+    [m0, m0 + ROWS), keys [n0, n0 + BLOCK_N). Compiled here for sm_90a and run by the GPU tests."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    from flash_attn_ck.backends.triton.gluon.dropout import pattern_of
+
+    @gluon.jit
+    def keep_kernel(rng_state, p, heads, out, b, head, m0, n0, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    KEYS_FIRST: gl.constexpr):
+        drop = pattern_of((rng_state, p, heads), b, head)
+        if KEYS_FIRST:
+            layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, ROWS, 16])
+            rows = gl.arange(0, ROWS, layout=gl.SliceLayout(0, layout))
+            keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+            offsets = gl.expand_dims(keys, 1) * ROWS + gl.expand_dims(rows, 0)
+        else:
+            layout: gl.constexpr = gl.NVMMADistributedLayout(  # type: ignore[no-redef]
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+            rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+            offsets = gl.expand_dims(rows, 1) * BLOCK_N + gl.expand_dims(keys, 0)
+        kept = drop.keep(m0 + rows, n0, BLOCK_N, layout, KEYS_FIRST)
+        gl.store(out + offsets, kept.to(gl.int8))
+    return keep_kernel

@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 
 _MASK32 = 0xFFFFFFFF
-_ROUND_A, _ROUND_B = 0xD2511F53, 0xCD9E8D57
-_KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
+# Philox-4x32-10's multipliers and key increments (the Gluon kernels' gluon/dropout.py takes them from here)
+PHILOX_ROUND_A, PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57
+PHILOX_KEY_A, PHILOX_KEY_B = 0x9E3779B9, 0xBB67AE85
 PHILOX_ROUNDS = 10
 
 
@@ -38,10 +39,10 @@ def philox(seed: int, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor,
     """The four output words of Philox-4x32-10 for int64 tensors of 32-bit counter words, as int64 in [0, 2**32)."""
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     for _ in range(PHILOX_ROUNDS):
-        hi_b, lo_b = _mulhilo32(_ROUND_B, c2)
-        hi_a, lo_a = _mulhilo32(_ROUND_A, c0)
+        hi_b, lo_b = _mulhilo32(PHILOX_ROUND_B, c2)
+        hi_a, lo_a = _mulhilo32(PHILOX_ROUND_A, c0)
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
-        k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
+        k0, k1 = (k0 + PHILOX_KEY_A) & _MASK32, (k1 + PHILOX_KEY_B) & _MASK32
     return c0, c1, c2, c3
 
 

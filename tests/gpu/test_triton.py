@@ -246,6 +246,29 @@ WS_SOFTCAP_CASES = {
 }
 
 
+# fwd_ws with dropout in its softmax step (forced on: the defaults leave dropout to the one-launch forward until
+# config.FWD_WS_DROPOUT_HEAD_BLOCKS names a head block): the same pattern as the reference, so out and lse match it.
+WS_DROPOUT_CASES = {
+    "causal_gqa": dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, dropout_p=0.2, causal=True),
+    "window_unaligned": dict(batch=1, seqlen_q=513, seqlen_k=901, heads_q=4, heads_k=4, dropout_p=0.5, window=(101, 7)),
+    "varlen_sink_softcap": dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129)], heads_q=4, heads_k=1,
+                                dropout_p=0.1, softcap=30.0, causal=True, sink_dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("name", sorted(WS_DROPOUT_CASES))
+def test_fwd_ws_dropout_matches(monkeypatch, name, head_dim):
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    given_dropout, real = [], fwd_ws.launch
+    monkeypatch.setattr(fwd_ws, "launch",
+                        lambda *args, **kwargs: (given_dropout.append(kwargs["dropout"]), real(*args, **kwargs)))
+    cfg = Config(**WS_DROPOUT_CASES[name], head_dim=head_dim, dtype=torch.bfloat16)
+    with use_backend(TritonBackend(fwd_ws=True)):
+        check_case(cfg, backend="triton", device="cuda")
+    assert given_dropout and all(d is not None and d[1] == cfg.dropout_p for d in given_dropout), given_dropout
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("name", sorted(WS_SOFTCAP_CASES))
 def test_fwd_ws_softcap_matches(monkeypatch, name, head_dim):
@@ -275,6 +298,28 @@ def test_the_hardware_tanh_is_within_half_a_bf16_rounding():
     relative = ((y.double() - exact).abs() / exact.abs().clamp_min(1e-300))[exact != 0]
     assert relative.max().item() < 2 ** -10, relative.max().item()
     assert y[-3].item() == 0.0 and y[-2].item() == 1.0 and y[-1].item() == -1.0
+
+
+@pytest.mark.parametrize("keys_first", [False, True], ids=["rows_keys", "keys_rows"])
+@pytest.mark.parametrize("rows,block_n", [(64, 128), (128, 64)])
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(seed=st.integers(-(2 ** 63), 2 ** 63 - 1), offset=st.integers(0, 2 ** 32 - 1), b=st.integers(0, 5),
+       head=st.integers(0, 7), m0=st.integers(0, 2 ** 20), group=st.integers(0, 2 ** 18), p=st.floats(0.05, 0.95))
+def test_the_gluon_keep_mask_is_core_dropouts(keys_first, rows, block_n, seed, offset, b, head, m0, group, p):
+    """gluon/dropout.Dropout.keep in the wgmma accumulator layout, both orientations, equals core/dropout.keep_mask
+    element for element (the pattern the reference and the one-launch kernels draw)."""
+    from gluon_compile import dropout_keep_kernel
+
+    from flash_attn_ck.core.dropout import keep_mask
+    heads, n0 = 8, 4 * group
+    rng_state = torch.tensor([seed, offset], dtype=torch.int64, device="cuda")
+    out = torch.empty((block_n, rows) if keys_first else (rows, block_n), dtype=torch.int8, device="cuda")
+    dropout_keep_kernel()[(1,)](rng_state, p, heads, out, b, head, m0, n0, ROWS=rows, BLOCK_N=block_n,
+                                KEYS_FIRST=keys_first, num_warps=4)
+    expected = keep_mask((seed, offset), p, b, heads, torch.tensor([head]), torch.arange(m0, m0 + rows),
+                         torch.arange(n0, n0 + block_n))[0]
+    got = out.cpu().bool()
+    assert torch.equal(got.T if keys_first else got, expected)
 
 
 def _caps_given_to_bwd_ws(monkeypatch) -> list:

@@ -163,7 +163,7 @@ def test_the_ws_kernels_name_a_feature_among_their_reasons_while_off(operator, f
 
 
 # (operator, head dim, the call's term, Triton release) -> whether the defaults leave the call to the one-launch kernel,
-# and the words of that reason: config.FWD_WS_SOFTCAP_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES.
+# and the words of that reason: config.FWD_WS_SOFTCAP_HEAD_BLOCKS, FWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES.
 MEASURED_RULES = [
     (operators.FwdWs, 128, dict(softcap=20.0), "3.6.0", "softcap at head dim 128: not measured faster"),
     (operators.FwdWs, 64, dict(softcap=20.0), "3.9.0", "softcap at head dim 64: not measured faster"),
@@ -178,6 +178,8 @@ MEASURED_RULES = [
     (operators.FwdWs, 128, dict(has_alibi=True), "3.9.0", "ALiBi under Triton 3.9.0: not measured faster"),
     (operators.BwdWs, 64, dict(has_alibi=True), "3.7.1", "ALiBi under Triton 3.7.1: not measured faster"),
     (operators.BwdWsSplit, 256, dict(has_alibi=True), "3.8.0", "ALiBi under Triton 3.8.0: not measured faster"),
+    (operators.FwdWs, 128, dict(dropout_p=0.1), "3.6.0", "dropout at head dim 128: not measured faster"),
+    (operators.FwdWs, 256, dict(dropout_p=0.1), "3.9.0", "dropout at head dim 256: not measured faster"),
 ]
 
 
@@ -194,14 +196,15 @@ def test_the_defaults_leave_a_score_term_to_the_one_launch_kernels_only_where_th
         default = TritonBackend().reasons(_problem(4096, head_dim, **feature), operator)
         forced = TritonBackend(**{operator.option: True}).reasons(_problem(4096, head_dim, **feature), operator)
         chosen = TritonBackend().operator(_problem(4096, head_dim, **feature), operator.role)
-    found = [r for r in default if r.startswith(("softcap at", "ALiBi under"))]
+    terms = ("softcap at", "ALiBi under", "dropout at")
+    found = [r for r in default if r.startswith(terms)]
     if reason is None:
         assert found == [] and chosen is operator, (default, chosen)
     else:
         assert len(found) == 1 and found[0].startswith(reason), default
         assert f"TritonBackend({operator.option}=True) runs it" in found[0]
         assert not chosen.name.endswith(("_ws", "_ws_split")), chosen
-    assert not [r for r in forced if r.startswith(("softcap at", "ALiBi under"))], forced
+    assert not [r for r in forced if r.startswith(terms)], forced
 
 
 def test_hardware_tanh_is_one_mufu_op_per_value():
@@ -239,6 +242,21 @@ def test_fwd_ws_compiles_the_softcap_into_its_softmax_step(head_dim, varlen):
     _assert_one_tanh_per_score(_loop_mufu(kernels[0.0]), _loop_mufu(kernels[30.0]))
     spills = {cap: ptxas_report(kernel.asm["ptx"])["spill_stores"] for cap, kernel in kernels.items()}
     assert spills[30.0] <= spill_allowance(spills[0.0]), spills
+
+
+@pytest.mark.parametrize("head_dim", sorted(config.FWD_WS_SM90))
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_fwd_ws_draws_one_philox_per_four_scores(head_dim, varlen):
+    """The dropout variant of fwd_ws draws Philox-4x32-10 (two 32-bit high multiplies a round, ten rounds, the first
+    round's multiply of the head's counter word shared by all) once per four scores: 19 / 4 `mul.hi.u32` per score,
+    between 3 and 5 per exp2 of its PTX (which has a few more exp2s than scores: the rows' rescale); one draw per score
+    would be 19. The variant without dropout has none."""
+    tile = config.fwd_ws_tile(head_dim, causal=True)
+    ptx = {drop: compile_spec(fwd_spec(tile, head_dim, varlen, (False, False, True), dropout=drop)).asm["ptx"]
+           for drop in (False, True)}
+    multiplies = {drop: len(re.findall(r"mul\.hi\.u32", text)) for drop, text in ptx.items()}
+    exp2 = len(re.findall(r"ex2\.approx", ptx[True]))
+    assert multiplies[False] == 0 and 3 * exp2 <= multiplies[True] <= 5 * exp2, (multiplies, exp2)
 
 
 @pytest.mark.parametrize("head_dim", sorted(config.BWD_WS_SM90))

@@ -158,12 +158,14 @@ class Operator(Capabilities):
 
 class GluonOperator(Operator):
     """What the warp-specialised Gluon kernels share: sm_90 only, the tested Triton releases only, input-dtype results,
-    the softcap and ALiBi (by default only where they measured faster), no dropout; the mask as gluon_common.Mask
-    takes it, and the varlen schedule of their tiles."""
+    the softcap and ALiBi (by default only where they measured faster); the mask as gluon_common.Mask takes it, and
+    the varlen schedule of their tiles."""
     supports_alibi = supports_softcap = True
     supports_dropout = False
-    # Head blocks where the defaults run its softcap calls (None: wherever it takes them).
+    # Head blocks where the defaults run its softcap calls (None: wherever it takes them), and its dropout calls (where
+    # it takes dropout).
     softcap_head_blocks: ClassVar[frozenset[int] | None] = None
+    dropout_head_blocks: ClassVar[frozenset[int]] = frozenset()
     fp32_outputs_refusal = "its TMA stores go through shared tiles of the input dtype"
     value_head_dim_refusal: ClassVar[str | None] = "the kernel has one head block"
     architectures = frozenset({9})
@@ -173,14 +175,17 @@ class GluonOperator(Operator):
     @classmethod
     def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
         """The score terms it takes but the defaults leave to the one-launch kernels where it was not measured faster
-        (config.FWD_WS_SOFTCAP_HEAD_BLOCKS, BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES); its setting
-        forced on runs them here."""
+        (config.FWD_WS_SOFTCAP_HEAD_BLOCKS, BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS, FWD_WS_DROPOUT_HEAD_BLOCKS,
+        WS_ALIBI_TRITON_RELEASES); its setting forced on runs them here."""
         if setting is not None:
             return []
         reasons, forced = [], f"(TritonBackend({cls.option}=True) runs it)"
         block = config.head_block(p.head_dim_padded)
         if p.softcap != 0.0 and cls.softcap_head_blocks is not None and block not in cls.softcap_head_blocks:
             reasons.append(f"softcap at head dim {p.head_dim_padded}: not measured faster than the one-launch kernel "
+                           f"there {forced}")
+        if p.dropout_p > 0 and cls.supports_dropout and block not in cls.dropout_head_blocks:
+            reasons.append(f"dropout at head dim {p.head_dim_padded}: not measured faster than the one-launch kernel "
                            f"there {forced}")
         version = triton_versions.installed()
         if p.has_alibi and triton_versions.release(version) not in config.WS_ALIBI_TRITON_RELEASES:
@@ -278,7 +283,9 @@ class FwdWs(GluonOperator, ForwardOperator):
     shorter = "not measured faster there (TritonBackend(fwd_ws=True) runs it)"
     positive_scale = True
     takes_sink = True
+    supports_dropout = True
     softcap_head_blocks = config.FWD_WS_SOFTCAP_HEAD_BLOCKS
+    dropout_head_blocks = config.FWD_WS_DROPOUT_HEAD_BLOCKS
     value_head_dim_refusal = None     # a narrower v runs padded with zeros to q/k's head dim (extra_reasons)
 
     @classmethod
@@ -319,7 +326,8 @@ class FwdWs(GluonOperator, ForwardOperator):
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
                       tile=cls.tile(backend, p), mask=cls.mask(backend, p), schedule=cls.schedule(backend, p, params),
                       softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None,
-                      alibi=_alibi(p, params.alibi_slopes))
+                      alibi=_alibi(p, params.alibi_slopes),
+                      dropout=(params.rng_state, p.dropout_p) if p.dropout_p > 0 else None)
         if target is not out:
             out.copy_(target[..., :out.shape[-1]])
 

@@ -68,6 +68,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
 from ..runtime.softmax_terms import alibi_distance, take_sink
 from ..runtime.triton_versions import tma_load, tma_store
+from .dropout import pattern_of
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, hardware_tanh, slot, uniform_descriptor
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
@@ -239,10 +240,12 @@ def _softmax_step(consts, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shif
                   MASKED: gl.constexpr):
     """One key tile's online-softmax update of raw scores s: (P, alpha that rescales O, new max, new sum).
     The max is kept on raw scores; exp2 takes s * scale * log2e - m * scale * log2e (one FFMA). `score_terms`: (cap
-    or None, scale, ALiBi's (slope * log2e per row, distance shift) or None): with a cap the scores become cap *
-    tanh(scale * s / cap) in log2 units first, with ALiBi scale * s in log2 units minus the bias (scale_log2 is then
-    1). MASKED: whether the tile needs the mask (True, False: no mask code), or None: the tile decides at run time."""
-    cap, scale, bias = score_terms
+    or None, scale, ALiBi's (slope * log2e per row, distance shift) or None, the row's dropout.Dropout or None): with
+    a cap the scores become cap * tanh(scale * s / cap) in log2 units first, with ALiBi scale * s in log2 units minus
+    the bias (scale_log2 is then 1); with dropout P's dropped entries are zero (the sum l is taken before: the
+    softmax's). MASKED: whether the tile needs the mask (True, False: no mask code), or None: the tile decides at run
+    time."""
+    cap, scale, bias, drop = score_terms
     if cap is not None:
         s = (hardware_tanh(s * (scale / cap)) * cap) * LOG2E    # in this order: cap * log2e may overflow fp32
     elif bias is not None:
@@ -264,6 +267,8 @@ def _softmax_step(consts, mask, s, m_i, l_i, n0, offs_m, offs_n, m0, len_k, shif
     p = gl.exp2(s * scale_log2 - gl.expand_dims(m_scaled, 1))
     alpha = gl.exp2(m_i * scale_log2 - m_scaled)
     l_new = l_i * alpha + gl.sum(p, 1)
+    if drop is not None:
+        p = gl.where(drop.keep(offs_m, n0, consts.BLOCK_N, consts.s_layout, False), p, 0.0)
     return p, alpha, m_new, l_new
 
 
@@ -325,9 +330,10 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.constexpr):
     """Query rows [m0 + ROWS * WARPGROUP, + ROWS) of the CTA's tile. `outputs`: (o_desc, Out, Lse, (out row, lse
     batch, lse head) strides); `sizes`: the kernel's; `terms`: (the softcap or None, a learnable sink's fp32 (heads,)
-    logits or None, ALiBi's (fp32 slopes, their batch stride) or None)."""
+    logits or None, ALiBi's (fp32 slopes, their batch stride) or None, dropout's (rng_state, p, query heads) or
+    None)."""
     o_desc, Out, Lse, strides = outputs
-    cap, Sink, alibi = terms
+    cap, Sink, alibi, dropout = terms
     stride_out_row, stride_lse_b, stride_lse_h = strides
     head_dim, scale = sizes.head_dim, sizes.scale
     m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(consts, seqs, mask)
@@ -339,12 +345,16 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
     offs_n = gl.arange(0, consts.BLOCK_N, layout=gl.SliceLayout(0, consts.s_layout))
     scale_log2 = scale * LOG2E
     # with a cap or ALiBi, _softmax_step's scores are in log2 units, which exp2 and lse take as they are
+    if dropout is not None:
+        drop = pattern_of(dropout, b, head)
+    else:
+        drop: gl.constexpr = dropout  # type: ignore[no-redef]  # (a constexpr None: partitions take no plain None)
     if alibi is not None:   # the head's slope in log2 units, per row; the distance's zero is the bottom-right diagonal
         Slopes, slope_batch = alibi
         slope_log2 = gl.load(Slopes + b.to(gl.int64) * slope_batch + head + offs_m * 0) * LOG2E
-        score_terms = (cap, scale, (slope_log2, len_k - len_q))
+        score_terms = (cap, scale, (slope_log2, len_k - len_q), drop)
     else:
-        score_terms = (cap, scale, alibi)  # type: ignore[assignment]  # (alibi: None, a constant)
+        score_terms = (cap, scale, alibi, drop)  # type: ignore[assignment]  # (alibi: None, a constant)
     if cap is not None or alibi is not None:
         scale_log2 = 1.0
         scale = 1.0 / LOG2E
@@ -395,6 +405,8 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
         scale = 1.0 / LOG2E
     empty = l_i == 0.0
     inv_l = gl.where(empty, 0.0, alpha / l_i)
+    if dropout is not None:    # kept probabilities are scaled by 1 / (1 - p)
+        inv_l = inv_l / (1.0 - drop.p)
     out = _rescale(acc, inv_l, consts.o_layout).to(dtype)
     lse = gl.where(empty, float("inf"), m_i * scale + gl.log2(gl.where(empty, 1.0, l_i)) / LOG2E)
     lse_rows = Lse + b.to(gl.int64) * stride_lse_b + head.to(gl.int64) * stride_lse_h + offs_m
@@ -419,14 +431,15 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, schedule, strides, sizes, window, softcap,
-                       Sink, alibi, TILE: gl.constexpr, CALL: gl.constexpr):
+                       Sink, alibi, dropout, TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR, or with a
     `schedule` (varlen: int32 (rows, 2) [sequence, query tile], else a constexpr None) (query heads, rows); num_warps =
     CONSUMER_WARPS (consumer 0). `cu_seqlens`: (q, k); `strides`: (out row, lse batch, lse head); `sizes`:
     launch.GluonSizes; `window`: (left, right); `softcap`: scores softcap * tanh(scale * q.k / softcap), or None;
     `Sink`: a learnable sink's fp32 (query heads,) logits, taken into each row's softmax, or None (None: a constant,
     the kernel compiles without the term); `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch
-    stride (0 for (query heads,))), or None; TILE: config.FwdWsTile; CALL:
+    stride (0 for (query heads,))), or None; `dropout`: (int64 [seed, offset] rng_state, p, query heads) of
+    core/dropout.py's pattern, or None; TILE: config.FwdWsTile; CALL:
     launch.GluonCall. See the module docstring."""
     consts = PartitionConstants(TILE, CALL.HEAD_D)
     seqlen_q, seqlen_k, group = sizes.seqlen_q, sizes.seqlen_k, sizes.group
@@ -463,7 +476,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
     mask = Mask(window, CALL.MASK)
     outputs = (o_desc, Out, Lse, strides)
     gl.warp_specialize(
-        [(_consumer, (consts, bufs, seqs, mask, outputs, sizes, (softcap, Sink, alibi), wg))
+        [(_consumer, (consts, bufs, seqs, mask, outputs, sizes, (softcap, Sink, alibi, dropout), wg))
          for wg in (0, 1, 2)[:CONSUMERS]]
         + [(_loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc), group))],
         [CONSUMER_WARPS] * (CONSUMERS - 1) + [1], [TILE.consumer_regs] * (CONSUMERS - 1) + [TILE.loader_regs])
@@ -472,13 +485,14 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
 # ---- host side -------------------------------------------------------------------------------
 def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int, seqlen_q: int,
                 seqlen_k: int, scale: float, mask: GluonMask, tile, schedule=None, softcap: float = 0.0,
-                sink=None, alibi=None) -> tuple[LaunchSpec, object]:
+                sink=None, alibi=None, dropout=None) -> tuple[LaunchSpec, object]:
     """The launch of attn_fwd_ws_kernel for out (layout of q) and lse ((b, h, s_q) or varlen (h, total_q)), and the
     tensor it writes: out itself, or a copy of it that a descriptor can view (launch copies it back). `schedule`
     (varlen only): the call's (sequence, query tile) items (varlen_schedule.build_schedule of a walk that owns query
     tiles of tile.block_m rows), run on a grid (query heads, items); None: the grid over every (batch, query tile).
     `softcap`: the scores' cap (0: none); `sink`: fp32 (query heads,) logits of a learnable sink the kernel takes into
-    its softmax, or None; `alibi`: (fp32 slopes (heads,) or (batch, heads), their batch stride) or None."""
+    its softmax, or None; `alibi`: (fp32 slopes (heads,) or (batch, heads), their batch stride) or None; `dropout`:
+    (rng_state, p) or None."""
     d = q.shape[-1]
     group = q.shape[-2] // k.shape[-2]
     rows_per_consumer = tile.block_m // tile.consumers
@@ -498,7 +512,8 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window, softcap=softcap or None, Sink=sink,
-        alibi=alibi, TILE=tile, CALL=GluonCall(out_desc.block_shape[-1], varlen, mask.flags)),
+        alibi=alibi, dropout=None if dropout is None else (*dropout, q.shape[-2]), TILE=tile,
+        CALL=GluonCall(out_desc.block_shape[-1], varlen, mask.flags)),
         CONSUMER_WARPS.value), target
 
 
