@@ -95,13 +95,14 @@ def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, Fal
                               tile=tile, schedule=_schedule(schedule, tile.block_m),
                               sink=torch.zeros(q.shape[-2]) if sink else None, softcap=softcap,
                               alibi=_alibi(q) if alibi else None,
-                              dropout=(torch.zeros(2, dtype=torch.int64), 0.1) if dropout else None, **call)[0]
+                              dropout=(torch.zeros(2, dtype=torch.int64), 0.1, 4, 0) if dropout else None, **call)[0]
 
 
 def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False,
-             schedule: bool = False, softcap: float = 0.0, alibi: bool = False):
+             schedule: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False):
     """bwd_ws.launch_spec of `tile` (bwd_ws_split's kernel for a split_d tile) for a call like fwd_spec's, in the
-    deterministic mode or not, with the call's varlen schedule or not, with a softcap (0: none), with ALiBi or not."""
+    deterministic mode or not, with the call's varlen schedule or not, with a softcap (0: none), with ALiBi or not,
+    with dropout (p = 0.1) or not."""
     from flash_attn_ck.backends.triton.gluon import bwd_ws
     shape, t, call = _call(head_dim, varlen, masks)
     q, lse = t["q"], t["lse"]
@@ -109,7 +110,8 @@ def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, Fal
     return bwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), lse, lse.clone(), torch.empty(shape), q.clone(),
                               q.clone(), t["cu_seqlens"], t["cu_seqlens"], tile=tile, semaphores=sems,
                               schedule=_schedule(schedule, tile.block_n), softcap=softcap,
-                              alibi=_alibi(q) if alibi else None, **call)
+                              alibi=_alibi(q) if alibi else None,
+                              dropout=(torch.zeros(2, dtype=torch.int64), 0.1, 4, 0) if dropout else None, **call)
 
 
 def compile_spec(spec):
@@ -219,7 +221,7 @@ def dropout_keep_kernel():
     @gluon.jit
     def keep_kernel(rng_state, p, heads, out, b, head, m0, n0, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                     KEYS_FIRST: gl.constexpr):
-        drop = pattern_of((rng_state, p, heads), b, head)
+        drop = pattern_of((rng_state, p, heads, 0), b, head)
         if KEYS_FIRST:
             layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, ROWS, 16])

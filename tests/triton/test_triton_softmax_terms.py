@@ -180,6 +180,7 @@ MEASURED_RULES = [
     (operators.BwdWsSplit, 256, dict(has_alibi=True), "3.8.0", "ALiBi under Triton 3.8.0: not measured faster"),
     (operators.FwdWs, 128, dict(dropout_p=0.1), "3.6.0", "dropout at head dim 128: not measured faster"),
     (operators.FwdWs, 256, dict(dropout_p=0.1), "3.9.0", "dropout at head dim 256: not measured faster"),
+    (operators.BwdWs, 64, dict(dropout_p=0.1), "3.6.0", "dropout at head dim 64: not measured faster"),
 ]
 
 
@@ -244,18 +245,29 @@ def test_fwd_ws_compiles_the_softcap_into_its_softmax_step(head_dim, varlen):
     assert spills[30.0] <= spill_allowance(spills[0.0]), spills
 
 
-@pytest.mark.parametrize("head_dim", sorted(config.FWD_WS_SM90))
+# (kernel, head dim) of the warp-specialised kernels that take dropout: fwd_ws's tiles, bwd_ws's (not bwd_ws_split's).
+DROPOUT_KERNELS = [("fwd_ws", d) for d in sorted(config.FWD_WS_SM90)] + \
+    [("bwd_ws", d) for d, tile in sorted(config.BWD_WS_SM90.items()) if not tile.split_d]
+
+
+@pytest.mark.parametrize("kernel,head_dim", DROPOUT_KERNELS, ids=[f"{k}-d{d}" for k, d in DROPOUT_KERNELS])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_fwd_ws_draws_one_philox_per_four_scores(head_dim, varlen):
-    """The dropout variant of fwd_ws draws Philox-4x32-10 (two 32-bit high multiplies a round, ten rounds, the first
-    round's multiply of the head's counter word shared by all) once per four scores: 19 / 4 `mul.hi.u32` per score,
-    between 3 and 5 per exp2 of its PTX (which has a few more exp2s than scores: the rows' rescale); one draw per score
-    would be 19. The variant without dropout has none."""
-    tile = config.fwd_ws_tile(head_dim, causal=True)
-    ptx = {drop: compile_spec(fwd_spec(tile, head_dim, varlen, (False, False, True), dropout=drop)).asm["ptx"]
-           for drop in (False, True)}
-    multiplies = {drop: len(re.findall(r"mul\.hi\.u32", text)) for drop, text in ptx.items()}
-    exp2 = len(re.findall(r"ex2\.approx", ptx[True]))
+def test_the_ws_kernels_draw_one_philox_per_four_scores(kernel, head_dim, varlen):
+    """The dropout variant of fwd_ws and bwd_ws draws Philox-4x32-10 (two 32-bit high multiplies a round, ten rounds,
+    the first round's multiply of the head's counter word shared by all) once per four scores: 19 / 4 `mul.hi.u32` per
+    score, between 3 and 5 per exp2 of its PTX (which has a few more exp2s than scores: the forward's rescale); one
+    draw per score would be 19. The variant without dropout has none."""
+    def ptx(drop: bool) -> str:
+        if kernel == "fwd_ws":
+            spec = fwd_spec(config.fwd_ws_tile(head_dim, causal=True), head_dim, varlen, (False, False, True),
+                            dropout=drop)
+        else:
+            spec = bwd_spec(config.bwd_ws_tile(head_dim, True, 1, False), head_dim, varlen, (False, False, True),
+                            dropout=drop)
+        return compile_spec(spec).asm["ptx"]
+    texts = {drop: ptx(drop) for drop in (False, True)}
+    multiplies = {drop: len(re.findall(r"mul\.hi\.u32", text)) for drop, text in texts.items()}
+    exp2 = len(re.findall(r"ex2\.approx", texts[True]))
     assert multiplies[False] == 0 and 3 * exp2 <= multiplies[True] <= 5 * exp2, (multiplies, exp2)
 
 

@@ -73,8 +73,7 @@ def test_the_default_runs_it_exactly_where_measured(head_dim, causal, group, seq
         assert reasons == [f"sequences shorter than {shortest}: the one-launch kernel measured faster"]
 
 
-FEATURES = {"dropout": dict(dropout_p=0.1), "float32": dict(dtype=torch.float32),
-            "value head dim": dict(head_dim_v=64)}
+FEATURES = {"float32": dict(dtype=torch.float32), "value head dim": dict(head_dim_v=64)}
 
 
 @settings(max_examples=25, deadline=None)
@@ -86,6 +85,22 @@ def test_every_unsupported_feature_is_named(names, forced):
         reasons = ws_reasons(TritonBackend(ws=forced or None), problem(**features))
     for name in names:
         assert any(name in r for r in reasons), (name, reasons)
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("forced", [True, None])
+def test_dropout_runs_on_bwd_ws_where_declared_and_never_on_bwd_ws_split(head_dim, forced):
+    """bwd_ws takes dropout (forced on, or by default in config.BWD_WS_DROPOUT_HEAD_BLOCKS); bwd_ws_split, the head
+    dims above 128, takes none and says so."""
+    with pretend_capability():
+        p = problem(head_dim=head_dim, dropout_p=0.1)
+        reasons = [r for r in ws_reasons(TritonBackend(ws=forced), p) if "dropout" in r]
+    if head_dim > 128:
+        assert reasons == ["dropout is not supported"], reasons
+    elif forced or config.head_block(head_dim) in config.BWD_WS_DROPOUT_HEAD_BLOCKS:
+        assert reasons == [], reasons
+    else:
+        assert len(reasons) == 1 and reasons[0].startswith(f"dropout at head dim {head_dim}: not measured"), reasons
 
 
 @pytest.mark.parametrize("head_dim,capability,dtype,expect", [

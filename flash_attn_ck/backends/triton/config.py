@@ -227,8 +227,10 @@ FWD_WS_PADDED_VALUE_HEAD_BLOCKS = frozenset({256})
 FWD_WS_SOFTCAP_HEAD_BLOCKS = frozenset({256})
 # bwd_ws_split's softcap (the scores' slope handed to the dP warpgroup beside P^T): none until it is measured faster.
 BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS: frozenset[int] = frozenset()
-# fwd_ws's dropout (gluon/dropout.py's draws in its softmax step): none until it is measured faster.
+# Dropout (gluon/dropout.py's draws beside the softmax of fwd_ws, the P^T of bwd_ws; bwd_ws_split takes none): none
+# until it is measured faster.
 FWD_WS_DROPOUT_HEAD_BLOCKS: frozenset[int] = frozenset()
+BWD_WS_DROPOUT_HEAD_BLOCKS: frozenset[int] = frozenset()
 # ALiBi: under these Triton releases, (major, minor); under 3.9 both directions measured slower than the one-launch
 # kernels, and 3.7 and 3.8 were not measured.
 WS_ALIBI_TRITON_RELEASES = frozenset({(3, 6)})

@@ -176,7 +176,7 @@ class GluonOperator(Operator):
     def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
         """The score terms it takes but the defaults leave to the one-launch kernels where it was not measured faster
         (config.FWD_WS_SOFTCAP_HEAD_BLOCKS, BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS, FWD_WS_DROPOUT_HEAD_BLOCKS,
-        WS_ALIBI_TRITON_RELEASES); its setting forced on runs them here."""
+        BWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES); its setting forced on runs them here."""
         if setting is not None:
             return []
         reasons, forced = [], f"(TritonBackend({cls.option}=True) runs it)"
@@ -327,7 +327,7 @@ class FwdWs(GluonOperator, ForwardOperator):
                       tile=cls.tile(backend, p), mask=cls.mask(backend, p), schedule=cls.schedule(backend, p, params),
                       softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None,
                       alibi=_alibi(p, params.alibi_slopes),
-                      dropout=(params.rng_state, p.dropout_p) if p.dropout_p > 0 else None)
+                      dropout=_dropout(p, params, 0))
         if target is not out:
             out.copy_(target[..., :out.shape[-1]])
 
@@ -473,7 +473,8 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
             bwd_ws.launch(heads_of(q, -2, hq), heads_of(k, -2, kv), heads_of(v, -2, kv), heads_of(dout, -2, hq), lse_h,
                           delta_h, acc, dk_h, dv_h, params.cu_seqlens_q, params.cu_seqlens_k, varlen=p.varlen,
                           batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale, mask=mask,
-                          tile=tile, semaphores=sem, schedule=schedule, softcap=p.softcap, alibi=_alibi(p, slopes))
+                          tile=tile, semaphores=sem, schedule=schedule, softcap=p.softcap, alibi=_alibi(p, slopes),
+                          dropout=_dropout(p, params, hq.start))
             dq_h = heads_of(dq, -2, hq)
             cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                  p.rows_q // batch, d)
@@ -485,6 +486,8 @@ class BwdWs(_WarpSpecialisedBackward):
     """The warp-specialised Gluon backward (gluon/bwd_ws.py): one MMA warpgroup, head dims up to 128."""
     name = "bwd_ws"
     split_d = False
+    supports_dropout = True
+    dropout_head_blocks = config.BWD_WS_DROPOUT_HEAD_BLOCKS
     tiles = MappingProxyType({block: tile for block, tile in config.BWD_WS_SM90.items() if not tile.split_d})
 
 
@@ -636,6 +639,14 @@ def declared_mask_kinds() -> frozenset[MaskKind]:
 def even_keys(p: AttentionProblem, *key_blocks: int) -> bool:
     """Every key tile of a launch is full: dense, and s_k a multiple of each of its key blocks."""
     return not p.varlen and all(p.seqlen_k % block == 0 for block in key_blocks)
+
+
+def _dropout(p: AttentionProblem, params: AttentionParams, first_head: int) -> tuple | None:
+    """Dropout as the Gluon kernels take it: (the call's rng_state, p, its query heads, the launch's first query head:
+    core/dropout.py's counter takes the head's index in the call), or None without dropout."""
+    if p.dropout_p == 0:
+        return None
+    return params.rng_state, p.dropout_p, p.heads_q, first_head
 
 
 def _alibi(p: AttentionProblem, slopes: torch.Tensor | None) -> tuple[torch.Tensor, int] | None:

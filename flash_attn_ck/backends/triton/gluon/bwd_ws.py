@@ -15,7 +15,9 @@ bwd_ws_split.py, the kernel for head dims above 128):
                         dS^T = P^T * (dP^T - delta)
                         (with a softcap the scores are cap * tanh(scale * S^T / cap) and dS^T takes their slope,
                         1 - tanh^2: gluon_common.hardware_tanh, fwd_ws's tanh; with ALiBi the head's
-                        slope times the distance is subtracted, softmax_terms.alibi_distance, which dS^T does not see)
+                        slope times the distance is subtracted, softmax_terms.alibi_distance, which dS^T does not see;
+                        with dropout, dropout.py's keep mask of the tile zeroes P^T's and dP^T's dropped entries
+                        and scales the kept ones by 1 / (1 - p) before dV and dS^T)
                         dV += P^T dO, dK += dS^T Q                  (P^T, dS^T from registers)
                         dQ = dS K                                   (dS staged in shared memory)
                       dQ (scaled) goes to a shared-memory buffer for the writer while dK is still
@@ -37,8 +39,7 @@ write head_dim columns only.
 Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, gluon_common.uniform_rows
 copies tensors whose rows a descriptor cannot view):
   - head_dim padded to a power of two with a tile in config.BWD_WS_SM90 (split_d tiles: bwd_ws_split.py);
-    heads adjacent in memory (stride_h = head_dim), rows uniform, 16-byte aligned;
-  - no dropout.
+    heads adjacent in memory (stride_h = head_dim), rows uniform, 16-byte aligned.
 Deterministic mode: the writer adds a query tile's dQ only when the semaphore of that (batch, head,
 query tile) counts the key tiles before its own, so the fp32 sums happen in one order on every run.
 """
@@ -61,6 +62,7 @@ from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
 from .bwd_ws_shapes import semaphore_tiles
 from .bwd_ws_split import attn_bwd_ws_split_kernel
+from .dropout import pattern_of
 from .gluon_common import LOG2E, descriptor, hardware_tanh, probs_transposed, slot
 
 
@@ -68,8 +70,9 @@ from .gluon_common import LOG2E, descriptor, hardware_tanh, probs_transposed, sl
 @gluon.jit
 def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
     """`grads`: (dK, dV, their strides); `sizes`: the kernel's; `terms`: (the scores' cap or None, ALiBi's (fp32
-    slopes, their batch stride) or None)."""
-    softcap, alibi = terms
+    slopes, their batch stride) or None, dropout's (rng_state, p, query heads, first head) or
+    None)."""
+    softcap, alibi, dropout = terms
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
     head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
     BLOCK_M: gl.constexpr = consts.BLOCK_M
@@ -137,11 +140,19 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
             s_scale = 1.0
         pT = probs_transposed(mask, sT, lse2, s_scale, offs_m, offs_n, m0, n0, len_k, shift, BLOCK_M, BLOCK_N)
 
-        # ---- dS^T = P^T (dP^T - delta); dV += P^T dO ----
+        # ---- dS^T = P^T (dP^T - delta); dV += P^T dO (with dropout: the kept entries of both, scaled) ----
         if DELTA_AFTER_EXP2:
             delta = bufs.delta.index(stage).load(col_layout)
         dpT = warpgroup_mma_wait(0, deps=(dpT,))
-        dsT = pT * (dpT - gl.expand_dims(delta, 0))
+        if dropout is not None:
+            drop = pattern_of(dropout, b, kv_head * group + step // m_tiles)
+            kept = drop.keep(offs_m, n0, BLOCK_N, s_layout, True)
+            inv_keep = 1.0 / (1.0 - drop.p)
+            dpT = gl.where(kept, dpT * inv_keep, 0.0)
+            dsT = pT * (dpT - gl.expand_dims(delta, 0))
+            pT = gl.where(kept, pT * inv_keep, 0.0)
+        else:
+            dsT = pT * (dpT - gl.expand_dims(delta, 0))
         if softcap is not None:     # the slope of the capped scores (scale is applied to dQ and dK at their ends)
             dsT = dsT * (1.0 - tanh * tanh)
         p_op = gl.convert_layout(pT.to(dtype), a_layout)
@@ -169,7 +180,7 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, Sem, cu_seqlens, schedule,
-                       stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi, sem_m_tiles,
+                       stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi, dropout, sem_m_tiles,
                        TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR, or with a `schedule`
     (varlen: int32 (rows, 2) [sequence, key tile], else a constexpr None) (kv heads, rows) (workers.cta_coords);
@@ -177,7 +188,8 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, S
     head); `stride_dk`, `stride_dv`:
     (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); `softcap`: the scores' cap, or None;
     `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch stride, 0 for (query heads,)), or None
-    (None: a constant, the kernel compiles without the term); TILE: config.WsTile; CALL:
+    (None: a constant, the kernel compiles without the term); `dropout`: (int64 [seed, offset] rng_state, p, the call's
+    query heads, the launch's first query head) of core/dropout.py's pattern, or None; TILE: config.WsTile; CALL:
     launch.MaskFlags. See the module docstring."""
     consts, seqs, mask = workers.prologue(TILE, CALL, 1, cu_seqlens, schedule, sizes, window)
     Lse, Delta = stats
@@ -191,7 +203,8 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, S
 
     group = sizes.group
     gl.warp_specialize([
-        (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes, (softcap, alibi))),
+        (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes,
+               (softcap, alibi, dropout))),
         (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
                           group)),
         (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
@@ -201,7 +214,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, S
 # ---- host side -------------------------------------------------------------------------------
 def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int,
                 seqlen_q: int, seqlen_k: int, scale: float, mask: GluonMask, tile, semaphores=None,
-                schedule=None, softcap: float = 0.0, alibi=None) -> LaunchSpec:
+                schedule=None, softcap: float = 0.0, alibi=None, dropout=None) -> LaunchSpec:
     """The launch of attn_bwd_ws_kernel (of bwd_ws_split's kernel for a `split_d` tile). dq_accum (rows_q, heads_q,
     d) fp32 must be zero; dq_accum receives dQ already scaled. lse/delta: (b, h, s_q) or varlen (h, total_q).
     `semaphores`: zeroed int32 (batch, heads_q, semaphore_tiles(seqlen_q, tile)) for the deterministic mode, else
@@ -210,7 +223,8 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
     tile). In the deterministic mode a schedule must list each sequence's key tiles that share a query tile in
     ascending order (TritonBackend._schedule_walk keeps the grid where it would not). `softcap`: the scores' cap (0:
     none); `alibi`: (fp32 slopes (heads,) or (batch, heads) of the launch's query heads, their
-    batch stride) or None."""
+    batch stride) or None; `dropout`: (the call's int64 [seed, offset] rng_state, p, its query heads, the launch's first
+    query head) or None (bwd_ws's kernel only)."""
     d = q.shape[-1]
     heads_k = k.shape[-2]
     group = q.shape[-2] // heads_k
@@ -234,7 +248,7 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         stride_lse=lse_strides, stride_dk=dk_strides, stride_dv=dv_strides,
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
-        softcap=softcap or None, alibi=alibi, sem_m_tiles=semaphore_tiles(seqlen_q, tile), TILE=tile,
+        softcap=softcap or None, alibi=alibi, dropout=dropout, sem_m_tiles=semaphore_tiles(seqlen_q, tile), TILE=tile,
         CALL=GluonCall(q_desc.block_shape[-1], varlen, mask.flags, DETERMINISTIC=semaphores is not None)),
         tile.num_warps, options={"maxnreg": tile.max_registers} if tile.max_registers else {})
 

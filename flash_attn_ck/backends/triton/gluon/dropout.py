@@ -60,10 +60,10 @@ class Dropout:
 
 @gluon.jit
 def pattern_of(call, b, head):
-    """The Dropout of sequence `b`'s query head `head` from the call's (int64 [seed, offset] rng_state, p, query
-    heads)."""
-    rng_state, p, heads = call
-    return Dropout(gl.load(rng_state), gl.load(rng_state + 1) + (b * heads + head).to(gl.int64), p)
+    """The Dropout of sequence `b`'s query head `head` of the launch from the call's (int64 [seed, offset] rng_state,
+    p, query heads, the launch's first query head: a launch may take a slice of the heads)."""
+    rng_state, p, heads, first_head = call
+    return Dropout(gl.load(rng_state), gl.load(rng_state + 1) + (b * heads + first_head + head).to(gl.int64), p)
 
 
 @gluon.jit

@@ -330,8 +330,8 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.constexpr):
     """Query rows [m0 + ROWS * WARPGROUP, + ROWS) of the CTA's tile. `outputs`: (o_desc, Out, Lse, (out row, lse
     batch, lse head) strides); `sizes`: the kernel's; `terms`: (the softcap or None, a learnable sink's fp32 (heads,)
-    logits or None, ALiBi's (fp32 slopes, their batch stride) or None, dropout's (rng_state, p, query heads) or
-    None)."""
+    logits or None, ALiBi's (fp32 slopes, their batch stride) or None, dropout's (rng_state, p, query heads, first
+    head) or None)."""
     o_desc, Out, Lse, strides = outputs
     cap, Sink, alibi, dropout = terms
     stride_out_row, stride_lse_b, stride_lse_h = strides
@@ -438,8 +438,8 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
     launch.GluonSizes; `window`: (left, right); `softcap`: scores softcap * tanh(scale * q.k / softcap), or None;
     `Sink`: a learnable sink's fp32 (query heads,) logits, taken into each row's softmax, or None (None: a constant,
     the kernel compiles without the term); `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch
-    stride (0 for (query heads,))), or None; `dropout`: (int64 [seed, offset] rng_state, p, query heads) of
-    core/dropout.py's pattern, or None; TILE: config.FwdWsTile; CALL:
+    stride (0 for (query heads,))), or None; `dropout`: (int64 [seed, offset] rng_state, p, the call's query
+    heads, the launch's first query head) of core/dropout.py's pattern, or None; TILE: config.FwdWsTile; CALL:
     launch.GluonCall. See the module docstring."""
     consts = PartitionConstants(TILE, CALL.HEAD_D)
     seqlen_q, seqlen_k, group = sizes.seqlen_q, sizes.seqlen_k, sizes.group
@@ -492,7 +492,7 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
     tiles of tile.block_m rows), run on a grid (query heads, items); None: the grid over every (batch, query tile).
     `softcap`: the scores' cap (0: none); `sink`: fp32 (query heads,) logits of a learnable sink the kernel takes into
     its softmax, or None; `alibi`: (fp32 slopes (heads,) or (batch, heads), their batch stride) or None; `dropout`:
-    (rng_state, p) or None."""
+    (the call's int64 [seed, offset] rng_state, p, its query heads, the launch's first query head) or None."""
     d = q.shape[-1]
     group = q.shape[-2] // k.shape[-2]
     rows_per_consumer = tile.block_m // tile.consumers
@@ -512,7 +512,7 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window, softcap=softcap or None, Sink=sink,
-        alibi=alibi, dropout=None if dropout is None else (*dropout, q.shape[-2]), TILE=tile,
+        alibi=alibi, dropout=dropout, TILE=tile,
         CALL=GluonCall(out_desc.block_shape[-1], varlen, mask.flags)),
         CONSUMER_WARPS.value), target
 
