@@ -63,8 +63,9 @@
 #                                                 and this tree: old, new, old, new, so each version is timed twice
 #                                                 (the spread between a version's runs is the noise). SHAPES is
 #                                                 d:h:h_k:s:causal,... or a row set of bench_bwd.py's --rows
-#                                                 (features: the softcap, ALiBi and sink rows). AB_PEER=triton-ws times
-#                                                 the warp-specialised kernels forced (bench_bwd.py's VARIANTS)
+#                                                 (features: the softcap, ALiBi, sink and dropout rows). AB_PEER: the
+#                                                 bench_bwd.py peers to time, comma-separated (default triton; triton-ws:
+#                                                 the warp-specialised kernels forced, bench_bwd.py's VARIANTS)
 set -u
 cmd=${1:-}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -232,14 +233,15 @@ case $cmd in
         name=$([ "$tree" = . ] && echo new || echo old)
         limit 0 python3 "$tree/scripts/bench_bwd.py" --peers "$peer" "${rows[@]}" --out "$OUT/ab-$name-$round" 2>&1 \
           | grep -E "Error" | sed "s|^|$name#$round |"
-        # each row's forward and backward TF/s, from the run's json
+        # each row's forward and backward TF/s per peer, from the run's json
         python3 - "$OUT/ab-$name-$round" "$name#$round" "$peer" <<'PY'
 import json, pathlib, sys
 for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
     for row in json.loads(path.read_text())["results"]:
-        ours = row["peers"].get(sys.argv[3], {})
-        print(sys.argv[2], row["d"], row["h"], row["h_k"], row["s"], "causal" if row["causal"] else "-", row["feature"],
-              "fwd", round(ours.get("fwd_tflops", 0)), "bwd", round(ours.get("bwd_tflops", 0)))
+        for peer in sys.argv[3].split(","):
+            ours = row["peers"].get(peer, {})
+            print(sys.argv[2], peer, row["d"], row["h"], row["h_k"], row["s"], "causal" if row["causal"] else "-",
+                  row["feature"], "fwd", round(ours.get("fwd_tflops", 0)), "bwd", round(ours.get("bwd_tflops", 0)))
 PY
       done
     done
