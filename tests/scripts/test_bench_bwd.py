@@ -219,7 +219,7 @@ def table(md: str) -> list[dict]:
 def test_ratio_and_cost_columns_are_computed_from_the_measured_times(stand_in_run):
     report, drawn, out = stand_in_run
     results = report["results"]
-    assert len(results) == 24 and report["meta"]["ours"] == "triton"
+    assert len(results) == 28 and report["meta"]["ours"] == "triton"
     rows = table((out / "fake-gpu-{}.md".format(report["meta"]["date"])).read_text())
     assert len(rows) == len(results)
     for r, cells in zip(results, rows):
@@ -291,9 +291,9 @@ def test_an_earlier_run_replots_with_its_ratios(tmp_path):
 def test_the_plan_counts_what_compiles():
     rows = bb.feature_rows(quick=True)
     estimate = bb.plan(rows, ["triton", "fa4", "sdpa_cudnn"], warm_shards=12)
-    assert estimate["rows"] == 24
-    assert estimate["compile_keys"] == dict(ours=12, fa4=10, sdpa=12)
-    assert estimate["runs"] == 24 + (24 - 4) + 14       # FA4 refuses ALiBi and dropout; cuDNN runs plain and dropout
+    assert estimate["rows"] == 28
+    assert estimate["compile_keys"] == dict(ours=14, fa4=11, sdpa=14)
+    assert estimate["runs"] == 28 + (28 - 6) + 18       # FA4 refuses ALiBi and dropout; cuDNN runs plain and dropout
     assert estimate["warmed_total_s"] < estimate["one_process_s"]
 
 
@@ -318,7 +318,7 @@ def test_a_cpu_run_times_every_row_through_the_reference(cpu_run):
         assert r["ratios"] == {} and (row.feature == "none") == ("cost" not in r)
     stem = out / f"cpu-{report['meta']['date']}"
     assert json.loads(stem.with_suffix(".json").read_text()) == json.loads(json.dumps(report))
-    assert len(table(stem.with_suffix(".md").read_text())) == 24
+    assert len(table(stem.with_suffix(".md").read_text())) == 28
     assert stem.with_suffix(".png").stat().st_size > 1000
 
 
