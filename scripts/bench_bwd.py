@@ -503,8 +503,8 @@ def rewrite(args):
 
 
 def selected_rows(args) -> list[Row]:
-    """The rows to time: --shapes, else the named sets; then --dims, --skip-done and --shard (by compile key: a shard
-    compiles what no other shard does)."""
+    """The rows to time: --shapes, else the named sets; then --dims, --features, --skip-done and --shard (by compile
+    key: a shard compiles what no other shard does)."""
     if args.shapes:
         rows = [Row(d, h, h_k, s, bool(c), row_set="shapes")
                 for d, h, h_k, s, c in (map(int, spec.split(":")) for spec in args.shapes.split(","))]
@@ -513,6 +513,10 @@ def selected_rows(args) -> list[Row]:
                 for row in ROW_SETS[name](args.quick)]
     if args.dims:
         rows = [row for row in rows if row.d in {int(x) for x in args.dims.split(",")}]
+    if args.features:
+        wanted = set(args.features.split(","))
+        shapes = {row.shape for row in rows if row.feature in wanted}
+        rows = [row for row in rows if row.feature in wanted or (row.feature == "none" and row.shape in shapes)]
     if args.skip_done:
         done = {Row.from_result(r) for path in args.skip_done.split(",")
                 for r in json.loads(Path(path).read_text())["results"]}
@@ -581,6 +585,8 @@ def main(argv=None):
     ap.add_argument("--tag", default="")
     ap.add_argument("--shapes", default="", help="d:h:h_k:s:causal,... instead of the row sets (causal 0/1)")
     ap.add_argument("--dims", default="", help="only the rows of these head dims (q's), e.g. 64,128")
+    ap.add_argument("--features", default="", help="only the rows of these features and their plain twins, e.g. "
+                    "dropout,softcap")
     ap.add_argument("--skip-done", default="", help="A.json,...: leave out the rows these runs hold (then --merge)")
     ap.add_argument("--shard", default="", help="i/n: the rows of every n-th compile key from key i (--warm-only)")
     ap.add_argument("--tuned", default="", help="JSON of scripts/triton_tune.py: backward tiles per head dim")

@@ -58,14 +58,17 @@
 #                                                 bwd-named; all by default): tiles compiled but not yet run, checked
 #                                                 and timed beside the defaults by scripts/lab/fwd_ws_check.py and
 #                                                 bwd_ws_check.py -> candidates-EXPERIMENT.log
-#   bash scripts/device.sh ab OLD_TREE SHAPES    A/B timing of the Triton forward and backward of OLD_TREE (e.g.
+#   bash scripts/device.sh ab OLD_TREE SHAPES [ARGS]
+#                                                 A/B timing of the Triton forward and backward of OLD_TREE (e.g.
 #                                                 made by `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`)
 #                                                 and this tree: old, new, old, new, so each version is timed twice
 #                                                 (the spread between a version's runs is the noise). SHAPES is
 #                                                 d:h:h_k:s:causal,... or a row set of bench_bwd.py's --rows
 #                                                 (features: the softcap, ALiBi, sink and dropout rows). AB_PEER: the
 #                                                 bench_bwd.py peers to time, comma-separated (default triton; triton-ws:
-#                                                 the warp-specialised kernels forced, bench_bwd.py's VARIANTS)
+#                                                 the warp-specialised kernels forced, bench_bwd.py's VARIANTS). ARGS go
+#                                                 to both trees' bench_bwd.py (e.g. --features dropout: an old tree then
+#                                                 needs this tree's scripts/ copied over its own)
 set -u
 cmd=${1:-}; shift || true
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -223,15 +226,15 @@ case $cmd in
     bash scripts/lab/candidates.sh "$@"
     ;;
   ab)
-    [ $# -eq 2 ] || { echo "usage: bash scripts/device.sh ab OLD_TREE SHAPES" >&2; exit 2; }
+    [ $# -ge 2 ] || { echo "usage: bash scripts/device.sh ab OLD_TREE SHAPES [BENCH_BWD ARGS]" >&2; exit 2; }
     info
-    old=$1 shapes=$2
+    old=$1 shapes=$2; shift 2
     rows=(--shapes "$shapes"); [[ "$shapes" == *:* ]] || rows=(--rows "$shapes")
     peer=${AB_PEER:-triton}
     for round in 1 2; do
       for tree in "$old" .; do
         name=$([ "$tree" = . ] && echo new || echo old)
-        limit 0 python3 "$tree/scripts/bench_bwd.py" --peers "$peer" "${rows[@]}" --out "$OUT/ab-$name-$round" 2>&1 \
+        limit 0 python3 "$tree/scripts/bench_bwd.py" --peers "$peer" "${rows[@]}" "$@" --out "$OUT/ab-$name-$round" 2>&1 \
           | grep -E "Error" | sed "s|^|$name#$round |"
         # each row's forward and backward TF/s per peer, from the run's json
         python3 - "$OUT/ab-$name-$round" "$name#$round" "$peer" <<'PY'

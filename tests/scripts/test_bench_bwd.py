@@ -66,7 +66,8 @@ def test_the_default_set_is_todays_grid():
 
 
 def test_shards_split_the_rows_by_compile_key():
-    args = bb.argparse.Namespace(shapes="", rows="features,grid", quick=True, dims="", shard="", skip_done="")
+    args = bb.argparse.Namespace(shapes="", rows="features,grid", quick=True, dims="", features="", shard="",
+                                 skip_done="")
     every = bb.selected_rows(args)
     shards = [bb.selected_rows(bb.argparse.Namespace(**{**vars(args), "shard": f"{i}/5"})) for i in range(5)]
     assert sorted(map(repr, every)) == sorted(repr(r) for shard in shards for r in shard)
@@ -333,7 +334,8 @@ def test_skip_done_leaves_out_the_rows_a_cut_off_run_holds(stand_in_run, tmp_pat
     report, _, out = stand_in_run
     part = tmp_path / "part.json"
     part.write_text(json.dumps(dict(meta=report["meta"], results=report["results"][:10])))
-    args = bb.argparse.Namespace(shapes="", rows="features,grid", quick=True, dims="", shard="", skip_done=str(part))
+    args = bb.argparse.Namespace(shapes="", rows="features,grid", quick=True, dims="", features="", shard="",
+                                 skip_done=str(part))
     left = bb.selected_rows(args)
     every = bb.selected_rows(bb.argparse.Namespace(**{**vars(args), "skip_done": ""}))
     assert left == every[10:]
@@ -354,3 +356,12 @@ def test_an_unknown_row_set_is_refused_naming_the_option(name):
     with pytest.raises(SystemExit), contextlib.redirect_stderr(err):
         bb.main(["--rows", f"features,{name}", "--plan"])
     assert f"--rows: unknown ['{name}']" in err.getvalue()
+
+
+def test_features_keeps_the_named_features_and_their_plain_twins():
+    rows = bb.feature_rows(quick=True)
+    kept = bb.selected_rows(bb.argparse.Namespace(shapes="", rows="features", quick=True, dims="", features="dropout",
+                                                  skip_done="", shard=""))
+    dropout = [r for r in rows if r.feature == "dropout"]
+    assert {r.feature for r in kept} == {"dropout", "none"} and len(kept) == 2 * len(dropout)
+    assert twins_of(kept) and {r.shape for r in kept} == {r.shape for r in dropout}
