@@ -62,7 +62,7 @@
 #                                                 A/B timing of the Triton forward and backward of OLD_TREE (e.g.
 #                                                 made by `git archive REV flash_attn_ck scripts | tar -x -C .ab-old`)
 #                                                 and this tree: old, new, old, new, so each version is timed twice
-#                                                 (the spread between a version's runs is the noise). SHAPES is
+#                                                 (the spread between a version's runs is the noise; AB_ROUNDS=1: once). SHAPES is
 #                                                 d:h:h_k:s:causal,... or a row set of bench_bwd.py's --rows
 #                                                 (features: the softcap, ALiBi, sink and dropout rows). AB_PEER: the
 #                                                 bench_bwd.py peers to time, comma-separated (default triton; triton-ws:
@@ -231,7 +231,7 @@ case $cmd in
     old=$1 shapes=$2; shift 2
     rows=(--shapes "$shapes"); [[ "$shapes" == *:* ]] || rows=(--rows "$shapes")
     peer=${AB_PEER:-triton}
-    for round in 1 2; do
+    for round in $(seq "${AB_ROUNDS:-2}"); do
       for tree in "$old" .; do
         name=$([ "$tree" = . ] && echo new || echo old)
         limit 0 python3 "$tree/scripts/bench_bwd.py" --peers "$peer" "${rows[@]}" "$@" --out "$OUT/ab-$name-$round" 2>&1 \
