@@ -179,21 +179,22 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
-def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, Sem, cu_seqlens, schedule,
-                       stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi, dropout, sem_m_tiles,
+def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, semaphores, cu_seqlens, schedule,
+                       stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi, dropout,
                        TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR, or with a `schedule`
     (varlen: int32 (rows, 2) [sequence, key tile], else a constexpr None) (kv heads, rows) (workers.cta_coords);
-    num_warps = TILE.num_warps. `stats`: (Lse, Delta); `grads`: (dK, dV); `cu_seqlens`: (q, k); `stride_lse`: (batch,
-    head); `stride_dk`, `stride_dv`:
-    (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); `softcap`: the scores' cap, or None;
-    `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch stride, 0 for (query heads,)), or None
-    (None: a constant, the kernel compiles without the term); `dropout`: (int64 [seed, offset] rng_state, p, the call's
-    query heads, the launch's first query head) of core/dropout.py's pattern, or None; TILE: config.WsTile; CALL:
-    launch.MaskFlags. See the module docstring."""
+    num_warps = TILE.num_warps. `stats`: (Lse, Delta); `grads`: (dK, dV); `semaphores`: the deterministic mode's
+    (int32 semaphores, their query tiles per head; a stand-in pointer otherwise); `cu_seqlens`: (q, k); `stride_lse`:
+    (batch, head); `stride_dk`, `stride_dv`: (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right);
+    `softcap`: the scores' cap, or None; `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch
+    stride, 0 for (query heads,)), or None (None: a constant, the kernel compiles without the term); `dropout`: (int64
+    [seed, offset] rng_state, p, the call's query heads, the launch's first query head) of core/dropout.py's pattern,
+    or None; TILE: config.WsTile; CALL: launch.MaskFlags. See the module docstring."""
     consts, seqs, mask = workers.prologue(TILE, CALL, 1, cu_seqlens, schedule, sizes, window)
     Lse, Delta = stats
     dK, dV = grads
+    Sem, sem_m_tiles = semaphores
     if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
@@ -244,11 +245,12 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
     return LaunchSpec(kernel, grid, dict(
         q_desc=q_desc, k_desc=descriptor(k, varlen, tile.block_n), v_desc=descriptor(v, varlen, tile.block_n),
         do_desc=descriptor(dout, varlen, tile.block_m), dq_desc=descriptor(dq_accum, varlen, tile.block_m, dq_parts),
-        stats=(lse, delta), grads=(dk, dv), Sem=semaphores if semaphores is not None else lse,
+        stats=(lse, delta), grads=(dk, dv),
+        semaphores=(semaphores if semaphores is not None else lse, semaphore_tiles(seqlen_q, tile)),
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         stride_lse=lse_strides, stride_dk=dk_strides, stride_dv=dv_strides,
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
-        softcap=softcap or None, alibi=alibi, dropout=dropout, sem_m_tiles=semaphore_tiles(seqlen_q, tile), TILE=tile,
+        softcap=softcap or None, alibi=alibi, dropout=dropout, TILE=tile,
         CALL=GluonCall(q_desc.block_shape[-1], varlen, mask.flags, DETERMINISTIC=semaphores is not None)),
         tile.num_warps, options={"maxnreg": tile.max_registers} if tile.max_registers else {})
 

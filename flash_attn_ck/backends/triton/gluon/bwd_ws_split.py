@@ -155,15 +155,16 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
-def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, Sem,
+def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, semaphores,
                              cu_seqlens, schedule, stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi,
-                             dropout, sem_m_tiles, TILE: gl.constexpr, CALL: gl.constexpr):
+                             dropout, TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim; no dropout (None)."""
     gl.static_assert(dropout is None, "attn_bwd_ws_split_kernel takes no dropout")
     consts, seqs, mask = workers.prologue(TILE, CALL, 2, cu_seqlens, schedule, sizes, window)   # dQ in halves
     Lse, Delta = stats
     dK, dV = grads
+    Sem, sem_m_tiles = semaphores
     if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
