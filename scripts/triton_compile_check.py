@@ -188,20 +188,22 @@ def gluon_variants(head_dims, names: str = ""):
 
 def term_variants(d: int, names: str = ""):
     """(name, launch spec) of the warp-specialised kernels at head dim `d` with the score terms they take (the sink,
-    the softcap, ALiBi: operators' takes_sink, supports_softcap, supports_alibi), causal: fwd_ws with a
-    softcap and a sink, and with ALiBi (varlen); the backward with ALiBi, with a softcap, and with both (dense and
-    varlen)."""
+    the softcap, ALiBi, dropout: operators' takes_sink, supports_softcap, supports_alibi, supports_dropout), causal:
+    fwd_ws with a softcap and a sink, with ALiBi, and with dropout (varlen); the backward with ALiBi, with a softcap,
+    with both, with dropout, and with dropout and ALiBi (dense and varlen)."""
     from gluon_compile import bwd_spec, fwd_spec
     if d in config.FWD_WS_SM90:
         tile = config.FWD_WS_SM90[d][True]
-        for tag, options in (("softcap sink", dict(softcap=30.0, sink=True)), ("alibi", dict(alibi=True))):
+        for tag, options in (("softcap sink", dict(softcap=30.0, sink=True)), ("alibi", dict(alibi=True)),
+                             ("dropout", dict(dropout=True))):
             name = f"fwd_ws d{d} causal=True varlen=True {tag}"
             if names in name:
                 yield name, fwd_spec(tile, d, True, (False, False, True), **options)
     if d in config.BWD_WS_SM90:
         tile = config.BWD_WS_SM90[d]
         terms = [("alibi", dict(alibi=True)), ("softcap", dict(softcap=30.0)),
-                 ("softcap alibi", dict(softcap=30.0, alibi=True))]
+                 ("softcap alibi", dict(softcap=30.0, alibi=True)), ("dropout", dict(dropout=True)),
+                 ("dropout alibi", dict(dropout=True, alibi=True))]
         for tag, options in terms:
             for varlen in (False, True):
                 spec = bwd_spec(tile, d, varlen, (False, False, True), **options)

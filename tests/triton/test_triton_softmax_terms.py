@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("triton")
 
 from gluon_compile import (
+    SM90_SHARED_BYTES,
     bwd_spec,
     compile_sm90,
     compile_spec,
@@ -246,18 +247,19 @@ def test_fwd_ws_compiles_the_softcap_into_its_softmax_step(head_dim, varlen):
     assert spills[30.0] <= spill_allowance(spills[0.0]), spills
 
 
-# (kernel, head dim) of the warp-specialised kernels that take dropout: fwd_ws's tiles, bwd_ws's (not bwd_ws_split's).
+# (kernel, head dim) of the warp-specialised kernels that take dropout: fwd_ws's tiles, bwd_ws's and bwd_ws_split's.
 DROPOUT_KERNELS = [("fwd_ws", d) for d in sorted(config.FWD_WS_SM90)] + \
-    [("bwd_ws", d) for d, tile in sorted(config.BWD_WS_SM90.items()) if not tile.split_d]
+    [("bwd_ws_split" if tile.split_d else "bwd_ws", d) for d, tile in sorted(config.BWD_WS_SM90.items())]
 
 
 @pytest.mark.parametrize("kernel,head_dim", DROPOUT_KERNELS, ids=[f"{k}-d{d}" for k, d in DROPOUT_KERNELS])
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_the_ws_kernels_draw_one_philox_per_four_scores(kernel, head_dim, varlen):
-    """The dropout variant of fwd_ws and bwd_ws draws Philox-4x32-10 (two 32-bit high multiplies a round, ten rounds,
-    the first round's multiply of the head's counter word shared by all) once per four scores: 19 / 4 `mul.hi.u32` per
-    score, between 3 and 5 per exp2 of its PTX (which has a few more exp2s than scores: the forward's rescale); one
-    draw per score would be 19. The variant without dropout has none."""
+    """The dropout variant of fwd_ws, bwd_ws and bwd_ws_split draws Philox-4x32-10 (two 32-bit high multiplies a
+    round, ten rounds, the first round's multiply of the head's counter word shared by all) once per four scores: 19 /
+    4 `mul.hi.u32` per score, between 3 and 5 per exp2 of its PTX (which has a few more exp2s than scores: the
+    forward's rescale); one draw per score would be 19. The variant without dropout has none; the variant with fits
+    an sm_90 CTA's shared memory (bwd_ws_split's holds the whole P^T beside the dropped one)."""
     def ptx(drop: bool) -> str:
         if kernel == "fwd_ws":
             spec = fwd_spec(config.fwd_ws_tile(head_dim, causal=True), head_dim, varlen, (False, False, True),
@@ -265,7 +267,9 @@ def test_the_ws_kernels_draw_one_philox_per_four_scores(kernel, head_dim, varlen
         else:
             spec = bwd_spec(config.bwd_ws_tile(head_dim, True, 1, False), head_dim, varlen, (False, False, True),
                             dropout=drop)
-        return compile_spec(spec).asm["ptx"]
+        compiled = compile_spec(spec)
+        assert compiled.metadata.shared <= SM90_SHARED_BYTES, compiled.metadata.shared
+        return compiled.asm["ptx"]
     texts = {drop: ptx(drop) for drop in (False, True)}
     multiplies = {drop: len(re.findall(r"mul\.hi\.u32", text)) for drop, text in texts.items()}
     exp2 = len(re.findall(r"ex2\.approx", texts[True]))

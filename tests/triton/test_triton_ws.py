@@ -89,18 +89,26 @@ def test_every_unsupported_feature_is_named(names, forced):
 
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("forced", [True, None])
-def test_dropout_runs_on_bwd_ws_where_declared_and_never_on_bwd_ws_split(head_dim, forced):
-    """bwd_ws takes dropout (forced on, or by default in config.BWD_WS_DROPOUT_HEAD_BLOCKS); bwd_ws_split, the head
-    dims above 128, takes none and says so."""
+def test_dropout_runs_on_the_ws_backward_where_declared(head_dim, forced):
+    """bwd_ws and bwd_ws_split take dropout, forced on, or by default in the head blocks of
+    config.BWD_WS_DROPOUT_HEAD_BLOCKS; elsewhere the reason names dropout and the head dim."""
     with pretend_capability():
         p = problem(head_dim=head_dim, dropout_p=0.1)
         reasons = [r for r in ws_reasons(TritonBackend(ws=forced), p) if "dropout" in r]
-    if head_dim > 128:
-        assert reasons == ["dropout is not supported"], reasons
-    elif forced or config.head_block(head_dim) in config.BWD_WS_DROPOUT_HEAD_BLOCKS:
+    if forced or config.head_block(p.head_dim_padded) in config.BWD_WS_DROPOUT_HEAD_BLOCKS:
         assert reasons == [], reasons
     else:
-        assert len(reasons) == 1 and reasons[0].startswith(f"dropout at head dim {head_dim}: not measured"), reasons
+        assert len(reasons) == 1 and reasons[0].startswith(f"dropout at head dim {p.head_dim_padded}: not measured"), \
+            reasons
+
+
+@pytest.mark.parametrize("forced", [True, None])
+def test_bwd_ws_split_takes_dropout_or_a_softcap_not_both(forced):
+    """Each hands bwd_ws_split's dP warpgroup a shared tile of its own: with both the CTA's shared memory is short, and
+    the reason says so, forced on or not."""
+    with pretend_capability():
+        reasons = ws_reasons(TritonBackend(ws=forced), problem(head_dim=256, dropout_p=0.1, softcap=20.0))
+    assert "dropout with a softcap: their two tiles beside P^T exceed a CTA's shared memory" in reasons, reasons
 
 
 @pytest.mark.parametrize("head_dim,capability,dtype,expect", [

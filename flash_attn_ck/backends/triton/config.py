@@ -227,9 +227,9 @@ FWD_WS_PADDED_VALUE_HEAD_BLOCKS = frozenset({256})
 FWD_WS_SOFTCAP_HEAD_BLOCKS = frozenset({256})
 # bwd_ws_split's softcap (the scores' slope handed to the dP warpgroup beside P^T): none until it is measured faster.
 BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS: frozenset[int] = frozenset()
-# Dropout (gluon/dropout.py's draws beside the softmax of fwd_ws, the P^T of bwd_ws; bwd_ws_split takes none): where
-# measured faster than the one-launch kernels (bench/nvidia-h100.md §Dropout): bwd_ws at d64 and d128 (1.5-2.4x the
-# one-launch backward); fwd_ws nowhere (0.58-0.83x the one-launch forward).
+# Dropout (gluon/dropout.py's draws beside the softmax of fwd_ws, the P^T of bwd_ws and bwd_ws_split): where measured
+# faster than the one-launch kernels (bench/nvidia-h100.md §Dropout): bwd_ws at d64 and d128 (1.5-2.4x the one-launch
+# backward; bwd_ws_split's head block 256 not measured); fwd_ws nowhere (0.58-0.83x the one-launch forward).
 FWD_WS_DROPOUT_HEAD_BLOCKS: frozenset[int] = frozenset()
 BWD_WS_DROPOUT_HEAD_BLOCKS = frozenset({64, 128})
 # ALiBi: under these Triton releases, (major, minor); under 3.9 both directions measured slower than the one-launch

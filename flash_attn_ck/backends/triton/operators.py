@@ -390,6 +390,8 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
     """The warp-specialised Gluon backward: bwd_ws, or bwd_ws_split where its tile splits the head dim."""
     split_d: ClassVar[bool]
     option = "ws"
+    supports_dropout = True
+    dropout_head_blocks = config.BWD_WS_DROPOUT_HEAD_BLOCKS
     default_head_dims = config.BWD_WS_DEFAULT_HEAD_DIMS
     slower_head_dim = "the one-launch kernel measured faster"
     min_seqlen = config.BWD_WS_MIN_SEQLEN
@@ -486,8 +488,6 @@ class BwdWs(_WarpSpecialisedBackward):
     """The warp-specialised Gluon backward (gluon/bwd_ws.py): one MMA warpgroup, head dims up to 128."""
     name = "bwd_ws"
     split_d = False
-    supports_dropout = True
-    dropout_head_blocks = config.BWD_WS_DROPOUT_HEAD_BLOCKS
     tiles = MappingProxyType({block: tile for block, tile in config.BWD_WS_SM90.items() if not tile.split_d})
 
 
@@ -497,6 +497,15 @@ class BwdWsSplit(_WarpSpecialisedBackward):
     split_d = True
     softcap_head_blocks = config.BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS
     tiles = MappingProxyType({block: tile for block, tile in config.BWD_WS_SM90.items() if tile.split_d})
+
+    @classmethod
+    def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
+        """Dropout and the softcap each hand the dP warpgroup a tile of their own beside P^T (the whole P^T, the
+        scores' slope): both together need more shared memory than a CTA has."""
+        reasons = super().extra_reasons(backend, p, setting)
+        if p.dropout_p > 0 and p.softcap != 0.0:
+            reasons.append("dropout with a softcap: their two tiles beside P^T exceed a CTA's shared memory")
+        return reasons
 
 
 class _OneLaunchBackward(BackwardOperator):

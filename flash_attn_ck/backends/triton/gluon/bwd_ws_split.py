@@ -12,8 +12,12 @@ as the A operand of their halves of the three gradient matmuls.
   scores   (default,      S^T = K Q^T, P^T = exp2(S^T * scale * log2e - lse * log2e), masked (with a softcap the
             4 warps)      scores are cap * tanh(scale * S^T / cap), gluon_common.hardware_tanh; with ALiBi the
                           head's slope times the distance is subtracted, in log2 units)
-                          -> P^T to shared memory, and with a softcap the scores' slope 1 - tanh^2 ("p_ready")
-  dP       (4 warps)      dP^T = V dO^T; dS^T = P^T (dP^T - delta) (times the slope) -> shared memory ("ds_ready")
+                          -> P^T to shared memory, and with a softcap the scores' slope 1 - tanh^2 ("p_ready");
+                          with dropout (dropout.py's keep mask of the tile) the shared P^T is dV's operand, its
+                          dropped entries zero and its kept ones scaled by 1 / (1 - p), and the whole P^T goes
+                          beside it for dS^T
+  dP       (4 warps)      dP^T = V dO^T; dS^T = P^T (dP^T - delta) (times the slope; with dropout dS^T = P^T_kept
+                          dP^T - P^T delta, which is P^T (kept dP^T / (1 - p) - delta)) -> shared memory ("ds_ready")
   both, on their half h of the columns:
                           dV_h += P^T dO_h, dK_h += dS^T Q_h, dQ_h = dS K_h
                           then P^T/dS^T ("ps_free") and the Q/dO slot ("tile_empty") are released and dQ_h
@@ -38,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from ..runtime.softmax_terms import alibi_distance
 from ..runtime.triton_versions import barrier
 from . import bwd_ws_workers as workers
+from .dropout import pattern_of
 from .gluon_common import LOG2E, aggregate, hardware_tanh, probs_transposed, slot
 
 MMA_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per half
@@ -58,8 +63,9 @@ class Exchange:
 @gluon.jit
 def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl.constexpr):
     """`grads`: (dK, dV, their strides); `sizes`: the kernel's; `terms`: (softcap: the cap or None, the shared tile of
-    the capped scores' slope or None, alibi: (fp32 slopes, their batch stride) or None)."""
-    softcap, slope_tile, alibi = terms
+    the capped scores' slope or None, alibi: (fp32 slopes, their batch stride) or None, dropout: ((rng_state, p, query
+    heads, first head), the shared tile of the whole P^T) or None)."""
+    softcap, slope_tile, alibi, dropout = terms
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
     head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
     BLOCK_M: gl.constexpr = consts.BLOCK_M
@@ -112,6 +118,12 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
             pT = probs_transposed(mask, sT, lse2, s_scale, m0 + offs_m_tile, offs_n, m0, n0, len_k, shift,
                                   BLOCK_M, BLOCK_N)
             mbarrier.wait(xchg.ps_free, phase ^ 1)   # the previous step's matmuls have read P^T and dS^T
+            if dropout is not None:     # dV's operand: the kept entries, scaled; dS^T's: all of P^T
+                call, whole_pt = dropout
+                drop = pattern_of(call, b, kv_head * group + step // m_tiles)
+                whole_pt.store(pT.to(dtype))
+                pT = gl.where(drop.keep(m0 + offs_m_tile, n0, BLOCK_N, s_layout, True), pT * (1.0 / (1.0 - drop.p)),
+                              0.0)
             xchg.pt.store(pT.to(dtype))
             if softcap is not None:     # dS^T's factor, rounded as P^T is (scale goes to dQ and dK at their ends)
                 slope_tile.store((1.0 - tanh * tanh).to(dtype))
@@ -128,7 +140,10 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
             dpT = warpgroup_mma_wait(0, deps=(dpT,))
             mbarrier.wait(xchg.p_ready, phase)   # after scores' wait on ps_free: dS^T's buffer is free too
             pT = xchg.pt.load(s_layout).to(gl.float32)
-            dsT = pT * (dpT - gl.expand_dims(delta, 0))
+            if dropout is not None:     # P^T_kept dP^T - P^T delta
+                dsT = pT * dpT - dropout[1].load(s_layout).to(gl.float32) * gl.expand_dims(delta, 0)
+            else:
+                dsT = pT * (dpT - gl.expand_dims(delta, 0))
             if softcap is not None:     # the slope of the capped scores, written with P^T
                 dsT = dsT * slope_tile.load(s_layout).to(gl.float32)
             xchg.dst.store(dsT.to(dtype))
@@ -159,8 +174,9 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, gr
                              cu_seqlens, schedule, stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi,
                              dropout, TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
-    docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim; no dropout (None)."""
-    gl.static_assert(dropout is None, "attn_bwd_ws_split_kernel takes no dropout")
+    docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim (dropout and a softcap
+    not both: their tiles would exceed the shared memory)."""
+    gl.static_assert(dropout is None or softcap is None, "bwd_ws_split takes dropout or a softcap, not both")
     consts, seqs, mask = workers.prologue(TILE, CALL, 2, cu_seqlens, schedule, sizes, window)   # dQ in halves
     Lse, Delta = stats
     dK, dV = grads
@@ -177,6 +193,10 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, gr
     else:
         # a constexpr None: a plain one cannot go into the partitions' tuples
         slope_smem: gl.constexpr = softcap  # type: ignore[no-redef]
+    if dropout is not None:     # the whole P^T, for dS^T beside the dropped one dV reads
+        drop_terms = (dropout, gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], st_layout))
+    else:
+        drop_terms: gl.constexpr = dropout  # type: ignore[no-redef]
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     p_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -191,8 +211,8 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, gr
     # One literal list (no comprehension): the code generator then wraps a launch's constant 1 (sem_m_tiles, an lse
     # stride) as a constexpr, which crosses into a worker partition; a comprehension's plain int does not.
     gl.warp_specialize([
-        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, (softcap, slope_smem, alibi), 0)),
-        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, (softcap, slope_smem, alibi), 1)),
+        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, (softcap, slope_smem, alibi, drop_terms), 0)),
+        (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, (softcap, slope_smem, alibi, drop_terms), 1)),
         (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
                           group)),
         (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
