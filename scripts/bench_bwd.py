@@ -8,8 +8,8 @@ Rows are data (`Row`: d, d_v, h, h_k, s, causal and one feature), in named sets 
 - grid: d in {64, 96, 128, 192, 256} (h = 2048 / d) and GQA 32/8 and 64/8 at d128, s as above, causal and not,
   and each of those shapes at s8192 again in the deterministic mode;
 - features: causal rows at s2048 and s8192: (d, d_v) = (192, 128) MHA and GQA; a learnable sink on GQA 64/8 at
-  d64 and d128; softcap at d128 and d256; ALiBi at d128, dropout at d64 and d128; each feature row beside its shape
-  without the feature.
+  d64 and d128; softcap at d128 and d256; ALiBi at d128, dropout at d64, d128 and d256; each feature row beside its
+  shape without the feature.
 bf16. TFLOP/s = the package's count (docs/semantics.md §FLOPs: `AttentionProblem.forward_flops` /
 `backward_flops`, d_v included) over the median of triton.testing.do_bench; peak extra memory = peak allocated
 during one backward minus what was allocated before it. The markdown gives ours over each peer (forward and
@@ -149,7 +149,7 @@ def feature_rows(quick: bool) -> list[Row]:
         for d in (128, 256):
             rows += [Row(d, 2048 // d, 2048 // d, s, True), Row(d, 2048 // d, 2048 // d, s, True, "softcap")]
         rows += [Row(128, 16, 16, s, True, feature) for feature in ("alibi", "dropout")]
-        rows += [Row(64, 32, 32, s, True), Row(64, 32, 32, s, True, "dropout")]
+        rows += [Row(64, 32, 32, s, True), Row(64, 32, 32, s, True, "dropout"), Row(256, 8, 8, s, True, "dropout")]
     return rows
 
 

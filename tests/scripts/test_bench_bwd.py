@@ -33,13 +33,13 @@ def twins_of(rows):
 
 def test_the_features_set_is_issue_45s_rows():
     rows = bb.feature_rows(quick=False)
-    assert rows == bb.feature_rows(quick=True) and len(rows) == 28
+    assert rows == bb.feature_rows(quick=True) and len(rows) == 30
     assert all(r.causal for r in rows) and {r.s for r in rows} == {2048, 8192}
     assert {(r.d, r.d_v, r.h, r.h_k) for r in rows if r.d_v != r.d} == {(192, 128, 16, 16), (192, 128, 32, 8)}
     assert {(r.d, r.h, r.h_k) for r in rows if r.feature == "sink"} == {(64, 64, 8), (128, 64, 8)}
     assert {(r.d, r.h, r.h_k) for r in rows if r.feature == "softcap"} == {(128, 16, 16), (256, 8, 8)}
     assert {(r.d, r.h, r.feature) for r in rows if r.feature in ("alibi", "dropout")} == \
-        {(128, 16, "alibi"), (128, 16, "dropout"), (64, 32, "dropout")}
+        {(128, 16, "alibi"), (128, 16, "dropout"), (64, 32, "dropout"), (256, 8, "dropout")}
     assert twins_of(rows)
 
 
@@ -220,7 +220,7 @@ def table(md: str) -> list[dict]:
 def test_ratio_and_cost_columns_are_computed_from_the_measured_times(stand_in_run):
     report, drawn, out = stand_in_run
     results = report["results"]
-    assert len(results) == 28 and report["meta"]["ours"] == "triton"
+    assert len(results) == 30 and report["meta"]["ours"] == "triton"
     rows = table((out / "fake-gpu-{}.md".format(report["meta"]["date"])).read_text())
     assert len(rows) == len(results)
     for r, cells in zip(results, rows):
@@ -292,9 +292,9 @@ def test_an_earlier_run_replots_with_its_ratios(tmp_path):
 def test_the_plan_counts_what_compiles():
     rows = bb.feature_rows(quick=True)
     estimate = bb.plan(rows, ["triton", "fa4", "sdpa_cudnn"], warm_shards=12)
-    assert estimate["rows"] == 28
-    assert estimate["compile_keys"] == dict(ours=14, fa4=11, sdpa=14)
-    assert estimate["runs"] == 28 + (28 - 6) + 18       # FA4 refuses ALiBi and dropout; cuDNN runs plain and dropout
+    assert estimate["rows"] == 30
+    assert estimate["compile_keys"] == dict(ours=15, fa4=11, sdpa=14)
+    assert estimate["runs"] == 30 + (30 - 8) + 20       # FA4 refuses ALiBi and dropout; cuDNN runs plain and dropout
     assert estimate["warmed_total_s"] < estimate["one_process_s"]
 
 
@@ -319,7 +319,7 @@ def test_a_cpu_run_times_every_row_through_the_reference(cpu_run):
         assert r["ratios"] == {} and (row.feature == "none") == ("cost" not in r)
     stem = out / f"cpu-{report['meta']['date']}"
     assert json.loads(stem.with_suffix(".json").read_text()) == json.loads(json.dumps(report))
-    assert len(table(stem.with_suffix(".md").read_text())) == 28
+    assert len(table(stem.with_suffix(".md").read_text())) == 30
     assert stem.with_suffix(".png").stat().st_size > 1000
 
 
