@@ -4,6 +4,7 @@ epilogues, both dQ modes, varlen with empty sequences, and bit-identical determi
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import replace
 
 import pytest
@@ -240,6 +241,15 @@ def test_three_consumer_forward_matches(tile, case):
         check_case(cfg, backend="triton", device="cuda", seed=3)
 
 
+def _given_to_launches(monkeypatch, kernel: str, keyword: str) -> list:
+    """The `keyword` argument of each launch of the Gluon kernel module `kernel` (fwd_ws, bwd_ws) during the test."""
+    module = importlib.import_module(f"flash_attn_ck.backends.triton.gluon.{kernel}")
+    given, real = [], module.launch
+    monkeypatch.setattr(module, "launch",
+                        lambda *args, **kwargs: (given.append(kwargs[keyword]), real(*args, **kwargs)))
+    return given
+
+
 # fwd_ws and bwd_ws with the softcap in their kernels (forced on: by default fwd_ws takes it in the head blocks of
 # config.FWD_WS_SOFTCAP_HEAD_BLOCKS): caps small and large (tanh's series branch), causal GQA, a window, varlen with
 # empty sequences, with a learnable sink.
@@ -264,10 +274,7 @@ WS_DROPOUT_CASES = {
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("name", sorted(WS_DROPOUT_CASES))
 def test_fwd_ws_dropout_matches(monkeypatch, name, head_dim):
-    from flash_attn_ck.backends.triton.gluon import fwd_ws
-    given_dropout, real = [], fwd_ws.launch
-    monkeypatch.setattr(fwd_ws, "launch",
-                        lambda *args, **kwargs: (given_dropout.append(kwargs["dropout"]), real(*args, **kwargs)))
+    given_dropout = _given_to_launches(monkeypatch, "fwd_ws", "dropout")
     cfg = Config(**WS_DROPOUT_CASES[name], head_dim=head_dim, dtype=torch.bfloat16)
     with use_backend(TritonBackend(fwd_ws=True)):
         check_case(cfg, backend="triton", device="cuda")
@@ -281,10 +288,7 @@ def test_bwd_ws_dropout_matches(monkeypatch, name, head_dim, launches):
     """bwd_ws (bwd_ws_split above d128) with dropout in its P^T step (forced on), after fwd_ws's: gradients of the
     reference's pattern; with two launches (kv heads split by the dQ accumulator budget) the second launch's heads
     draw their own planes. bwd_ws_split takes no dropout with a softcap: that case runs the one-launch backward."""
-    from flash_attn_ck.backends.triton.gluon import bwd_ws
-    given_dropout, real = [], bwd_ws.launch
-    monkeypatch.setattr(bwd_ws, "launch",
-                        lambda *args, **kwargs: (given_dropout.append(kwargs["dropout"]), real(*args, **kwargs)))
+    given_dropout = _given_to_launches(monkeypatch, "bwd_ws", "dropout")
     cfg = Config(**WS_DROPOUT_CASES[name], head_dim=head_dim, dtype=torch.bfloat16)
     if launches > 1:
         rows = sum(s_q for s_q, _ in cfg.seqlens) if cfg.seqlens else cfg.batch * cfg.seqlen_q
@@ -303,10 +307,7 @@ def test_bwd_ws_dropout_matches(monkeypatch, name, head_dim, launches):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("name", sorted(WS_SOFTCAP_CASES))
 def test_fwd_ws_softcap_matches(monkeypatch, name, head_dim):
-    from flash_attn_ck.backends.triton.gluon import fwd_ws
-    caps, real = [], fwd_ws.launch
-    monkeypatch.setattr(fwd_ws, "launch",
-                        lambda *args, **kwargs: (caps.append(kwargs["softcap"]), real(*args, **kwargs)))
+    caps = _given_to_launches(monkeypatch, "fwd_ws", "softcap")
     cfg = Config(**WS_SOFTCAP_CASES[name], head_dim=head_dim, dtype=torch.bfloat16)
     with use_backend(TritonBackend(fwd_ws=True)):
         check_case(cfg, backend="triton", device="cuda")
@@ -353,22 +354,13 @@ def test_the_gluon_keep_mask_is_core_dropouts(keys_first, rows, block_n, seed, o
     assert torch.equal(got.T if keys_first else got, expected)
 
 
-def _caps_given_to_bwd_ws(monkeypatch) -> list:
-    """The caps bwd_ws's launches were given."""
-    from flash_attn_ck.backends.triton.gluon import bwd_ws
-    caps, real = [], bwd_ws.launch
-    monkeypatch.setattr(bwd_ws, "launch",
-                        lambda *args, **kwargs: (caps.append(kwargs["softcap"]), real(*args, **kwargs)))
-    return caps
-
-
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("name", sorted(WS_SOFTCAP_CASES))
 def test_bwd_ws_softcap_matches(monkeypatch, name, head_dim):
     """dq, dk, dv (and dsink) of bwd_ws (bwd_ws_split at d256: the slope handed between its warpgroups) with the
     cap's tanh in P and its slope in dS, under the 2x rule (on a fresh backend: the registered one may hold a replay
     of the same shape recorded without the cap)."""
-    caps = _caps_given_to_bwd_ws(monkeypatch)
+    caps = _given_to_launches(monkeypatch, "bwd_ws", "softcap")
     cfg = Config(**WS_SOFTCAP_CASES[name], head_dim=head_dim, dtype=torch.bfloat16)
     with use_backend(TritonBackend(ws=True)):
         check_case(cfg, backend="triton", device="cuda")
@@ -377,7 +369,7 @@ def test_bwd_ws_softcap_matches(monkeypatch, name, head_dim):
 
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_bwd_ws_softcap_deterministic_is_bit_identical(monkeypatch, head_dim):
-    caps = _caps_given_to_bwd_ws(monkeypatch)
+    caps = _given_to_launches(monkeypatch, "bwd_ws", "softcap")
     cfg = Config(**WS_SOFTCAP_CASES["causal_gqa"], head_dim=head_dim, dtype=torch.bfloat16, deterministic=True)
     with use_backend(TritonBackend(ws=True)):
         (out_a, grads_a), (out_b, grads_b) = (check_case(cfg, backend="triton", device="cuda") for _ in range(2))
