@@ -158,8 +158,8 @@ class Operator(Capabilities):
 
 class GluonOperator(Operator):
     """What the warp-specialised Gluon kernels share: sm_90 only, the tested Triton releases only, input-dtype results,
-    the softcap and ALiBi (by default only where they measured faster); the mask as gluon_common.Mask takes it, and
-    the varlen schedule of their tiles."""
+    the softcap and ALiBi, and dropout where a subclass takes it (each by default only where measured faster); the
+    mask as gluon_common.Mask takes it, and the varlen schedule of their tiles."""
     supports_alibi = supports_softcap = True
     supports_dropout = False
     # Head blocks where the defaults run its softcap calls (None: wherever it takes them), and its dropout calls (where
