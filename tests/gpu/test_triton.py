@@ -261,8 +261,8 @@ WS_SOFTCAP_CASES = {
 }
 
 
-# fwd_ws with dropout in its softmax step (forced on: the defaults leave dropout to the one-launch forward until
-# config.FWD_WS_DROPOUT_HEAD_BLOCKS names a head block): the same pattern as the reference, so out and lse match it.
+# fwd_ws with dropout in its softmax step (forced on: by default it takes it in the head blocks of
+# config.FWD_WS_DROPOUT_HEAD_BLOCKS): the same pattern as the reference, so out and lse match it.
 WS_DROPOUT_CASES = {
     "causal_gqa": dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, dropout_p=0.2, causal=True),
     "window_unaligned": dict(batch=1, seqlen_q=513, seqlen_k=901, heads_q=4, heads_k=4, dropout_p=0.5, window=(101, 7)),

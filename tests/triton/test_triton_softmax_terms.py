@@ -49,14 +49,27 @@ def _problem(seqlen: int, head_dim: int, **features) -> AttentionProblem:
                             head_dim ** -0.5, has_sink=True, **features)
 
 
+@pytest.fixture
+def stand_in_tables(monkeypatch):
+    """Measured tables of our own choosing (config's change with each measurement; the rules that read them do not):
+    fwd_ws takes the softcap at head block 256 and dropout at 64, bwd_ws dropout at 64 and 128, bwd_ws_split
+    neither, ALiBi under Triton 3.6 only."""
+    monkeypatch.setattr(operators.FwdWs, "softcap_head_blocks", frozenset({256}))
+    monkeypatch.setattr(operators.FwdWs, "dropout_head_blocks", frozenset({64}))
+    monkeypatch.setattr(operators.BwdWs, "dropout_head_blocks", frozenset({64, 128}))
+    monkeypatch.setattr(operators.BwdWsSplit, "softcap_head_blocks", frozenset())
+    monkeypatch.setattr(operators.BwdWsSplit, "dropout_head_blocks", frozenset())
+    monkeypatch.setattr(config, "WS_ALIBI_TRITON_RELEASES", frozenset({(3, 6)}))
+
+
 @pytest.mark.parametrize("seqlen,head_dim,features,operator", [
     (4096, 128, {}, operators.FwdWs),                  # the warp-specialised forward's calls
     (64, 128, {}, operators.Forward),                  # too short for it
-    (4096, 128, dict(softcap=30.0), operators.Forward),  # config.FWD_WS_SOFTCAP_HEAD_BLOCKS
+    (4096, 128, dict(softcap=30.0), operators.Forward),  # a head block without its softcap (stand_in_tables)
     (4096, 256, dict(softcap=30.0), operators.FwdWs),
     (4096, 80, dict(head_dim_v=64), operators.Forward),
 ])
-def test_the_forward_takes_the_sink_where_its_operator_says(seqlen, head_dim, features, operator):
+def test_the_forward_takes_the_sink_where_its_operator_says(stand_in_tables, seqlen, head_dim, features, operator):
     backend, p = TritonBackend(), _problem(seqlen, head_dim, **features)
     with pretend_capability():
         assert backend.operator(p, "forward") is operator
@@ -164,7 +177,7 @@ def test_the_ws_kernels_name_a_feature_among_their_reasons_while_off(operator, f
 
 
 # (operator, head dim, the call's term, Triton release) -> whether the defaults leave the call to the one-launch kernel,
-# and the words of that reason: config.FWD_WS_SOFTCAP_HEAD_BLOCKS, FWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES.
+# and the words of that reason, under stand_in_tables.
 MEASURED_RULES = [
     (operators.FwdWs, 128, dict(softcap=20.0), "3.6.0", "softcap at head dim 128: not measured faster"),
     (operators.FwdWs, 64, dict(softcap=20.0), "3.9.0", "softcap at head dim 64: not measured faster"),
@@ -181,15 +194,17 @@ MEASURED_RULES = [
     (operators.BwdWsSplit, 256, dict(has_alibi=True), "3.8.0", "ALiBi under Triton 3.8.0: not measured faster"),
     (operators.FwdWs, 128, dict(dropout_p=0.1), "3.6.0", "dropout at head dim 128: not measured faster"),
     (operators.FwdWs, 256, dict(dropout_p=0.1), "3.9.0", "dropout at head dim 256: not measured faster"),
+    (operators.FwdWs, 64, dict(dropout_p=0.1), "3.6.0", None),
     (operators.BwdWs, 64, dict(dropout_p=0.1), "3.6.0", None),
     (operators.BwdWs, 128, dict(dropout_p=0.1), "3.9.0", None),
+    (operators.BwdWsSplit, 256, dict(dropout_p=0.1), "3.6.0", "dropout at head dim 256: not measured faster"),
 ]
 
 
 @pytest.mark.parametrize("operator,head_dim,feature,version,reason", MEASURED_RULES,
                          ids=[f"{op.name}-d{d}-{next(iter(f))}-{v}" for op, d, f, v, _ in MEASURED_RULES])
 def test_the_defaults_leave_a_score_term_to_the_one_launch_kernels_only_where_those_measured_faster(
-        monkeypatch, operator, head_dim, feature, version, reason):
+        monkeypatch, stand_in_tables, operator, head_dim, feature, version, reason):
     """Under the default settings the warp-specialised kernel refuses a term it takes where the one-launch kernel
     measured faster, naming the term and where (the head dim, the Triton release), and takes it elsewhere; with its
     setting forced on it takes it everywhere. The backend's choice follows."""

@@ -221,17 +221,16 @@ FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
 FWD_WS_PADDED_VALUE_HEAD_BLOCKS = frozenset({256})
 # Where the defaults give a score term to the warp-specialised kernels, which take the sink, the softcap and ALiBi
 # (operators' takes_sink, supports_softcap, supports_alibi), rather than to the one-launch ones: where they measured
-# faster (bench/nvidia-h100.md §Score terms on the warp-specialised kernels). The sink and bwd_ws's softcap: wherever
-# those kernels run. fwd_ws's softcap: these head blocks (at 128 its tanh tile measured slower than the one-launch
-# forward, at 256 faster).
-FWD_WS_SOFTCAP_HEAD_BLOCKS = frozenset({256})
-# bwd_ws_split's softcap (the scores' slope handed to the dP warpgroup beside P^T): none until it is measured faster.
-BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS: frozenset[int] = frozenset()
+# faster (bench/nvidia-h100.md §Score terms on the warp-specialised kernels, §Softcap and dropout at every head
+# block). The sink and bwd_ws's softcap: wherever those kernels run. fwd_ws's and bwd_ws_split's softcap: these head
+# blocks (with the hardware tanh, fwd_ws measured faster at 128 and 256; bwd_ws_split at 256 is its only block).
+FWD_WS_SOFTCAP_HEAD_BLOCKS = frozenset({128, 256})
+BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS = frozenset({256})
 # Dropout (gluon/dropout.py's draws beside the softmax of fwd_ws, the P^T of bwd_ws and bwd_ws_split): where measured
-# faster than the one-launch kernels (bench/nvidia-h100.md §Dropout): bwd_ws at d64 and d128 (1.5-2.4x the one-launch
-# backward; bwd_ws_split's head block 256 not measured); fwd_ws nowhere (0.58-0.83x the one-launch forward).
-FWD_WS_DROPOUT_HEAD_BLOCKS: frozenset[int] = frozenset()
-BWD_WS_DROPOUT_HEAD_BLOCKS = frozenset({64, 128})
+# faster than the one-launch kernels (the same sections): the backward at every head block (bwd_ws at 64 and 128,
+# bwd_ws_split at 256); the forward at 256 only (at 64 and 128 the one-launch forward measured faster).
+FWD_WS_DROPOUT_HEAD_BLOCKS = frozenset({256})
+BWD_WS_DROPOUT_HEAD_BLOCKS = frozenset({64, 128, 256})
 # ALiBi: under these Triton releases, (major, minor); under 3.9 both directions measured slower than the one-launch
 # kernels, and 3.7 and 3.8 were not measured.
 WS_ALIBI_TRITON_RELEASES = frozenset({(3, 6)})
