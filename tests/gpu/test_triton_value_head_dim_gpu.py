@@ -71,3 +71,27 @@ def test_fwd_ws_runs_a_narrower_v_padded_to_q_k_s_head_dim(monkeypatch, case):
         widths.append((q.shape[-1], v.shape[-1], out.shape[-1])), real(q, k, v, out, *args, **kwargs)))
     check_case(Config(**case, dtype=torch.bfloat16), backend="triton", device="cuda")
     assert widths and all(len(set(w)) == 1 for w in widths), widths
+
+
+@pytest.mark.parametrize("case", [
+    dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, head_dim=192, head_dim_v=128, causal=True),
+    dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129)], heads_q=4, heads_k=1, head_dim=192, head_dim_v=128,
+         causal=True),
+    dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, head_dim=256, head_dim_v=200, window=(100, 7)),
+    dict(batch=2, seqlen_q=333, seqlen_k=333, heads_q=6, heads_k=3, head_dim=128, head_dim_v=64, causal=True,
+         deterministic=True),
+    dict(batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_k=2, head_dim=96, head_dim_v=40, dropout_p=0.2,
+         softcap=20.0),
+], ids=["mla-causal-gqa", "mla-varlen-empty", "d256-v200-window", "d128-v64-deterministic", "d96-v40-dropout-softcap"])
+def test_the_ws_backward_runs_a_narrower_v_padded_to_q_k_s_head_dim(monkeypatch, case):
+    """bwd_ws / bwd_ws_split (forced on) take calls whose v is narrower than q/k with v and dout padded with zeros
+    (operators._WarpSpecialisedBackward.run): the kernel gets q/k's width for v, dout and dV, and the gradients are
+    the d_v attention's."""
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
+    widths, real = [], bwd_ws.launch
+    monkeypatch.setattr(bwd_ws, "launch", lambda q, k, v, dout, lse, delta, dq, dk, dv, *args, **kwargs: (
+        widths.append((q.shape[-1], v.shape[-1], dout.shape[-1], dv.shape[-1])),
+        real(q, k, v, dout, lse, delta, dq, dk, dv, *args, **kwargs)))
+    with use_backend(TritonBackend(ws=True)):
+        check_case(Config(**case, dtype=torch.bfloat16), backend="triton", device="cuda")
+    assert widths and all(len(set(w)) == 1 for w in widths), widths

@@ -73,7 +73,7 @@ def test_the_default_runs_it_exactly_where_measured(head_dim, causal, group, seq
         assert reasons == [f"sequences shorter than {shortest}: the one-launch kernel measured faster"]
 
 
-FEATURES = {"float32": dict(dtype=torch.float32), "value head dim": dict(head_dim_v=64)}
+FEATURES = {"float32": dict(dtype=torch.float32), "value head dim": dict(head_dim_v=192)}
 
 
 @settings(max_examples=25, deadline=None)
@@ -126,6 +126,69 @@ def test_an_unmeasured_head_dim_keeps_the_one_launch_kernel(sm90, monkeypatch):
     assert ws_reasons(TritonBackend(), problem()) == []
     assert ws_reasons(TritonBackend(), problem(head_dim=64)) == ["head dim 64: the one-launch kernel measured faster"]
     assert ws_reasons(TritonBackend(ws=True), problem(head_dim=64)) == []
+
+
+@pytest.mark.parametrize("head_dims", [(192, 128), (256, 200), (128, 64), (96, 72), (64, 128), (128, 192)])
+@pytest.mark.parametrize("measured", [True, False])
+@pytest.mark.parametrize("forced", [True, None])
+def test_a_value_head_dim_runs_on_the_ws_backward_where_declared(sm90, monkeypatch, head_dims, measured, forced):
+    """bwd_ws / bwd_ws_split take a v narrower than q/k (padded to q/k's head dim) forced on, or by default where
+    their padded_value_head_blocks (config.BWD_WS_PADDED_VALUE_HEAD_BLOCKS, here a stand-in) hold q/k's head block;
+    a wider v never; otherwise the plan's kernel line names the value head dim, and the padded buffers are planned."""
+    d, d_v = head_dims
+    block = config.head_block(d)
+    for operator in (operators.BwdWs, operators.BwdWsSplit):
+        monkeypatch.setattr(operator, "padded_value_head_blocks", frozenset({block} if measured else ()))
+    plan = TritonBackend(ws=forced).backward_plan(problem(head_dim=d, heads=(8, 2), causal=True, head_dim_v=d_v))
+    runs = d_v < d and (forced or measured)
+    assert plan.kernel.startswith("bwd_ws") is runs, plan.kernel
+    assert ("value head dim" in plan.kernel) is not runs, plan.kernel
+    padded = {b.name: b.shape for b in plan.buffers if b.name.endswith("_padded")}
+    if runs:
+        assert padded == {"v_padded": (2, 8192, 2, d), "dout_padded": (2, 8192, 8, d), "dv_padded": (2, 8192, 2, d)}
+    else:
+        assert padded == {}
+
+
+@pytest.mark.parametrize("operator,head_dims", [(operators.BwdWsSplit, (192, 128)), (operators.BwdWs, (128, 40))])
+def test_a_narrower_v_runs_padded_on_the_ws_backward_and_gives_the_d_v_gradients(monkeypatch, operator, head_dims):
+    """The warp-specialised backward's run on a call whose v is narrower than q/k: the kernel (a float64 stand-in
+    here: it has one head block) gets v and dout padded with zeros to q/k's head dim and writes a dV that wide; dq, dk
+    and dv are then the gradients of the call's own attention, to float64 rounding (garbage in the padding would
+    reach dq and dk through dP)."""
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
+    from flash_attn_ck.core.problem import AttentionParams
+    from oracle import naive_attention
+    d, d_v = head_dims
+    seqlen, widths = 96, []
+
+    def gradients(q, k, v, dout):      # of the call's one sequence (naive_attention's (rows, heads, dim))
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = naive_attention(q[0], k[0], v[0], causal=True, softmax_scale=d ** -0.5)[0]
+        return torch.autograd.grad(out, (q, k, v), dout[0])
+
+    def stand_in(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_q, cu_k, *, tile, **_):
+        widths.append((tile.split_d, v.shape[-1], dout.shape[-1], dv.shape[-1]))
+        for grad, target in zip(gradients(q, k, v, dout), (dq_accum, dk, dv)):
+            target.copy_(grad)
+    monkeypatch.setattr(bwd_ws, "launch", stand_in)     # both kernels' (the tile says which)
+    monkeypatch.setattr(operators, "_preprocess", lambda *args: None)
+    monkeypatch.setattr(operators, "cast", lambda acc, dq, *args: dq.copy_(acc))
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, seqlen, heads, d, generator=gen, dtype=torch.float64) for heads in (8, 2))
+    v = torch.randn(1, seqlen, 2, d_v, generator=gen, dtype=torch.float64)
+    dout = torch.randn(1, seqlen, 8, d_v, generator=gen, dtype=torch.float64)
+    p = replace(problem(seqlen=seqlen, head_dim=d, heads=(8, 2), batch=1, causal=True, head_dim_v=d_v),
+                dtype=torch.float64, device=torch.device("cpu"))
+    backend = TritonBackend(ws=True)
+    workspace = {b.name: torch.full(b.shape, float("nan"), dtype=torch.float64) for b in operator.buffers(backend, p)}
+    workspace["softmax_d"] = torch.empty(p.lse_shape, dtype=torch.float64)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    params = AttentionParams(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None)
+    operator.run(backend, p, params, None, torch.empty(p.lse_shape), dout, dq, dk, dv, workspace)
+    assert widths == [(operator.split_d, d, d, d)]
+    for got, want in zip((dq, dk, dv), gradients(q, k, v, dout)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_plan_names_the_kernel_and_bounds_dq_accum(sm90):

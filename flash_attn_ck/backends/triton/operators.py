@@ -166,20 +166,27 @@ class GluonOperator(Operator):
     # it takes dropout).
     softcap_head_blocks: ClassVar[frozenset[int] | None] = None
     dropout_head_blocks: ClassVar[frozenset[int]] = frozenset()
+    # One head block: a v narrower than q/k runs padded with zeros to q/k's head dim, by default in these head blocks
+    # (where that measured faster than `previous`, the kernel that runs the call otherwise); a wider one is refused.
+    value_head_dim_refusal = None
+    padded_value_head_blocks: ClassVar[frozenset[int]] = frozenset()
+    previous: ClassVar[str]
     fp32_outputs_refusal = "its TMA stores go through shared tiles of the input dtype"
-    value_head_dim_refusal: ClassVar[str | None] = "the kernel has one head block"
     architectures = frozenset({9})
     architecture_refusal = "needs an sm_90 GPU (Gluon wgmma/TMA kernel)"
     tested_releases_only = True
 
     @classmethod
     def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
-        """The score terms it takes but the defaults leave to the one-launch kernels where it was not measured faster
-        (config.FWD_WS_SOFTCAP_HEAD_BLOCKS, BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS, FWD_WS_DROPOUT_HEAD_BLOCKS,
-        BWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES); its setting forced on runs them here."""
-        if setting is not None:
-            return []
+        """A v wider than q/k; and what it takes but the defaults leave to the one-launch kernels where it was not
+        measured faster (config.FWD_WS_SOFTCAP_HEAD_BLOCKS, BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS,
+        FWD_WS_DROPOUT_HEAD_BLOCKS, BWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES, FWD_WS_/
+        BWD_WS_PADDED_VALUE_HEAD_BLOCKS); its setting forced on runs those here."""
         reasons, forced = [], f"(TritonBackend({cls.option}=True) runs it)"
+        if p.head_dim_v_padded > p.head_dim_padded:
+            reasons.append(f"value head dim {p.head_dim_v} above q/k's {p.head_dim}: the kernel has one head block")
+        if setting is not None:
+            return reasons
         block = config.head_block(p.head_dim_padded)
         if p.softcap != 0.0 and cls.softcap_head_blocks is not None and block not in cls.softcap_head_blocks:
             reasons.append(f"softcap at head dim {p.head_dim_padded}: not measured faster than the one-launch kernel "
@@ -191,6 +198,9 @@ class GluonOperator(Operator):
         if p.has_alibi and triton_versions.release(version) not in config.WS_ALIBI_TRITON_RELEASES:
             reasons.append(f"ALiBi under Triton {version}: not measured faster than the one-launch kernels there "
                            f"{forced}")
+        if p.head_dim_v_padded < p.head_dim_padded and block not in cls.padded_value_head_blocks:
+            reasons.append(f"value head dim {p.head_dim_v} below q/k's {p.head_dim}: runs padded to the head block "
+                           f"{block}, not measured faster than {cls.previous} there {forced}")
         return reasons
 
     @classmethod
@@ -286,27 +296,13 @@ class FwdWs(GluonOperator, ForwardOperator):
     supports_dropout = True
     softcap_head_blocks = config.FWD_WS_SOFTCAP_HEAD_BLOCKS
     dropout_head_blocks = config.FWD_WS_DROPOUT_HEAD_BLOCKS
-    value_head_dim_refusal = None     # a narrower v runs padded with zeros to q/k's head dim (extra_reasons)
+    padded_value_head_blocks = config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS   # out's extra columns are zero and dropped
+    previous = "the previous forward"
 
     @classmethod
     @per_problem(owners=2)
     def tile(cls, backend, p: AttentionProblem) -> config.FwdWsTile | None:
         return backend.fwd_ws_tile or config.fwd_ws_tile(p.head_dim_padded, p.mask.is_causal)
-
-    @classmethod
-    def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
-        """The kernel has one head block: a v narrower than q/k runs padded with zeros to q/k's head dim (out's extra
-        columns are then zero and dropped: exact), where config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS says that is faster
-        than the one-launch forward's own d_v tiles."""
-        reasons = super().extra_reasons(backend, p, setting)
-        d, d_v = p.head_dim_padded, p.head_dim_v_padded
-        if d_v > d:
-            reasons.append(f"value head dim {p.head_dim_v} above q/k's {p.head_dim}: the kernel has one head block")
-        elif d_v < d and setting is None and config.head_block(d) not in config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS:
-            reasons.append(f"value head dim {p.head_dim_v} below q/k's {p.head_dim}: runs padded to the head block "
-                           f"{config.head_block(d)}, not measured faster than the previous forward there "
-                           "(TritonBackend(fwd_ws=True) runs it)")
-        return reasons
 
     @classmethod
     def describe(cls, backend, p: AttentionProblem) -> str:
@@ -396,6 +392,9 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
     slower_head_dim = "the one-launch kernel measured faster"
     min_seqlen = config.BWD_WS_MIN_SEQLEN
     shorter = "the one-launch kernel measured faster"
+    # dout is padded too: dV's extra columns are zero and dropped, dP and D unchanged.
+    padded_value_head_blocks = config.BWD_WS_PADDED_VALUE_HEAD_BLOCKS
+    previous = "the one-launch backward"
 
     @classmethod
     def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
@@ -441,6 +440,12 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
             buffers.append(BufferSpec("dq_semaphore", (p.batch, heads, tiles),
                                       torch.int32, False, "orders the dQ adds per (batch, head, query tile); zeroed "
                                       "by bwd_preprocess, and before each later launch"))
+        if p.head_dim_v_padded != p.head_dim_padded:
+            k_rows, d = p.k_rows_shape, p.head_dim_padded
+            buffers += [BufferSpec(name, shape, p.dtype, False, purpose) for name, shape, purpose in (
+                ("v_padded", (*k_rows, p.heads_k, d), "v with zero columns up to q/k's head dim (the kernel's one)"),
+                ("dout_padded", (*p.q_rows_shape, p.heads_q, d), "dout likewise"),
+                ("dv_padded", (*k_rows, p.heads_k, d), "the kernel's dV, whose first d_v columns are dv"))]
         return buffers
 
     @classmethod
@@ -456,7 +461,11 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
         delta, dq_acc, sems = workspace["softmax_d"], workspace["dq_accum"], workspace.get("dq_semaphore")
         sizes = backend.sizes(p, d)
         _preprocess(p, out, dout, delta, (dq_acc, None, None, sems), sizes)
-        q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
+        v, dv_given = params.v, dv
+        if v.shape[-1] != d:
+            v, dout, dv = (_zero_padded(t, workspace[name]) for t, name in
+                           ((v, "v_padded"), (dout, "dout_padded"), (None, "dv_padded")))
+        q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, v))
         dout = gluon_common.uniform_rows(dout, p.varlen)
         mask = cls.mask(backend, p)
         schedule = cls.schedule(backend, p, params)     # one for every launch: the same items
@@ -482,6 +491,8 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
                  p.rows_q // batch, d)
             if kv.stop < p.heads_k:     # the next launch adds into the accumulator and counts in the semaphores
                 launch.zero_flat(*(t for t in (acc, sems) if t is not None)).launch()
+        if dv is not dv_given:
+            dv_given.copy_(dv[..., :dv_given.shape[-1]])
 
 
 class BwdWs(_WarpSpecialisedBackward):
@@ -665,6 +676,15 @@ def _alibi(p: AttentionProblem, slopes: torch.Tensor | None) -> tuple[torch.Tens
         return None
     assert slopes is not None
     return slopes, launch.slope_batch_stride(slopes, True)
+
+
+def _zero_padded(t: torch.Tensor | None, padded: torch.Tensor) -> torch.Tensor:
+    """`padded` (a plan buffer of the kernel's head dim) holding `t` in its first columns and zeros after them; only
+    allocated where `t` is None (an output the kernel writes whole)."""
+    if t is not None:
+        padded[..., :t.shape[-1]].copy_(t)
+        padded[..., t.shape[-1]:].zero_()
+    return padded
 
 
 def heads_of(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:
