@@ -70,18 +70,20 @@ def check(name, b, h, h_k, s_q, s_k, d, causal, window, tile, varlen_lens=None, 
     return ok
 
 
-def time_case(b, h, h_k, s, d, causal, tiles, peers):
+def time_case(b, h, h_k, s, d, causal, tiles, peers, deterministic=False):
     """Backward TFLOP/s of each tile of the warp-specialised kernel and of `peers` (bench_bwd.py names:
     triton-one-launch, sdpa_flash, sdpa_cudnn, ...), timed by bench_bwd.py's runner (the whole backward
-    through the public API, in this process)."""
+    through the public API, in this process); `deterministic`: the tiles in the deterministic mode (the peers as
+    named: triton-det, FA4 is not among measure's)."""
     from bench_bwd import measure
 
     from flash_attn_ck.backends.triton import TritonBackend
-    row = {f"ws{tile}": measure("triton", b, h, h_k, s, d, causal, backend=TritonBackend(ws=True, ws_tile=tile))
+    ours = "triton-det" if deterministic else "triton"
+    row = {f"ws{tile}": measure(ours, b, h, h_k, s, d, causal, backend=TritonBackend(ws=True, ws_tile=tile))
            for tile in tiles}
     for name in peers:
         row[name] = measure(name, b, h, h_k, s, d, causal)
-    print(f"TIME d{d} h{h}/{h_k} s{s} causal={causal}: "
+    print(f"TIME d{d} h{h}/{h_k} s{s} causal={causal}{' deterministic' if deterministic else ''}: "
           + "  ".join(f"{k} {v['bwd_tflops']:.0f}" for k, v in row.items()), flush=True)
 
 
@@ -127,6 +129,7 @@ def main():
     ap.add_argument("--case-timeout", type=float, default=180.0, help="seconds a check case may take, compiling")
     ap.add_argument("--shapes", default="128:16:16:8192,128:32:8:8192,64:32:32:8192,128:16:16:2048",
                     help="timed shapes d:h:h_k:s, each causal and not (b = 16384 / s)")
+    ap.add_argument("--deterministic", action="store_true", help="time the tiles in the deterministic mode")
     args = ap.parse_args()
     tiles = tile_spec(args.tiles, {block: [tile] for block, tile in BWD_WS_SM90.items()}, WsTile.parse)
     for block, listed in tiles.items():   # bwd_ws_split's blocks keep it
@@ -155,7 +158,7 @@ def main():
         for shape in args.shapes.split(","):
             d, h, h_k, s = map(int, shape.split(":"))
             for causal in (False, True):
-                time_case(16384 // s, h, h_k, s, d, causal, tiles[head_block(d)], peers)
+                time_case(16384 // s, h, h_k, s, d, causal, tiles[head_block(d)], peers, args.deterministic)
     sys.exit(0 if ok else 1)
 
 

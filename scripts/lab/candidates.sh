@@ -12,9 +12,12 @@
 #   bwd-named (450 s): the d128 and d64 table tiles with config.WsTile.named_barriers (two of the MMA partition's
 #     four barriers a step left), checked alone, then timed beside the table tiles and the one-launch kernel and
 #     cuDNN -> candidates-bwd-named.log
+#   bwd-det (300 s): the deterministic backward at d64 and d256 on the key-major grid (config.BWD_WS_KEY_MAJOR holds
+#     d128's only: concurrent CTAs of one head wait on each other's ordered dQ adds, of different heads they do not)
+#     beside the table tiles and the default deterministic call -> candidates-bwd-det.log
 set -u
 experiments=("$@")
-[ ${#experiments[@]} -eq 0 ] && experiments=(fwd-split fwd bwd bwd-named)
+[ ${#experiments[@]} -eq 0 ] && experiments=(fwd-split fwd bwd bwd-named bwd-det)
 for experiment in "${experiments[@]}"; do
   case $experiment in
     fwd-split)
@@ -44,6 +47,12 @@ for experiment in "${experiments[@]}"; do
           --peers triton-one-launch,sdpa_cudnn --shapes 128:16:16:8192,128:32:8:8192,64:32:32:8192,128:16:16:2048
       } 2>&1 | tee "$OUT/candidates-bwd-named.log" | grep -E "^(PASS|FAIL|TIME|HANG|ERROR)"
       ;;
-    *) echo "unknown experiment $experiment (fwd-split, fwd, bwd, bwd-named)" >&2; exit 2 ;;
+    bwd-det)
+      limit 300 python3 scripts/lab/bwd_ws_check.py --time-only --deterministic \
+        --tiles 64=64x64x2x1x4x128,64x64x2x1x4x128x1 --tiles 256=64x64x1x1x4x0,64x64x1x1x4x0x1 \
+        --peers triton-det --shapes 64:32:32:8192,256:8:8:8192,64:32:32:2048,256:8:8:2048 2>&1 \
+        | tee "$OUT/candidates-bwd-det.log" | grep -E "^(PASS|FAIL|TIME|HANG|ERROR)"
+      ;;
+    *) echo "unknown experiment $experiment (fwd-split, fwd, bwd, bwd-named, bwd-det)" >&2; exit 2 ;;
   esac
 done
