@@ -431,6 +431,8 @@ def check_rng_state(rng_state: torch.Tensor, device: torch.device) -> None:
     check_dtype("rng_state", rng_state, torch.int64)
     check_device("rng_state", rng_state, device)
     check_shape("rng_state", rng_state, (2,))
+    if rng_state.stride(0) != 1:    # the kernels read [seed, offset] as two adjacent int64
+        raise ArgumentError(f"rng_state: expected a contiguous [seed, offset] tensor, got stride {rng_state.stride(0)}")
 
 
 def check_like(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device, shape: Sequence[int],

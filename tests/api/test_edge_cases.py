@@ -99,6 +99,10 @@ class _CallSpace:
         self.cases += [(name, {name: bad}) for bad in bad_values]
 
 
+# [seed, offset] with a filler between them: the Triton kernels read the offset at the next element.
+NON_CONTIGUOUS_RNG_STATE = torch.tensor([7, -1, 9, -1])[::2]
+
+
 def _batch_calls(kind, q, k, v, b) -> _CallSpace:
     """flash_attn_func, flash_attn_fwd and the packed batch functions."""
     if kind == "func":
@@ -106,6 +110,7 @@ def _batch_calls(kind, q, k, v, b) -> _CallSpace:
     if kind == "fwd":
         space = _CallSpace(fa.flash_attn_fwd, dict(q=q, k=k, v=v), {})
         space.add("seqused_k", [torch.zeros(b, dtype=torch.int32)])      # a batch call
+        space.cases.append(("rng_state", {"dropout_p": 0.1, "rng_state": NON_CONTIGUOUS_RNG_STATE}))
         return space
     if kind == "qkvpacked":
         qkv = torch.stack([q, k, v], 2)
@@ -167,7 +172,8 @@ def _bwd_calls(q, k, v, rand) -> _CallSpace:
                     ("dq", {"dq": dq.float()}), ("dq", {"dq": dq.to("meta")}), ("dv", {"dv": dv[..., :1]}),
                     ("rng_state", {"dropout_p": 0.1}), ("rng_state", {"dropout_p": 0.1, "rng_state": torch.zeros(2)}),
                     ("rng_state", {"dropout_p": 0.1,
-                                   "rng_state": torch.zeros(2, dtype=torch.int64, device="meta")})]
+                                   "rng_state": torch.zeros(2, dtype=torch.int64, device="meta")}),
+                    ("rng_state", {"dropout_p": 0.1, "rng_state": NON_CONTIGUOUS_RNG_STATE})]
     # stride-0 (expanded) outputs: only bad when they expand over more than one row
     if b * s_q * h > 1:
         space.add("dq", [torch.zeros(1, 1, 1, d, dtype=q.dtype).expand(q.shape)])
@@ -760,3 +766,32 @@ def test_a_packed_varlen_call_names_its_own_missing_arguments(missing, total):
     assert message.startswith(f"{sorted(missing)[0]}: varlen calls need cu_seqlens and max_seqlen "
                               f"(missing: {', '.join(sorted(missing))})"), message
     assert "_q" not in message and "_k" not in message
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(stride=st.integers(2, 5), start=st.integers(0, 3), backward=st.booleans(), varlen=st.booleans())
+def test_a_non_contiguous_rng_state_is_refused_before_anything_is_written(stride, start, backward, varlen):
+    """rng_state [seed, offset] in a strided view (its values right, its elements apart): an ArgumentError naming it,
+    from the forward and the backward alike, before an output is written (the kernels would read the offset at the
+    next element: another keep pattern, silently)."""
+    gen = torch.Generator().manual_seed(stride * 10 + start)
+    q, k, v = (torch.randn(2, 5, 2, 8, generator=gen) for _ in range(3))
+    extra = {}
+    if varlen:
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+        extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
+    storage = torch.full((start + stride + 1,), -1, dtype=torch.int64)
+    storage[start], storage[start + stride] = 7, 9
+    rng_state = storage[start::stride][:2]
+    assert rng_state.tolist() == [7, 9] and rng_state.stride(0) == stride
+    out, lse, _ = fa.flash_attn_fwd(q, k, v, dropout_p=0.3, rng_state=torch.tensor([7, 9]), backend="reference",
+                                    **extra)
+    targets = [torch.full_like(t, 7.0) for t in (q, k, v)] if backward else [torch.full_like(out, 7.0)]
+    if backward:
+        call = functools.partial(fa.flash_attn_bwd, torch.ones_like(out), q, k, v, out, lse, *targets)
+    else:
+        call = functools.partial(fa.flash_attn_fwd, q, k, v, out=targets[0])
+    with pytest.raises(fa.ArgumentError, match=r"^rng_state: expected a contiguous \[seed, offset\] tensor"):
+        call(dropout_p=0.3, rng_state=rng_state, backend="reference", **extra)
+    assert all(bool((t == 7.0).all()) for t in targets)
