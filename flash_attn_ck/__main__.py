@@ -95,8 +95,8 @@ def parse_args(argv=None):
                         help="key/value heads, a divisor of --heads (default: --heads; fewer: GQA/MQA)")
     parser.add_argument("--head-dim", type=_integer(1, MAX_HEAD_DIM, f"an integer in 1..{MAX_HEAD_DIM}"), default=64)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--window", type=_integer(-1, MAX_WINDOW_SIDE, "-1 (unbounded) or an integer >= 0"),
-                        nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"))
+    window_side = _integer(-1, MAX_WINDOW_SIDE, f"-1 (unbounded) or an integer in 0..{MAX_WINDOW_SIDE}")
+    parser.add_argument("--window", type=window_side, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"))
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     parser.add_argument("--deterministic", action="store_true")
     parser.add_argument("--dropout", type=_probability, default=0.0, help="dropout is timed but not compared")
