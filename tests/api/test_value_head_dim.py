@@ -143,21 +143,26 @@ def test_a_refused_ck_call_runs_elsewhere_or_says_why():
 
 def test_triton_runs_d_v_on_the_one_launch_kernels_and_says_why_not_the_others():
     """The one-launch kernels take v's head dim (tests/triton/test_triton_interpret.py runs them); the warp-specialised
-    backward kernels (one head block) and the GQA accumulator epilogue (one row width) say why they do not run such a
-    call; the warp-specialised forward runs a narrower v padded to q/k's head dim (tests/triton/test_triton_fwd_ws.py)
-    and names a wider one."""
-    from flash_attn_ck.backends.triton import TritonBackend
-    from flash_attn_ck.backends.triton.operators import BACKWARD, FORWARD, FwdWs, GluonOperator
+    kernels (one head block) refuse a wider v and run a narrower one padded to q/k's head dim, by default only in the
+    head blocks of their padded_value_head_blocks (tests/triton/test_triton_fwd_ws.py, test_triton_ws.py), saying
+    so elsewhere; the GQA accumulator epilogue (one row width) says why it does not run such a call."""
+    from flash_attn_ck.backends.triton import TritonBackend, config
+    from flash_attn_ck.backends.triton.operators import BACKWARD, FORWARD, GluonOperator
     assert not any("head dim" in r for r in TritonBackend.not_supported_reasons(_problem(192, 128, "cuda")))
     backend = TritonBackend(gqa_epilogue="accumulate")
-    problem = _problem(192, 128)        # (on the CPU: the Gluon reasons then ask no GPU for its capability)
-    why = "value head dim 128 != head dim 192: the kernel has one head block"
+    narrower, wider = _problem(192, 128), _problem(128, 192)  # (on the CPU: the Gluon reasons ask no GPU anything)
     for operator in FORWARD + BACKWARD:
-        refused = issubclass(operator, GluonOperator) and operator is not FwdWs
-        assert (why in backend.reasons(problem, operator)) == refused, operator.name
-        assert why not in backend.reasons(_problem(192, 192), operator)
-    assert not any("value head dim" in r for r in backend.reasons(problem, FwdWs))
-    assert any("value head dim 192 above" in r for r in backend.reasons(_problem(128, 192), FwdWs))
+        below = [r for r in backend.reasons(narrower, operator) if r.startswith("value head dim")]
+        above = [r for r in backend.reasons(wider, operator) if r.startswith("value head dim")]
+        assert not [r for r in backend.reasons(_problem(192, 192), operator) if r.startswith("value head dim")]
+        if not issubclass(operator, GluonOperator):
+            assert below == above == [], operator.name
+            continue
+        assert above == ["value head dim 192 above q/k's 128: the kernel has one head block"], operator.name
+        padded_by_default = config.head_block(192) in operator.padded_value_head_blocks
+        assert len(below) == (0 if padded_by_default else 1), (operator.name, below)
+        assert all(r.startswith("value head dim 128 below q/k's 192: runs padded to the head block 256, not "
+                                "measured faster") for r in below)
     assert not backend.accumulate_kv(_problem(192, 128, heads=(4, 2)))
     assert backend.accumulate_kv(_problem(192, 190, heads=(4, 2)))     # padded alike: one kernel head dim
 
