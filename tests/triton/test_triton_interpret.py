@@ -187,3 +187,61 @@ def test_interpreted_kernels(name):
                          ids=lambda kind: kind.name.lower())
 def test_interpreted_mask_kinds(kind):
     _interpret(_MASK_KIND_RUNNER, kind.name)
+
+
+# Offsets past 2**31 elements inside one sequence or head (a 512K-token sequence at h 32, d 128; a (b, h, s, d)
+# layout's head stride): the kernels form them in int64. The tensors live in a sparse file (zeros that cost no
+# memory); the interpreter's copy of each storage onto itself after a launch would touch all of it, so it is skipped.
+_WIDE_OFFSETS_RUNNER = _INTERPRETER_PATCH + r"""
+import os, sys, tempfile
+import torch
+import triton.runtime.interpreter as interp
+from flash_attn_ck.api import flash_attn_bwd, flash_attn_fwd
+from flash_attn_ck.backends.triton import TritonBackend
+
+TritonBackend.device_types = frozenset({"cuda", "cpu"})   # the interpreter runs on CPU tensors
+restore = interp.GridExecutor._restore_args_dev
+
+
+def restore_but_self_copies(*args):
+    copy = torch.UntypedStorage.copy_
+
+    def copy_unless_itself(dst, src, *rest):
+        return dst if dst.data_ptr() == src.data_ptr() else copy(dst, src, *rest)
+    torch.UntypedStorage.copy_ = copy_unless_itself
+    try:
+        return restore(*args)
+    finally:
+        torch.UntypedStorage.copy_ = copy
+
+
+interp.GridExecutor._restore_args_dev = restore_but_self_copies
+axis = sys.argv[1]                      # "rows" or "heads": which stride is 2**26 (rows) or 2**30 (heads)
+rows, heads, d = (40, 1, 16) if axis == "rows" else (8, 3, 16)
+stride = 2 ** 26 if axis == "rows" else 2 ** 30
+start = 2 ** 31                          # a wrapped offset stays inside the file: wrong values, not a crash
+shape, strides = ((1, rows, heads, d), (rows * stride, stride, d, 1)) if axis == "rows" else \
+    ((1, rows, heads, d), (heads * stride, d, stride, 1))
+numel = start + sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+with tempfile.NamedTemporaryFile() as f:
+    f.truncate(numel * 2)
+    q = torch.from_file(f.name, shared=True, size=numel, dtype=torch.float16).as_strided(shape, strides, start)
+    g = torch.Generator().manual_seed(0)
+    q.copy_(torch.randn(shape, generator=g).half())
+    k, v, dout = (torch.randn(1, rows, 1, d, generator=g).half() for _ in range(3))
+    dout = torch.randn(shape, generator=g).half()
+    options = dict(backend=TritonBackend(use_tma=False))
+    out, lse, _ = flash_attn_fwd(q, k, v, **options)
+    want_out, want_lse, _ = flash_attn_fwd(q.contiguous(), k, v, **options)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse), (out - want_out).abs().amax((0, 2, 3))
+    grads = flash_attn_bwd(dout, q, k, v, out, lse, **options)[:3]
+    wants = flash_attn_bwd(dout, q.contiguous(), k, v, out, lse, **options)[:3]
+    for name, got, want in zip(("dq", "dk", "dv"), grads, wants):
+        assert torch.equal(got, want), name
+print("PASS")
+"""
+
+
+@pytest.mark.parametrize("axis", ["rows", "heads"])
+def test_offsets_past_two_to_the_31_elements_are_exact(axis):
+    _interpret(_WIDE_OFFSETS_RUNNER, axis)

@@ -19,7 +19,7 @@ import triton.language as tl
 def head_rows(base, stride_batch, stride_row, stride_head, b64, start, h):
     """Row 0 of sequence b (b64, int64; packed from row `start` when varlen), head h, of a (b, s, h, d)
     or varlen (total, h, d) tensor with (batch, row, head) strides (launch.rows3)."""
-    return base + b64 * stride_batch + start.to(tl.int64) * stride_row + h * stride_head
+    return base + b64 * stride_batch + start.to(tl.int64) * stride_row + h.to(tl.int64) * stride_head
 
 
 @triton.jit
@@ -42,7 +42,8 @@ def load_rows(src, stride_row, row0, n_rows, n_cols, BLOCK_R: tl.constexpr, BLOC
     else:
         rows = row0 + tl.arange(0, BLOCK_R)
         cols = tl.arange(0, BLOCK_C)
-        return tl.load(src + rows[:, None] * stride_row + cols[None, :],
+        # int64: a sequence's rows may span 2**31 elements (the stores' offsets are int64 alike)
+        return tl.load(src + rows[:, None].to(tl.int64) * stride_row + cols[None, :],
                        mask=(rows < n_rows)[:, None] & (cols < n_cols)[None, :], other=0.0)
 
 

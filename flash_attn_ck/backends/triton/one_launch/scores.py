@@ -84,10 +84,10 @@ def query_tile_operands(Q, K, V, seq, strides, b, h, sizes, m0, q_start, len_q, 
     # (the kv head's offset written out, not through head_rows: the same operation order as before keeps
     # the generated code identical)
     k_src = row_tiles(K + b64 * strides.k_batch + k_start.to(tl.int64) * strides.k_row
-                      + (h // sizes.group) * strides.k_head,
+                      + (h // sizes.group).to(tl.int64) * strides.k_head,
                       strides.k_row, len_k, sizes.head_dim, BLOCK_N, BLOCK_D, features.TMA_LOADS)
     v_src = row_tiles(V + b64 * strides.v_batch + k_start.to(tl.int64) * strides.v_row
-                      + (h // sizes.group) * strides.v_head,
+                      + (h // sizes.group).to(tl.int64) * strides.v_head,
                       strides.v_row, len_k, value_head_dim(sizes.head_dim, features), BLOCK_N, BLOCK_DV,
                       features.TMA_LOADS)
     slope = alibi_slope(seq, strides, b, h, features)

@@ -19,7 +19,7 @@ from .bwd_preprocess import zero_share
 def cast_rows_kernel(Src, Dst, stride_src, stride_dst, n_rows, head_dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
     mask = (rows < n_rows)[:, None] & (cols < head_dim)[None, :]
     r64 = rows[:, None].to(tl.int64)

@@ -46,9 +46,10 @@ def bwd_preprocess_kernel(
     row_ok = offs_m < n_rows
     mask = row_ok[:, None] & (offs_d < head_dim)[None, :]
     rows = offs_m.to(tl.int64)
-    o = tl.load(Out + b.to(tl.int64) * stride_o[0] + h * stride_o[2] + rows[:, None] * stride_o[1] + offs_d[None, :],
+    o = tl.load(Out + b.to(tl.int64) * stride_o[0] + h.to(tl.int64) * stride_o[2] + rows[:, None] * stride_o[1]
+                + offs_d[None, :],
                 mask=mask, other=0.0)
-    do = tl.load(dOut + b.to(tl.int64) * stride_do[0] + h * stride_do[2] + rows[:, None] * stride_do[1]
+    do = tl.load(dOut + b.to(tl.int64) * stride_do[0] + h.to(tl.int64) * stride_do[2] + rows[:, None] * stride_do[1]
                  + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b.to(tl.int64) * stride_delta[0] + h.to(tl.int64) * stride_delta[1] + rows, delta, mask=row_ok)
