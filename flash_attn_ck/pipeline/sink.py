@@ -10,6 +10,8 @@ the head is dim -2 in both.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -42,7 +44,9 @@ def rows_dot(dout: torch.Tensor, out: torch.Tensor, dtype: torch.dtype) -> torch
 
 def sink_gradient(sink: torch.Tensor, lse: torch.Tensor, softmax_d: torch.Tensor) -> torch.Tensor:
     """`dsink[h] = -sum over batch and rows of exp(sink[h] - L) * D`, accumulated in lse's dtype, in the sink's."""
-    p_sink = torch.exp(_per_head(sink, lse) - lse)      # L = +inf (rows in no sequence): 0
+    logit = _per_head(sink, lse)
+    # L = +inf: rows in no sequence (p 0), or a sink of +inf, which takes the whole row (p 1, where exp gives NaN)
+    p_sink = torch.where((logit == math.inf) & (lse == math.inf), 1.0, torch.exp(logit - lse))
     weighted = p_sink * softmax_d.to(lse.dtype)
     per_head = weighted.sum(-1)
     if per_head.dim() == 2:         # dense: (b, h)
