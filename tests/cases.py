@@ -96,6 +96,17 @@ def seeded_inputs(dtype, b=2, s_q=5, s_k=7, h=4, h_k=2, d=20, seed=0):
     return q, k, v, dout
 
 
+def packed_if(varlen: bool, q, k, v):
+    """q, k, v of equal batch and length as they are (and no varlen arguments), or each sequence packed into
+    (total, h, d) with the cu_seqlens / max_seqlen arguments that say so."""
+    if not varlen:
+        return q, k, v, {}
+    batch, seqlen = q.shape[:2]
+    cu = torch.arange(batch + 1, dtype=torch.int32) * seqlen
+    packed = (t.flatten(0, 1) for t in (q, k, v))
+    return (*packed, dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen))
+
+
 def varlen_meta(cfg: Config, device="cpu"):
     lengths_q = torch.tensor([0] + [s for s, _ in cfg.seqlens])
     lengths_k = torch.tensor([0] + [s for _, s in cfg.seqlens])

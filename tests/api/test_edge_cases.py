@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flash_attn_ck as fa
-from cases import OpRecorder
+from cases import OpRecorder, packed_if
 from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.mask import MaskInfo
 from flash_attn_ck.core.options import AttentionOptions
@@ -775,12 +775,7 @@ def test_a_non_contiguous_rng_state_is_refused_before_anything_is_written(stride
     from the forward and the backward alike, before an output is written (the kernels would read the offset at the
     next element: another keep pattern, silently)."""
     gen = torch.Generator().manual_seed(stride * 10 + start)
-    q, k, v = (torch.randn(2, 5, 2, 8, generator=gen) for _ in range(3))
-    extra = {}
-    if varlen:
-        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
-        cu = torch.tensor([0, 5, 10], dtype=torch.int32)
-        extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
+    q, k, v, extra = packed_if(varlen, *(torch.randn(2, 5, 2, 8, generator=gen) for _ in range(3)))
     storage = torch.full((start + stride + 1,), -1, dtype=torch.int64)
     storage[start], storage[start + stride] = 7, 9
     rng_state = storage[start::stride][:2]

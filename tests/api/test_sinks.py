@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_ck_emulated import emulated
 
 import flash_attn_ck as fa
-from cases import check_case, judge, make_inputs, make_sink
+from cases import check_case, judge, make_inputs, make_sink, packed_if
 from flash_attn_ck import ArgumentError
 from flash_attn_ck.core.options import AttentionOptions
 from flash_attn_ck.ops import _FWD, _flatten
@@ -371,12 +371,7 @@ def test_a_sink_of_plus_infinity_takes_its_rows_and_gets_a_zero_gradient(varlen)
     """A sink of +inf takes every row of its head (out 0, lse +inf), so nothing flows back to it: dsink 0, not the NaN
     of exp(inf - inf); a NaN sink keeps NaN; the other heads' dsink are the finite sink's."""
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(2, 6, 3, 8, generator=gen) for _ in range(3))
-    extra = {}
-    if varlen:
-        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
-        cu = torch.tensor([0, 6, 12], dtype=torch.int32)
-        extra = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=6, max_seqlen_k=6)
+    q, k, v, extra = packed_if(varlen, *(torch.randn(2, 6, 3, 8, generator=gen) for _ in range(3)))
     sink = torch.tensor([math.inf, float("nan"), 0.5])
     out, lse, _ = fa.flash_attn_fwd(q, k, v, learnable_sink=sink, backend="reference", **extra)
     dsink = fa.flash_attn_bwd(torch.randn_like(out), q, k, v, out, lse, learnable_sink=sink, backend="reference",
