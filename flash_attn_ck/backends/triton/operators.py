@@ -679,8 +679,8 @@ def _alibi(p: AttentionProblem, slopes: torch.Tensor | None) -> tuple[torch.Tens
 
 
 def _zero_padded(t: torch.Tensor | None, padded: torch.Tensor) -> torch.Tensor:
-    """`padded` (a plan buffer of the kernel's head dim) holding `t` in its first columns and zeros after them; only
-    allocated where `t` is None (an output the kernel writes whole)."""
+    """`padded` (a plan buffer of the kernel's head dim) holding `t` in its first columns and zeros after them; left
+    as it is where `t` is None (an output the kernel writes whole)."""
     if t is not None:
         padded[..., :t.shape[-1]].copy_(t)
         padded[..., t.shape[-1]:].zero_()
