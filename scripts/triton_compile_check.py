@@ -128,6 +128,7 @@ def variants(block_ds):
 
 # (d, d_v) of the value-head-dim variants: MLA's pair (v's block narrower) and a v wider than q/k.
 VALUE_HEAD_DIMS = ((192, 128), (64, 128))
+GLUON_VALUE_HEAD_DIMS = ((192, 128), (128, 64))   # fwd_ws takes a narrower v (MLA's first)
 
 
 def value_head_dim_variants(names: str = ""):
@@ -184,6 +185,20 @@ def gluon_variants(head_dims, names: str = ""):
                 yield name, spec
     for d in head_dims:
         yield from term_variants(d, names)
+    yield from narrower_value_variants(head_dims, names)
+
+
+def narrower_value_variants(head_dims, names: str = ""):
+    """(name, launch spec) of fwd_ws with a v narrower than q/k (V and O tiles of v's head block) at the pairs of
+    GLUON_VALUE_HEAD_DIMS whose q/k head block is in `head_dims`: causal, dense and varlen."""
+    from gluon_compile import fwd_spec
+    for d, d_v in GLUON_VALUE_HEAD_DIMS:
+        if config.head_block(d) in head_dims:
+            for varlen in (False, True):
+                name = f"fwd_ws d{d}/d_v{d_v} causal=True varlen={varlen}"
+                if names in name:
+                    yield name, fwd_spec(config.fwd_ws_tile(d, True), d, varlen, (False, False, True),
+                                         head_dim_v=d_v)
 
 
 def term_variants(d: int, names: str = ""):

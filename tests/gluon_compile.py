@@ -84,14 +84,17 @@ def _alibi(q):
 
 
 def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), schedule: bool = False,
-             sink: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False):
+             sink: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
+             head_dim_v: int | None = None):
     """fwd_ws.launch_spec of `tile` for a call of `head_dim` (bf16, 512 rows, 4 heads) with `masks` (TOP_LEFT,
     HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule; `sink`: with a learnable sink;
-    `softcap`: with that cap (0: none); `alibi`: with (batch, heads) ALiBi slopes; `dropout`: with p = 0.1."""
+    `softcap`: with that cap (0: none); `alibi`: with (batch, heads) ALiBi slopes; `dropout`: with p = 0.1;
+    `head_dim_v`: v's and out's head dim (None: q/k's)."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
     _, t, call = _call(head_dim, varlen, masks)
     q = t["q"]
-    return fwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), t["lse"], t["cu_seqlens"], t["cu_seqlens"],
+    v = q if head_dim_v is None else q.new_empty((*q.shape[:-1], head_dim_v))
+    return fwd_ws.launch_spec(q, q.clone(), v.clone(), v.clone(), t["lse"], t["cu_seqlens"], t["cu_seqlens"],
                               tile=tile, schedule=_schedule(schedule, tile.block_m),
                               sink=torch.zeros(q.shape[-2]) if sink else None, softcap=softcap,
                               alibi=_alibi(q) if alibi else None,

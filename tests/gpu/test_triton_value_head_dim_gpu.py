@@ -61,16 +61,22 @@ def test_deterministic_repeats_are_bit_identical():
     dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129)], heads_q=4, heads_k=1, head_dim=192, head_dim_v=128,
          causal=True),
     dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, head_dim=256, head_dim_v=200, window=(100, 7)),
-], ids=["mla-causal-gqa", "mla-varlen-empty", "d256-v200-window"])
-def test_fwd_ws_runs_a_narrower_v_padded_to_q_k_s_head_dim(monkeypatch, case):
-    """fwd_ws takes (192, 128) and (256, 200) calls with v padded with zeros (operators.FwdWs.run): the kernel gets
-    q/k's width for v and out, and the result is the d_v attention."""
+    dict(batch=2, seqlen_q=333, seqlen_k=400, heads_q=6, heads_k=3, head_dim=128, head_dim_v=64, causal=True,
+         dropout_p=0.2),
+    dict(batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_k=2, head_dim=96, head_dim_v=40, softcap=20.0,
+         alibi=True, sink_dtype=torch.float32),
+], ids=["mla-causal-gqa", "mla-varlen-empty", "d256-v200-window", "d128-v64-dropout", "d96-v40-softcap-alibi-sink"])
+def test_fwd_ws_runs_a_narrower_v_at_its_own_head_dim(monkeypatch, case):
+    """fwd_ws (forced on) takes calls whose v is narrower than q/k as they are (operators.FwdWs.run): the kernel gets
+    v's width for v and out (its V and O tiles of v's head block), and the result is the d_v attention."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
     widths, real = [], fwd_ws.launch
     monkeypatch.setattr(fwd_ws, "launch", lambda q, k, v, out, *args, **kwargs: (
         widths.append((q.shape[-1], v.shape[-1], out.shape[-1])), real(q, k, v, out, *args, **kwargs)))
-    check_case(Config(**case, dtype=torch.bfloat16), backend="triton", device="cuda")
-    assert widths and all(len(set(w)) == 1 for w in widths), widths
+    with use_backend(TritonBackend(fwd_ws=True)):
+        check_case(Config(**case, dtype=torch.bfloat16), backend="triton", device="cuda")
+    padded = (case["head_dim"] + 7) // 8 * 8, (case["head_dim_v"] + 7) // 8 * 8
+    assert widths and all(w == (padded[0], padded[1], padded[1]) for w in widths), widths
 
 
 @pytest.mark.parametrize("case", [

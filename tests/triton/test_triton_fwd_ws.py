@@ -150,49 +150,48 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
         assert kw["tile"] == config.FWD_WS_SM90[128][causal] and causal == flags.HAS_RIGHT and not flags.HAS_LEFT
 
 
-@pytest.mark.parametrize("head_dims,runs", [((192, 128), True), ((256, 200), True), ((128, 64), False),
-                                             ((64, 128), False), ((96, 96), True)])
-def test_a_value_head_dim_runs_on_fwd_ws_where_declared(sm90, head_dims, runs):
-    """fwd_ws takes a v narrower than q/k where config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS holds q/k's head block (MLA's
-    (192, 128)), never a wider one; else the reasons say why."""
+@pytest.mark.parametrize("head_dims,runs", [((192, 128), True), ((256, 200), True), ((128, 64), True),
+                                             ((64, 128), False), ((96, 96), True), ((96, 40), True)])
+def test_a_value_head_dim_no_wider_than_q_k_s_runs_on_fwd_ws(sm90, head_dims, runs):
+    """fwd_ws takes a v no wider than q/k (MLA's (192, 128)) where it takes q/k's head dim, never a wider one; else
+    the reasons say why."""
     d, d_v = head_dims
     p = problem(head_dim=d, heads=(8, 2), causal=True, head_dim_v=d_v)
     chosen = TritonBackend().operator(p, "forward")
     assert (chosen is operators.FwdWs) is runs, TritonBackend().forward_kernel(p)
     if not runs:
-        assert "value head dim" in TritonBackend().forward_kernel(p)
+        assert "value head dim 128 above q/k's 64" in TritonBackend().forward_kernel(p)
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_a_narrower_v_runs_padded_to_q_k_s_head_dim_and_gives_the_d_v_attention(sm90, monkeypatch, varlen):
-    """FwdWs.run on a (192, 128) call: the kernel gets v padded with zeros to 192 columns and writes a 192-column out
-    (here a float64 stand-in for the kernel, which has one head block), and out keeps the first 128: the attention of
-    the call's own v, to float64 rounding."""
+def test_a_narrower_v_and_its_out_reach_the_kernel_as_they_are(sm90, monkeypatch, varlen):
+    """FwdWs.run on a (192, 128) call hands fwd_ws.launch the call's own v and out (no padded copies: the kernel's V
+    and O tiles have v's head block)."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
-    from oracle import naive_attention
-    widths = []
-
-    def one(t):     # the call's one sequence: naive_attention's (rows, heads, dim) and (heads, rows)
-        return t if varlen else t[0]
-
-    def stand_in(q, k, v, out, lse, cu_q, cu_k, *, scale, **_):
-        widths.append((q.shape[-1], v.shape[-1], out.shape[-1]))
-        attention, lse_rows = naive_attention(one(q), one(k), one(v), causal=True, softmax_scale=scale)[:2]
-        one(out).copy_(attention)
-        one(lse).copy_(lse_rows)
-    monkeypatch.setattr(fwd_ws, "launch", stand_in)
-    gen = torch.Generator().manual_seed(0)
+    seen = []
+    monkeypatch.setattr(fwd_ws, "launch", lambda q, k, v, out, *args, **kwargs: seen.append((v, out)))
     shape = (300,) if varlen else (1, 300)
-    q = torch.randn(*shape, 8, 192, generator=gen, dtype=torch.float64)
-    k = torch.randn(*shape, 2, 192, generator=gen, dtype=torch.float64)
-    v = torch.randn(*shape, 2, 128, generator=gen, dtype=torch.float64)
+    q, k = torch.zeros(*shape, 8, 192, dtype=torch.bfloat16), torch.zeros(*shape, 2, 192, dtype=torch.bfloat16)
+    v, out = torch.zeros(*shape, 2, 128, dtype=torch.bfloat16), torch.empty(*shape, 8, 128, dtype=torch.bfloat16)
+    lse = torch.empty(8, 300) if varlen else torch.empty(1, 8, 300)
     p = problem(seqlen=300, head_dim=192, heads=(8, 2), batch=1, causal=True, head_dim_v=128)
-    out = torch.full((*shape, 8, 128), float("nan"), dtype=torch.float64)
-    lse = torch.empty(8, 300, dtype=torch.float64) if varlen else torch.empty(1, 8, 300, dtype=torch.float64)
     operators.FwdWs.run(TritonBackend(), p, AttentionParams(q, k, v), out, lse)
-    assert widths == [(192, 192, 192)]
-    want = naive_attention(one(q), one(k), one(v), causal=True, softmax_scale=192 ** -0.5)[0]
-    torch.testing.assert_close(one(out), want, rtol=1e-12, atol=1e-12)
+    assert len(seen) == 1 and seen[0][0] is v and seen[0][1] is out
+
+
+@pytest.mark.parametrize("head_dims", [(192, 128), (128, 64)])
+def test_a_narrower_v_compiles_with_v_s_own_tiles(head_dims):
+    """fwd_ws for a (d, d_v) call compiles for sm_90a with the K/V ring's V half and the P V matmul at v's head block:
+    shared memory smaller than the (d, d) kernel's by exactly NUM_STAGES V tiles' narrower columns, and each P V
+    wgmma's N (the O accumulator's width) v's head block."""
+    d, d_v = head_dims
+    tile = config.fwd_ws_tile(d, True)
+    same, narrower = (compile_spec(fwd_spec(tile, d, False, (False, False, True), head_dim_v=width))
+                      for width in (None, d_v))
+    saved = tile.num_stages * tile.block_n * (config.head_block(d) - config.head_block(d_v)) * 2   # bf16
+    assert same.metadata.shared - narrower.metadata.shared == saved
+    widths = {int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", narrower.asm["ptx"])}
+    assert widths == {tile.block_n, config.head_block(d_v)}
 
 
 # ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ------------------------

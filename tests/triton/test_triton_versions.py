@@ -60,21 +60,22 @@ def test_the_installed_triton_is_in_the_tested_range():
 
 def test_the_moved_gluon_names_are_the_installed_builtins():
     """barrier, tma_load and tma_store are the installed release's builtins under whichever name it has (the newer
-    name where it exists), and the kernels call them through triton_versions alone."""
+    name where it exists), reinterpret a builtin, and the kernels call them through triton_versions alone."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import tma
     assert triton_versions.barrier is (getattr(gl, "barrier", None) or gl.thread_barrier)
     assert triton_versions.tma_load is (getattr(tma, "async_load", None) or tma.async_copy_global_to_shared)
     assert triton_versions.tma_store is (getattr(tma, "async_store", None) or tma.async_copy_shared_to_global)
+    assert triton.language.core.is_builtin(triton_versions.reinterpret)
     with pytest.raises(AttributeError, match="no attribute 'thread_barrier'"):
         triton_versions.thread_barrier  # noqa: B018
-    package = os.path.dirname(launch.__file__)
-    for name in os.listdir(package):
-        if name.endswith(".py") and name != "triton_versions.py":
-            text = Path(package, name).read_text()
+    backend = Path(launch.__file__).parents[1]     # every module of the Triton backend, the kernels' included
+    for path in backend.rglob("*.py"):
+        if path.name != "triton_versions.py":
+            text = path.read_text()
             for moved in ("thread_barrier(", "async_copy_global_to_shared(", "async_copy_shared_to_global(",
-                          "gl.barrier(", "tma.async_load(", "tma.async_store("):
-                assert moved not in text, f"{name} calls {moved} directly"
+                          "gl.barrier(", "tma.async_load(", "tma.async_store(", "._reinterpret(", ".reinterpret("):
+                assert moved not in text, f"{path.name} calls {moved} directly"
 
 
 def test_the_launch_path_finds_its_private_apis():

@@ -215,12 +215,9 @@ FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, 
 # these longest-sequence lengths per head block (256: the shortest measured); the operator fwd_ws declares them.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
-# Head blocks (q/k's) where fwd_ws runs a v of a narrower head dim padded with zeros to q/k's: bench/nvidia-h100.md,
-# (192, 128) causal on the one-launch forward at 186-230 TF/s against 428-527 for fwd_ws's d192 rows, the work of
-# the padded call (its TF/s then count (192 + 128) / (2 * 192) of it: 355-437).
-FWD_WS_PADDED_VALUE_HEAD_BLOCKS = frozenset({256})
-# Head blocks where bwd_ws / bwd_ws_split run such a v (and dout) padded likewise: none until measured (the padded call
-# does (3 d + 2 d) / (3 d + 2 d_v) of the work: 1.15x at (192, 128)).
+# Head blocks (q/k's) where bwd_ws / bwd_ws_split run a v narrower than q/k (and dout) padded with zeros to q/k's
+# (fwd_ws takes it at its own head dim): none until measured (the padded call does (3 d + 2 d) / (3 d + 2 d_v) of the
+# work: 1.15x at (192, 128)).
 BWD_WS_PADDED_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()
 # Where the defaults give a score term to the warp-specialised kernels, which take the sink, the softcap and ALiBi
 # (operators' takes_sink, supports_softcap, supports_alibi), rather than to the one-launch ones: where they measured

@@ -166,9 +166,12 @@ class GluonOperator(Operator):
     # it takes dropout).
     softcap_head_blocks: ClassVar[frozenset[int] | None] = None
     dropout_head_blocks: ClassVar[frozenset[int]] = frozenset()
-    # One head block: a v narrower than q/k runs padded with zeros to q/k's head dim, by default in these head blocks
-    # (where that measured faster than `previous`, the kernel that runs the call otherwise); a wider one is refused.
+    # A v wider than q/k is refused (`wider_value_refusal` says why). A narrower one runs at its own head dim where
+    # `narrower_value` is True, else padded with zeros to q/k's, by default in these head blocks (where that measured
+    # faster than `previous`, the kernel that runs the call otherwise).
     value_head_dim_refusal = None
+    wider_value_refusal: ClassVar[str] = "the kernel has one head block"
+    narrower_value: ClassVar[bool] = False
     padded_value_head_blocks: ClassVar[frozenset[int]] = frozenset()
     previous: ClassVar[str]
     fp32_outputs_refusal = "its TMA stores go through shared tiles of the input dtype"
@@ -180,11 +183,11 @@ class GluonOperator(Operator):
     def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
         """A v wider than q/k; and what it takes but the defaults leave to the one-launch kernels where it was not
         measured faster (config.FWD_WS_SOFTCAP_HEAD_BLOCKS, BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS,
-        FWD_WS_DROPOUT_HEAD_BLOCKS, BWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES, FWD_WS_/
+        FWD_WS_DROPOUT_HEAD_BLOCKS, BWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES,
         BWD_WS_PADDED_VALUE_HEAD_BLOCKS); its setting forced on runs those here."""
         reasons, forced = [], f"(TritonBackend({cls.option}=True) runs it)"
         if p.head_dim_v_padded > p.head_dim_padded:
-            reasons.append(f"value head dim {p.head_dim_v} above q/k's {p.head_dim}: the kernel has one head block")
+            reasons.append(f"value head dim {p.head_dim_v} above q/k's {p.head_dim}: {cls.wider_value_refusal}")
         if setting is not None:
             return reasons
         block = config.head_block(p.head_dim_padded)
@@ -198,7 +201,8 @@ class GluonOperator(Operator):
         if p.has_alibi and triton_versions.release(version) not in config.WS_ALIBI_TRITON_RELEASES:
             reasons.append(f"ALiBi under Triton {version}: not measured faster than the one-launch kernels there "
                            f"{forced}")
-        if p.head_dim_v_padded < p.head_dim_padded and block not in cls.padded_value_head_blocks:
+        padded = p.head_dim_v_padded < p.head_dim_padded and not cls.narrower_value
+        if padded and block not in cls.padded_value_head_blocks:
             reasons.append(f"value head dim {p.head_dim_v} below q/k's {p.head_dim}: runs padded to the head block "
                            f"{block}, not measured faster than {cls.previous} there {forced}")
         return reasons
@@ -296,7 +300,8 @@ class FwdWs(GluonOperator, ForwardOperator):
     supports_dropout = True
     softcap_head_blocks = config.FWD_WS_SOFTCAP_HEAD_BLOCKS
     dropout_head_blocks = config.FWD_WS_DROPOUT_HEAD_BLOCKS
-    padded_value_head_blocks = config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS   # out's extra columns are zero and dropped
+    narrower_value = True     # V and O tiles of v's own head block
+    wider_value_refusal = "its O leaves through q's shared-memory tile"
     previous = "the previous forward"
 
     @classmethod
@@ -311,21 +316,14 @@ class FwdWs(GluonOperator, ForwardOperator):
 
     @classmethod
     def run(cls, backend, p: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """One launch of fwd_ws; a narrower v (extra_reasons) padded with zeros to q/k's head dim, out through a buffer
-        of that width whose first d_v columns it keeps."""
+        """One launch of fwd_ws."""
         from .gluon import fwd_ws
-        v, target = params.v, out
-        if v.shape[-1] != params.q.shape[-1]:
-            v = torch.nn.functional.pad(v, (0, params.q.shape[-1] - v.shape[-1]))
-            target = out.new_empty((*out.shape[:-1], params.q.shape[-1]))
-        fwd_ws.launch(params.q, params.k, v, target, lse, params.cu_seqlens_q, params.cu_seqlens_k,
+        fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
                       tile=cls.tile(backend, p), mask=cls.mask(backend, p), schedule=cls.schedule(backend, p, params),
                       softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None,
                       alibi=_alibi(p, params.alibi_slopes),
                       dropout=_dropout(p, params, 0))
-        if target is not out:
-            out.copy_(target[..., :out.shape[-1]])
 
 
 class Forward(ForwardOperator):

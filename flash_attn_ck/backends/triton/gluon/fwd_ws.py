@@ -41,16 +41,18 @@ each, room for no OVERLAP. Tensors reach the kernel as host TMA descriptors with
 head over 3-D (rows, heads, head_dim) views (gluon_common.descriptor), so one descriptor serves dense and
 varlen calls: a key tile may read rows of the next sequence (masked to P = 0, as every tile past len_k
 is), a Q tile may too (those rows are never written). HEAD_D is the power of two at or above head_dim:
-loads read zeros past head_dim, so S and O are exact, and stores write head_dim columns only.
+loads read zeros past head_dim, so S and O are exact, and stores write head_dim columns only. V and O have their own
+HEAD_DV (v's box): a v narrower than q/k (MLA's 192 / 128) takes V tiles, a P V matmul and an O accumulator of its
+own width, and O leaves through a view of the Q buffer at that width.
 
 Invariants (on the host: `TritonBackend.fwd_ws_reasons` decides which calls run here,
 gluon_common.uniform_rows copies tensors whose rows a descriptor cannot view):
-  - head_dim padded to a power of two with a tile in config.FWD_WS_SM90; heads adjacent in
-    memory (stride_h = head_dim), rows uniform, 16-byte aligned; out viewed the same way;
+  - head_dim padded to a power of two with a tile in config.FWD_WS_SM90, v's no wider (HEAD_DV <= HEAD_D: O goes
+    out through the Q buffer); heads adjacent in memory (stride_h = head_dim), rows uniform, 16-byte aligned; out
+    viewed as v;
   - BLOCK_M = 64 * CONSUMERS (config.FwdWsTile checks it);
   - the softmax scale is positive (the running max is taken on raw scores, or on log2-unit ones with a softcap
-    or ALiBi);
-  - no dropout.
+    or ALiBi).
 """
 
 
@@ -67,7 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
 from ..runtime.softmax_terms import alibi_distance, take_sink
-from ..runtime.triton_versions import tma_load, tma_store
+from ..runtime.triton_versions import reinterpret, tma_load, tma_store
 from .dropout import pattern_of
 from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, hardware_tanh, slot, uniform_descriptor
 
@@ -76,11 +78,12 @@ CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer pa
 
 @aggregate
 class PartitionConstants:
-    """The kernel's tile (config.FwdWsTile) and head dim in shared memory as constants, and the consumers' register
-    layouts: the warpgroup's 4 warps split the rows of S and O; P is the register A operand of P V."""
+    """The kernel's tile (config.FwdWsTile) and head dims in shared memory (q/k's, v's) as constants, and the consumers'
+    register layouts: the warpgroup's 4 warps split the rows of S and O; P is the register A operand of P V."""
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     HEAD_D: gl.constexpr
+    HEAD_DV: gl.constexpr
     NUM_STAGES: gl.constexpr
     CONSUMERS: gl.constexpr
     ROWS: gl.constexpr        # query rows per consumer warpgroup
@@ -94,17 +97,18 @@ class PartitionConstants:
     row_layout: gl.constexpr   # one value per query row
 
     @gluon.constexpr_function
-    def __init__(self, TILE, HEAD_D):
+    def __init__(self, TILE, HEAD_D, HEAD_DV):
         for name in ("block_m", "block_n", "num_stages", "consumers", "overlap", "pingpong", "query_major",
                      "split_mask"):
             setattr(self, name.upper(), gl.constexpr(getattr(TILE, name)))
         self.HEAD_D = gl.constexpr(HEAD_D)
+        self.HEAD_DV = gl.constexpr(HEAD_DV)
         self.ROWS = gl.constexpr(TILE.block_m // TILE.consumers)
         warps = CONSUMER_WARPS.value
         self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
                                                                instr_shape=[16, TILE.block_n, 16]))
         self.o_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
-                                                               instr_shape=[16, HEAD_D, 16]))
+                                                               instr_shape=[16, HEAD_DV, 16]))
         self.p_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=self.o_layout.value, k_width=2))
         self.row_layout = gl.constexpr(gl.SliceLayout(1, self.s_layout.value))
 
@@ -335,7 +339,7 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
     o_desc, Out, Lse, strides = outputs
     cap, Sink, alibi, dropout = terms
     stride_out_row, stride_lse_b, stride_lse_h = strides
-    head_dim, scale = sizes.head_dim, sizes.scale
+    head_dim_v, scale = sizes.head_dim, sizes.scale    # (the forward's sizes carry out's head dim: v's)
     m0_cta, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(consts, seqs, mask)
     ROWS: gl.constexpr = consts.ROWS
     m0 = m0_cta + WARPGROUP * ROWS
@@ -362,7 +366,7 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
 
     m_i = gl.full([ROWS], float("-inf"), gl.float32, consts.row_layout)
     l_i = gl.zeros([ROWS], gl.float32, consts.row_layout)
-    acc = gl.zeros([ROWS, consts.HEAD_D], gl.float32, consts.o_layout)
+    acc = gl.zeros([ROWS, consts.HEAD_DV], gl.float32, consts.o_layout)
     s_zero = gl.zeros([ROWS, consts.BLOCK_N], gl.float32, consts.s_layout)
     mbarrier.wait(bufs.q_ready, 0)   # also before an empty key range: the epilogue reuses the Q buffer
     rounds = 0   # matmul-issue rounds taken (PINGPONG)
@@ -416,16 +420,28 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
     if m0 + ROWS <= len_q:
         # this warpgroup's S matmuls, the only readers of its Q, are done: O goes out through its buffer (the
         # TMA store writes the head's head_dim columns, not the padding)
-        slot(bufs.q, WARPGROUP).store(out)
+        o_buf = _out_buffer(consts, bufs.q, o_desc, WARPGROUP)
+        o_buf.reshape([ROWS, consts.HEAD_DV]).store(out)
         fence_async_shared()
-        tma_store(o_desc, [q_row0 + m0, head, 0], bufs.q.index(WARPGROUP))
+        tma_store(o_desc, [q_row0 + m0, head, 0], o_buf)
         tma.store_wait(0)
     elif m0 < len_q:
         offs_r = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, consts.o_layout))
-        offs_d = gl.arange(0, consts.HEAD_D, layout=gl.SliceLayout(0, consts.o_layout))
+        offs_d = gl.arange(0, consts.HEAD_DV, layout=gl.SliceLayout(0, consts.o_layout))
         rows = (q_row0 + offs_r).to(gl.int64)
-        ptrs = Out + gl.expand_dims(rows * stride_out_row, 1) + head * head_dim + gl.expand_dims(offs_d, 0)
-        gl.store(ptrs, out, mask=gl.expand_dims(offs_r < len_q, 1) & gl.expand_dims(offs_d < head_dim, 0))
+        ptrs = Out + gl.expand_dims(rows * stride_out_row, 1) + head * head_dim_v + gl.expand_dims(offs_d, 0)
+        gl.store(ptrs, out, mask=gl.expand_dims(offs_r < len_q, 1) & gl.expand_dims(offs_d < head_dim_v, 0))
+
+
+@gluon.jit
+def _out_buffer(consts, q_bufs, o_desc, WARPGROUP: gl.constexpr):
+    """The warpgroup's Q buffer as O's (rows, 1, HEAD_DV) box: itself, or for a narrower v its first bytes in O's
+    layout."""
+    if consts.HEAD_DV == consts.HEAD_D:
+        buf = q_bufs.index(WARPGROUP)
+    else:
+        buf = reinterpret(q_bufs.index(WARPGROUP), q_bufs.dtype, [consts.ROWS, 1, consts.HEAD_DV], o_desc.layout)
+    return buf
 
 
 # ---- the kernel ------------------------------------------------------------------------------
@@ -441,7 +457,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
     stride (0 for (query heads,))), or None; `dropout`: (int64 [seed, offset] rng_state, p, the call's query
     heads, the launch's first query head) of core/dropout.py's pattern, or None; TILE: config.FwdWsTile; CALL:
     launch.GluonCall. See the module docstring."""
-    consts = PartitionConstants(TILE, CALL.HEAD_D)
+    consts = PartitionConstants(TILE, CALL.HEAD_D, v_desc.block_type.shape[2])
     seqlen_q, seqlen_k, group = sizes.seqlen_q, sizes.seqlen_k, sizes.group
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
     seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, CALL.VARLEN, schedule)
@@ -454,7 +470,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
     # (rows, 1, HEAD_D) boxes of one head each (gluon_common.descriptor); `slot` views them 2-D
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, consts.ROWS, 1, consts.HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, consts.BLOCK_N, 1, consts.HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, consts.BLOCK_N, 1, consts.HEAD_D], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, consts.BLOCK_N, 1, consts.HEAD_DV], v_desc.layout)
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -486,14 +502,14 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
 def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int, seqlen_q: int,
                 seqlen_k: int, scale: float, mask: GluonMask, tile, schedule=None, softcap: float = 0.0,
                 sink=None, alibi=None, dropout=None) -> tuple[LaunchSpec, object]:
-    """The launch of attn_fwd_ws_kernel for out (layout of q) and lse ((b, h, s_q) or varlen (h, total_q)), and the
-    tensor it writes: out itself, or a copy of it that a descriptor can view (launch copies it back). `schedule`
-    (varlen only): the call's (sequence, query tile) items (varlen_schedule.build_schedule of a walk that owns query
-    tiles of tile.block_m rows), run on a grid (query heads, items); None: the grid over every (batch, query tile).
-    `softcap`: the scores' cap (0: none); `sink`: fp32 (query heads,) logits of a learnable sink the kernel takes into
-    its softmax, or None; `alibi`: (fp32 slopes (heads,) or (batch, heads), their batch stride) or None; `dropout`:
-    (the call's int64 [seed, offset] rng_state, p, its query heads, the launch's first query head) or None."""
-    d = q.shape[-1]
+    """The launch of attn_fwd_ws_kernel for out (layout of q, v's head dim, which is at most q/k's) and lse ((b, h,
+    s_q) or varlen (h, total_q)), and the tensor it writes: out itself, or a copy of it that a descriptor can view
+    (launch copies it back). `schedule` (varlen only): the call's (sequence, query tile) items
+    (varlen_schedule.build_schedule of a walk that owns query tiles of tile.block_m rows), run on a grid (query
+    heads, items); None: the grid over every (batch, query tile). `softcap`: the scores' cap (0: none); `sink`: fp32
+    (query heads,) logits of a learnable sink the kernel takes into its softmax, or None; `alibi`: (fp32 slopes
+    (heads,) or (batch, heads), their batch stride) or None; `dropout`: (the call's int64 [seed, offset] rng_state,
+    p, its query heads, the launch's first query head) or None."""
     group = q.shape[-2] // k.shape[-2]
     rows_per_consumer = tile.block_m // tile.consumers
     q_desc, k_desc, v_desc = (uniform_descriptor(t, varlen, rows)[1]
@@ -511,9 +527,9 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
         q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=out_desc, Out=target, Lse=lse,
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
-        sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window, softcap=softcap or None, Sink=sink,
-        alibi=alibi, dropout=dropout, TILE=tile,
-        CALL=GluonCall(out_desc.block_shape[-1], varlen, mask.flags)),
+        sizes=GluonSizes(seqlen_q, seqlen_k, out.shape[-1], group, scale), window=mask.window,
+        softcap=softcap or None, Sink=sink, alibi=alibi, dropout=dropout, TILE=tile,
+        CALL=GluonCall(q_desc.block_shape[-1], varlen, mask.flags)),
         CONSUMER_WARPS.value), target
 
 

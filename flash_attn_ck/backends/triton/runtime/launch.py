@@ -95,7 +95,7 @@ class GluonSizes(NamedTuple):
     """A call's sizes and softmax scale as the Gluon kernels take them (runtime `sizes` of fwd_ws/bwd_ws)."""
     seqlen_q: int        # the longest query sequence (dense: every sequence's length)
     seqlen_k: int
-    head_dim: int
+    head_dim: int        # of the rows the kernel writes: q/k's in the backward, out's (v's) in the forward
     group: int           # query heads per kv head
     scale: float         # softmax scale
 

@@ -1,9 +1,9 @@
 """The Triton releases this backend runs on, and every API difference between them, in one place.
 
-Kernels import the Gluon names that moved between releases from here (`barrier`, `tma_load`, `tma_store`), never
-from Triton directly, and nothing else in the package reads Triton's version. The backend asks `gluon_refusal()`
-whether the warp-specialised kernels may run under the installed Triton, and `launch_path_refusal()` whether
-launch.py's direct launch path finds the private Triton APIs it reads.
+Kernels import the Gluon names that moved between releases from here (`barrier`, `tma_load`, `tma_store`,
+`reinterpret`), never from Triton directly, and nothing else in the package reads Triton's version. The backend asks
+`gluon_refusal()` whether the warp-specialised kernels may run under the installed Triton, and `launch_path_refusal()`
+whether launch.py's direct launch path finds the private Triton APIs it reads.
 
 Adding a release: compile every kernel against it (`python scripts/triton_matrix.sh VERSION`, which runs
 scripts/triton_compile_check.py and the CPU compile tests under that wheel), give a moved name its alias below, then
@@ -88,7 +88,8 @@ def launch_path_refusal() -> str | None:
 
 def __getattr__(name: str):
     """`barrier` (3.7 renamed gl.thread_barrier), `tma_load` and `tma_store` (3.8 added tma.async_load/async_store,
-    3.9 removed async_copy_global_to_shared/async_copy_shared_to_global): the builtin of the installed release."""
+    3.9 removed async_copy_global_to_shared/async_copy_shared_to_global): the builtin of the installed release;
+    `reinterpret` (3.9 renamed the shared-memory method _reinterpret): a builtin calling the installed one."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import tma
     moved = {
@@ -96,9 +97,23 @@ def __getattr__(name: str):
         "tma_load": ("async_load", "async_copy_global_to_shared", tma),
         "tma_store": ("async_store", "async_copy_shared_to_global", tma),
     }
-    if name not in moved:
+    if name == "reinterpret":
+        value = _reinterpret()
+    elif name in moved:
+        newer, older, module = moved[name]
+        value = getattr(module, newer, None) or getattr(module, older)
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    newer, older, module = moved[name]
-    value = getattr(module, newer, None) or getattr(module, older)
     globals()[name] = value
     return value
+
+
+def _reinterpret():
+    from triton.language.core import builtin
+
+    @builtin
+    def reinterpret(buffer, dtype, shape, layout, _semantic=None):
+        """`buffer` (shared memory) viewed as a `shape` tile of `dtype` in `layout`."""
+        method = getattr(buffer, "reinterpret", None) or buffer._reinterpret
+        return method(dtype, shape, layout, _semantic=_semantic)
+    return reinterpret
