@@ -143,9 +143,10 @@ def test_a_refused_ck_call_runs_elsewhere_or_says_why():
 
 def test_triton_runs_d_v_on_the_one_launch_kernels_and_says_why_not_the_others():
     """The one-launch kernels take v's head dim (tests/triton/test_triton_interpret.py runs them); the warp-specialised
-    kernels refuse a wider v, each saying why; fwd_ws runs a narrower one at its own head dim, the backward padded to
-    q/k's head dim, by default only in the head blocks of its padded_value_head_blocks (tests/triton/test_triton_ws.py),
-    saying so elsewhere; the GQA accumulator epilogue (one row width) says why it does not run such a call."""
+    kernels refuse a wider v, each saying why; they run a narrower one (fwd_ws at its own head dim, the backward padded
+    to q/k's) by default only in the head blocks of their narrower_value_head_blocks (tests/triton/test_triton_ws.py,
+    test_triton_fwd_ws.py), saying so elsewhere; the GQA accumulator epilogue (one row width) says why it does not
+    run such a call."""
     from flash_attn_ck.backends.triton import TritonBackend, config
     from flash_attn_ck.backends.triton.operators import BACKWARD, FORWARD, GluonOperator
     assert not any("head dim" in r for r in TritonBackend.not_supported_reasons(_problem(192, 128, "cuda")))
@@ -159,10 +160,10 @@ def test_triton_runs_d_v_on_the_one_launch_kernels_and_says_why_not_the_others()
             assert below == above == [], operator.name
             continue
         assert above == [f"value head dim 192 above q/k's 128: {operator.wider_value_refusal}"], operator.name
-        runs_by_default = operator.narrower_value or config.head_block(192) in operator.padded_value_head_blocks
+        runs_by_default = config.head_block(192) in operator.narrower_value_head_blocks
         assert len(below) == (0 if runs_by_default else 1), (operator.name, below)
-        assert all(r.startswith("value head dim 128 below q/k's 192: runs padded to the head block 256, not "
-                                "measured faster") for r in below)
+        how = "" if operator.narrower_value else "runs padded to the head block 256, "
+        assert all(r.startswith(f"value head dim 128 below q/k's 192: {how}not measured faster") for r in below)
     assert not backend.accumulate_kv(_problem(192, 128, heads=(4, 2)))
     assert backend.accumulate_kv(_problem(192, 190, heads=(4, 2)))     # padded alike: one kernel head dim
 

@@ -150,17 +150,23 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
         assert kw["tile"] == config.FWD_WS_SM90[128][causal] and causal == flags.HAS_RIGHT and not flags.HAS_LEFT
 
 
-@pytest.mark.parametrize("head_dims,runs", [((192, 128), True), ((256, 200), True), ((128, 64), True),
-                                             ((64, 128), False), ((96, 96), True), ((96, 40), True)])
-def test_a_value_head_dim_no_wider_than_q_k_s_runs_on_fwd_ws(sm90, head_dims, runs):
-    """fwd_ws takes a v no wider than q/k (MLA's (192, 128)) where it takes q/k's head dim, never a wider one; else
-    the reasons say why."""
+@pytest.mark.parametrize("head_dims", [(192, 128), (256, 200), (128, 64), (64, 128), (96, 96), (96, 40)])
+@pytest.mark.parametrize("forced", [False, True], ids=["defaults", "forced"])
+def test_a_value_head_dim_no_wider_than_q_k_s_runs_on_fwd_ws(sm90, monkeypatch, head_dims, forced):
+    """fwd_ws takes a v no wider than q/k (MLA's (192, 128)), never a wider one: forced on, or by default where
+    config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS (here a stand-in: the 256 block) holds q/k's head block; else the reasons
+    say why."""
+    monkeypatch.setattr(operators.FwdWs, "narrower_value_head_blocks", frozenset({256}))
     d, d_v = head_dims
     p = problem(head_dim=d, heads=(8, 2), causal=True, head_dim_v=d_v)
-    chosen = TritonBackend().operator(p, "forward")
-    assert (chosen is operators.FwdWs) is runs, TritonBackend().forward_kernel(p)
-    if not runs:
-        assert "value head dim 128 above q/k's 64" in TritonBackend().forward_kernel(p)
+    backend = TritonBackend(fwd_ws=forced or None)
+    runs = d_v <= d and (forced or d_v == d or config.head_block(d) == 256)
+    assert (backend.operator(p, "forward") is operators.FwdWs) is runs, backend.forward_kernel(p)
+    if d_v > d:
+        assert "value head dim 128 above q/k's 64: its O leaves through q's shared-memory tile" in \
+            backend.forward_kernel(p)
+    elif not runs:
+        assert f"value head dim {d_v} below q/k's {d}: not measured faster" in backend.forward_kernel(p)
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])

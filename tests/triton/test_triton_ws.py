@@ -133,12 +133,12 @@ def test_an_unmeasured_head_dim_keeps_the_one_launch_kernel(sm90, monkeypatch):
 @pytest.mark.parametrize("forced", [True, None])
 def test_a_value_head_dim_runs_on_the_ws_backward_where_declared(sm90, monkeypatch, head_dims, measured, forced):
     """bwd_ws / bwd_ws_split take a v narrower than q/k (padded to q/k's head dim) forced on, or by default where
-    their padded_value_head_blocks (config.BWD_WS_PADDED_VALUE_HEAD_BLOCKS, here a stand-in) hold q/k's head block;
+    their narrower_value_head_blocks (config.BWD_WS_PADDED_VALUE_HEAD_BLOCKS, here a stand-in) hold q/k's head block;
     a wider v never; otherwise the plan's kernel line names the value head dim, and the padded buffers are planned."""
     d, d_v = head_dims
     block = config.head_block(d)
     for operator in (operators.BwdWs, operators.BwdWsSplit):
-        monkeypatch.setattr(operator, "padded_value_head_blocks", frozenset({block} if measured else ()))
+        monkeypatch.setattr(operator, "narrower_value_head_blocks", frozenset({block} if measured else ()))
     plan = TritonBackend(ws=forced).backward_plan(problem(head_dim=d, heads=(8, 2), causal=True, head_dim_v=d_v))
     runs = d_v < d and (forced or measured)
     assert plan.kernel.startswith("bwd_ws") is runs, plan.kernel

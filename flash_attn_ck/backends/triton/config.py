@@ -215,8 +215,12 @@ FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, 
 # these longest-sequence lengths per head block (256: the shortest measured); the operator fwd_ws declares them.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
-# Head blocks (q/k's) where bwd_ws / bwd_ws_split run a v narrower than q/k (and dout) padded with zeros to q/k's
-# (fwd_ws takes it at its own head dim): none until measured (the padded call does (3 d + 2 d) / (3 d + 2 d_v) of the
+# Head blocks (q/k's) where fwd_ws runs a v narrower than q/k (at v's own head dim) by default: 256, where it ran the
+# (192, 128) call padded to (192, 192) at the speed of the d192 rows (bench/nvidia-h100.md: 355-437 TF/s of the
+# call's own work, against 186-230 for the one-launch forward) and now does less work; elsewhere not yet measured.
+FWD_WS_NARROWER_VALUE_HEAD_BLOCKS = frozenset({256})
+# Head blocks (q/k's) where bwd_ws / bwd_ws_split run a v narrower than q/k (and dout) padded with zeros to q/k's:
+# none until measured (the padded call does (3 d + 2 d) / (3 d + 2 d_v) of the
 # work: 1.15x at (192, 128)).
 BWD_WS_PADDED_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()
 # Where the defaults give a score term to the warp-specialised kernels, which take the sink, the softcap and ALiBi

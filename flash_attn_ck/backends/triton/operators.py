@@ -167,12 +167,12 @@ class GluonOperator(Operator):
     softcap_head_blocks: ClassVar[frozenset[int] | None] = None
     dropout_head_blocks: ClassVar[frozenset[int]] = frozenset()
     # A v wider than q/k is refused (`wider_value_refusal` says why). A narrower one runs at its own head dim where
-    # `narrower_value` is True, else padded with zeros to q/k's, by default in these head blocks (where that measured
-    # faster than `previous`, the kernel that runs the call otherwise).
+    # `narrower_value` is True, else padded with zeros to q/k's; by default in the head blocks (q/k's) of
+    # `narrower_value_head_blocks` (where that measured faster than `previous`, the kernel that runs it otherwise).
     value_head_dim_refusal = None
     wider_value_refusal: ClassVar[str] = "the kernel has one head block"
     narrower_value: ClassVar[bool] = False
-    padded_value_head_blocks: ClassVar[frozenset[int]] = frozenset()
+    narrower_value_head_blocks: ClassVar[frozenset[int]] = frozenset()
     previous: ClassVar[str]
     fp32_outputs_refusal = "its TMA stores go through shared tiles of the input dtype"
     architectures = frozenset({9})
@@ -184,7 +184,7 @@ class GluonOperator(Operator):
         """A v wider than q/k; and what it takes but the defaults leave to the one-launch kernels where it was not
         measured faster (config.FWD_WS_SOFTCAP_HEAD_BLOCKS, BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS,
         FWD_WS_DROPOUT_HEAD_BLOCKS, BWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES,
-        BWD_WS_PADDED_VALUE_HEAD_BLOCKS); its setting forced on runs those here."""
+        FWD_WS_NARROWER_VALUE_HEAD_BLOCKS, BWD_WS_PADDED_VALUE_HEAD_BLOCKS); its setting forced on runs those here."""
         reasons, forced = [], f"(TritonBackend({cls.option}=True) runs it)"
         if p.head_dim_v_padded > p.head_dim_padded:
             reasons.append(f"value head dim {p.head_dim_v} above q/k's {p.head_dim}: {cls.wider_value_refusal}")
@@ -201,10 +201,10 @@ class GluonOperator(Operator):
         if p.has_alibi and triton_versions.release(version) not in config.WS_ALIBI_TRITON_RELEASES:
             reasons.append(f"ALiBi under Triton {version}: not measured faster than the one-launch kernels there "
                            f"{forced}")
-        padded = p.head_dim_v_padded < p.head_dim_padded and not cls.narrower_value
-        if padded and block not in cls.padded_value_head_blocks:
-            reasons.append(f"value head dim {p.head_dim_v} below q/k's {p.head_dim}: runs padded to the head block "
-                           f"{block}, not measured faster than {cls.previous} there {forced}")
+        if p.head_dim_v_padded < p.head_dim_padded and block not in cls.narrower_value_head_blocks:
+            how = "" if cls.narrower_value else f"runs padded to the head block {block}, "
+            reasons.append(f"value head dim {p.head_dim_v} below q/k's {p.head_dim}: {how}not measured faster than "
+                           f"{cls.previous} at head block {block} {forced}")
         return reasons
 
     @classmethod
@@ -301,6 +301,7 @@ class FwdWs(GluonOperator, ForwardOperator):
     softcap_head_blocks = config.FWD_WS_SOFTCAP_HEAD_BLOCKS
     dropout_head_blocks = config.FWD_WS_DROPOUT_HEAD_BLOCKS
     narrower_value = True     # V and O tiles of v's own head block
+    narrower_value_head_blocks = config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS
     wider_value_refusal = "its O leaves through q's shared-memory tile"
     previous = "the previous forward"
 
@@ -391,7 +392,7 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
     min_seqlen = config.BWD_WS_MIN_SEQLEN
     shorter = "the one-launch kernel measured faster"
     # dout is padded too: dV's extra columns are zero and dropped, dP and D unchanged.
-    padded_value_head_blocks = config.BWD_WS_PADDED_VALUE_HEAD_BLOCKS
+    narrower_value_head_blocks = config.BWD_WS_PADDED_VALUE_HEAD_BLOCKS
     previous = "the one-launch backward"
 
     @classmethod
