@@ -190,7 +190,8 @@ def gluon_variants(head_dims, names: str = ""):
 
 def narrower_value_variants(head_dims, names: str = ""):
     """(name, launch spec) of fwd_ws with a v narrower than q/k (V and O tiles of v's head block) at the pairs of
-    GLUON_VALUE_HEAD_DIMS whose q/k head block is in `head_dims`: causal, dense and varlen."""
+    GLUON_VALUE_HEAD_DIMS whose q/k head block is in `head_dims`, then with q/k in a block and a tail block (MLA's
+    (192, 128) on the d128 tile, config.fwd_ws_qk_tail) where `head_dims` holds 128: causal, dense and varlen."""
     from gluon_compile import fwd_spec
     for d, d_v in GLUON_VALUE_HEAD_DIMS:
         if config.head_block(d) in head_dims:
@@ -199,6 +200,12 @@ def narrower_value_variants(head_dims, names: str = ""):
                 if names in name:
                     yield name, fwd_spec(config.fwd_ws_tile(d, True), d, varlen, (False, False, True),
                                          head_dim_v=d_v)
+    if 128 in head_dims:
+        for varlen in (False, True):
+            name = f"fwd_ws d192/d_v128 q/k tail 64 causal=True varlen={varlen}"
+            if names in name:
+                yield name, fwd_spec(config.FWD_WS_SM90[128][True], 192, varlen, (False, False, True), head_dim_v=128,
+                                     qk_tail=64)
 
 
 def term_variants(d: int, names: str = ""):

@@ -85,11 +85,11 @@ def _alibi(q):
 
 def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), schedule: bool = False,
              sink: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
-             head_dim_v: int | None = None):
+             head_dim_v: int | None = None, qk_tail: int = 0):
     """fwd_ws.launch_spec of `tile` for a call of `head_dim` (bf16, 512 rows, 4 heads) with `masks` (TOP_LEFT,
     HAS_LEFT, HAS_RIGHT); `schedule` (varlen): with the call's varlen schedule; `sink`: with a learnable sink;
     `softcap`: with that cap (0: none); `alibi`: with (batch, heads) ALiBi slopes; `dropout`: with p = 0.1;
-    `head_dim_v`: v's and out's head dim (None: q/k's)."""
+    `head_dim_v`: v's and out's head dim (None: q/k's); `qk_tail`: q/k's tail block's columns (0: none)."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
     _, t, call = _call(head_dim, varlen, masks)
     q = t["q"]
@@ -98,7 +98,8 @@ def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, Fal
                               tile=tile, schedule=_schedule(schedule, tile.block_m),
                               sink=torch.zeros(q.shape[-2]) if sink else None, softcap=softcap,
                               alibi=_alibi(q) if alibi else None,
-                              dropout=(torch.zeros(2, dtype=torch.int64), 0.1, 4, 0) if dropout else None, **call)[0]
+                              dropout=(torch.zeros(2, dtype=torch.int64), 0.1, 4, 0) if dropout else None,
+                              qk_tail=qk_tail, **call)[0]
 
 
 def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False,

@@ -15,9 +15,13 @@
 #   bwd-det (300 s): the deterministic backward at d64 and d256 on the key-major grid (config.BWD_WS_KEY_MAJOR holds
 #     d128's only: concurrent CTAs of one head wait on each other's ordered dQ adds, of different heads they do not)
 #     beside the table tiles and the default deterministic call -> candidates-bwd-det.log
+#   fwd-dv (300 s): fwd_ws at MLA's (192, 128), v at its own head dim, on the d256 tile and two others, then with
+#     config.FWD_WS_QK_TAIL (q/k as a 128-column block and a 64-column tail, the d128 tile) with and without the
+#     intra-warpgroup overlap (spills without it: none), beside the one-launch forward and the padded (192, 192)
+#     call -> candidates-fwd-dv.log
 set -u
 experiments=("$@")
-[ ${#experiments[@]} -eq 0 ] && experiments=(fwd-split fwd bwd bwd-named bwd-det)
+[ ${#experiments[@]} -eq 0 ] && experiments=(fwd-split fwd bwd bwd-named bwd-det fwd-dv)
 for experiment in "${experiments[@]}"; do
   case $experiment in
     fwd-split)
@@ -53,6 +57,13 @@ for experiment in "${experiments[@]}"; do
         --peers triton-det --shapes 64:32:32:8192,256:8:8:8192,64:32:32:2048,256:8:8:2048 2>&1 \
         | tee "$OUT/candidates-bwd-det.log" | grep -E "^(PASS|FAIL|TIME|HANG|ERROR)"
       ;;
-    *) echo "unknown experiment $experiment (fwd-split, fwd, bwd, bwd-named, bwd-det)" >&2; exit 2 ;;
+    fwd-dv)
+      {
+        limit 150 python3 scripts/lab/fwd_value_head_dim.py --pairs 192:128 --tiles 128x64x2x1x1,128x64x3x1x0 \
+        && limit 150 python3 scripts/lab/fwd_value_head_dim.py --pairs 192:128 --qk-tail \
+          --tiles 128x128x2x0x1,128x128x2x0x0
+      } 2>&1 | tee "$OUT/candidates-fwd-dv.log" | grep -E "^(PASS|FAIL|TIME|ERROR)"
+      ;;
+    *) echo "unknown experiment $experiment (fwd-split, fwd, bwd, bwd-named, bwd-det, fwd-dv)" >&2; exit 2 ;;
   esac
 done

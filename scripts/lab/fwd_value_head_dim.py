@@ -1,10 +1,11 @@
 """Check and time the warp-specialised forward on calls whose v is narrower than q/k (MLA's (192, 128)), per tile:
 out and lse of flash_attn_func against the float64 oracle under the 2x rule (tests/cases.py's check), then forward
 TFLOP/s (docs/semantics.md §FLOPs) of each fwd_ws tile beside the one-launch forward and the (d, d) call with v
-padded with zeros to q/k's head dim (what fwd_ws ran before it took v's own head dim), all in this process.
+padded with zeros to q/k's head dim (what fwd_ws ran before it took v's own head dim), all in this process;
+--qk-tail: with config.FWD_WS_QK_TAIL on (q/k as a 128-column block and a tail block where it applies).
 
     python3 scripts/lab/fwd_value_head_dim.py [--pairs 192:128,128:64] [--tiles 128x64x2x1x0,...]
-        [--shapes 16:16:2048,32:8:8192] [--causal 1]
+        [--shapes 16:16:2048,32:8:8192] [--causal 1] [--qk-tail]
 
 Tiles: config.FwdWsTile.parse's 'BMxBNxSTAGESxOVERLAPxPINGPONG[...]'; the first is the table's when none is given.
 b = 16384 / s. Prints PASS/FAIL per pair and tile, a TIME line per (pair, shape). Needs an sm_90 GPU.
@@ -29,6 +30,7 @@ def parse_args():
     ap.add_argument("--tiles", default="", help="fwd_ws tiles to time beside the table's (comma-separated)")
     ap.add_argument("--shapes", default="16:16:2048,32:8:2048,16:16:8192,32:8:8192", help="h:h_k:s,...")
     ap.add_argument("--causal", type=int, default=1)
+    ap.add_argument("--qk-tail", action="store_true", help="config.FWD_WS_QK_TAIL on")
     return ap.parse_args()
 
 
@@ -57,10 +59,11 @@ def check(d, d_v, tile, causal) -> bool:
 
 def main():
     args = parse_args()
+    config.FWD_WS_QK_TAIL = args.qk_tail
     failed = False
     for pair in args.pairs.split(","):
         d, d_v = map(int, pair.split(":"))
-        tiles = [config.fwd_ws_tile(d, bool(args.causal))]
+        tiles = [config.fwd_ws_tile(d, bool(args.causal), d_v)]
         tiles += [config.FwdWsTile.parse(t) for t in args.tiles.split(",") if t]
         for tile in tiles:
             ok = check(d, d_v, tile, args.causal)

@@ -101,3 +101,25 @@ def test_the_ws_backward_runs_a_narrower_v_padded_to_q_k_s_head_dim(monkeypatch,
     with use_backend(TritonBackend(ws=True)):
         check_case(Config(**case, dtype=torch.bfloat16), backend="triton", device="cuda")
     assert widths and all(len(set(w)) == 1 for w in widths), widths
+
+
+@pytest.mark.parametrize("case", [
+    dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, head_dim=192, head_dim_v=128, causal=True),
+    dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129), (1, 1)], heads_q=4, heads_k=1, head_dim=192,
+         head_dim_v=128, causal=True),
+    dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, head_dim=160, head_dim_v=128, window=(100, 7)),
+    dict(batch=2, seqlen_q=300, seqlen_k=333, heads_q=6, heads_k=3, head_dim=136, head_dim_v=64, dropout_p=0.2,
+         softcap=20.0, alibi=True, sink_dtype=torch.float32),
+], ids=["mla-causal-gqa", "mla-varlen-empty", "d160-v128-window", "d136-v64-dropout-softcap-alibi-sink"])
+def test_fwd_ws_with_a_q_k_tail_block(monkeypatch, case):
+    """fwd_ws with config.FWD_WS_QK_TAIL on (forced on: TritonBackend(fwd_ws=True)) loads q/k as a 128-column block
+    and a tail block, one matmul each into S (config.fwd_ws_qk_tail), and the result is the attention's."""
+    from flash_attn_ck.backends.triton import config
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    monkeypatch.setattr(config, "FWD_WS_QK_TAIL", True)
+    tails, real = [], fwd_ws.launch
+    monkeypatch.setattr(fwd_ws, "launch", lambda *args, **kwargs: (tails.append(kwargs["qk_tail"]),
+                                                                   real(*args, **kwargs)))
+    with use_backend(TritonBackend(fwd_ws=True)):
+        check_case(Config(**case, dtype=torch.bfloat16), backend="triton", device="cuda")
+    assert tails and all(t > 0 for t in tails), tails

@@ -200,6 +200,44 @@ def test_a_narrower_v_compiles_with_v_s_own_tiles(head_dims):
     assert widths == {tile.block_n, config.head_block(d_v)}
 
 
+@pytest.mark.parametrize("head_dims,tail", [((192, 128), 64), ((160, 128), 32), ((136, 64), 32), ((192, 192), 0),
+                                             ((128, 64), 0), ((256, 128), 0)])
+def test_q_k_take_a_tail_block_where_config_turns_it_on(sm90, monkeypatch, head_dims, tail):
+    """With config.FWD_WS_QK_TAIL on, fwd_ws loads q/k of a head dim in 129-192 beside a v of at most 128 as a
+    128-column block and a tail block of the rest (a power of two of columns), and runs the d128 tile; other calls,
+    and every call with it off, take the head block whole."""
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    d, d_v = head_dims
+    p = problem(head_dim=d, heads=(8, 2), causal=True, head_dim_v=d_v)
+    for on in (False, True):
+        monkeypatch.setattr(config, "FWD_WS_QK_TAIL", on)
+        seen = []
+        monkeypatch.setattr(fwd_ws, "launch", lambda *args, **kwargs: seen.append(kwargs))
+        q = torch.zeros(2, 2048, 8, d, dtype=torch.bfloat16)
+        k, v = torch.zeros(2, 2048, 2, d, dtype=torch.bfloat16), torch.zeros(2, 2048, 2, d_v, dtype=torch.bfloat16)
+        operators.FwdWs.run(TritonBackend(fwd_ws=True), p, AttentionParams(q, k, v), q.new_empty(2, 2048, 8, d_v),
+                            torch.empty(2, 8, 2048))
+        want = tail if on else 0
+        assert seen[0]["qk_tail"] == want
+        assert seen[0]["tile"] == (config.FWD_WS_SM90[128][True] if want else config.fwd_ws_tile(d, True))
+        spec = fwd_spec(seen[0]["tile"], d, False, (False, False, True), head_dim_v=d_v, qk_tail=want)
+        boxes = [spec.args[name].block_shape[-1] if spec.args[name] is not None else 0
+                 for name in ("q_desc", "k_desc", "q_tail_desc", "k_tail_desc")]
+        assert boxes == ([128, 128, want, want] if want else [config.head_block(d)] * 2 + [0, 0])
+        assert spec.args["CALL"] == replace(spec.args["CALL"], QK_TAIL=want)
+
+
+def test_a_tail_block_takes_exactly_its_columns_of_shared_memory():
+    """fwd_ws at (192, 128) compiles for sm_90a with q/k in a 128-column block and a 64-column tail: shared memory
+    smaller than with the 256-column head block by 64 columns of the Q tiles and the K ring (to the allocator's
+    alignment of its two more buffers), on the same tile."""
+    tile = config.fwd_ws_tile(256, True)      # a tile both fit
+    whole, split = (compile_spec(fwd_spec(tile, 192, False, (False, False, True), head_dim_v=128, qk_tail=tail))
+                    for tail in (0, 64))
+    saved = (tile.block_m + tile.num_stages * tile.block_n) * 64 * 2      # bf16
+    assert saved - 1024 < whole.metadata.shared - split.metadata.shared <= saved
+
+
 # ---- the kernel compiles for sm_90a here (no GPU: ptxas from the triton wheel) ------------------------
 def _compile(tile, head_dim, varlen, masks, overlap, pingpong=False):
     """The kernel fwd_ws.launch runs for `tile` with `overlap` and `pingpong`, compiled for sm_90a."""

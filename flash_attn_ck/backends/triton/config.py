@@ -240,8 +240,26 @@ BWD_WS_DROPOUT_HEAD_BLOCKS = frozenset({64, 128, 256})
 WS_ALIBI_TRITON_RELEASES = frozenset({(3, 6)})
 
 
-def fwd_ws_tile(head_dim: int, causal: bool, group_size: int = 1) -> FwdWsTile | None:
-    """The warp-specialised forward's tile for a call (None: no tile for the head dim; GQA runs the MHA tile)."""
+# fwd_ws may load q/k of a head dim in 129-192 as a 128-column block and a tail block (the rest, in a power of two of
+# columns), one matmul each into S: 192 columns in shared memory and in the matmuls where the head block takes 256.
+# Only beside a v of at most 128 columns (MLA's (192, 128)): O then leaves through the first block's buffer, and S and
+# O are the d128 tile's, which runs it (shared memory: Q 48 KB, K 2 x 48, V 2 x 32). Off until measured on a GPU
+# (compiled for sm_90a without spills; scripts/lab/fwd_value_head_dim.py --qk-tail times it).
+FWD_WS_QK_TAIL = False
+
+
+def fwd_ws_qk_tail(head_dim: int, head_dim_v: int) -> int:
+    """The columns of the tail block fwd_ws loads q/k in (FWD_WS_QK_TAIL), 0: none (the head block whole)."""
+    if FWD_WS_QK_TAIL and 128 < head_dim <= 192 and head_block(head_dim_v) <= 128:
+        return head_block(head_dim - 128)
+    return 0
+
+
+def fwd_ws_tile(head_dim: int, causal: bool, head_dim_v: int | None = None) -> FwdWsTile | None:
+    """The warp-specialised forward's tile for a call (None: no tile for the head dim; GQA runs the MHA tile); q/k
+    with a tail block (fwd_ws_qk_tail, v's head dim given) run the d128 tile."""
+    if head_dim_v is not None and fwd_ws_qk_tail(head_dim, head_dim_v):
+        return FWD_WS_SM90[128][causal]
     tiles = FWD_WS_SM90.get(head_block(head_dim))
     return tiles[causal] if tiles else None
 

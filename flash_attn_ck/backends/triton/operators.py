@@ -308,7 +308,7 @@ class FwdWs(GluonOperator, ForwardOperator):
     @classmethod
     @per_problem(owners=2)
     def tile(cls, backend, p: AttentionProblem) -> config.FwdWsTile | None:
-        return backend.fwd_ws_tile or config.fwd_ws_tile(p.head_dim_padded, p.mask.is_causal)
+        return backend.fwd_ws_tile or config.fwd_ws_tile(p.head_dim_padded, p.mask.is_causal, p.head_dim_v_padded)
 
     @classmethod
     def describe(cls, backend, p: AttentionProblem) -> str:
@@ -323,8 +323,8 @@ class FwdWs(GluonOperator, ForwardOperator):
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
                       tile=cls.tile(backend, p), mask=cls.mask(backend, p), schedule=cls.schedule(backend, p, params),
                       softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None,
-                      alibi=_alibi(p, params.alibi_slopes),
-                      dropout=_dropout(p, params, 0))
+                      alibi=_alibi(p, params.alibi_slopes), dropout=_dropout(p, params, 0),
+                      qk_tail=config.fwd_ws_qk_tail(p.head_dim_padded, p.head_dim_v_padded))
 
 
 class Forward(ForwardOperator):

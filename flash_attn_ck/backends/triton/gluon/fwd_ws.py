@@ -43,7 +43,10 @@ varlen calls: a key tile may read rows of the next sequence (masked to P = 0, as
 is), a Q tile may too (those rows are never written). HEAD_D is the power of two at or above head_dim:
 loads read zeros past head_dim, so S and O are exact, and stores write head_dim columns only. V and O have their own
 HEAD_DV (v's box): a v narrower than q/k (MLA's 192 / 128) takes V tiles, a P V matmul and an O accumulator of its
-own width, and O leaves through a view of the Q buffer at that width.
+own width, and O leaves through a view of the Q buffer at that width. With `q_tail_desc` / `k_tail_desc`
+(config.fwd_ws_qk_tail: q/k's head dim 129-192 beside a v of at most 128, MLA's 192 / 128) Q and K are loaded as a
+HEAD_D-column block and a QK_TAIL-column tail block (two TMA boxes on one barrier), and S is the sum of one matmul
+per block: 192 columns in shared memory and in the matmuls where the head block would take 256.
 
 Invariants (on the host: `TritonBackend.fwd_ws_reasons` decides which calls run here,
 gluon_common.uniform_rows copies tensors whose rows a descriptor cannot view):
@@ -67,11 +70,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .. import config
 from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
 from ..runtime.softmax_terms import alibi_distance, take_sink
 from ..runtime.triton_versions import reinterpret, tma_load, tma_store
 from .dropout import pattern_of
-from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, hardware_tanh, slot, uniform_descriptor
+from .gluon_common import (
+    LOG2E,
+    Mask,
+    Ring,
+    Sequences,
+    aggregate,
+    descriptor,
+    hardware_tanh,
+    slot,
+    uniform_descriptor,
+)
 
 CONSUMER_WARPS: gl.constexpr = gl.constexpr(4)   # one warpgroup per consumer partition
 
@@ -82,8 +96,9 @@ class PartitionConstants:
     register layouts: the warpgroup's 4 warps split the rows of S and O; P is the register A operand of P V."""
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
-    HEAD_D: gl.constexpr
+    HEAD_D: gl.constexpr       # q/k's columns in shared memory (their first block with a tail)
     HEAD_DV: gl.constexpr
+    QK_TAIL: gl.constexpr      # columns of q/k's tail block (GluonCall.QK_TAIL; 0: none)
     NUM_STAGES: gl.constexpr
     CONSUMERS: gl.constexpr
     ROWS: gl.constexpr        # query rows per consumer warpgroup
@@ -97,12 +112,13 @@ class PartitionConstants:
     row_layout: gl.constexpr   # one value per query row
 
     @gluon.constexpr_function
-    def __init__(self, TILE, HEAD_D, HEAD_DV):
+    def __init__(self, TILE, HEAD_D, HEAD_DV, QK_TAIL):
         for name in ("block_m", "block_n", "num_stages", "consumers", "overlap", "pingpong", "query_major",
                      "split_mask"):
             setattr(self, name.upper(), gl.constexpr(getattr(TILE, name)))
         self.HEAD_D = gl.constexpr(HEAD_D)
         self.HEAD_DV = gl.constexpr(HEAD_DV)
+        self.QK_TAIL = gl.constexpr(QK_TAIL)
         self.ROWS = gl.constexpr(TILE.block_m // TILE.consumers)
         warps = CONSUMER_WARPS.value
         self.s_layout = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1],
@@ -116,12 +132,15 @@ class PartitionConstants:
 @aggregate
 class Buffers:
     """Shared memory and barriers: the CTA's Q tiles (one per consumer, behind one "q_ready" barrier), the K and V
-    rings, and the ping-pong "turn" barriers (one per consumer)."""
+    rings, and the ping-pong "turn" barriers (one per consumer); with a q/k tail block (QK_TAIL) the Q tail tiles and
+    the K tail ring (on the K ring's barriers), else the Q tiles and the K ring again (unread)."""
     q: gl.shared_memory_descriptor
     q_ready: gl.shared_memory_descriptor
     k: Ring
     v: Ring
     turn: gl.shared_memory_descriptor
+    q_tail: gl.shared_memory_descriptor
+    k_tail: Ring
 
 
 # ---- schedule: which query rows and key tiles a CTA covers --------------------------------------
@@ -169,18 +188,32 @@ def _tile_schedule(consts, seqs, mask):
 # ---- loader partition ------------------------------------------------------------------------
 @gluon.jit
 def _loader(consts, bufs, seqs, mask, descs, group):
-    q_desc, k_desc, v_desc = descs
+    """`descs`: the (q, k, v) descriptors, and with a q/k tail block (q tail, k tail) after them."""
+    if consts.QK_TAIL:
+        q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc = descs
+    else:
+        q_desc, k_desc, v_desc = descs
     m0, b, head, q_row0, len_q, k_row0, len_k, shift, n_lo, n_tiles = _tile_schedule(consts, seqs, mask)
-    mbarrier.expect(bufs.q_ready, consts.CONSUMERS * q_desc.block_type.nbytes)
+    if consts.QK_TAIL:
+        mbarrier.expect(bufs.q_ready, consts.CONSUMERS * (q_desc.block_type.nbytes + q_tail_desc.block_type.nbytes))
+    else:
+        mbarrier.expect(bufs.q_ready, consts.CONSUMERS * q_desc.block_type.nbytes)
     for wg in gl.static_range(consts.CONSUMERS):
         tma_load(q_desc, [q_row0 + m0 + wg * consts.ROWS, head, 0], bufs.q_ready,
                                         bufs.q.index(wg))
+        if consts.QK_TAIL:
+            tma_load(q_tail_desc, [q_row0 + m0 + wg * consts.ROWS, head, consts.HEAD_D], bufs.q_ready,
+                     bufs.q_tail.index(wg))
     kv_head = head // group
     for j in range(n_tiles):
         stage = j % consts.NUM_STAGES
         phase = (j // consts.NUM_STAGES) & 1
         row = k_row0 + n_lo + j * consts.BLOCK_N
-        _load(bufs.k, k_desc, [row, kv_head, 0], stage, phase)
+        if consts.QK_TAIL:
+            _load_with_tail(bufs.k, bufs.k_tail, (k_desc, k_tail_desc), [row, kv_head, 0], consts.HEAD_D, stage,
+                            phase)
+        else:
+            _load(bufs.k, k_desc, [row, kv_head, 0], stage, phase)
         _load(bufs.v, v_desc, [row, kv_head, 0], stage, phase)
 
 
@@ -190,6 +223,17 @@ def _load(ring, desc, coord, stage, phase):
     mbarrier.wait(ring.empty.index(stage), phase ^ 1)
     mbarrier.expect(ring.ready.index(stage), desc.block_type.nbytes)
     tma_load(desc, coord, ring.ready.index(stage), ring.bufs.index(stage))
+
+
+@gluon.jit
+def _load_with_tail(ring, tail_ring, descs, coord, tail_column, stage, phase):
+    """`_load` of a K tile as its first block into `ring` and its tail block (from column `tail_column`) into
+    `tail_ring`, which shares `ring`'s barriers: one wait, one byte count, two TMA loads."""
+    desc, tail_desc = descs
+    mbarrier.wait(ring.empty.index(stage), phase ^ 1)
+    mbarrier.expect(ring.ready.index(stage), desc.block_type.nbytes + tail_desc.block_type.nbytes)
+    tma_load(desc, coord, ring.ready.index(stage), ring.bufs.index(stage))
+    tma_load(tail_desc, [coord[0], coord[1], tail_column], ring.ready.index(stage), tail_ring.bufs.index(stage))
 
 
 # ---- consumer steps --------------------------------------------------------------------------
@@ -202,10 +246,20 @@ def _issue_pv(consts, p, v, j, acc):
 
 
 @gluon.jit
+def _issue_s(consts, bufs, q_tile, s_zero, j, WARPGROUP: gl.constexpr):
+    """Issue S = Q K^T of key tile j (async) once its K has landed; with a q/k tail block, the tail's matmul adds
+    into the first block's."""
+    s = bufs.k.issue_mma(q_tile, s_zero, j)
+    if consts.QK_TAIL:
+        s = warpgroup_mma(slot(bufs.q_tail, WARPGROUP), bufs.k_tail.tile(j).permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
 def _s_round(consts, bufs, q_tile, s_zero, j, rounds, WARPGROUP: gl.constexpr):
     """A matmul round of S = Q K^T alone (key tile j): issue it in turn, wait for it, release K's slot."""
     rounds = _take_turn(consts, bufs.turn, rounds, WARPGROUP)
-    s = bufs.k.issue_mma(q_tile, s_zero, j)
+    s = _issue_s(consts, bufs, q_tile, s_zero, j, WARPGROUP)
     _pass_turn(consts, bufs.turn, WARPGROUP)
     s = warpgroup_mma_wait(0, deps=(s,))
     bufs.k.release(j)
@@ -295,7 +349,7 @@ def _overlap_steps(consts, bufs, mask, q_tile, s_zero, keys, start, stop, carry,
     p, m_i, l_i, acc, rounds = carry
     for j in range(start, stop):
         rounds = _take_turn(consts, bufs.turn, rounds, WARPGROUP)
-        s = bufs.k.issue_mma(q_tile, s_zero, j)
+        s = _issue_s(consts, bufs, q_tile, s_zero, j, WARPGROUP)
         acc = _issue_pv(consts, p, bufs.v, j - 1, acc)
         _pass_turn(consts, bufs.turn, WARPGROUP)
         s = warpgroup_mma_wait(1, deps=(s,))
@@ -446,8 +500,8 @@ def _out_buffer(consts, q_bufs, o_desc, WARPGROUP: gl.constexpr):
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
-def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, schedule, strides, sizes, window, softcap,
-                       Sink, alibi, dropout, TILE: gl.constexpr, CALL: gl.constexpr):
+def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc, o_desc, Out, Lse, cu_seqlens, schedule,
+                       strides, sizes, window, softcap, Sink, alibi, dropout, TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (query tiles, batch, query heads), or (query heads, batch, query tiles) with QUERY_MAJOR, or with a
     `schedule` (varlen: int32 (rows, 2) [sequence, query tile], else a constexpr None) (query heads, rows); num_warps =
     CONSUMER_WARPS (consumer 0). `cu_seqlens`: (q, k); `strides`: (out row, lse batch, lse head); `sizes`:
@@ -457,7 +511,7 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
     stride (0 for (query heads,))), or None; `dropout`: (int64 [seed, offset] rng_state, p, the call's query
     heads, the launch's first query head) of core/dropout.py's pattern, or None; TILE: config.FwdWsTile; CALL:
     launch.GluonCall. See the module docstring."""
-    consts = PartitionConstants(TILE, CALL.HEAD_D, v_desc.block_type.shape[2])
+    consts = PartitionConstants(TILE, CALL.HEAD_D, v_desc.block_type.shape[2], CALL.QK_TAIL)
     seqlen_q, seqlen_k, group = sizes.seqlen_q, sizes.seqlen_k, sizes.group
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
     seqs = Sequences(cu_seqlens_q, cu_seqlens_k, seqlen_q, seqlen_k, CALL.VARLEN, schedule)
@@ -471,6 +525,12 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
     q_smem = gl.allocate_shared_memory(dtype, [CONSUMERS, consts.ROWS, 1, consts.HEAD_D], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, consts.BLOCK_N, 1, consts.HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, consts.BLOCK_N, 1, consts.HEAD_DV], v_desc.layout)
+    if consts.QK_TAIL:
+        q_tail = gl.allocate_shared_memory(dtype, [CONSUMERS, consts.ROWS, 1, consts.QK_TAIL], q_tail_desc.layout)
+        k_tail = gl.allocate_shared_memory(dtype, [NUM_STAGES, consts.BLOCK_N, 1, consts.QK_TAIL], k_tail_desc.layout)
+    else:
+        q_tail = q_smem
+        k_tail = k_smem
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -488,20 +548,25 @@ def attn_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Out, Lse, cu_seqlens, sch
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     bufs = Buffers(q_smem, q_ready, Ring(k_smem, k_ready, k_empty, NUM_STAGES),  # type: ignore[call-arg]
-                   Ring(v_smem, v_ready, v_empty, NUM_STAGES), turn)  # type: ignore[call-arg]
+                   Ring(v_smem, v_ready, v_empty, NUM_STAGES), turn,  # type: ignore[call-arg]
+                   q_tail, Ring(k_tail, k_ready, k_empty, NUM_STAGES))  # type: ignore[call-arg]
     mask = Mask(window, CALL.MASK)
     outputs = (o_desc, Out, Lse, strides)
+    if consts.QK_TAIL:
+        descs = (q_desc, k_desc, v_desc, q_tail_desc, k_tail_desc)
+    else:   # (partitions take no plain None)
+        descs = (q_desc, k_desc, v_desc)  # type: ignore[assignment]
     gl.warp_specialize(
         [(_consumer, (consts, bufs, seqs, mask, outputs, sizes, (softcap, Sink, alibi, dropout), wg))
          for wg in (0, 1, 2)[:CONSUMERS]]
-        + [(_loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc), group))],
+        + [(_loader, (consts, bufs, seqs, mask, descs, group))],
         [CONSUMER_WARPS] * (CONSUMERS - 1) + [1], [TILE.consumer_regs] * (CONSUMERS - 1) + [TILE.loader_regs])
 
 
 # ---- host side -------------------------------------------------------------------------------
 def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int, seqlen_q: int,
                 seqlen_k: int, scale: float, mask: GluonMask, tile, schedule=None, softcap: float = 0.0,
-                sink=None, alibi=None, dropout=None) -> tuple[LaunchSpec, object]:
+                sink=None, alibi=None, dropout=None, qk_tail: int = 0) -> tuple[LaunchSpec, object]:
     """The launch of attn_fwd_ws_kernel for out (layout of q, v's head dim, which is at most q/k's) and lse ((b, h,
     s_q) or varlen (h, total_q)), and the tensor it writes: out itself, or a copy of it that a descriptor can view
     (launch copies it back). `schedule` (varlen only): the call's (sequence, query tile) items
@@ -509,11 +574,16 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
     heads, items); None: the grid over every (batch, query tile). `softcap`: the scores' cap (0: none); `sink`: fp32
     (query heads,) logits of a learnable sink the kernel takes into its softmax, or None; `alibi`: (fp32 slopes
     (heads,) or (batch, heads), their batch stride) or None; `dropout`: (the call's int64 [seed, offset] rng_state,
-    p, its query heads, the launch's first query head) or None."""
+    p, its query heads, the launch's first query head) or None; `qk_tail`: the columns of q/k's tail block
+    (config.fwd_ws_qk_tail), 0: none."""
     group = q.shape[-2] // k.shape[-2]
     rows_per_consumer = tile.block_m // tile.consumers
-    q_desc, k_desc, v_desc = (uniform_descriptor(t, varlen, rows)[1]
-                              for t, rows in ((q, rows_per_consumer), (k, tile.block_n), (v, tile.block_n)))
+    first = config.head_block(q.shape[-1] - qk_tail) if qk_tail else None    # the first block's columns
+    (q, q_desc), (k, k_desc) = (uniform_descriptor(t, varlen, rows, first)
+                                for t, rows in ((q, rows_per_consumer), (k, tile.block_n)))
+    q_tail_desc, k_tail_desc = ((descriptor(t, varlen, rows, block_cols=qk_tail) if qk_tail else None)
+                                for t, rows in ((q, rows_per_consumer), (k, tile.block_n)))
+    v_desc = uniform_descriptor(v, varlen, tile.block_n)[1]
     target, out_desc = uniform_descriptor(out, varlen, rows_per_consumer)
     lse_strides = (0, lse.stride(0)) if varlen else (lse.stride(0), lse.stride(1))
     query_tiles = triton.cdiv(seqlen_q, tile.block_m)
@@ -524,12 +594,13 @@ def launch_spec(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, 
     else:
         grid = (q.shape[-2], batch, query_tiles) if tile.query_major else (query_tiles, batch, q.shape[-2])
     return LaunchSpec(attn_fwd_ws_kernel, grid, dict(
-        q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, o_desc=out_desc, Out=target, Lse=lse,
+        q_desc=q_desc, k_desc=k_desc, v_desc=v_desc, q_tail_desc=q_tail_desc, k_tail_desc=k_tail_desc,
+        o_desc=out_desc, Out=target, Lse=lse,
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         strides=(out_desc.strides[0], *lse_strides),   # target's row stride
         sizes=GluonSizes(seqlen_q, seqlen_k, out.shape[-1], group, scale), window=mask.window,
         softcap=softcap or None, Sink=sink, alibi=alibi, dropout=dropout, TILE=tile,
-        CALL=GluonCall(q_desc.block_shape[-1], varlen, mask.flags)),
+        CALL=GluonCall(q_desc.block_shape[-1], varlen, mask.flags, QK_TAIL=qk_tail)),
         CONSUMER_WARPS.value), target
 
 

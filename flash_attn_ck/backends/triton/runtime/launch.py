@@ -85,10 +85,12 @@ class GluonMask(NamedTuple):
 class GluonCall:
     """A call's compile-time values beside its tile, as the Gluon kernels take them (constexpr `CALL`; the tile is
     the constexpr `TILE`, the operator's config.FwdWsTile or config.WsTile itself)."""
-    HEAD_D: int              # the head dim in shared memory: the power of two at or above head_dim
+    HEAD_D: int              # the head dim in shared memory: the power of two at or above head_dim (q/k's first
+                             # block where the forward has a tail block)
     VARLEN: bool
     MASK: MaskFlags
     DETERMINISTIC: bool = False     # the backward's dQ adds ordered by semaphores
+    QK_TAIL: int = 0         # the forward's q/k tail block's columns (config.fwd_ws_qk_tail; 0: none)
 
 
 class GluonSizes(NamedTuple):
