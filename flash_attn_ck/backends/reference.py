@@ -83,12 +83,12 @@ class ReferenceBackend(Backend):
         dim d; dO, v and dV have v's d_v."""
         p, d, d_v = problem, problem.head_dim_padded, problem.head_dim_v_padded
         width = min(CkBwdTile.for_problem(p).kN0, max(p.seqlen_k, 1))
-        size = torch.empty((), dtype=p.accum_dtype).element_size()
+        size = torch.empty((), dtype=_backward_dtype(p)).element_size()
         scores = p.heads_q * p.seqlen_q * width
         per_score = size * (8 + (2 if p.softcap else 0)) + (12 * 8 + 1 if p.dropout_p > 0 else 0)
         per_head = d * (2 * p.seqlen_q + p.seqlen_k + width) + d_v * (p.seqlen_q + p.seqlen_k + width)
         nbytes = size * p.heads_q * per_head + per_score * scores
-        return BufferSpec("fp32_tiles", (-(-nbytes // size),), p.accum_dtype, False,
+        return BufferSpec("fp32_tiles", (-(-nbytes // size),), _backward_dtype(p), False,
                           "reference: fp32 copies and score tiles of one key tile", internal=True)
 
     @without_autocast
@@ -100,9 +100,9 @@ class ReferenceBackend(Backend):
         dk_target = workspace["dk_expanded"] if p.is_gqa else dk
         dv_target = workspace["dv_expanded"] if p.is_gqa else dv
         tile = CkBwdTile.for_problem(p).kN0
-        cdt = p.accum_dtype
+        cdt = _backward_dtype(p)
 
-        # ---- dot_do_o: D = rowsum(dO * O) in fp32, laid out like lse -----------------------------
+        # ---- dot_do_o: D = rowsum(dO * O), stored in fp32 laid out like lse -----------------------
         softmax_d = workspace["softmax_d"]
         for seq in sequences(p, params):
             d_rows = (seq.rows_q(dout).to(cdt) * seq.rows_q(out).to(cdt)).sum(-1)
@@ -121,7 +121,7 @@ class ReferenceBackend(Backend):
             v = heads_first(seq.rows_k(params.v), cdt, p.group_size)
             do = heads_first(seq.rows_q(dout), cdt)
             row_lse = seq.lse(lse)[..., None]
-            row_d = seq.lse(softmax_d)[..., None]
+            row_d = (do * heads_first(seq.rows_q(out), cdt)).sum(-1)[..., None]     # D in cdt (softmax_d's values)
             dq_splits = seq.rows_q(dq_accum, dim=1)            # (splits, s_q, h, d)
             dk_rows, dv_rows = seq.rows_k(dk_target), seq.rows_k(dv_target)
             for split, start in enumerate(range(0, seq.seqlen_k, tile)):
@@ -147,6 +147,13 @@ class ReferenceBackend(Backend):
 
         # ---- convert_dq: sum the splits, cast to the output dtype --------------------------------
         dq.copy_(dq_accum.sum(0))
+
+
+def _backward_dtype(problem: AttentionProblem) -> torch.dtype:
+    """What the backward computes in: fp32, or fp64 for fp32 and fp64 calls. In fp64 a row that attends one key gets
+    dS = P (dP - D) = 0 to fp64's rounding, as autograd's softmax gives it, where fp32's rowsum(dO * O) and dO . v
+    differ by a unit of their own rounding (docs/semantics.md §Correctness: the 2x rule)."""
+    return torch.float64 if problem.dtype == torch.float32 else problem.accum_dtype
 
 
 BACKEND = ReferenceBackend

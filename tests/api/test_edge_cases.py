@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import flash_attn_ck as fa
-from cases import OpRecorder, packed_if
+from cases import OpRecorder, check_case, packed_if
 from flash_attn_ck.core.inputs import describe_call
 from flash_attn_ck.core.mask import MaskInfo
 from flash_attn_ck.core.options import AttentionOptions
@@ -38,7 +38,7 @@ from flash_attn_ck.core.problem import AttentionParams
 from flash_attn_ck.pipeline.chunking import plan_chunks
 from flash_attn_ck.pipeline.select import select_backend
 from folders import PYTHONPATH as TEST_PYTHONPATH
-from oracle import naive_attention
+from oracle import Config, naive_attention
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -790,3 +790,15 @@ def test_a_non_contiguous_rng_state_is_refused_before_anything_is_written(stride
     with pytest.raises(fa.ArgumentError, match=r"^rng_state: expected a contiguous \[seed, offset\] tensor"):
         call(dropout_p=0.3, rng_state=rng_state, backend="reference", **extra)
     assert all(bool((t == 7.0).all()) for t in targets)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.integers(1, 24), min_size=1, max_size=3), st.sampled_from([16, 40]), st.sampled_from([16, 68]),
+       st.integers(0, 3))
+def test_fp32_rows_that_attend_one_key_meet_the_2x_rule(queries, head_dim, head_dim_v, seed):
+    """Rows of sequences with one key (and a sequence of one query row) in fp32 on the reference backend: autograd's
+    softmax gives them dS = P (dP - D) = 0, and so does the backend (it computes fp32 calls' backward in fp64, where
+    fp32's rowsum(dO * O) and dO . v differ by a unit of their rounding: 6-23x pt's error of the call)."""
+    lengths = [(s_q, 1) for s_q in queries] + [(1, 13)]
+    check_case(Config(seqlens=lengths, heads_q=6, heads_k=2, head_dim=head_dim, head_dim_v=head_dim_v,
+                      dtype=torch.float32), seed=seed)
