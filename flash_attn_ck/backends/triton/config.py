@@ -220,8 +220,7 @@ FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
 # call's own work, against 186-230 for the one-launch forward) and now does less work; elsewhere not yet measured.
 FWD_WS_NARROWER_VALUE_HEAD_BLOCKS = frozenset({256})
 # Head blocks (q/k's) where bwd_ws / bwd_ws_split run a v narrower than q/k (and dout) padded with zeros to q/k's:
-# none until measured (the padded call does (3 d + 2 d) / (3 d + 2 d_v) of the
-# work: 1.15x at (192, 128)).
+# none until measured (the padded call does (3 d + 2 d) / (3 d + 2 d_v) of the work: 1.15x at (192, 128)).
 BWD_WS_PADDED_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()
 # Where the defaults give a score term to the warp-specialised kernels, which take the sink, the softcap and ALiBi
 # (operators' takes_sink, supports_softcap, supports_alibi), rather than to the one-launch ones: where they measured
@@ -244,7 +243,7 @@ WS_ALIBI_TRITON_RELEASES = frozenset({(3, 6)})
 # columns), one matmul each into S: 192 columns in shared memory and in the matmuls where the head block takes 256.
 # Only beside a v of at most 128 columns (MLA's (192, 128)): O then leaves through the first block's buffer, and S and
 # O are the d128 tile's, which runs it (shared memory: Q 48 KB, K 2 x 48, V 2 x 32). Off until measured on a GPU
-# (compiled for sm_90a without spills; scripts/lab/fwd_value_head_dim.py --qk-tail times it).
+# (compiled for sm_90a, with a few more spilled bytes than the d128 tile's own; scripts/lab/candidates.sh fwd-dv).
 FWD_WS_QK_TAIL = False
 
 
