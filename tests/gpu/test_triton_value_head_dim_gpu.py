@@ -56,16 +56,23 @@ def test_deterministic_repeats_are_bit_identical():
     assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
 
 
-@pytest.mark.parametrize("case", [
-    dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, head_dim=192, head_dim_v=128, causal=True),
-    dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129)], heads_q=4, heads_k=1, head_dim=192, head_dim_v=128,
-         causal=True),
-    dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, head_dim=256, head_dim_v=200, window=(100, 7)),
+# Calls with a v narrower than q/k that both warp-specialised directions run (each test adds its own).
+NARROWER_V = {
+    "mla-causal-gqa": dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, head_dim=192, head_dim_v=128,
+                           causal=True),
+    "mla-varlen-empty": dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129)], heads_q=4, heads_k=1, head_dim=192,
+                             head_dim_v=128, causal=True),
+    "d256-v200-window": dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, head_dim=256, head_dim_v=200,
+                             window=(100, 7)),
+}
+
+
+@pytest.mark.parametrize("case", [*NARROWER_V.values(),
     dict(batch=2, seqlen_q=333, seqlen_k=400, heads_q=6, heads_k=3, head_dim=128, head_dim_v=64, causal=True,
          dropout_p=0.2),
     dict(batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_k=2, head_dim=96, head_dim_v=40, softcap=20.0,
          alibi=True, sink_dtype=torch.float32),
-], ids=["mla-causal-gqa", "mla-varlen-empty", "d256-v200-window", "d128-v64-dropout", "d96-v40-softcap-alibi-sink"])
+], ids=[*NARROWER_V, "d128-v64-dropout", "d96-v40-softcap-alibi-sink"])
 def test_fwd_ws_runs_a_narrower_v_at_its_own_head_dim(monkeypatch, case):
     """fwd_ws (forced on) takes calls whose v is narrower than q/k as they are (operators.FwdWs.run): the kernel gets
     v's width for v and out (its V and O tiles of v's head block), and the result is the d_v attention."""
@@ -79,16 +86,12 @@ def test_fwd_ws_runs_a_narrower_v_at_its_own_head_dim(monkeypatch, case):
     assert widths and all(w == (padded[0], padded[1], padded[1]) for w in widths), widths
 
 
-@pytest.mark.parametrize("case", [
-    dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, head_dim=192, head_dim_v=128, causal=True),
-    dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129)], heads_q=4, heads_k=1, head_dim=192, head_dim_v=128,
-         causal=True),
-    dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, head_dim=256, head_dim_v=200, window=(100, 7)),
+@pytest.mark.parametrize("case", [*NARROWER_V.values(),
     dict(batch=2, seqlen_q=333, seqlen_k=333, heads_q=6, heads_k=3, head_dim=128, head_dim_v=64, causal=True,
          deterministic=True),
     dict(batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_k=2, head_dim=96, head_dim_v=40, dropout_p=0.2,
          softcap=20.0),
-], ids=["mla-causal-gqa", "mla-varlen-empty", "d256-v200-window", "d128-v64-deterministic", "d96-v40-dropout-softcap"])
+], ids=[*NARROWER_V, "d128-v64-deterministic", "d96-v40-dropout-softcap"])
 def test_the_ws_backward_runs_a_narrower_v_padded_to_q_k_s_head_dim(monkeypatch, case):
     """bwd_ws / bwd_ws_split (forced on) take calls whose v is narrower than q/k with v and dout padded with zeros
     (operators._WarpSpecialisedBackward.run): the kernel gets q/k's width for v, dout and dV, and the gradients are
