@@ -167,6 +167,8 @@ def test_a_value_head_dim_no_wider_than_q_k_s_runs_on_fwd_ws(sm90, monkeypatch, 
             backend.forward_kernel(p)
     elif not runs:
         assert f"value head dim {d_v} below q/k's {d}: not measured faster" in backend.forward_kernel(p)
+    elif d_v < d:
+        assert f"v at its own head block {config.head_block(d_v)}" in backend.forward_kernel(p)
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
@@ -225,6 +227,7 @@ def test_q_k_take_a_tail_block_where_config_turns_it_on(sm90, monkeypatch, head_
                  for name in ("q_desc", "k_desc", "q_tail_desc", "k_tail_desc")]
         assert boxes == ([128, 128, want, want] if want else [config.head_block(d)] * 2 + [0, 0])
         assert spec.args["CALL"] == replace(spec.args["CALL"], QK_TAIL=want)
+        assert (f"q/k as 128 + {want} columns" in operators.FwdWs.describe(TritonBackend(), p)) is bool(want)
 
 
 def test_a_tail_block_takes_exactly_its_columns_of_shared_memory():

@@ -146,6 +146,7 @@ def test_a_value_head_dim_runs_on_the_ws_backward_where_declared(sm90, monkeypat
     padded = {b.name: b.shape for b in plan.buffers if b.name.endswith("_padded")}
     if runs:
         assert padded == {"v_padded": (2, 8192, 2, d), "dout_padded": (2, 8192, 8, d), "dv_padded": (2, 8192, 2, d)}
+        assert f"v and dout padded to head dim {d}" in plan.kernel, plan.kernel
     else:
         assert padded == {}
 

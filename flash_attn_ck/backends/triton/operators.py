@@ -312,8 +312,15 @@ class FwdWs(GluonOperator, ForwardOperator):
 
     @classmethod
     def describe(cls, backend, p: AttentionProblem) -> str:
-        scheduled = "; varlen schedule: the longest query tiles first" if cls.schedule_walk(backend, p) else ""
-        return f"fwd_ws (warp-specialised Gluon, sm_90{scheduled})"
+        notes = ["warp-specialised Gluon, sm_90"]
+        if p.head_dim_v_padded < p.head_dim_padded:
+            notes.append(f"v at its own head block {config.head_block(p.head_dim_v_padded)}")
+        tail = config.fwd_ws_qk_tail(p.head_dim_padded, p.head_dim_v_padded)
+        if tail:
+            notes.append(f"q/k as 128 + {tail} columns")
+        if cls.schedule_walk(backend, p):
+            notes.append("varlen schedule: the longest query tiles first")
+        return f"fwd_ws ({'; '.join(notes)})"
 
     @classmethod
     def run(cls, backend, p: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -422,6 +429,8 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
         notes = ["warp-specialised Gluon, sm_90"]
         if cls.split_d:
             notes.append("two warpgroups split the head dim")
+        if p.head_dim_v_padded < p.head_dim_padded:
+            notes.append(f"v and dout padded to head dim {p.head_dim_padded}")
         if cls.schedule_walk(backend, p):
             notes.append("varlen schedule: the longest key tiles first")
         elif cls.tile(backend, p).key_major:
