@@ -52,6 +52,7 @@ Semantics (docs/integrations.md):
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import warnings
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ import torch.nn.attention as _attention
 from torch.library import Library
 
 from ..api import flash_attn_bwd, flash_attn_fwd
+from ..core.errors import ArgumentError
 
 PROVIDER = "FLASH_ATTN_CK"
 
@@ -139,8 +141,11 @@ def rng_input(dropout_p: float, philox_seed: torch.Tensor, philox_offset: torch.
 def positive_scale(query: torch.Tensor, scale: float | None) -> tuple[torch.Tensor, float | None, float]:
     """SDPA accepts any finite scale, our kernels a positive one: `scale * q.k = |scale| * (sign * q).k` exactly
     (negation and zeroing are exact), so a negative scale runs on -q with |scale| and a zero scale on zeros with
-    scale 1 (uniform attention). Returns (the query to run, the scale to run, sign); dq = sign * the run's dq."""
-    if scale is None or not scale <= 0:       # None (1 / sqrt(d)), positive, or nan/inf (our checks refuse them)
+    scale 1 (uniform attention). Returns (the query to run, the scale to run, sign); dq = sign * the run's dq. A
+    scale that is not finite is an ArgumentError naming SDPA's `scale`."""
+    if scale is not None and not math.isfinite(scale):
+        raise ArgumentError(f"scale: expected a finite real number, got {scale}")
+    if scale is None or scale > 0:       # None: 1 / sqrt(d)
         return query, scale, 1.0
     sign = -1.0 if scale < 0 else 0.0
     return query * sign, (-scale if scale < 0 else 1.0), sign

@@ -755,3 +755,27 @@ def test_bad_varlen_offsets_are_named(one_process_group, lengths, start, swap):
         out = call(cu_seqlens=cu)
     expected = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, backend="reference")
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-10)
+
+
+@settings(max_examples=25, deadline=None)
+@given(group=st.one_of(st.text(max_size=8), st.integers(), st.floats(), st.tuples(st.integers()), st.builds(object)))
+def test_a_group_that_is_no_process_group_is_named(one_process_group, group):
+    """Anything but a ProcessGroup, a DeviceMesh or None as the group (a group's name as torch's own context
+    parallelism passes it, a rank, ...) is an ArgumentError naming `group`, on the attention and on the sharding."""
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float64)
+    with pytest.raises(ArgumentError, match=r"^group: expected a torch.distributed ProcessGroup"):
+        context_parallel_attn(q, q, q, group)
+    with pytest.raises(ArgumentError, match=r"^group: expected a torch.distributed ProcessGroup"):
+        shard(q, group)
+
+
+@settings(max_examples=25, deadline=None)
+@given(rank=st.integers(1, 4), seq_dim=st.one_of(st.integers(-40, -1), st.integers(0, 40)))
+def test_a_seq_dim_outside_the_tensor_is_named(one_process_group, rank, seq_dim):
+    """shard's seq_dim outside x's dimensions is an ArgumentError naming it; inside, a group of one's shard is x."""
+    x = torch.randn(*(2,) * rank)
+    if -rank <= seq_dim < rank:
+        assert torch.equal(shard(x, seq_dim=seq_dim), x)
+    else:
+        with pytest.raises(ArgumentError, match=rf"^seq_dim: expected a dimension of x's {rank}, got {seq_dim}"):
+            shard(x, seq_dim=seq_dim)

@@ -330,6 +330,18 @@ def test_every_finite_scale_sdpa_accepts_runs_on_the_provider(scale, causal, see
         assert_close_2x(name, o, r, p)
 
 
+@pytest.mark.parametrize("scale", [float("inf"), float("-inf"), float("nan")])
+def test_a_scale_that_is_not_finite_is_named_as_given(active, scale):
+    """SDPA's `scale` inf, -inf or NaN (every non-finite float): an ArgumentError naming `scale` and the value given
+    (the rewrite of non-positive scales reported -inf as inf), on the provider's ops."""
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ArgumentError, match=rf"^scale: expected a finite real number, got {scale}$"):
+        torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, scale=scale)
+    with pytest.raises(ArgumentError, match=rf"^scale: expected a finite real number, got {scale}$"):
+        torch.ops.aten._flash_attention_forward(q.transpose(1, 2), q.transpose(1, 2), q.transpose(1, 2), None, None,
+                                                8, 8, 0.0, False, False, scale=scale)
+
+
 @pytest.mark.parametrize("scale", [0.0, -0.7])
 def test_fa2_op_takes_any_finite_scale(active, scale):
     """aten::_flash_attention_forward (varlen_attn's op) with a zero or negative scale: forward and backward equal

@@ -32,6 +32,9 @@ def process_group(mesh_or_group=None) -> dist.ProcessGroup:
             raise ArgumentError(f"mesh: expected a 1-D DeviceMesh (the context-parallel dimension), got "
                                 f"{mesh_or_group.ndim} dimensions; pass mesh['cp'] or its process group")
         return mesh_or_group.get_group()
+    if not isinstance(mesh_or_group, dist.ProcessGroup):
+        raise ArgumentError(f"group: expected a torch.distributed ProcessGroup, a 1-D DeviceMesh or None, got "
+                            f"{type(mesh_or_group).__name__}")
     return mesh_or_group
 
 

@@ -56,6 +56,8 @@ def shard(x: torch.Tensor, group=None, *, seq_dim: int = 1, layout: str = "zigza
     Varlen (`cu_seqlens`, x packed (total, ...) with seq_dim=0): every sequence is cut into 2W chunks and the
     shard packs this rank's two chunks of each sequence, in sequence order (offsets cu_seqlens / W)."""
     world, ids = _shard_ids(group, layout)
+    if not -x.dim() <= seq_dim < x.dim():
+        raise ArgumentError(f"seq_dim: expected a dimension of x's {x.dim()}, got {seq_dim}")
     bounds = sequence_bounds(x.shape[seq_dim], cu_seqlens)
     for a, b in itertools.pairwise(bounds):
         if (b - a) % (2 * world):
