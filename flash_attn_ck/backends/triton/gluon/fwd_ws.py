@@ -474,10 +474,10 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
     if m0 + ROWS <= len_q:
         # this warpgroup's S matmuls, the only readers of its Q, are done: O goes out through its buffer (the
         # TMA store writes the head's head_dim columns, not the padding)
-        o_buf = _out_buffer(consts, bufs.q, o_desc, WARPGROUP)
-        o_buf.reshape([ROWS, consts.HEAD_DV]).store(out)
+        o_box, o_tile = _out_buffers(consts, bufs.q, o_desc, WARPGROUP)
+        o_tile.store(out)
         fence_async_shared()
-        tma_store(o_desc, [q_row0 + m0, head, 0], o_buf)
+        tma_store(o_desc, [q_row0 + m0, head, 0], o_box)
         tma.store_wait(0)
     elif m0 < len_q:
         offs_r = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, consts.o_layout))
@@ -488,14 +488,19 @@ def _consumer(consts, bufs, seqs, mask, outputs, sizes, terms, WARPGROUP: gl.con
 
 
 @gluon.jit
-def _out_buffer(consts, q_bufs, o_desc, WARPGROUP: gl.constexpr):
-    """The warpgroup's Q buffer as O's (rows, 1, HEAD_DV) box: itself, or for a narrower v its first bytes in O's
-    layout."""
+def _out_buffers(consts, q_bufs, o_desc, WARPGROUP: gl.constexpr):
+    """The warpgroup's Q buffer as O's (rows, 1, HEAD_DV) box (the TMA store's source) and as its (rows, HEAD_DV)
+    tile (the registers' destination): the buffer itself, or for a narrower v its first rows once the whole buffer is
+    viewed in O's layout (a reinterpretation keeps the storage's size; a view is reshaped before it is sliced)."""
     if consts.HEAD_DV == consts.HEAD_D:
-        buf = q_bufs.index(WARPGROUP)
+        box = q_bufs.index(WARPGROUP)
+        tile = box.reshape([consts.ROWS, consts.HEAD_DV])
     else:
-        buf = reinterpret(q_bufs.index(WARPGROUP), q_bufs.dtype, [consts.ROWS, 1, consts.HEAD_DV], o_desc.layout)
-    return buf
+        rows: gl.constexpr = consts.ROWS * consts.HEAD_D // consts.HEAD_DV
+        whole = reinterpret(q_bufs.index(WARPGROUP), q_bufs.dtype, [rows, 1, consts.HEAD_DV], o_desc.layout)
+        box = whole.slice(0, consts.ROWS, dim=0)
+        tile = whole.reshape([rows, consts.HEAD_DV]).slice(0, consts.ROWS, dim=0)
+    return box, tile
 
 
 # ---- the kernel ------------------------------------------------------------------------------
