@@ -150,31 +150,38 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
         assert kw["tile"] == config.FWD_WS_SM90[128][causal] and causal == flags.HAS_RIGHT and not flags.HAS_LEFT
 
 
-@pytest.mark.parametrize("head_dims", [(192, 128), (256, 200), (128, 64), (64, 128), (96, 96), (96, 40)])
+@pytest.mark.parametrize("head_dims", [(192, 128), (256, 200), (128, 64), (64, 128), (96, 96), (96, 40), (64, 40)])
 @pytest.mark.parametrize("forced", [False, True], ids=["defaults", "forced"])
 def test_a_value_head_dim_no_wider_than_q_k_s_runs_on_fwd_ws(sm90, monkeypatch, head_dims, forced):
-    """fwd_ws takes a v no wider than q/k (MLA's (192, 128)), never a wider one: forced on, or by default where
-    config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS (here a stand-in: the 256 block) holds q/k's head block; else the reasons
-    say why."""
-    monkeypatch.setattr(operators.FwdWs, "narrower_value_head_blocks", frozenset({256}))
+    """fwd_ws takes a v no wider than q/k (MLA's (192, 128)), never a wider one: forced on at v's own head dim; by
+    default at v's own head dim in the head blocks of config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS (a stand-in here: 128)
+    and padded to q/k's in those of FWD_WS_PADDED_VALUE_HEAD_BLOCKS (256), the plan line saying which; else the
+    reasons say why."""
+    monkeypatch.setattr(config, "FWD_WS_NARROWER_VALUE_HEAD_BLOCKS", frozenset({128}))
+    monkeypatch.setattr(operators.FwdWs, "narrower_value_head_blocks", frozenset({128, 256}))
     d, d_v = head_dims
     p = problem(head_dim=d, heads=(8, 2), causal=True, head_dim_v=d_v)
     backend = TritonBackend(fwd_ws=forced or None)
-    runs = d_v <= d and (forced or d_v == d or config.head_block(d) == 256)
-    assert (backend.operator(p, "forward") is operators.FwdWs) is runs, backend.forward_kernel(p)
+    block = config.head_block(d)
+    runs = d_v <= d and (forced or d_v == d or block in (128, 256))
+    line = backend.forward_kernel(p)
+    assert (backend.operator(p, "forward") is operators.FwdWs) is runs, line
     if d_v > d:
-        assert "value head dim 128 above q/k's 64: its O leaves through q's shared-memory tile" in \
-            backend.forward_kernel(p)
+        assert "value head dim 128 above q/k's 64: its O leaves through q's shared-memory tile" in line
     elif not runs:
-        assert f"value head dim {d_v} below q/k's {d}: not measured faster" in backend.forward_kernel(p)
+        assert f"value head dim {d_v} below q/k's {d}: not measured faster" in line
+    elif d_v < d and block == 256 and not forced:
+        assert f"v padded to head dim {d}" in line, line
+        assert operators.FwdWs.value_width(backend, p) == d
     elif d_v < d:
-        assert f"v at its own head block {config.head_block(d_v)}" in backend.forward_kernel(p)
+        assert f"v at its own head block {config.head_block(d_v)}" in line, line
+        assert operators.FwdWs.value_width(backend, p) == d_v
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
 def test_a_narrower_v_and_its_out_reach_the_kernel_as_they_are(sm90, monkeypatch, varlen):
-    """FwdWs.run on a (192, 128) call hands fwd_ws.launch the call's own v and out (no padded copies: the kernel's V
-    and O tiles have v's head block)."""
+    """FwdWs.run, forced on, on a (192, 128) call hands fwd_ws.launch the call's own v and out (no padded copies: the
+    kernel's V and O tiles have v's head block)."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
     seen = []
     monkeypatch.setattr(fwd_ws, "launch", lambda q, k, v, out, *args, **kwargs: seen.append((v, out)))
@@ -183,8 +190,43 @@ def test_a_narrower_v_and_its_out_reach_the_kernel_as_they_are(sm90, monkeypatch
     v, out = torch.zeros(*shape, 2, 128, dtype=torch.bfloat16), torch.empty(*shape, 8, 128, dtype=torch.bfloat16)
     lse = torch.empty(8, 300) if varlen else torch.empty(1, 8, 300)
     p = problem(seqlen=300, head_dim=192, heads=(8, 2), batch=1, causal=True, head_dim_v=128)
-    operators.FwdWs.run(TritonBackend(), p, AttentionParams(q, k, v), out, lse)
+    operators.FwdWs.run(TritonBackend(fwd_ws=True), p, AttentionParams(q, k, v), out, lse)
     assert len(seen) == 1 and seen[0][0] is v and seen[0][1] is out
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_a_narrower_v_runs_padded_by_default_and_gives_the_d_v_attention(sm90, monkeypatch, varlen):
+    """FwdWs.run by default on a (192, 128) call in a head block of config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS (a
+    stand-in here): the kernel (a float64 stand-in) gets v padded with zeros to 192 columns and writes a 192-column
+    out, and out keeps the first 128: the attention of the call's own v, to float64 rounding (garbage in the padding
+    would not be zero in out's kept columns only if the padding of v were not zero)."""
+    from flash_attn_ck.backends.triton.gluon import fwd_ws
+    from oracle import naive_attention
+    monkeypatch.setattr(config, "FWD_WS_NARROWER_VALUE_HEAD_BLOCKS", frozenset())
+    widths = []
+
+    def one(t):     # the call's one sequence: naive_attention's (rows, heads, dim) and (heads, rows)
+        return t if varlen else t[0]
+
+    def stand_in(q, k, v, out, lse, cu_q, cu_k, *, scale, **_):
+        widths.append((q.shape[-1], v.shape[-1], out.shape[-1]))
+        assert not v[..., 128:].any()
+        attention, lse_rows = naive_attention(one(q), one(k), one(v), causal=True, softmax_scale=scale)[:2]
+        one(out).copy_(attention)
+        one(lse).copy_(lse_rows)
+    monkeypatch.setattr(fwd_ws, "launch", stand_in)
+    gen = torch.Generator().manual_seed(0)
+    shape = (300,) if varlen else (1, 300)
+    q = torch.randn(*shape, 8, 192, generator=gen, dtype=torch.float64)
+    k = torch.randn(*shape, 2, 192, generator=gen, dtype=torch.float64)
+    v = torch.randn(*shape, 2, 128, generator=gen, dtype=torch.float64)
+    p = problem(seqlen=300, head_dim=192, heads=(8, 2), batch=1, causal=True, head_dim_v=128)
+    out = torch.full((*shape, 8, 128), float("nan"), dtype=torch.float64)
+    lse = torch.empty(8, 300, dtype=torch.float64) if varlen else torch.empty(1, 8, 300, dtype=torch.float64)
+    operators.FwdWs.run(TritonBackend(), p, AttentionParams(q, k, v), out, lse)
+    assert widths == [(192, 192, 192)]
+    want = naive_attention(one(q), one(k), one(v), causal=True, softmax_scale=192 ** -0.5)[0]
+    torch.testing.assert_close(one(out), want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("head_dims", [(192, 128), (128, 64)])
@@ -227,7 +269,7 @@ def test_q_k_take_a_tail_block_where_config_turns_it_on(sm90, monkeypatch, head_
                  for name in ("q_desc", "k_desc", "q_tail_desc", "k_tail_desc")]
         assert boxes == ([128, 128, want, want] if want else [config.head_block(d)] * 2 + [0, 0])
         assert spec.args["CALL"] == replace(spec.args["CALL"], QK_TAIL=want)
-        assert (f"q/k as 128 + {want} columns" in operators.FwdWs.describe(TritonBackend(), p)) is bool(want)
+        assert (f"q/k as 128 + {want} columns" in operators.FwdWs.describe(TritonBackend(fwd_ws=True), p)) is bool(want)
 
 
 def test_a_tail_block_takes_exactly_its_columns_of_shared_memory():

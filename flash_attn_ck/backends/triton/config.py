@@ -215,10 +215,13 @@ FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, 
 # these longest-sequence lengths per head block (256: the shortest measured); the operator fwd_ws declares them.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
-# Head blocks (q/k's) where fwd_ws runs a v narrower than q/k (at v's own head dim) by default: 256, where it ran the
-# (192, 128) call padded to (192, 192) at the speed of the d192 rows (bench/nvidia-h100.md: 355-437 TF/s of the
-# call's own work, against 186-230 for the one-launch forward) and now does less work; elsewhere not yet measured.
-FWD_WS_NARROWER_VALUE_HEAD_BLOCKS = frozenset({256})
+# Head blocks (q/k's) where fwd_ws runs a v narrower than q/k by default at v's own head dim: none until it has run on
+# a GPU (TritonBackend(fwd_ws=True) runs it there).
+FWD_WS_NARROWER_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()
+# Head blocks where it runs one padded with zeros to q/k's head dim instead (the (d, d) kernel): bench/nvidia-h100.md,
+# (192, 128) causal on the one-launch forward at 186-230 TF/s against 428-527 for fwd_ws's d192 rows, the work of the
+# padded call (its TF/s then count (192 + 128) / (2 * 192) of it: 355-437).
+FWD_WS_PADDED_VALUE_HEAD_BLOCKS = frozenset({256})
 # Head blocks (q/k's) where bwd_ws / bwd_ws_split run a v narrower than q/k (and dout) padded with zeros to q/k's:
 # none until measured (the padded call does (3 d + 2 d) / (3 d + 2 d_v) of the work: 1.15x at (192, 128)).
 BWD_WS_PADDED_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()

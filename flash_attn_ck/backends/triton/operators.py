@@ -184,7 +184,8 @@ class GluonOperator(Operator):
         """A v wider than q/k; and what it takes but the defaults leave to the one-launch kernels where it was not
         measured faster (config.FWD_WS_SOFTCAP_HEAD_BLOCKS, BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS,
         FWD_WS_DROPOUT_HEAD_BLOCKS, BWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES,
-        FWD_WS_NARROWER_VALUE_HEAD_BLOCKS, BWD_WS_PADDED_VALUE_HEAD_BLOCKS); its setting forced on runs those here."""
+        FWD_WS_NARROWER_VALUE_HEAD_BLOCKS and _PADDED_, BWD_WS_PADDED_VALUE_HEAD_BLOCKS); its setting forced on runs
+        those here."""
         reasons, forced = [], f"(TritonBackend({cls.option}=True) runs it)"
         if p.head_dim_v_padded > p.head_dim_padded:
             reasons.append(f"value head dim {p.head_dim_v} above q/k's {p.head_dim}: {cls.wider_value_refusal}")
@@ -300,22 +301,37 @@ class FwdWs(GluonOperator, ForwardOperator):
     supports_dropout = True
     softcap_head_blocks = config.FWD_WS_SOFTCAP_HEAD_BLOCKS
     dropout_head_blocks = config.FWD_WS_DROPOUT_HEAD_BLOCKS
-    narrower_value = True     # V and O tiles of v's own head block
-    narrower_value_head_blocks = config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS
+    narrower_value = True     # V and O tiles of v's own head block (forced on; by default see value_width)
+    narrower_value_head_blocks = config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS | config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS
     wider_value_refusal = "its O leaves through q's shared-memory tile"
     previous = "the previous forward"
 
     @classmethod
+    def value_width(cls, backend, p: AttentionProblem) -> int:
+        """The head dim of the v the kernel gets: v's own, or by default in the head blocks of
+        config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS (not of FWD_WS_NARROWER_VALUE_HEAD_BLOCKS) q/k's, v padded with
+        zeros."""
+        block = config.head_block(p.head_dim_padded)
+        if (p.head_dim_v_padded < p.head_dim_padded and cls.setting(backend) is not True
+                and block not in config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS):
+            return p.head_dim_padded
+        return p.head_dim_v_padded
+
+    @classmethod
     @per_problem(owners=2)
     def tile(cls, backend, p: AttentionProblem) -> config.FwdWsTile | None:
-        return backend.fwd_ws_tile or config.fwd_ws_tile(p.head_dim_padded, p.mask.is_causal, p.head_dim_v_padded)
+        return backend.fwd_ws_tile or config.fwd_ws_tile(p.head_dim_padded, p.mask.is_causal,
+                                                         cls.value_width(backend, p))
 
     @classmethod
     def describe(cls, backend, p: AttentionProblem) -> str:
         notes = ["warp-specialised Gluon, sm_90"]
-        if p.head_dim_v_padded < p.head_dim_padded:
-            notes.append(f"v at its own head block {config.head_block(p.head_dim_v_padded)}")
-        tail = config.fwd_ws_qk_tail(p.head_dim_padded, p.head_dim_v_padded)
+        width = cls.value_width(backend, p)
+        if width != p.head_dim_v_padded:
+            notes.append(f"v padded to head dim {width}")
+        elif width < p.head_dim_padded:
+            notes.append(f"v at its own head block {config.head_block(width)}")
+        tail = config.fwd_ws_qk_tail(p.head_dim_padded, width)
         if tail:
             notes.append(f"q/k as 128 + {tail} columns")
         if cls.schedule_walk(backend, p):
@@ -324,14 +340,21 @@ class FwdWs(GluonOperator, ForwardOperator):
 
     @classmethod
     def run(cls, backend, p: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """One launch of fwd_ws."""
+        """One launch of fwd_ws; v padded with zeros where `value_width` says so, out then through a buffer of that
+        width whose first d_v columns it keeps."""
         from .gluon import fwd_ws
-        fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
+        v, target, width = params.v, out, cls.value_width(backend, p)
+        if width != v.shape[-1]:
+            v = torch.nn.functional.pad(v, (0, width - v.shape[-1]))
+            target = out.new_empty((*out.shape[:-1], width))
+        fwd_ws.launch(params.q, params.k, v, target, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
                       tile=cls.tile(backend, p), mask=cls.mask(backend, p), schedule=cls.schedule(backend, p, params),
                       softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None,
                       alibi=_alibi(p, params.alibi_slopes), dropout=_dropout(p, params, 0),
-                      qk_tail=config.fwd_ws_qk_tail(p.head_dim_padded, p.head_dim_v_padded))
+                      qk_tail=config.fwd_ws_qk_tail(p.head_dim_padded, width))
+        if target is not out:
+            out.copy_(target[..., :out.shape[-1]])
 
 
 class Forward(ForwardOperator):
