@@ -183,9 +183,8 @@ class GluonOperator(Operator):
     def extra_reasons(cls, backend, p: AttentionProblem, setting: bool | None) -> list[str]:
         """A v wider than q/k; and what it takes but the defaults leave to the one-launch kernels where it was not
         measured faster (config.FWD_WS_SOFTCAP_HEAD_BLOCKS, BWD_WS_SPLIT_SOFTCAP_HEAD_BLOCKS,
-        FWD_WS_DROPOUT_HEAD_BLOCKS, BWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES,
-        FWD_WS_NARROWER_VALUE_HEAD_BLOCKS and _PADDED_, BWD_WS_PADDED_VALUE_HEAD_BLOCKS); its setting forced on runs
-        those here."""
+        FWD_WS_DROPOUT_HEAD_BLOCKS, BWD_WS_DROPOUT_HEAD_BLOCKS, WS_ALIBI_TRITON_RELEASES, the operator's
+        narrower_value_head_blocks); its setting forced on runs those here."""
         reasons, forced = [], f"(TritonBackend({cls.option}=True) runs it)"
         if p.head_dim_v_padded > p.head_dim_padded:
             reasons.append(f"value head dim {p.head_dim_v} above q/k's {p.head_dim}: {cls.wider_value_refusal}")
