@@ -41,8 +41,10 @@ def descriptor_type(rows: int, head_dim: int, dtype: torch.dtype, parts: int = 1
     """The mangled signature type of a host TMA descriptor with (rows, 1, head dim padded / parts) boxes."""
     from triton.runtime.jit import mangle_type
 
+    from flash_attn_ck.backends.triton import config
     from flash_attn_ck.backends.triton.gluon import gluon_common
-    return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows, parts))
+    return mangle_type(gluon_common.descriptor(torch.empty(512, 4, head_dim, dtype=dtype), True, rows,
+                                               config.head_block(head_dim) // parts))
 
 
 def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int, **options):

@@ -56,6 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .. import config
 from ..runtime.launch import GluonCall, GluonMask, GluonSizes, LaunchSpec
 from ..runtime.softmax_terms import alibi_distance
 from ..runtime.triton_versions import barrier
@@ -244,7 +245,8 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
     q_desc = descriptor(q, varlen, tile.block_m)
     return LaunchSpec(kernel, grid, dict(
         q_desc=q_desc, k_desc=descriptor(k, varlen, tile.block_n), v_desc=descriptor(v, varlen, tile.block_n),
-        do_desc=descriptor(dout, varlen, tile.block_m), dq_desc=descriptor(dq_accum, varlen, tile.block_m, dq_parts),
+        do_desc=descriptor(dout, varlen, tile.block_m), dq_desc=descriptor(dq_accum, varlen, tile.block_m,
+                                                            config.head_block(dq_accum.shape[-1]) // dq_parts),
         stats=(lse, delta), grads=(dk, dv),
         semaphores=(semaphores if semaphores is not None else lse, semaphore_tiles(seqlen_q, tile)),
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,

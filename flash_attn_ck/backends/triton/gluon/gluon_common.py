@@ -293,24 +293,23 @@ def _box_layout(box: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(box), gl_dtype)
 
 
-def descriptor(t, varlen: bool, block_rows: int, parts: int = 1, block_cols: int | None = None):
+def descriptor(t, varlen: bool, block_rows: int, block_cols: int | None = None):
     """A host TMA descriptor over `t`'s 3-D view (rows, heads, head_dim) with (block_rows, 1, head_block(head_dim))
     boxes of one head (config.head_block; coordinates [row, head, 0]): columns past head_dim read as zeros and are
-    not written, so a head dim that is not a power of two is padded in shared memory only. `parts` > 1: boxes of
-    that fraction of the padded columns; `block_cols`: boxes of that many columns (coordinates [row, head, first
-    column])."""
-    return _descriptor(t, rows_view(t, varlen), block_rows, parts, block_cols)
+    not written, so a head dim that is not a power of two is padded in shared memory only. `block_cols`: boxes of
+    that many columns instead (coordinates [row, head, first column])."""
+    return _descriptor(t, rows_view(t, varlen), block_rows, block_cols)
 
 
 def uniform_descriptor(t, varlen: bool, block_rows: int, block_cols: int | None = None):
     """(uniform_rows(t), the descriptor over it): its rows viewed once; boxes of `block_cols` columns (None: the head
     block)."""
     t, view = _uniform(t, varlen)
-    return t, _descriptor(t, view, block_rows, block_cols=block_cols)
+    return t, _descriptor(t, view, block_rows, block_cols)
 
 
-def _descriptor(t, view, block_rows: int, parts: int = 1, block_cols: int | None = None):
+def _descriptor(t, view, block_rows: int, block_cols: int | None = None):
     rows, cols, row_stride = view
     d = t.shape[-1]
-    box = (block_rows, 1, block_cols or config.head_block(d) // parts)
+    box = (block_rows, 1, block_cols or config.head_block(d))
     return TensorDescriptor(t, [rows, cols // d, d], [row_stride, d, 1], list(box), _box_layout(box, t.dtype))
