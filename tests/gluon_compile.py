@@ -105,16 +105,18 @@ def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, Fal
 
 
 def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False,
-             schedule: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False):
+             schedule: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
+             head_dim_v: int | None = None):
     """bwd_ws.launch_spec of `tile` (bwd_ws_split's kernel for a split_d tile) for a call like fwd_spec's, in the
     deterministic mode or not, with the call's varlen schedule or not, with a softcap (0: none), with ALiBi or not,
-    with dropout (p = 0.1) or not."""
+    with dropout (p = 0.1) or not; `head_dim_v`: v's, dout's and dv's head dim (None: q/k's)."""
     from flash_attn_ck.backends.triton.gluon import bwd_ws
     shape, t, call = _call(head_dim, varlen, masks)
     q, lse = t["q"], t["lse"]
+    v = q if head_dim_v is None else q.new_empty((*q.shape[:-1], head_dim_v))
     sems = torch.zeros(1, shape[-2], 512 // tile.block_m, dtype=torch.int32) if deterministic else None
-    return bwd_ws.launch_spec(q, q.clone(), q.clone(), q.clone(), lse, lse.clone(), torch.empty(shape), q.clone(),
-                              q.clone(), t["cu_seqlens"], t["cu_seqlens"], tile=tile, semaphores=sems,
+    return bwd_ws.launch_spec(q, q.clone(), v.clone(), v.clone(), lse, lse.clone(), torch.empty(shape), q.clone(),
+                              v.clone(), t["cu_seqlens"], t["cu_seqlens"], tile=tile, semaphores=sems,
                               schedule=_schedule(schedule, tile.block_n), softcap=softcap,
                               alibi=_alibi(q) if alibi else None,
                               dropout=(torch.zeros(2, dtype=torch.int64), 0.1, 4, 0) if dropout else None, **call)

@@ -154,10 +154,10 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
 @pytest.mark.parametrize("forced", [False, True], ids=["defaults", "forced"])
 def test_a_value_head_dim_no_wider_than_q_k_s_runs_on_fwd_ws(sm90, monkeypatch, head_dims, forced):
     """fwd_ws takes a v no wider than q/k (MLA's (192, 128)), never a wider one: forced on at v's own head dim; by
-    default at v's own head dim in the head blocks of config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS (a stand-in here: 128)
-    and padded to q/k's in those of FWD_WS_PADDED_VALUE_HEAD_BLOCKS (256), the plan line saying which; else the
-    reasons say why."""
-    monkeypatch.setattr(config, "FWD_WS_NARROWER_VALUE_HEAD_BLOCKS", frozenset({128}))
+    default at v's own head dim in the head blocks of own_value_head_blocks (config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS;
+    a stand-in here: 128) and padded to q/k's in those of FWD_WS_PADDED_VALUE_HEAD_BLOCKS (256), the plan line saying
+    which; else the reasons say why."""
+    monkeypatch.setattr(operators.FwdWs, "own_value_head_blocks", frozenset({128}))
     monkeypatch.setattr(operators.FwdWs, "narrower_value_head_blocks", frozenset({128, 256}))
     d, d_v = head_dims
     p = problem(head_dim=d, heads=(8, 2), causal=True, head_dim_v=d_v)
@@ -174,7 +174,7 @@ def test_a_value_head_dim_no_wider_than_q_k_s_runs_on_fwd_ws(sm90, monkeypatch, 
         assert f"v padded to head dim {d}" in line, line
         assert operators.FwdWs.value_width(backend, p) == d
     elif d_v < d:
-        assert f"v at its own head block {config.head_block(d_v)}" in line, line
+        assert f"v at v's own head block {config.head_block(d_v)}" in line, line
         assert operators.FwdWs.value_width(backend, p) == d_v
 
 
@@ -202,7 +202,7 @@ def test_a_narrower_v_runs_padded_by_default_and_gives_the_d_v_attention(sm90, m
     would not be zero in out's kept columns only if the padding of v were not zero)."""
     from flash_attn_ck.backends.triton.gluon import fwd_ws
     from oracle import naive_attention
-    monkeypatch.setattr(config, "FWD_WS_NARROWER_VALUE_HEAD_BLOCKS", frozenset())
+    monkeypatch.setattr(operators.FwdWs, "own_value_head_blocks", frozenset())
     widths = []
 
     def one(t):     # the call's one sequence: naive_attention's (rows, heads, dim) and (heads, rows)

@@ -222,8 +222,11 @@ FWD_WS_NARROWER_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()
 # (192, 128) causal on the one-launch forward at 186-230 TF/s against 428-527 for fwd_ws's d192 rows, the work of the
 # padded call (its TF/s then count (192 + 128) / (2 * 192) of it: 355-437).
 FWD_WS_PADDED_VALUE_HEAD_BLOCKS = frozenset({256})
-# Head blocks (q/k's) where bwd_ws / bwd_ws_split run a v narrower than q/k (and dout) padded with zeros to q/k's:
-# none until measured (the padded call does (3 d + 2 d) / (3 d + 2 d_v) of the work: 1.15x at (192, 128)).
+# Head blocks (q/k's) where bwd_ws / bwd_ws_split run a v narrower than q/k (and dout) by default at v's own head dim:
+# none until it has run on a GPU (TritonBackend(ws=True) runs it there)...
+BWD_WS_NARROWER_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()
+# ...and where padded with zeros to q/k's head dim instead: none until measured (the padded call does
+# (3 d + 2 d) / (3 d + 2 d_v) of the work: 1.15x at (192, 128)).
 BWD_WS_PADDED_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()
 # Where the defaults give a score term to the warp-specialised kernels, which take the sink, the softcap and ALiBi
 # (operators' takes_sink, supports_softcap, supports_alibi), rather than to the one-launch ones: where they measured

@@ -166,13 +166,14 @@ class GluonOperator(Operator):
     # it takes dropout).
     softcap_head_blocks: ClassVar[frozenset[int] | None] = None
     dropout_head_blocks: ClassVar[frozenset[int]] = frozenset()
-    # A v wider than q/k is refused (`wider_value_refusal` says why). A narrower one runs at its own head dim where
-    # `narrower_value` is True, else padded with zeros to q/k's; by default in the head blocks (q/k's) of
-    # `narrower_value_head_blocks` (where that measured faster than `previous`, the kernel that runs it otherwise).
+    # A v wider than q/k is refused (`wider_value_refusal` says why). A narrower one runs by default in the head blocks
+    # (q/k's) of `narrower_value_head_blocks` (where that measured faster than `previous`, the kernel that runs it
+    # otherwise): at its own head dim in those of `own_value_head_blocks`, else padded with zeros to q/k's
+    # (`value_width`); the operator's setting forced on runs it at its own head dim anywhere.
     value_head_dim_refusal = None
     wider_value_refusal: ClassVar[str] = "the kernel has one head block"
-    narrower_value: ClassVar[bool] = False
     narrower_value_head_blocks: ClassVar[frozenset[int]] = frozenset()
+    own_value_head_blocks: ClassVar[frozenset[int]] = frozenset()
     previous: ClassVar[str]
     fp32_outputs_refusal = "its TMA stores go through shared tiles of the input dtype"
     architectures = frozenset({9})
@@ -202,10 +203,29 @@ class GluonOperator(Operator):
             reasons.append(f"ALiBi under Triton {version}: not measured faster than the one-launch kernels there "
                            f"{forced}")
         if p.head_dim_v_padded < p.head_dim_padded and block not in cls.narrower_value_head_blocks:
-            how = "" if cls.narrower_value else f"runs padded to the head block {block}, "
-            reasons.append(f"value head dim {p.head_dim_v} below q/k's {p.head_dim}: {how}not measured faster than "
+            reasons.append(f"value head dim {p.head_dim_v} below q/k's {p.head_dim}: not measured faster than "
                            f"{cls.previous} at head block {block} {forced}")
         return reasons
+
+    @classmethod
+    def value_width(cls, backend, p: AttentionProblem) -> int:
+        """The head dim of the v (and, in the backward, dout) the kernel gets: v's own, or by default outside the head
+        blocks of `own_value_head_blocks` q/k's, v padded with zeros."""
+        block = config.head_block(p.head_dim_padded)
+        if (p.head_dim_v_padded < p.head_dim_padded and cls.setting(backend) is not True
+                and block not in cls.own_value_head_blocks):
+            return p.head_dim_padded
+        return p.head_dim_v_padded
+
+    @classmethod
+    def value_notes(cls, backend, p: AttentionProblem, tensors: str) -> list[str]:
+        """The plan line's note on a narrower v (`tensors`: what the kernel takes at v's width), if any."""
+        width = cls.value_width(backend, p)
+        if width != p.head_dim_v_padded:
+            return [f"{tensors} padded to head dim {width}"]
+        if width < p.head_dim_padded:
+            return [f"{tensors} at v's own head block {config.head_block(width)}"]
+        return []
 
     @classmethod
     def tile(cls, backend, p: AttentionProblem) -> Any:
@@ -300,21 +320,10 @@ class FwdWs(GluonOperator, ForwardOperator):
     supports_dropout = True
     softcap_head_blocks = config.FWD_WS_SOFTCAP_HEAD_BLOCKS
     dropout_head_blocks = config.FWD_WS_DROPOUT_HEAD_BLOCKS
-    narrower_value = True     # V and O tiles of v's own head block (forced on; by default see value_width)
     narrower_value_head_blocks = config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS | config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS
+    own_value_head_blocks = config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS
     wider_value_refusal = "its O leaves through q's shared-memory tile"
     previous = "the previous forward"
-
-    @classmethod
-    def value_width(cls, backend, p: AttentionProblem) -> int:
-        """The head dim of the v the kernel gets: v's own, or by default in the head blocks of
-        config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS (not of FWD_WS_NARROWER_VALUE_HEAD_BLOCKS) q/k's, v padded with
-        zeros."""
-        block = config.head_block(p.head_dim_padded)
-        if (p.head_dim_v_padded < p.head_dim_padded and cls.setting(backend) is not True
-                and block not in config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS):
-            return p.head_dim_padded
-        return p.head_dim_v_padded
 
     @classmethod
     @per_problem(owners=2)
@@ -325,11 +334,8 @@ class FwdWs(GluonOperator, ForwardOperator):
     @classmethod
     def describe(cls, backend, p: AttentionProblem) -> str:
         notes = ["warp-specialised Gluon, sm_90"]
+        notes += cls.value_notes(backend, p, "v")
         width = cls.value_width(backend, p)
-        if width != p.head_dim_v_padded:
-            notes.append(f"v padded to head dim {width}")
-        elif width < p.head_dim_padded:
-            notes.append(f"v at its own head block {config.head_block(width)}")
         tail = config.fwd_ws_qk_tail(p.head_dim_padded, width)
         if tail:
             notes.append(f"q/k as 128 + {tail} columns")
@@ -420,8 +426,10 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
     slower_head_dim = "the one-launch kernel measured faster"
     min_seqlen = config.BWD_WS_MIN_SEQLEN
     shorter = "the one-launch kernel measured faster"
-    # dout is padded too: dV's extra columns are zero and dropped, dP and D unchanged.
-    narrower_value_head_blocks = config.BWD_WS_PADDED_VALUE_HEAD_BLOCKS
+    # V, dO and dV tiles of v's own head block, or v and dout padded with zeros to q/k's (dV's extra columns are
+    # zero and dropped, dP and D unchanged)
+    narrower_value_head_blocks = config.BWD_WS_NARROWER_VALUE_HEAD_BLOCKS | config.BWD_WS_PADDED_VALUE_HEAD_BLOCKS
+    own_value_head_blocks = config.BWD_WS_NARROWER_VALUE_HEAD_BLOCKS
     previous = "the one-launch backward"
 
     @classmethod
@@ -451,8 +459,7 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
         notes = ["warp-specialised Gluon, sm_90"]
         if cls.split_d:
             notes.append("two warpgroups split the head dim")
-        if p.head_dim_v_padded < p.head_dim_padded:
-            notes.append(f"v and dout padded to head dim {p.head_dim_padded}")
+        notes += cls.value_notes(backend, p, "v and dout")
         if cls.schedule_walk(backend, p):
             notes.append("varlen schedule: the longest key tiles first")
         elif cls.tile(backend, p).key_major:
@@ -470,8 +477,8 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
             buffers.append(BufferSpec("dq_semaphore", (p.batch, heads, tiles),
                                       torch.int32, False, "orders the dQ adds per (batch, head, query tile); zeroed "
                                       "by bwd_preprocess, and before each later launch"))
-        if p.head_dim_v_padded != p.head_dim_padded:
-            k_rows, d = p.k_rows_shape, p.head_dim_padded
+        if cls.value_width(backend, p) != p.head_dim_v_padded:
+            k_rows, d = p.k_rows_shape, cls.value_width(backend, p)
             buffers += [BufferSpec(name, shape, p.dtype, False, purpose) for name, shape, purpose in (
                 ("v_padded", (*k_rows, p.heads_k, d), "v with zero columns up to q/k's head dim (the kernel's one)"),
                 ("dout_padded", (*p.q_rows_shape, p.heads_q, d), "dout likewise"),
@@ -492,7 +499,7 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
         sizes = backend.sizes(p, d)
         _preprocess(p, out, dout, delta, (dq_acc, None, None, sems), sizes)
         v, dv_given = params.v, dv
-        if v.shape[-1] != d:
+        if cls.value_width(backend, p) != v.shape[-1]:
             v, dout, dv = (_zero_padded(t, workspace[name]) for t, name in
                            ((v, "v_padded"), (dout, "dout_padded"), (None, "dv_padded")))
         q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, v))

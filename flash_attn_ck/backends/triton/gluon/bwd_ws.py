@@ -70,15 +70,16 @@ from .gluon_common import LOG2E, descriptor, hardware_tanh, probs_transposed, sl
 # ---- MMA partition (default) -----------------------------------------------------------------
 @gluon.jit
 def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
-    """`grads`: (dK, dV, their strides); `sizes`: the kernel's; `terms`: (the scores' cap or None, ALiBi's (fp32
-    slopes, their batch stride) or None, dropout's (rng_state, p, query heads, first head) or
-    None)."""
+    """`grads`: (dK, dV, their strides, v's head dim or None: q/k's); `sizes`: the kernel's; `terms`: (the scores'
+    cap or None, ALiBi's (fp32 slopes, their batch stride) or None, dropout's (rng_state, p, query heads, first head)
+    or None)."""
     softcap, alibi, dropout = terms
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
-    head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
+    group, scale = sizes.group, sizes.scale
     BLOCK_M: gl.constexpr = consts.BLOCK_M
     BLOCK_N: gl.constexpr = consts.BLOCK_N
     HEAD_D: gl.constexpr = consts.HEAD_D
+    HEAD_DV: gl.constexpr = consts.HEAD_DV
     num_warps: gl.constexpr = consts.NUM_WARPS
     dtype: gl.constexpr = bufs.k.dtype
     k_tile, v_tile = bufs.kv()
@@ -88,11 +89,14 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
                                                        instr_shape=[16, BLOCK_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, HEAD_D, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DV, 16])
     dq_warps_m: gl.constexpr = BLOCK_M // 16 if num_warps > BLOCK_M // 16 else num_warps
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[dq_warps_m, num_warps // dq_warps_m],
         instr_shape=[16, HEAD_D // (num_warps // dq_warps_m), 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv_layout, k_width=2)   # P^T for dV
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per key (row of S^T)
 
@@ -101,7 +105,7 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
     scale_log2 = scale * LOG2E
 
     dk = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
-    dv = gl.zeros([BLOCK_N, HEAD_D], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DV], gl.float32, dv_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HEAD_D], gl.float32, dq_layout)
 
@@ -156,7 +160,7 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
             dsT = pT * (dpT - gl.expand_dims(delta, 0))
         if softcap is not None:     # the slope of the capped scores (scale is applied to dQ and dK at their ends)
             dsT = dsT * (1.0 - tanh * tanh)
-        p_op = gl.convert_layout(pT.to(dtype), a_layout)
+        p_op = gl.convert_layout(pT.to(dtype), p_layout)
         dv = warpgroup_mma(p_op, do_tile, dv, is_async=True)
 
         # ---- dQ = dS K (dS through shared memory); dK += dS^T Q (registers) ----
@@ -175,13 +179,13 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
         workers.release_slot(consts, bufs, step)   # dK and dV, the last readers of Q and dO, are done
 
     # ---- epilogue: dK (scaled) and dV in the output dtype ----
-    workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, head_dim, scale, 0, seqs.VARLEN)
+    workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, sizes, scale, 0, seqs.VARLEN)
 
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, semaphores, cu_seqlens, schedule,
-                       stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi, dropout,
+                       stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi, dropout, head_dim_v,
                        TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR, or with a `schedule`
     (varlen: int32 (rows, 2) [sequence, key tile], else a constexpr None) (kv heads, rows) (workers.cta_coords);
@@ -191,8 +195,9 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, s
     `softcap`: the scores' cap, or None; `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch
     stride, 0 for (query heads,)), or None (None: a constant, the kernel compiles without the term); `dropout`: (int64
     [seed, offset] rng_state, p, the call's query heads, the launch's first query head) of core/dropout.py's pattern,
-    or None; TILE: config.WsTile; CALL: launch.MaskFlags. See the module docstring."""
-    consts, seqs, mask = workers.prologue(TILE, CALL, 1, cu_seqlens, schedule, sizes, window)
+    or None; `head_dim_v`: v's head dim where it is not q/k's (v, dO and dV then of their own width, V and dO tiles
+    of their own head block), else None; TILE: config.WsTile; CALL: launch.MaskFlags. See the module docstring."""
+    consts, seqs, mask = workers.prologue(TILE, CALL, 1, cu_seqlens, schedule, sizes, window, v_desc)
     Lse, Delta = stats
     dK, dV = grads
     Sem, sem_m_tiles = semaphores
@@ -205,7 +210,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, s
 
     group = sizes.group
     gl.warp_specialize([
-        (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv), sizes,
+        (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv, head_dim_v), sizes,
                (softcap, alibi, dropout))),
         (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
                           group)),
@@ -252,7 +257,8 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
         stride_lse=lse_strides, stride_dk=dk_strides, stride_dv=dv_strides,
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
-        softcap=softcap or None, alibi=alibi, dropout=dropout, TILE=tile,
+        softcap=softcap or None, alibi=alibi, dropout=dropout, head_dim_v=v.shape[-1] if v.shape[-1] != d else None,
+        TILE=tile,
         CALL=GluonCall(q_desc.block_shape[-1], varlen, mask.flags, DETERMINISTIC=semaphores is not None)),
         tile.num_warps, options={"maxnreg": tile.max_registers} if tile.max_registers else {})
 

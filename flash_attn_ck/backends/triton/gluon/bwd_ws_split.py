@@ -62,18 +62,20 @@ class Exchange:
 # ---- one MMA warpgroup: its role in S^T / dP^T, then its half of the columns ----------------------
 @gluon.jit
 def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl.constexpr):
-    """`grads`: (dK, dV, their strides); `sizes`: the kernel's; `terms`: (softcap: the cap or None, the shared tile of
-    the capped scores' slope or None, alibi: (fp32 slopes, their batch stride) or None, dropout: ((rng_state, p, query
-    heads, first head), the shared tile of the whole P^T) or None)."""
+    """`grads`: (dK, dV, their strides, v's head dim or None: q/k's); `sizes`: the kernel's; `terms`: (softcap: the
+    cap or None, the shared tile of the capped scores' slope or None, alibi: (fp32 slopes, their batch stride) or None,
+    dropout: ((rng_state, p, query heads, first head), the shared tile of the whole P^T) or None). dV is split into
+    halves of v's head block as dK is of q/k's."""
     softcap, slope_tile, alibi, dropout = terms
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = workers.tile_schedule(consts, seqs, mask)
-    head_dim, group, scale = sizes.head_dim, sizes.group, sizes.scale
+    group, scale = sizes.group, sizes.scale
     BLOCK_M: gl.constexpr = consts.BLOCK_M
     BLOCK_N: gl.constexpr = consts.BLOCK_N
     HEAD_D: gl.constexpr = consts.HEAD_D
     NUM_STAGES: gl.constexpr = consts.NUM_STAGES
     dtype: gl.constexpr = bufs.k.dtype
     HALF_D: gl.constexpr = HEAD_D // 2
+    HALF_DV: gl.constexpr = consts.HEAD_DV // 2
     k_tile, v_tile = bufs.kv()
     k_half = k_tile.slice(HALF * HALF_D, HALF_D, dim=1)
 
@@ -82,6 +84,8 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
                                                        instr_shape=[16, BLOCK_M, 16])
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
                                                           instr_shape=[16, HALF_D, 16])
+    dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
+                                                        instr_shape=[16, HALF_DV, 16])
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)   # one value per key (row of S^T)
 
@@ -89,7 +93,7 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
     offs_m_tile = gl.arange(0, BLOCK_M, layout=col_layout)
     scale_log2 = scale * LOG2E
     dk = gl.zeros([BLOCK_N, HALF_D], gl.float32, half_layout)
-    dv = gl.zeros([BLOCK_N, HALF_D], gl.float32, half_layout)
+    dv = gl.zeros([BLOCK_N, HALF_DV], gl.float32, dv_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
     dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, half_layout)
 
@@ -152,7 +156,7 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
             mbarrier.arrive(xchg.ds_ready, count=1)
 
         # ---- this half: dV_h += P^T dO_h, dK_h += dS^T Q_h, dQ_h = dS K_h (A operands in shared memory) ----
-        dv = warpgroup_mma(xchg.pt, slot(bufs.do.bufs, stage).slice(HALF * HALF_D, HALF_D, dim=1), dv,
+        dv = warpgroup_mma(xchg.pt, slot(bufs.do.bufs, stage).slice(HALF * HALF_DV, HALF_DV, dim=1), dv,
                            is_async=True)
         dk = warpgroup_mma(xchg.dst, slot(bufs.q.bufs, stage).slice(HALF * HALF_D, HALF_D, dim=1), dk,
                            is_async=True)
@@ -165,19 +169,19 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
         workers.hand_dq(consts, bufs, dq, scale, step, HALF)
 
     # ---- epilogue: dK_h (scaled) and dV_h in the output dtype ----
-    workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, head_dim, scale, HALF * HALF_D, seqs.VARLEN)
+    workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, sizes, scale, HALF, seqs.VARLEN)
 
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, semaphores,
                              cu_seqlens, schedule, stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi,
-                             dropout, TILE: gl.constexpr, CALL: gl.constexpr):
+                             dropout, head_dim_v, TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim (dropout and a softcap
     not both: their tiles would exceed the shared memory)."""
     gl.static_assert(dropout is None or softcap is None, "bwd_ws_split takes dropout or a softcap, not both")
-    consts, seqs, mask = workers.prologue(TILE, CALL, 2, cu_seqlens, schedule, sizes, window)   # dQ in halves
+    consts, seqs, mask = workers.prologue(TILE, CALL, 2, cu_seqlens, schedule, sizes, window, v_desc)   # dQ in halves
     Lse, Delta = stats
     dK, dV = grads
     Sem, sem_m_tiles = semaphores
@@ -207,7 +211,7 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, gr
     xchg = Exchange(pt_smem, dst_smem, p_ready, ds_ready, ps_free)  # type: ignore[call-arg]
 
     group = sizes.group
-    grads = (dK, dV, stride_dk, stride_dv)
+    grads = (dK, dV, stride_dk, stride_dv, head_dim_v)
     # One literal list (no comprehension): the code generator then wraps a launch's constant 1 (sem_m_tiles, an lse
     # stride) as a constexpr, which crosses into a worker partition; a comprehension's plain int does not.
     gl.warp_specialize([

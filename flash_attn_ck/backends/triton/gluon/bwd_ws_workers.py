@@ -20,13 +20,15 @@ from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot
 class PartitionConstants:
     """The constants every partition reads: the kernel's tile (config.WsTile: NUM_STAGES the Q/dO ring's, DQ_STAGES
     the dQ hand-off's buffers, NUM_WARPS the first MMA warpgroup's), the head dim in shared memory (HEAD_D), the
-    deterministic mode, and DQ_PARTS, the dQ hand-off's column parts (one per MMA warpgroup that owns a part of the
+    deterministic mode, v's and dO's head dim in shared memory (HEAD_DV: HEAD_D's, or a narrower v's own), and DQ_PARTS,
+    the dQ hand-off's column parts (one per MMA warpgroup that owns a part of the
     head dim: 2 in bwd_ws_split); with NAMED_BARRIERS (config.WsTile.named_barriers) the hardware barriers of the
     Q/dO ring's slots (from RING_BARRIER) and of the dQ hand-off's buffers (from DQ_BARRIER), each completed by
     NAMED_THREADS threads: the MMA partition's and one worker warp's (named_arrive, named_wait)."""
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     HEAD_D: gl.constexpr
+    HEAD_DV: gl.constexpr
     NUM_STAGES: gl.constexpr
     DQ_STAGES: gl.constexpr
     DQ_PARTS: gl.constexpr
@@ -39,10 +41,11 @@ class PartitionConstants:
     DQ_BARRIER: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, TILE, HEAD_D, DETERMINISTIC, DQ_PARTS):
+    def __init__(self, TILE, HEAD_D, HEAD_DV, DETERMINISTIC, DQ_PARTS):
         for name in ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "key_major", "named_barriers"):
             setattr(self, name.upper(), gl.constexpr(getattr(TILE, name)))
         self.HEAD_D = gl.constexpr(HEAD_D)
+        self.HEAD_DV = gl.constexpr(HEAD_DV)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_PARTS = gl.constexpr(DQ_PARTS)
         self.NAMED_THREADS = gl.constexpr(32 * (TILE.num_warps + 1))
@@ -53,9 +56,9 @@ class PartitionConstants:
 @aggregate
 class Buffers:
     """The loader's shared memory and barriers: K, V (behind kv_ready) and the Q/dO rings ((rows, 1, HEAD_D) boxes of
-    one head) with lse·log2e and delta beside them (q's ready barrier counts Q's bytes and the loader's lse/delta
-    stores); Q and dO share their "empty" barriers, released by every MMA partition. `dq`: the dQ hand-off ring (ready:
-    "dq_full", one arrival per part; empty: the writer's)."""
+    one head; V's and dO's of HEAD_DV columns) with lse·log2e and delta beside them (q's ready barrier counts Q's
+    bytes and the loader's lse/delta stores); Q and dO share their "empty" barriers, released by every MMA partition.
+    `dq`: the dQ hand-off ring (ready: "dq_full", one arrival per part; empty: the writer's)."""
     q: Ring
     do: Ring
     k: gl.shared_memory_descriptor
@@ -67,7 +70,7 @@ class Buffers:
 
     @gluon.jit
     def kv(self):
-        """K and V, (BLOCK_N, 1, HEAD_D) boxes of one head, as (BLOCK_N, HEAD_D) tiles."""
+        """K and V, (BLOCK_N, 1, HEAD_D) and (BLOCK_N, 1, HEAD_DV) boxes of one head, as 2-D tiles."""
         return slot_of(self.k), slot_of(self.v)
 
 
@@ -155,12 +158,13 @@ def step_slope(alibi, b, kv_head, group, step, m_tiles):
 
 # ---- the kernels' shared prologue ------------------------------------------------------------------
 @gluon.jit
-def prologue(TILE, CALL, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, window):
+def prologue(TILE, CALL, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, window, v_desc):
     """(PartitionConstants, Sequences, Mask) of a kernel from its arguments (bwd_ws.attn_bwd_ws_kernel's; DQ_PARTS:
-    PartitionConstants's)."""
+    PartitionConstants's; HEAD_DV from v's box)."""
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
     seqs = Sequences(cu_seqlens_q, cu_seqlens_k, sizes.seqlen_q, sizes.seqlen_k, CALL.VARLEN, schedule)
-    return PartitionConstants(TILE, CALL.HEAD_D, CALL.DETERMINISTIC, DQ_PARTS), seqs, Mask(window, CALL.MASK)
+    consts = PartitionConstants(TILE, CALL.HEAD_D, v_desc.block_type.shape[2], CALL.DETERMINISTIC, DQ_PARTS)
+    return consts, seqs, Mask(window, CALL.MASK)
 
 
 @gluon.jit
@@ -186,9 +190,9 @@ def allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, RELEASES: gl.cons
     NUM_STAGES: gl.constexpr = consts.NUM_STAGES
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, HEAD_D], do_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, consts.HEAD_DV], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, 1, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, 1, HEAD_D], v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, 1, consts.HEAD_DV], v_desc.layout)
     rows_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], rows_layout)
@@ -344,24 +348,34 @@ def hand_dq(consts, bufs, dq, scale, step, PART: gl.constexpr):
 
 # ---- epilogue of the MMA partitions -------------------------------------------------------------
 @gluon.jit
-def store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, head_dim, scale, COL0: gl.constexpr,
-              VARLEN: gl.constexpr):
-    """dK (scaled) and dV, (key rows, columns COL0 ...) accumulators in fp32, stored in the output dtype: rows of
-    this sequence only, columns below head_dim only (not the shared-memory padding). `grads`: (dK, dV, their
-    (batch, row, head) strides)."""
-    dK, dV, stride_dk, stride_dv = grads
-    stride_dkb, stride_dkr, stride_dkh = stride_dk
-    stride_dvb, stride_dvr, stride_dvh = stride_dv
-    layout: gl.constexpr = dk.type.layout
-    offs_r = n0 + gl.arange(0, dk.shape[0], layout=gl.SliceLayout(1, layout))
-    offs_d = COL0 + gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
-    keep = gl.expand_dims(offs_r < len_k, 1) & gl.expand_dims(offs_d < head_dim, 0)
+def store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, sizes, scale, PART: gl.constexpr, VARLEN: gl.constexpr):
+    """dK (scaled) and dV, fp32 accumulators of (key rows, columns) in the output dtype: rows of this sequence only,
+    columns below q/k's head dim (dK) and v's (dV) only, not the shared-memory padding. PART: which part of each one's
+    columns the accumulators hold (bwd_ws_split's halves; 0: all). `grads`: (dK, dV, their (batch, row, head)
+    strides, v's head dim or None: q/k's); `sizes`: launch.GluonSizes."""
+    dK, dV, stride_dk, stride_dv, head_dim_v = grads
+    if head_dim_v is None:
+        head_dim_v = sizes.head_dim
+    dk_ptrs, dk_keep = _row_pointers(dk, dK, stride_dk, n0, b, kv_head, k_row0, len_k, sizes.head_dim,
+                                     PART * dk.shape[1], VARLEN)
+    dv_ptrs, dv_keep = _row_pointers(dv, dV, stride_dv, n0, b, kv_head, k_row0, len_k, head_dim_v,
+                                     PART * dv.shape[1], VARLEN)
+    gl.store(dk_ptrs, (dk * scale).to(dK.dtype.element_ty), mask=dk_keep)
+    gl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=dv_keep)
+
+
+@gluon.jit
+def _row_pointers(acc, Out, strides, n0, b, kv_head, k_row0, len_k, cols, COL0: gl.constexpr, VARLEN: gl.constexpr):
+    """Where one kv head's (key rows n0..., columns COL0...) accumulator `acc` goes in Out, and the mask of the
+    sequence's rows and the columns below `cols`."""
+    stride_b, stride_r, stride_h = strides
+    layout: gl.constexpr = acc.type.layout
+    offs_r = n0 + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    offs_d = COL0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    keep = gl.expand_dims(offs_r < len_k, 1) & gl.expand_dims(offs_d < cols, 0)
     rows = offs_r.to(gl.int64)
     if VARLEN:
         rows += k_row0
-    dk_ptrs = (dK + b.to(gl.int64) * stride_dkb + kv_head * stride_dkh + gl.expand_dims(rows * stride_dkr, 1)
-               + gl.expand_dims(offs_d, 0))
-    dv_ptrs = (dV + b.to(gl.int64) * stride_dvb + kv_head * stride_dvh + gl.expand_dims(rows * stride_dvr, 1)
-               + gl.expand_dims(offs_d, 0))
-    gl.store(dk_ptrs, (dk * scale).to(dK.dtype.element_ty), mask=keep)
-    gl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=keep)
+    ptrs = (Out + b.to(gl.int64) * stride_b + kv_head * stride_h + gl.expand_dims(rows * stride_r, 1)
+            + gl.expand_dims(offs_d, 0))
+    return ptrs, keep
