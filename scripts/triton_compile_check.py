@@ -128,7 +128,7 @@ def variants(block_ds):
 
 # (d, d_v) of the value-head-dim variants: MLA's pair (v's block narrower) and a v wider than q/k.
 VALUE_HEAD_DIMS = ((192, 128), (64, 128))
-GLUON_VALUE_HEAD_DIMS = ((192, 128), (128, 64))   # fwd_ws takes a narrower v (MLA's first)
+GLUON_VALUE_HEAD_DIMS = ((192, 128), (128, 64))   # the warp-specialised kernels take a narrower v (MLA's first)
 
 
 def value_head_dim_variants(names: str = ""):
@@ -189,10 +189,11 @@ def gluon_variants(head_dims, names: str = ""):
 
 
 def narrower_value_variants(head_dims, names: str = ""):
-    """(name, launch spec) of fwd_ws with a v narrower than q/k (V and O tiles of v's head block) at the pairs of
-    GLUON_VALUE_HEAD_DIMS whose q/k head block is in `head_dims`, then with q/k in a block and a tail block (MLA's
-    (192, 128) on the d128 tile, config.fwd_ws_qk_tail) where `head_dims` holds 128: causal, dense and varlen."""
-    from gluon_compile import fwd_spec
+    """(name, launch spec) of fwd_ws and the backward (bwd_ws, bwd_ws_split) with a v narrower than q/k (V, O, dO and
+    dV tiles of v's head block) at the pairs of GLUON_VALUE_HEAD_DIMS whose q/k head block is in `head_dims`, then
+    fwd_ws with q/k in a block and a tail block (MLA's (192, 128) on the d128 tile, config.fwd_ws_qk_tail) where
+    `head_dims` holds 128: causal, dense and varlen."""
+    from gluon_compile import bwd_spec, fwd_spec
     for d, d_v in GLUON_VALUE_HEAD_DIMS:
         if config.head_block(d) in head_dims:
             for varlen in (False, True):
@@ -200,6 +201,11 @@ def narrower_value_variants(head_dims, names: str = ""):
                 if names in name:
                     yield name, fwd_spec(config.fwd_ws_tile(d, True), d, varlen, (False, False, True),
                                          head_dim_v=d_v)
+                spec = bwd_spec(config.bwd_ws_tile(d, True, 1, False), d, varlen, (False, False, True),
+                                head_dim_v=d_v)
+                name = f"{spec.kernel.fn.__name__} d{d}/d_v{d_v} causal=True varlen={varlen}"
+                if names in name:
+                    yield name, spec
     if 128 in head_dims:
         for varlen in (False, True):
             name = f"fwd_ws d192/d_v128 q/k tail 64 causal=True varlen={varlen}"
