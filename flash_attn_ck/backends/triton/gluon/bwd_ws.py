@@ -185,18 +185,18 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, semaphores, cu_seqlens, schedule,
-                       stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi, dropout, head_dim_v,
+                       stride_lse, grad_strides, sizes, window, softcap, alibi, dropout, head_dim_v,
                        TILE: gl.constexpr, CALL: gl.constexpr):
-    """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR, or with a `schedule`
-    (varlen: int32 (rows, 2) [sequence, key tile], else a constexpr None) (kv heads, rows) (workers.cta_coords);
-    num_warps = TILE.num_warps. `stats`: (Lse, Delta); `grads`: (dK, dV); `semaphores`: the deterministic mode's
-    (int32 semaphores, their query tiles per head; a stand-in pointer otherwise); `cu_seqlens`: (q, k); `stride_lse`:
-    (batch, head); `stride_dk`, `stride_dv`: (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right);
-    `softcap`: the scores' cap, or None; `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch
-    stride, 0 for (query heads,)), or None (None: a constant, the kernel compiles without the term); `dropout`: (int64
-    [seed, offset] rng_state, p, the call's query heads, the launch's first query head) of core/dropout.py's pattern,
-    or None; `head_dim_v`: v's head dim where it is not q/k's (v, dO and dV then of their own width, V and dO tiles
-    of their own head block), else None; TILE: config.WsTile; CALL: launch.MaskFlags. See the module docstring."""
+    """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR, or with a `schedule` (varlen:
+    int32 (rows, 2) [sequence, key tile], else a constexpr None) (kv heads, rows) (workers.cta_coords); num_warps =
+    TILE.num_warps. `stats`: (Lse, Delta); `grads`: (dK, dV); `semaphores`: the deterministic mode's (int32 semaphores,
+    their query tiles per head; a stand-in pointer otherwise); `cu_seqlens`: (q, k); `stride_lse`: (batch, head);
+    `grad_strides`: dK's and dV's (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); `softcap`:
+    the scores' cap, or None; `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch stride, 0 for
+    (query heads,)), or None (None: a constant, the kernel compiles without the term); `dropout`: (int64 [seed, offset]
+    rng_state, p, the call's query heads, the launch's first query head) of core/dropout.py's pattern, or None;
+    `head_dim_v`: v's head dim where it is not q/k's (v, dO and dV then of their own width, V and dO tiles of their own
+    head block), else None; TILE: config.WsTile; CALL: launch.MaskFlags. See the module docstring."""
     consts, seqs, mask = workers.prologue(TILE, CALL, 1, cu_seqlens, schedule, sizes, window, v_desc)
     Lse, Delta = stats
     dK, dV = grads
@@ -210,7 +210,7 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, s
 
     group = sizes.group
     gl.warp_specialize([
-        (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, stride_dk, stride_dv, head_dim_v), sizes,
+        (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, grad_strides, head_dim_v), sizes,
                (softcap, alibi, dropout))),
         (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
                           group)),
@@ -255,7 +255,7 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
         stats=(lse, delta), grads=(dk, dv),
         semaphores=(semaphores if semaphores is not None else lse, semaphore_tiles(seqlen_q, tile)),
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
-        stride_lse=lse_strides, stride_dk=dk_strides, stride_dv=dv_strides,
+        stride_lse=lse_strides, grad_strides=(dk_strides, dv_strides),
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
         softcap=softcap or None, alibi=alibi, dropout=dropout, head_dim_v=v.shape[-1] if v.shape[-1] != d else None,
         TILE=tile,

@@ -175,7 +175,7 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, semaphores,
-                             cu_seqlens, schedule, stride_lse, stride_dk, stride_dv, sizes, window, softcap, alibi,
+                             cu_seqlens, schedule, stride_lse, grad_strides, sizes, window, softcap, alibi,
                              dropout, head_dim_v, TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim (dropout and a softcap
@@ -211,7 +211,7 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, gr
     xchg = Exchange(pt_smem, dst_smem, p_ready, ds_ready, ps_free)  # type: ignore[call-arg]
 
     group = sizes.group
-    grads = (dK, dV, stride_dk, stride_dv, head_dim_v)
+    grads = (dK, dV, grad_strides, head_dim_v)
     # One literal list (no comprehension): the code generator then wraps a launch's constant 1 (sem_m_tiles, an lse
     # stride) as a constexpr, which crosses into a worker partition; a comprehension's plain int does not.
     gl.warp_specialize([

@@ -353,7 +353,8 @@ def store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, sizes, scale, PART: 
     columns below q/k's head dim (dK) and v's (dV) only, not the shared-memory padding. PART: which part of each one's
     columns the accumulators hold (bwd_ws_split's halves; 0: all). `grads`: (dK, dV, their (batch, row, head)
     strides, v's head dim or None: q/k's); `sizes`: launch.GluonSizes."""
-    dK, dV, stride_dk, stride_dv, head_dim_v = grads
+    dK, dV, strides, head_dim_v = grads
+    stride_dk, stride_dv = strides
     if head_dim_v is None:
         head_dim_v = sizes.head_dim
     dk_ptrs, dk_keep = _row_pointers(dk, dK, stride_dk, n0, b, kv_head, k_row0, len_k, sizes.head_dim,
