@@ -92,17 +92,11 @@ def test_fwd_ws_runs_a_narrower_v_at_its_own_head_dim(monkeypatch, case):
     dict(batch=2, seqlen_q=300, seqlen_k=300, heads_q=4, heads_k=2, head_dim=96, head_dim_v=40, dropout_p=0.2,
          softcap=20.0),
 ], ids=[*NARROWER_V, "d128-v64-deterministic", "d96-v40-dropout-softcap"])
-@pytest.mark.parametrize("width", ["own", "padded"])
-def test_the_ws_backward_runs_a_narrower_v(monkeypatch, case, width):
-    """bwd_ws / bwd_ws_split (forced on) take calls whose v is narrower than q/k as they are, V, dO and dV tiles of
-    v's head block ("own"), or, where value_width says so (a stand-in here), with v and dout padded with zeros to
-    q/k's head dim ("padded"; operators._WarpSpecialisedBackward.run): the kernel gets that width for v, dout and dV,
-    and the gradients are the d_v attention's."""
-    from flash_attn_ck.backends.triton import operators
+def test_the_ws_backward_runs_a_narrower_v(monkeypatch, case):
+    """bwd_ws / bwd_ws_split (forced on) take calls whose v is narrower than q/k as they are
+    (operators._WarpSpecialisedBackward.run): the kernel gets v's width for v, dout and dV (V, dO and dV tiles of v's
+    head block), and the gradients are the d_v attention's."""
     from flash_attn_ck.backends.triton.gluon import bwd_ws
-    if width == "padded":
-        monkeypatch.setattr(operators._WarpSpecialisedBackward, "value_width",
-                            classmethod(lambda cls, backend, p: p.head_dim_padded))
     widths, real = [], bwd_ws.launch
     monkeypatch.setattr(bwd_ws, "launch", lambda q, k, v, dout, lse, delta, dq, dk, dv, *args, **kwargs: (
         widths.append((q.shape[-1], v.shape[-1], dout.shape[-1], dv.shape[-1])),
@@ -110,8 +104,7 @@ def test_the_ws_backward_runs_a_narrower_v(monkeypatch, case, width):
     with use_backend(TritonBackend(ws=True)):
         check_case(Config(**case, dtype=torch.bfloat16), backend="triton", device="cuda")
     padded = (case["head_dim"] + 7) // 8 * 8, (case["head_dim_v"] + 7) // 8 * 8
-    want = padded[0] if width == "padded" else padded[1]
-    assert widths and all(w == (padded[0], want, want, want) for w in widths), widths
+    assert widths and all(w == (padded[0], padded[1], padded[1], padded[1]) for w in widths), widths
 
 
 @pytest.mark.parametrize("case", [

@@ -153,29 +153,22 @@ def test_forward_dispatches_on_the_reasons(sm90, monkeypatch, forced, causal):
 @pytest.mark.parametrize("head_dims", [(192, 128), (256, 200), (128, 64), (64, 128), (96, 96), (96, 40), (64, 40)])
 @pytest.mark.parametrize("forced", [False, True], ids=["defaults", "forced"])
 def test_a_value_head_dim_no_wider_than_q_k_s_runs_on_fwd_ws(sm90, monkeypatch, head_dims, forced):
-    """fwd_ws takes a v no wider than q/k (MLA's (192, 128)), never a wider one: forced on at v's own head dim; by
-    default at v's own head dim in the head blocks of own_value_head_blocks (config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS;
-    a stand-in here: 128) and padded to q/k's in those of FWD_WS_PADDED_VALUE_HEAD_BLOCKS (256), the plan line saying
-    which; else the reasons say why."""
-    monkeypatch.setattr(operators.FwdWs, "own_value_head_blocks", frozenset({128}))
-    monkeypatch.setattr(operators.FwdWs, "narrower_value_head_blocks", frozenset({128, 256}))
+    """fwd_ws takes a v no wider than q/k (MLA's (192, 128)) at v's own head dim, never a wider one: forced on, or by
+    default in the head blocks of its narrower_value_head_blocks (config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS; a
+    stand-in here: 256), the plan line saying so; else the reasons say why."""
+    monkeypatch.setattr(operators.FwdWs, "narrower_value_head_blocks", frozenset({256}))
     d, d_v = head_dims
     p = problem(head_dim=d, heads=(8, 2), causal=True, head_dim_v=d_v)
     backend = TritonBackend(fwd_ws=forced or None)
-    block = config.head_block(d)
-    runs = d_v <= d and (forced or d_v == d or block in (128, 256))
+    runs = d_v <= d and (forced or d_v == d or config.head_block(d) == 256)
     line = backend.forward_kernel(p)
     assert (backend.operator(p, "forward") is operators.FwdWs) is runs, line
     if d_v > d:
         assert "value head dim 128 above q/k's 64: its O leaves through q's shared-memory tile" in line
     elif not runs:
         assert f"value head dim {d_v} below q/k's {d}: not measured faster" in line
-    elif d_v < d and block == 256 and not forced:
-        assert f"v padded to head dim {d}" in line, line
-        assert operators.FwdWs.value_width(backend, p) == d
     elif d_v < d:
         assert f"v at v's own head block {config.head_block(d_v)}" in line, line
-        assert operators.FwdWs.value_width(backend, p) == d_v
 
 
 @pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
@@ -192,41 +185,6 @@ def test_a_narrower_v_and_its_out_reach_the_kernel_as_they_are(sm90, monkeypatch
     p = problem(seqlen=300, head_dim=192, heads=(8, 2), batch=1, causal=True, head_dim_v=128)
     operators.FwdWs.run(TritonBackend(fwd_ws=True), p, AttentionParams(q, k, v), out, lse)
     assert len(seen) == 1 and seen[0][0] is v and seen[0][1] is out
-
-
-@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
-def test_a_narrower_v_runs_padded_by_default_and_gives_the_d_v_attention(sm90, monkeypatch, varlen):
-    """FwdWs.run by default on a (192, 128) call in a head block of config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS (a
-    stand-in here): the kernel (a float64 stand-in) gets v padded with zeros to 192 columns and writes a 192-column
-    out, and out keeps the first 128: the attention of the call's own v, to float64 rounding (garbage in the padding
-    would not be zero in out's kept columns only if the padding of v were not zero)."""
-    from flash_attn_ck.backends.triton.gluon import fwd_ws
-    from oracle import naive_attention
-    monkeypatch.setattr(operators.FwdWs, "own_value_head_blocks", frozenset())
-    widths = []
-
-    def one(t):     # the call's one sequence: naive_attention's (rows, heads, dim) and (heads, rows)
-        return t if varlen else t[0]
-
-    def stand_in(q, k, v, out, lse, cu_q, cu_k, *, scale, **_):
-        widths.append((q.shape[-1], v.shape[-1], out.shape[-1]))
-        assert not v[..., 128:].any()
-        attention, lse_rows = naive_attention(one(q), one(k), one(v), causal=True, softmax_scale=scale)[:2]
-        one(out).copy_(attention)
-        one(lse).copy_(lse_rows)
-    monkeypatch.setattr(fwd_ws, "launch", stand_in)
-    gen = torch.Generator().manual_seed(0)
-    shape = (300,) if varlen else (1, 300)
-    q = torch.randn(*shape, 8, 192, generator=gen, dtype=torch.float64)
-    k = torch.randn(*shape, 2, 192, generator=gen, dtype=torch.float64)
-    v = torch.randn(*shape, 2, 128, generator=gen, dtype=torch.float64)
-    p = problem(seqlen=300, head_dim=192, heads=(8, 2), batch=1, causal=True, head_dim_v=128)
-    out = torch.full((*shape, 8, 128), float("nan"), dtype=torch.float64)
-    lse = torch.empty(8, 300, dtype=torch.float64) if varlen else torch.empty(1, 8, 300, dtype=torch.float64)
-    operators.FwdWs.run(TritonBackend(), p, AttentionParams(q, k, v), out, lse)
-    assert widths == [(192, 192, 192)]
-    want = naive_attention(one(q), one(k), one(v), causal=True, softmax_scale=192 ** -0.5)[0]
-    torch.testing.assert_close(one(out), want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("head_dims", [(192, 128), (128, 64)])

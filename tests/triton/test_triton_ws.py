@@ -130,41 +130,29 @@ def test_an_unmeasured_head_dim_keeps_the_one_launch_kernel(sm90, monkeypatch):
 
 
 @pytest.mark.parametrize("head_dims", [(192, 128), (256, 200), (128, 64), (96, 72), (64, 128), (128, 192)])
-@pytest.mark.parametrize("declared", [None, "own", "padded"])
+@pytest.mark.parametrize("measured", [True, False])
 @pytest.mark.parametrize("forced", [True, None])
-def test_a_value_head_dim_runs_on_the_ws_backward_where_declared(sm90, monkeypatch, head_dims, declared, forced):
-    """bwd_ws / bwd_ws_split take a v narrower than q/k, never a wider one: forced on at v's own head dim; by default
-    where config.BWD_WS_NARROWER_VALUE_HEAD_BLOCKS holds q/k's head block at v's own head dim, where
-    BWD_WS_PADDED_VALUE_HEAD_BLOCKS does padded to q/k's (stand-ins here), with the padded buffers planned; the plan's
-    kernel line says which, or else why not."""
+def test_a_value_head_dim_runs_on_the_ws_backward_where_declared(sm90, monkeypatch, head_dims, measured, forced):
+    """bwd_ws / bwd_ws_split take a v narrower than q/k at v's own head dim, never a wider one: forced on, or by
+    default where their narrower_value_head_blocks (config.BWD_WS_NARROWER_VALUE_HEAD_BLOCKS, here a stand-in) hold
+    q/k's head block; the plan's kernel line says so, or else why not, and no padded buffers are planned."""
     d, d_v = head_dims
     block = config.head_block(d)
-    blocks = {"own": frozenset({block}) if declared == "own" else frozenset(),
-              "padded": frozenset({block}) if declared == "padded" else frozenset()}
     for operator in (operators.BwdWs, operators.BwdWsSplit):
-        monkeypatch.setattr(operator, "narrower_value_head_blocks", blocks["own"] | blocks["padded"])
-        monkeypatch.setattr(operator, "own_value_head_blocks", blocks["own"])
+        monkeypatch.setattr(operator, "narrower_value_head_blocks", frozenset({block} if measured else ()))
     plan = TritonBackend(ws=forced).backward_plan(problem(head_dim=d, heads=(8, 2), causal=True, head_dim_v=d_v))
-    runs = d_v < d and (forced or declared is not None)
+    runs = d_v < d and (forced or measured)
     assert plan.kernel.startswith("bwd_ws") is runs, plan.kernel
     assert ("value head dim" in plan.kernel) is not runs, plan.kernel
-    padded = {b.name: b.shape for b in plan.buffers if b.name.endswith("_padded")}
-    if runs and declared == "padded" and not forced:
-        assert padded == {"v_padded": (2, 8192, 2, d), "dout_padded": (2, 8192, 8, d), "dv_padded": (2, 8192, 2, d)}
-        assert f"v and dout padded to head dim {d}" in plan.kernel, plan.kernel
-    else:
-        assert padded == {}
-        assert (f"v and dout at v's own head block {config.head_block(d_v)}" in plan.kernel) is runs, plan.kernel
+    assert (f"v and dout at v's own head block {config.head_block(d_v)}" in plan.kernel) is runs, plan.kernel
+    assert not [b for b in plan.buffers if "padded" in b.name]
 
 
 @pytest.mark.parametrize("operator,head_dims", [(operators.BwdWsSplit, (192, 128)), (operators.BwdWs, (128, 40))])
-@pytest.mark.parametrize("forced", [False, True], ids=["padded", "own"])
-def test_a_narrower_v_on_the_ws_backward_gives_the_d_v_gradients(monkeypatch, operator, head_dims, forced):
+def test_a_narrower_v_on_the_ws_backward_gives_the_d_v_gradients(monkeypatch, operator, head_dims):
     """The warp-specialised backward's run on a call whose v is narrower than q/k: the kernel (a float64 stand-in
-    here) gets v and dout at their own head dim (forced on) or, by default in a head block of
-    config.BWD_WS_PADDED_VALUE_HEAD_BLOCKS (a stand-in), padded with zeros to q/k's, writing a dV that wide; dq, dk and
-    dv are then the gradients of the call's own attention, to float64 rounding (garbage in the padding would reach
-    dq and dk through dP)."""
+    here) gets v, dout and dv as they are, at v's head dim; dq, dk and dv are the gradients of the call's attention,
+    to float64 rounding."""
     from flash_attn_ck.backends.triton.gluon import bwd_ws
     from flash_attn_ck.core.problem import AttentionParams
     from oracle import naive_attention
@@ -189,15 +177,13 @@ def test_a_narrower_v_on_the_ws_backward_gives_the_d_v_gradients(monkeypatch, op
     dout = torch.randn(1, seqlen, 8, d_v, generator=gen, dtype=torch.float64)
     p = replace(problem(seqlen=seqlen, head_dim=d, heads=(8, 2), batch=1, causal=True, head_dim_v=d_v),
                 dtype=torch.float64, device=torch.device("cpu"))
-    monkeypatch.setattr(operator, "own_value_head_blocks", frozenset())
-    backend = TritonBackend(ws=True if forced else None)
+    backend = TritonBackend(ws=True)
     workspace = {b.name: torch.full(b.shape, float("nan"), dtype=torch.float64) for b in operator.buffers(backend, p)}
     workspace["softmax_d"] = torch.empty(p.lse_shape, dtype=torch.float64)
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
     params = AttentionParams(q, k, v, cu_seqlens_q=None, cu_seqlens_k=None)
     operator.run(backend, p, params, None, torch.empty(p.lse_shape), dout, dq, dk, dv, workspace)
-    width = d_v if forced else d
-    assert widths == [(operator.split_d, width, width, width)]
+    assert widths == [(operator.split_d, d_v, d_v, d_v)]
     for got, want in zip((dq, dk, dv), gradients(q, k, v, dout)):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 

@@ -215,19 +215,12 @@ FWD_WS_SM90 = {d: {causal: FwdWsTile(128, 128 if d < 256 else 64, num_stages=2, 
 # these longest-sequence lengths per head block (256: the shortest measured); the operator fwd_ws declares them.
 FWD_WS_DEFAULT_HEAD_DIMS = frozenset({64, 96, 128, 192, 256})
 FWD_WS_MIN_SEQLEN = {64: 1024, 128: 256, 256: 256}
-# Head blocks (q/k's) where fwd_ws runs a v narrower than q/k by default at v's own head dim: none until it has run on
-# a GPU (TritonBackend(fwd_ws=True) runs it there).
-FWD_WS_NARROWER_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()
-# Head blocks where it runs one padded with zeros to q/k's head dim instead (the (d, d) kernel): bench/nvidia-h100.md,
-# (192, 128) causal on the one-launch forward at 186-230 TF/s against 428-527 for fwd_ws's d192 rows, the work of the
-# padded call (its TF/s then count (192 + 128) / (2 * 192) of it: 355-437).
-FWD_WS_PADDED_VALUE_HEAD_BLOCKS = frozenset({256})
-# Head blocks (q/k's) where bwd_ws / bwd_ws_split run a v narrower than q/k (and dout) by default at v's own head dim:
-# none until it has run on a GPU (TritonBackend(ws=True) runs it there)...
-BWD_WS_NARROWER_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()
-# ...and where padded with zeros to q/k's head dim instead: none until measured (the padded call does
-# (3 d + 2 d) / (3 d + 2 d_v) of the work: 1.15x at (192, 128)).
-BWD_WS_PADDED_VALUE_HEAD_BLOCKS: frozenset[int] = frozenset()
+# Head blocks (q/k's) where the warp-specialised kernels run a v narrower than q/k by default (at v's own head dim:
+# V, O, dO and dV tiles of v's head block): where measured faster than the kernel that runs it otherwise
+# (bench/nvidia-h100.md §A value head dim of its own: MLA's (192, 128) causal, fwd_ws 1.4x the (d, d) call with v
+# padded, the ws backward 1.1-1.45x the one-launch backward). Elsewhere TritonBackend(fwd_ws=True) / (ws=True) run it.
+FWD_WS_NARROWER_VALUE_HEAD_BLOCKS = frozenset({256})
+BWD_WS_NARROWER_VALUE_HEAD_BLOCKS = frozenset({256})
 # Where the defaults give a score term to the warp-specialised kernels, which take the sink, the softcap and ALiBi
 # (operators' takes_sink, supports_softcap, supports_alibi), rather than to the one-launch ones: where they measured
 # faster (bench/nvidia-h100.md §Score terms on the warp-specialised kernels, §Softcap and dropout at every head
@@ -248,9 +241,9 @@ WS_ALIBI_TRITON_RELEASES = frozenset({(3, 6)})
 # fwd_ws may load q/k of a head dim in 129-192 as a 128-column block and a tail block (the rest, in a power of two of
 # columns), one matmul each into S: 192 columns in shared memory and in the matmuls where the head block takes 256.
 # Only beside a v of at most 128 columns (MLA's (192, 128)): O then leaves through the first block's buffer, and S and
-# O are the d128 tile's, which runs it (shared memory: Q 48 KB, K 2 x 48, V 2 x 32). Off until measured on a GPU
-# (compiled for sm_90a, with a few more spilled bytes than the d128 tile's own; scripts/lab/candidates.sh fwd-dv).
-FWD_WS_QK_TAIL = False
+# O are the d128 tile's, which runs it (shared memory: Q 48 KB, K 2 x 48, V 2 x 32). On: 1.21-1.23x the 256-column
+# head block at (192, 128) causal (bench/nvidia-h100.md §A value head dim of its own; timed under Triton 3.6).
+FWD_WS_QK_TAIL = True
 
 
 def fwd_ws_qk_tail(head_dim: int, head_dim_v: int) -> int:

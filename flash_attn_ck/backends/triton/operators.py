@@ -166,14 +166,12 @@ class GluonOperator(Operator):
     # it takes dropout).
     softcap_head_blocks: ClassVar[frozenset[int] | None] = None
     dropout_head_blocks: ClassVar[frozenset[int]] = frozenset()
-    # A v wider than q/k is refused (`wider_value_refusal` says why). A narrower one runs by default in the head blocks
-    # (q/k's) of `narrower_value_head_blocks` (where that measured faster than `previous`, the kernel that runs it
-    # otherwise): at its own head dim in those of `own_value_head_blocks`, else padded with zeros to q/k's
-    # (`value_width`); the operator's setting forced on runs it at its own head dim anywhere.
+    # A v wider than q/k is refused (`wider_value_refusal` says why). A narrower one runs at its own head dim (V, O, dO
+    # and dV tiles of v's head block), by default in the head blocks (q/k's) of `narrower_value_head_blocks` (where
+    # that measured faster than `previous`, the kernel that runs it otherwise), forced on anywhere.
     value_head_dim_refusal = None
     wider_value_refusal: ClassVar[str] = "the kernel has one head block"
     narrower_value_head_blocks: ClassVar[frozenset[int]] = frozenset()
-    own_value_head_blocks: ClassVar[frozenset[int]] = frozenset()
     previous: ClassVar[str]
     fp32_outputs_refusal = "its TMA stores go through shared tiles of the input dtype"
     architectures = frozenset({9})
@@ -207,24 +205,11 @@ class GluonOperator(Operator):
                            f"{cls.previous} at head block {block} {forced}")
         return reasons
 
-    @classmethod
-    def value_width(cls, backend, p: AttentionProblem) -> int:
-        """The head dim of the v (and, in the backward, dout) the kernel gets: v's own, or by default outside the head
-        blocks of `own_value_head_blocks` q/k's, v padded with zeros."""
-        block = config.head_block(p.head_dim_padded)
-        if (p.head_dim_v_padded < p.head_dim_padded and cls.setting(backend) is not True
-                and block not in cls.own_value_head_blocks):
-            return p.head_dim_padded
-        return p.head_dim_v_padded
-
-    @classmethod
-    def value_notes(cls, backend, p: AttentionProblem, tensors: str) -> list[str]:
+    @staticmethod
+    def value_notes(p: AttentionProblem, tensors: str) -> list[str]:
         """The plan line's note on a narrower v (`tensors`: what the kernel takes at v's width), if any."""
-        width = cls.value_width(backend, p)
-        if width != p.head_dim_v_padded:
-            return [f"{tensors} padded to head dim {width}"]
-        if width < p.head_dim_padded:
-            return [f"{tensors} at v's own head block {config.head_block(width)}"]
+        if p.head_dim_v_padded < p.head_dim_padded:
+            return [f"{tensors} at v's own head block {config.head_block(p.head_dim_v_padded)}"]
         return []
 
     @classmethod
@@ -320,8 +305,7 @@ class FwdWs(GluonOperator, ForwardOperator):
     supports_dropout = True
     softcap_head_blocks = config.FWD_WS_SOFTCAP_HEAD_BLOCKS
     dropout_head_blocks = config.FWD_WS_DROPOUT_HEAD_BLOCKS
-    narrower_value_head_blocks = config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS | config.FWD_WS_PADDED_VALUE_HEAD_BLOCKS
-    own_value_head_blocks = config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS
+    narrower_value_head_blocks = config.FWD_WS_NARROWER_VALUE_HEAD_BLOCKS
     wider_value_refusal = "its O leaves through q's shared-memory tile"
     previous = "the previous forward"
 
@@ -329,14 +313,13 @@ class FwdWs(GluonOperator, ForwardOperator):
     @per_problem(owners=2)
     def tile(cls, backend, p: AttentionProblem) -> config.FwdWsTile | None:
         return backend.fwd_ws_tile or config.fwd_ws_tile(p.head_dim_padded, p.mask.is_causal,
-                                                         cls.value_width(backend, p))
+                                                         p.head_dim_v_padded)
 
     @classmethod
     def describe(cls, backend, p: AttentionProblem) -> str:
         notes = ["warp-specialised Gluon, sm_90"]
-        notes += cls.value_notes(backend, p, "v")
-        width = cls.value_width(backend, p)
-        tail = config.fwd_ws_qk_tail(p.head_dim_padded, width)
+        notes += cls.value_notes(p, "v")
+        tail = config.fwd_ws_qk_tail(p.head_dim_padded, p.head_dim_v_padded)
         if tail:
             notes.append(f"q/k as 128 + {tail} columns")
         if cls.schedule_walk(backend, p):
@@ -345,21 +328,14 @@ class FwdWs(GluonOperator, ForwardOperator):
 
     @classmethod
     def run(cls, backend, p: AttentionProblem, params: AttentionParams, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """One launch of fwd_ws; v padded with zeros where `value_width` says so, out then through a buffer of that
-        width whose first d_v columns it keeps."""
+        """One launch of fwd_ws (v and out at their own head dim)."""
         from .gluon import fwd_ws
-        v, target, width = params.v, out, cls.value_width(backend, p)
-        if width != v.shape[-1]:
-            v = torch.nn.functional.pad(v, (0, width - v.shape[-1]))
-            target = out.new_empty((*out.shape[:-1], width))
-        fwd_ws.launch(params.q, params.k, v, target, lse, params.cu_seqlens_q, params.cu_seqlens_k,
+        fwd_ws.launch(params.q, params.k, params.v, out, lse, params.cu_seqlens_q, params.cu_seqlens_k,
                       varlen=p.varlen, batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale,
                       tile=cls.tile(backend, p), mask=cls.mask(backend, p), schedule=cls.schedule(backend, p, params),
                       softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None,
                       alibi=_alibi(p, params.alibi_slopes), dropout=_dropout(p, params, 0),
-                      qk_tail=config.fwd_ws_qk_tail(p.head_dim_padded, width))
-        if target is not out:
-            out.copy_(target[..., :out.shape[-1]])
+                      qk_tail=config.fwd_ws_qk_tail(p.head_dim_padded, params.v.shape[-1]))
 
 
 class Forward(ForwardOperator):
@@ -426,10 +402,7 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
     slower_head_dim = "the one-launch kernel measured faster"
     min_seqlen = config.BWD_WS_MIN_SEQLEN
     shorter = "the one-launch kernel measured faster"
-    # V, dO and dV tiles of v's own head block, or v and dout padded with zeros to q/k's (dV's extra columns are
-    # zero and dropped, dP and D unchanged)
-    narrower_value_head_blocks = config.BWD_WS_NARROWER_VALUE_HEAD_BLOCKS | config.BWD_WS_PADDED_VALUE_HEAD_BLOCKS
-    own_value_head_blocks = config.BWD_WS_NARROWER_VALUE_HEAD_BLOCKS
+    narrower_value_head_blocks = config.BWD_WS_NARROWER_VALUE_HEAD_BLOCKS
     previous = "the one-launch backward"
 
     @classmethod
@@ -459,7 +432,7 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
         notes = ["warp-specialised Gluon, sm_90"]
         if cls.split_d:
             notes.append("two warpgroups split the head dim")
-        notes += cls.value_notes(backend, p, "v and dout")
+        notes += cls.value_notes(p, "v and dout")
         if cls.schedule_walk(backend, p):
             notes.append("varlen schedule: the longest key tiles first")
         elif cls.tile(backend, p).key_major:
@@ -477,12 +450,6 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
             buffers.append(BufferSpec("dq_semaphore", (p.batch, heads, tiles),
                                       torch.int32, False, "orders the dQ adds per (batch, head, query tile); zeroed "
                                       "by bwd_preprocess, and before each later launch"))
-        if cls.value_width(backend, p) != p.head_dim_v_padded:
-            k_rows, d = p.k_rows_shape, cls.value_width(backend, p)
-            buffers += [BufferSpec(name, shape, p.dtype, False, purpose) for name, shape, purpose in (
-                ("v_padded", (*k_rows, p.heads_k, d), "v with zero columns up to q/k's head dim (the kernel's one)"),
-                ("dout_padded", (*p.q_rows_shape, p.heads_q, d), "dout likewise"),
-                ("dv_padded", (*k_rows, p.heads_k, d), "the kernel's dV, whose first d_v columns are dv"))]
         return buffers
 
     @classmethod
@@ -498,11 +465,7 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
         delta, dq_acc, sems = workspace["softmax_d"], workspace["dq_accum"], workspace.get("dq_semaphore")
         sizes = backend.sizes(p, d)
         _preprocess(p, out, dout, delta, (dq_acc, None, None, sems), sizes)
-        v, dv_given = params.v, dv
-        if cls.value_width(backend, p) != v.shape[-1]:
-            v, dout, dv = (_zero_padded(t, workspace[name]) for t, name in
-                           ((v, "v_padded"), (dout, "dout_padded"), (None, "dv_padded")))
-        q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, v))
+        q, k, v = (gluon_common.uniform_rows(t, p.varlen) for t in (params.q, params.k, params.v))
         dout = gluon_common.uniform_rows(dout, p.varlen)
         mask = cls.mask(backend, p)
         schedule = cls.schedule(backend, p, params)     # one for every launch: the same items
@@ -528,8 +491,6 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
                  p.rows_q // batch, d)
             if kv.stop < p.heads_k:     # the next launch adds into the accumulator and counts in the semaphores
                 launch.zero_flat(*(t for t in (acc, sems) if t is not None)).launch()
-        if dv is not dv_given:
-            dv_given.copy_(dv[..., :dv_given.shape[-1]])
 
 
 class BwdWs(_WarpSpecialisedBackward):
@@ -713,15 +674,6 @@ def _alibi(p: AttentionProblem, slopes: torch.Tensor | None) -> tuple[torch.Tens
         return None
     assert slopes is not None
     return slopes, launch.slope_batch_stride(slopes, True)
-
-
-def _zero_padded(t: torch.Tensor | None, padded: torch.Tensor) -> torch.Tensor:
-    """`padded` (a plan buffer of the kernel's head dim) holding `t` in its first columns and zeros after them; left
-    as it is where `t` is None (an output the kernel writes whole)."""
-    if t is not None:
-        padded[..., :t.shape[-1]].copy_(t)
-        padded[..., t.shape[-1]:].zero_()
-    return padded
 
 
 def heads_of(t: torch.Tensor, dim: int, heads: slice) -> torch.Tensor:
