@@ -226,6 +226,31 @@ def test_chunked_under_a_workspace_cap():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "varlen"])
+def test_with_dropout_softmax_d_and_dsink_are_the_reference_backends(varlen):
+    """CK's dot_do_o writes D scaled by p_undrop; the backend hands back the package's D = rowsum(dout * out), and the
+    sink's gradient taken from it, as the reference backend does for the same rng_state (to fp32 rounding): a D left
+    scaled gives a dsink (1 - p) times too small."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 16, 4, 32, generator=gen).half()
+    k, v = (torch.randn(1, 16, 2, 32, generator=gen).half() for _ in range(2))
+    dout = torch.randn(1, 16, 4, 32, generator=gen).half()
+    sink, rng = torch.tensor([1.0, 2.0, -0.5, 0.0]), torch.tensor([123, 0])
+    kwargs = dict(dropout_p=0.5, rng_state=rng, learnable_sink=sink)
+    if varlen:
+        q, k, v, dout = (t[0] for t in (q, k, v, dout))
+        cu = torch.tensor([0, 7, 16], dtype=torch.int32)
+        kwargs.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=9, max_seqlen_k=9)
+    results = []
+    for backend in ("reference", emulated()):
+        out, lse, _ = fa.flash_attn_fwd(q, k, v, backend=backend, **kwargs)
+        results.append((out, fa.flash_attn_bwd(dout, q, k, v, out, lse, backend=backend, **kwargs)))
+    (ref_out, ref), (ck_out, ours) = results
+    torch.testing.assert_close(ck_out, ref_out)
+    for name, a, b in zip(("dq", "dk", "dv", "softmax_d", "dsink"), ours, ref):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=name)
+
+
 def test_dropout_can_be_refused_clearly():
     cfg = Config(**{**BASE, "dropout_p": 0.1})
     with pytest.raises(CkError, match="dropout is not emulated"):

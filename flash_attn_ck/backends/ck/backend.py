@@ -452,6 +452,8 @@ class CkBackend(Backend):
             dq.zero_()
         args = backward_args(problem, params, out, lse, dout, dq, dk, dv, workspace)
         self._launch("fack_bwd", self.lib.fack_bwd, args, problem.device)
+        if problem.dropout_p > 0:   # CK's dot_do_o writes D scaled by p_undrop; the package's D is rowsum(dO * O)
+            workspace["softmax_d"].div_(1.0 - problem.dropout_p)
 
     def _launch(self, api: str, fn, args: ctypes.Structure, device: torch.device) -> None:
         if device.type == "cuda":
