@@ -16,9 +16,9 @@
 #     d128's only: concurrent CTAs of one head wait on each other's ordered dQ adds, of different heads they do not)
 #     beside the table tiles and the default deterministic call -> candidates-bwd-det.log
 #   fwd-dv (300 s): fwd_ws at MLA's (192, 128), v at its own head dim, on the d256 tile and two others, then with
-#     config.FWD_WS_QK_TAIL (q/k as a 128-column block and a 64-column tail, the d128 tile) with and without the
-#     intra-warpgroup overlap (spills without it: none), beside the one-launch forward and the padded (192, 192)
-#     call -> candidates-fwd-dv.log
+#     config.FWD_WS_QK_TAIL (q/k as a 128-column block and a 64-column tail, the d128 tile; the default, measured
+#     faster than the d256 tile) with and without the intra-warpgroup overlap (spills without it: none), beside the
+#     one-launch forward and the padded (192, 192) call -> candidates-fwd-dv.log
 set -u
 experiments=("$@")
 [ ${#experiments[@]} -eq 0 ] && experiments=(fwd-split fwd bwd bwd-named bwd-det fwd-dv)
