@@ -335,7 +335,7 @@ class FwdWs(GluonOperator, ForwardOperator):
                       tile=cls.tile(backend, p), mask=cls.mask(backend, p), schedule=cls.schedule(backend, p, params),
                       softcap=p.softcap, sink=params.learnable_sink if cls.takes_sink else None,
                       alibi=_alibi(p, params.alibi_slopes), dropout=_dropout(p, params, 0),
-                      qk_tail=config.fwd_ws_qk_tail(p.head_dim_padded, params.v.shape[-1]))
+                      qk_tail=config.fwd_ws_qk_tail(p.head_dim_padded, p.head_dim_v_padded))
 
 
 class Forward(ForwardOperator):
