@@ -34,7 +34,8 @@ head_dim) views, so a tile may read rows of the next sequence: those query rows 
 (P = 0), those key rows are masked to P = 0 on the last key tile, and dK/dV are stored by masked
 pointers. A dQ tile that spills into the next sequence adds exact zeros there. HEAD_D is the power
 of two at or above head_dim: loads read zeros past head_dim, the dQ reduce-add and the dK/dV stores
-write head_dim columns only.
+write head_dim columns only. A v narrower than q/k (MLA's 192 / 128) has its own: V, dO and dV tiles of
+HEAD_DV columns (v's box), dP^T and dV matmuls that wide, dV stored to v's head dim (`head_dim_v`).
 
 Invariants (on the host: `TritonBackend.ws_reasons` decides which calls run here, gluon_common.uniform_rows
 copies tensors whose rows a descriptor cannot view):

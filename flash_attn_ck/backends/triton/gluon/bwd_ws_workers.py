@@ -18,13 +18,13 @@ from .gluon_common import LOG2E, Mask, Ring, Sequences, aggregate, slot
 
 @aggregate
 class PartitionConstants:
-    """The constants every partition reads: the kernel's tile (config.WsTile: NUM_STAGES the Q/dO ring's, DQ_STAGES
-    the dQ hand-off's buffers, NUM_WARPS the first MMA warpgroup's), the head dim in shared memory (HEAD_D), the
+    """The constants every partition reads: the kernel's tile (config.WsTile: NUM_STAGES the Q/dO ring's, DQ_STAGES the
+    dQ hand-off's buffers, NUM_WARPS the first MMA warpgroup's), the head dim in shared memory (HEAD_D), the
     deterministic mode, v's and dO's head dim in shared memory (HEAD_DV: HEAD_D's, or a narrower v's own), and DQ_PARTS,
-    the dQ hand-off's column parts (one per MMA warpgroup that owns a part of the
-    head dim: 2 in bwd_ws_split); with NAMED_BARRIERS (config.WsTile.named_barriers) the hardware barriers of the
-    Q/dO ring's slots (from RING_BARRIER) and of the dQ hand-off's buffers (from DQ_BARRIER), each completed by
-    NAMED_THREADS threads: the MMA partition's and one worker warp's (named_arrive, named_wait)."""
+    the dQ hand-off's column parts (one per MMA warpgroup that owns a part of the head dim: 2 in bwd_ws_split); with
+    NAMED_BARRIERS (config.WsTile.named_barriers) the hardware barriers of the Q/dO ring's slots (from RING_BARRIER) and
+    of the dQ hand-off's buffers (from DQ_BARRIER), each completed by NAMED_THREADS threads: the MMA partition's and one
+    worker warp's (named_arrive, named_wait)."""
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     HEAD_D: gl.constexpr
