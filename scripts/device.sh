@@ -55,7 +55,7 @@
 #                                                 (300 s) -> ncu-KERNEL.txt
 #   bash scripts/device.sh candidates [EXPERIMENT ...]
 #                                                 the experiments of scripts/lab/candidates.sh (fwd-split, fwd, bwd,
-#                                                 bwd-named, bwd-det, fwd-dv; all by default): tiles compiled but not yet run, checked
+#                                                 bwd-named, bwd-det, fwd-dv, bwd-tail; all by default): tiles compiled but not yet run, checked
 #                                                 and timed beside the defaults by scripts/lab/fwd_ws_check.py and
 #                                                 bwd_ws_check.py -> candidates-EXPERIMENT.log
 #   bash scripts/device.sh ab OLD_TREE SHAPES [ARGS]

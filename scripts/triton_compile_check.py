@@ -190,9 +190,8 @@ def gluon_variants(head_dims, names: str = ""):
 
 def narrower_value_variants(head_dims, names: str = ""):
     """(name, launch spec) of fwd_ws and the backward (bwd_ws, bwd_ws_split) with a v narrower than q/k (V, O, dO and
-    dV tiles of v's head block) at the pairs of GLUON_VALUE_HEAD_DIMS whose q/k head block is in `head_dims`, then
-    fwd_ws with q/k in a block and a tail block (MLA's (192, 128) on the d128 tile, config.fwd_ws_qk_tail) where
-    `head_dims` holds 128: causal, dense and varlen."""
+    dV tiles of v's head block) at the pairs of GLUON_VALUE_HEAD_DIMS whose q/k head block is in `head_dims`, causal,
+    dense and varlen; then `qk_tail_variants`."""
     from gluon_compile import bwd_spec, fwd_spec
     for d, d_v in GLUON_VALUE_HEAD_DIMS:
         if config.head_block(d) in head_dims:
@@ -206,12 +205,28 @@ def narrower_value_variants(head_dims, names: str = ""):
                 name = f"{spec.kernel.fn.__name__} d{d}/d_v{d_v} causal=True varlen={varlen}"
                 if names in name:
                     yield name, spec
+    yield from qk_tail_variants(head_dims, names)
+
+
+def qk_tail_variants(head_dims, names: str = ""):
+    """(name, launch spec) of the kernels with q/k as a 128-column block and a 64-column tail block (d192), causal:
+    fwd_ws beside a v of 128 (config.fwd_ws_qk_tail, the d128 tile) where `head_dims` holds 128, dense and varlen;
+    bwd_ws_split (config.bwd_ws_qk_tail) beside a v of 128 (dense; varlen deterministic) and of 192 (varlen) where it
+    holds 256."""
+    from gluon_compile import bwd_spec, fwd_spec
     if 128 in head_dims:
         for varlen in (False, True):
             name = f"fwd_ws d192/d_v128 q/k tail 64 causal=True varlen={varlen}"
             if names in name:
                 yield name, fwd_spec(config.FWD_WS_SM90[128][True], 192, varlen, (False, False, True), head_dim_v=128,
                                      qk_tail=64)
+    if 256 in head_dims:
+        for d_v, varlen, det in ((128, False, False), (128, True, True), (192, True, False)):
+            spec = bwd_spec(config.bwd_ws_tile(192, True), 192, varlen, (False, False, True), det, head_dim_v=d_v,
+                            qk_tail=64)
+            name = f"{spec.kernel.fn.__name__} d192/d_v{d_v} q/k tail 64 causal=True varlen={varlen} det={det}"
+            if names in name:
+                yield name, spec
 
 
 def term_variants(d: int, names: str = ""):

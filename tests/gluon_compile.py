@@ -106,10 +106,11 @@ def fwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, Fal
 
 def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, False), deterministic: bool = False,
              schedule: bool = False, softcap: float = 0.0, alibi: bool = False, dropout: bool = False,
-             head_dim_v: int | None = None):
+             head_dim_v: int | None = None, qk_tail: int = 0):
     """bwd_ws.launch_spec of `tile` (bwd_ws_split's kernel for a split_d tile) for a call like fwd_spec's, in the
     deterministic mode or not, with the call's varlen schedule or not, with a softcap (0: none), with ALiBi or not,
-    with dropout (p = 0.1) or not; `head_dim_v`: v's, dout's and dv's head dim (None: q/k's)."""
+    with dropout (p = 0.1) or not; `head_dim_v`: v's, dout's and dv's head dim (None: q/k's); `qk_tail`: q/k's tail
+    block's columns (0: none)."""
     from flash_attn_ck.backends.triton.gluon import bwd_ws
     shape, t, call = _call(head_dim, varlen, masks)
     q, lse = t["q"], t["lse"]
@@ -119,7 +120,8 @@ def bwd_spec(tile, head_dim: int, varlen: bool = False, masks=(False, False, Fal
                               v.clone(), t["cu_seqlens"], t["cu_seqlens"], tile=tile, semaphores=sems,
                               schedule=_schedule(schedule, tile.block_n), softcap=softcap,
                               alibi=_alibi(q) if alibi else None,
-                              dropout=(torch.zeros(2, dtype=torch.int64), 0.1, 4, 0) if dropout else None, **call)
+                              dropout=(torch.zeros(2, dtype=torch.int64), 0.1, 4, 0) if dropout else None,
+                              qk_tail=qk_tail, **call)
 
 
 def compile_spec(spec):

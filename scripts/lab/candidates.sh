@@ -19,9 +19,12 @@
 #     config.FWD_WS_QK_TAIL (q/k as a 128-column block and a 64-column tail, the d128 tile; the default, measured
 #     faster than the d256 tile) with and without the intra-warpgroup overlap (spills without it: none), beside the
 #     one-launch forward and the padded (192, 192) call -> candidates-fwd-dv.log
+#   bwd-tail (300 s): bwd_ws_split with q/k as a 128-column block and a tail block (config.BWD_WS_QK_TAIL) against the
+#     256-column head block and the one-launch backward at (192, 128) and (192, 192), both settings checked first
+#     (scripts/lab/bwd_qk_tail.py) -> candidates-bwd-tail.log
 set -u
 experiments=("$@")
-[ ${#experiments[@]} -eq 0 ] && experiments=(fwd-split fwd bwd bwd-named bwd-det fwd-dv)
+[ ${#experiments[@]} -eq 0 ] && experiments=(fwd-split fwd bwd bwd-named bwd-det fwd-dv bwd-tail)
 for experiment in "${experiments[@]}"; do
   case $experiment in
     fwd-split)
@@ -64,6 +67,9 @@ for experiment in "${experiments[@]}"; do
           --tiles 128x128x2x0x1,128x128x2x0x0
       } 2>&1 | tee "$OUT/candidates-fwd-dv.log" | grep -E "^(PASS|FAIL|TIME|ERROR)"
       ;;
-    *) echo "unknown experiment $experiment (fwd-split, fwd, bwd, bwd-named, bwd-det, fwd-dv)" >&2; exit 2 ;;
+    bwd-tail)
+      limit 300 python3 scripts/lab/bwd_qk_tail.py 2>&1 | tee "$OUT/candidates-bwd-tail.log" | grep -E "^(PASS|FAIL|TIME)"
+      ;;
+    *) echo "unknown experiment $experiment (fwd-split, fwd, bwd, bwd-named, bwd-det, fwd-dv, bwd-tail)" >&2; exit 2 ;;
   esac
 done

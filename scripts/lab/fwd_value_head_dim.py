@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 
 import torch
-import triton
+from value_head_dim_check import passes_the_2x_rule, tflops_cell
 
 import flash_attn_ck as fa
 from flash_attn_ck.backends.triton import TritonBackend, config
@@ -38,25 +37,6 @@ def forward_flops(batch, heads, seqlen, d, d_v, causal):
     return 2 * batch * heads * seqlen * seqlen * (d + d_v) / (2 if causal else 1)
 
 
-def timed_ms(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100)
-
-
-def check(d, d_v, tile, causal) -> bool:
-    """The 2x rule on a small GQA call with every sequence-edge case of one tile (ragged lengths)."""
-    sys.path.insert(0, "tests")
-    from cases import check_case
-    from oracle import Config
-    try:
-        with fa.use_backend(TritonBackend(fwd_ws=True, ws=False, fwd_ws_tile=tile)):
-            check_case(Config(batch=2, seqlen_q=333, seqlen_k=333, heads_q=8, heads_k=2, head_dim=d, head_dim_v=d_v,
-                              causal=bool(causal), dtype=torch.bfloat16), backend="triton", device="cuda")
-        return True
-    except Exception:   # an assertion of the 2x rule or a kernel that fails to compile: printed, the others go on
-        traceback.print_exc()
-        return False
-
-
 def main():
     args = parse_args()
     config.FWD_WS_QK_TAIL = args.qk_tail
@@ -66,7 +46,7 @@ def main():
         tiles = [config.fwd_ws_tile(d, bool(args.causal), d_v)]
         tiles += [config.FwdWsTile.parse(t) for t in args.tiles.split(",") if t]
         for tile in tiles:
-            ok = check(d, d_v, tile, args.causal)
+            ok = passes_the_2x_rule(TritonBackend(fwd_ws=True, ws=False, fwd_ws_tile=tile), d, d_v, args.causal)
             failed |= not ok
             print(f"{'PASS' if ok else 'FAIL'} d{d}/d_v{d_v} tile {tile}", flush=True)
         for shape in args.shapes.split(","):
@@ -81,14 +61,9 @@ def main():
                     "padded": (TritonBackend(fwd_ws=True, ws=False), padded)}
             runs.update({f"fwd_ws {tile}": (TritonBackend(fwd_ws=True, ws=False, fwd_ws_tile=tile), v)
                          for tile in tiles})
-            line = []
-            for name, (backend, value) in runs.items():
-                try:
-                    with fa.use_backend(backend):
-                        ms = timed_ms(lambda: fa.flash_attn_func(q, k, value, causal=bool(args.causal)))
-                    line.append(f"{name} {flops / ms / 1e9:.0f}")
-                except Exception as e:   # a tile that does not fit: said, the others timed
-                    line.append(f"{name} ERROR {type(e).__name__}")
+            line = [tflops_cell(name, flops, backend,
+                                lambda value=value: lambda: fa.flash_attn_func(q, k, value, causal=bool(args.causal)))
+                    for name, (backend, value) in runs.items()]
             print(f"TIME d{d}/d_v{d_v} h{heads}/{heads_k} s{seqlen} causal={args.causal} TF/s: " + ", ".join(line),
                   flush=True)
     sys.exit(1 if failed else 0)

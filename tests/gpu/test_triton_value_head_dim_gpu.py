@@ -127,3 +127,32 @@ def test_fwd_ws_with_a_q_k_tail_block(monkeypatch, case):
     with use_backend(TritonBackend(fwd_ws=True)):
         check_case(Config(**case, dtype=torch.bfloat16), backend="triton", device="cuda")
     assert tails and all(t > 0 for t in tails), tails
+
+
+@pytest.mark.parametrize("case", [
+    dict(batch=2, seqlen_q=700, seqlen_k=700, heads_q=8, heads_k=2, head_dim=192, head_dim_v=128, causal=True),
+    dict(seqlens=[(300, 511), (0, 64), (257, 0), (129, 129), (1, 1)], heads_q=4, heads_k=1, head_dim=192,
+         head_dim_v=128, causal=True),
+    dict(batch=1, seqlen_q=513, seqlen_k=900, heads_q=4, heads_k=4, head_dim=160, head_dim_v=128, window=(100, 7)),
+    dict(batch=2, seqlen_q=333, seqlen_k=333, heads_q=6, heads_k=3, head_dim=192, head_dim_v=192, causal=True,
+         deterministic=True),
+    dict(batch=2, seqlen_q=300, seqlen_k=333, heads_q=6, heads_k=3, head_dim=136, head_dim_v=64, dropout_p=0.2,
+         alibi=True),
+], ids=["mla-causal-gqa", "mla-varlen-empty", "d160-v128-window", "d192-deterministic", "d136-v64-dropout-alibi"])
+def test_bwd_ws_split_with_a_q_k_tail_block(monkeypatch, case):
+    """bwd_ws_split with config.BWD_WS_QK_TAIL on (forced on: TritonBackend(ws=True)) loads q/k as a 128-column block
+    and a tail block, its warpgroups owning those columns of dK and dQ (config.bwd_ws_qk_tail), and the gradients are
+    the attention's (deterministic repeats bit-identical where asked)."""
+    from flash_attn_ck.backends.triton import config
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
+    monkeypatch.setattr(config, "BWD_WS_QK_TAIL", True)
+    tails, real = [], bwd_ws.launch
+    monkeypatch.setattr(bwd_ws, "launch", lambda *args, **kwargs: (tails.append(kwargs["qk_tail"]),
+                                                                   real(*args, **kwargs)))
+    cfg = Config(**case, dtype=torch.bfloat16)
+    with use_backend(TritonBackend(ws=True)):
+        first = check_case(cfg, backend="triton", device="cuda")
+        if cfg.deterministic:
+            second = check_case(cfg, backend="triton", device="cuda")
+            assert all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+    assert tails and all(t > 0 for t in tails), tails

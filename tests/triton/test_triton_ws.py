@@ -30,7 +30,7 @@ from cases import tile_head_dims  # noqa: E402
 from flash_attn_ck.backends.triton import config, operators  # noqa: E402
 from flash_attn_ck.backends.triton.backend import TritonBackend  # noqa: E402
 from flash_attn_ck.core.mask import MaskInfo  # noqa: E402
-from flash_attn_ck.core.problem import AttentionProblem  # noqa: E402
+from flash_attn_ck.core.problem import AttentionParams, AttentionProblem  # noqa: E402
 
 
 @pytest.fixture
@@ -207,6 +207,65 @@ def test_a_narrower_v_compiles_with_v_s_own_tiles_on_the_ws_backward(head_dims):
               for k in (same, narrower)]
     work = [sum(n * count for n, count in w.items()) for w in widths]
     assert widths[1][old] < widths[0][old] and new in widths[1] and work[1] < work[0], widths
+
+
+@pytest.mark.parametrize("head_dims,tail", [((192, 128), 64), ((192, 192), 64), ((160, 128), 32), ((136, 64), 32),
+                                             ((256, 128), 0), ((128, 64), 0)])
+def test_q_k_take_a_tail_block_on_bwd_ws_split_where_config_turns_it_on(sm90, monkeypatch, head_dims, tail):
+    """With config.BWD_WS_QK_TAIL on, bwd_ws_split loads q/k of a head dim in 129-192 (beside any v) as a 128-column
+    block and a tail block of the rest, and hands dQ over in those two parts (dq_accum's boxes likewise); other calls,
+    and every call with it off, take the head block whole (in halves)."""
+    from flash_attn_ck.backends.triton.gluon import bwd_ws
+    d, d_v = head_dims
+    p = problem(head_dim=d, heads=(8, 2), causal=True, head_dim_v=d_v)
+    for on in (False, True):
+        monkeypatch.setattr(config, "BWD_WS_QK_TAIL", on)
+        backend = TritonBackend(ws=True)
+        operator = backend.operator(p, "backward")
+        want = tail if on else 0
+        assert operator.qk_tail(p) == want
+        assert (f"q/k as 128 + {want} columns" in backend.backward_plan(p).kernel) is bool(want)
+        spec = bwd_spec(config.bwd_ws_tile(d, True), d, False, (False, False, True), head_dim_v=d_v, qk_tail=want) \
+            if config.bwd_ws_tile(d, True).split_d else None
+        if spec is None:
+            assert not want
+            continue
+        boxes = [spec.args[name].block_shape[-1] for name in ("q_desc", "k_desc", "dq_desc")]
+        tails = [t.block_shape[-1] for t in spec.args["tail_descs"]] if want else None
+        assert boxes == ([128] * 3 if want else [config.head_block(d)] * 2 + [config.head_block(d) // 2])
+        assert tails == ([want] * 3 if want else None)
+        assert spec.args["CALL"] == replace(spec.args["CALL"], QK_TAIL=want)
+        seen = []
+        monkeypatch.setattr(bwd_ws, "launch", lambda *args, **kwargs: seen.append(kwargs["qk_tail"]))
+        monkeypatch.setattr(operators, "_preprocess", lambda *args: None)
+        monkeypatch.setattr(operators, "cast", lambda *args: None)
+        q, k = torch.zeros(2, 2048, 8, d, dtype=torch.bfloat16), torch.zeros(2, 2048, 2, d, dtype=torch.bfloat16)
+        v = torch.zeros(2, 2048, 2, d_v, dtype=torch.bfloat16)
+        workspace = {b.name: torch.zeros(b.shape, dtype=b.dtype) for b in operator.buffers(backend, p)}
+        workspace["softmax_d"] = torch.zeros(p.lse_shape)
+        operator.run(backend, p, AttentionParams(q, k, v), q.new_zeros(2, 2048, 8, d_v), torch.zeros(p.lse_shape),
+                     q.new_zeros(2, 2048, 8, d_v), torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v),
+                     workspace)
+        assert seen and set(seen) == {want}
+
+
+@pytest.mark.parametrize("head_dims", [(192, 128), (192, 192), (160, 128)])
+def test_a_tail_block_takes_exactly_its_columns_of_the_split_backward(head_dims):
+    """bwd_ws_split with q/k as a 128-column block and a tail block compiles for sm_90a with shared memory smaller than
+    with the 256-column head block by the tail's missing columns of the Q ring, K and the fp32 dQ buffers (to the
+    allocator's alignment of the more buffers), and matmul work (each m64 k16 wgmma counted by its N) smaller by those
+    columns of S^T, dK and dQ."""
+    d, d_v = head_dims
+    tile = config.bwd_ws_tile(d, True)
+    tail = config.head_block(d - 128)
+    whole, split = (compile_spec(bwd_spec(tile, d, False, (False, False, True), head_dim_v=d_v, qk_tail=t))
+                    for t in (0, tail))
+    columns = config.head_block(d) - 128 - tail
+    saved = (tile.num_stages * tile.block_m + tile.block_n) * columns * 2 + tile.dq_stages * tile.block_m * columns * 4
+    assert saved - 1024 < whole.metadata.shared - split.metadata.shared <= saved
+    work = [sum(int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16", k.asm["ptx"]))
+            for k in (whole, split)]
+    assert work[0] - work[1] == columns * (2 * tile.block_m + tile.block_n) // 16
 
 
 def test_plan_names_the_kernel_and_bounds_dq_accum(sm90):
@@ -402,7 +461,7 @@ def test_a_few_queries_against_long_keys_compile_as_launched(head_dim, seqlen_q,
                               mask=GluonMask((0, 0), MaskFlags(False, False, False)), tile=tile,
                               softcap=30.0 if term == "softcap" else 0.0,
                               alibi=(torch.rand(4), 0) if term == "alibi" else None)
-    assert spec.args["semaphores"][1] == 1 and (seqlen_q > 1 or spec.args["stride_lse"][1] == 1)
+    assert spec.args["semaphores"][1] == 1 and (seqlen_q > 1 or spec.args["strides"][0][1] == 1)
     assert "wgmma.mma_async" in compile_as_launched(spec).asm["ptx"]
 
 

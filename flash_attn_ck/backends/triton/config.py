@@ -246,11 +246,26 @@ WS_ALIBI_TRITON_RELEASES = frozenset({(3, 6)})
 FWD_WS_QK_TAIL = True
 
 
+# bwd_ws_split may likewise take q/k of a head dim in 129-192 as a 128-column block and a tail block, beside any v: its
+# two warpgroups then own dK's and dQ's first 128 columns and the tail's (not halves of 256), S^T the sum of two
+# matmuls: 832 of the 1,024 column-units of matmul work a step at (192, 128), 1,024 of 1,280 at (192, 192). Off until
+# it has run on a GPU (compiled for sm_90a).
+BWD_WS_QK_TAIL = False
+
+
+def _qk_tail(head_dim: int) -> int:
+    """The columns of q/k's tail block beside a 128-column first block where the head dim is in 129-192, else 0."""
+    return head_block(head_dim - 128) if 128 < head_dim <= 192 else 0
+
+
 def fwd_ws_qk_tail(head_dim: int, head_dim_v: int) -> int:
     """The columns of the tail block fwd_ws loads q/k in (FWD_WS_QK_TAIL), 0: none (the head block whole)."""
-    if FWD_WS_QK_TAIL and 128 < head_dim <= 192 and head_block(head_dim_v) <= 128:
-        return head_block(head_dim - 128)
-    return 0
+    return _qk_tail(head_dim) if FWD_WS_QK_TAIL and head_block(head_dim_v) <= 128 else 0
+
+
+def bwd_ws_qk_tail(head_dim: int) -> int:
+    """The columns of the tail block bwd_ws_split loads q/k in (BWD_WS_QK_TAIL), 0: none (the head block whole)."""
+    return _qk_tail(head_dim) if BWD_WS_QK_TAIL else 0
 
 
 def fwd_ws_tile(head_dim: int, causal: bool, head_dim_v: int | None = None) -> FwdWsTile | None:

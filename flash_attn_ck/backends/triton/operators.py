@@ -433,11 +433,19 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
         if cls.split_d:
             notes.append("two warpgroups split the head dim")
         notes += cls.value_notes(p, "v and dout")
+        tail = cls.qk_tail(p)
+        if tail:
+            notes.append(f"q/k as 128 + {tail} columns")
         if cls.schedule_walk(backend, p):
             notes.append("varlen schedule: the longest key tiles first")
         elif cls.tile(backend, p).key_major:
             notes.append("key-major grid: the longest causal key tiles first")
         return f"{cls.name} ({'; '.join(notes)})"
+
+    @classmethod
+    def qk_tail(cls, p: AttentionProblem) -> int:
+        """The columns of the tail block q/k load in (bwd_ws_split: config.bwd_ws_qk_tail), 0: none."""
+        return config.bwd_ws_qk_tail(p.head_dim_padded) if cls.split_d else 0
 
     @classmethod
     def buffers(cls, backend, p: AttentionProblem) -> list[BufferSpec]:
@@ -485,7 +493,7 @@ class _WarpSpecialisedBackward(GluonOperator, BackwardOperator):
                           delta_h, acc, dk_h, dv_h, params.cu_seqlens_q, params.cu_seqlens_k, varlen=p.varlen,
                           batch=p.batch, seqlen_q=p.seqlen_q, seqlen_k=p.seqlen_k, scale=p.softmax_scale, mask=mask,
                           tile=tile, semaphores=sem, schedule=schedule, softcap=p.softcap, alibi=_alibi(p, slopes),
-                          dropout=_dropout(p, params, hq.start))
+                          dropout=_dropout(p, params, hq.start), qk_tail=cls.qk_tail(p))
             dq_h = heads_of(dq, -2, hq)
             cast(acc, dq_h, launch.bhr(acc, p.varlen), launch.bhr(dq_h, p.varlen), hq.stop - hq.start, batch,
                  p.rows_q // batch, d)

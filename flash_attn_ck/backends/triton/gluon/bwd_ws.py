@@ -180,32 +180,35 @@ def _mma(consts, bufs, ds_smem, seqs, mask, grads, sizes, terms):
         workers.release_slot(consts, bufs, step)   # dK and dV, the last readers of Q and dO, are done
 
     # ---- epilogue: dK (scaled) and dV in the output dtype ----
-    workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, sizes, scale, 0, seqs.VARLEN)
+    workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, sizes, scale, 0, 0, seqs.VARLEN)
 
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, semaphores, cu_seqlens, schedule,
-                       stride_lse, grad_strides, sizes, window, softcap, alibi, dropout, head_dim_v,
+                       strides, sizes, window, softcap, alibi, dropout, head_dim_v, tail_descs,
                        TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: (key tiles, batch, kv heads), or (kv heads, batch, key tiles) with KEY_MAJOR, or with a `schedule` (varlen:
     int32 (rows, 2) [sequence, key tile], else a constexpr None) (kv heads, rows) (workers.cta_coords); num_warps =
     TILE.num_warps. `stats`: (Lse, Delta); `grads`: (dK, dV); `semaphores`: the deterministic mode's (int32 semaphores,
-    their query tiles per head; a stand-in pointer otherwise); `cu_seqlens`: (q, k); `stride_lse`: (batch, head);
-    `grad_strides`: dK's and dV's (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); `softcap`:
+    their query tiles per head; a stand-in pointer otherwise); `cu_seqlens`: (q, k); `strides`: lse's (batch, head)
+    and (dK's, dV's) (batch, row, head); `sizes`: launch.GluonSizes; `window`: (left, right); `softcap`:
     the scores' cap, or None; `alibi`: (fp32 (query heads,) or (batch, query heads) slopes, their batch stride, 0 for
     (query heads,)), or None (None: a constant, the kernel compiles without the term); `dropout`: (int64 [seed, offset]
     rng_state, p, the call's query heads, the launch's first query head) of core/dropout.py's pattern, or None;
     `head_dim_v`: v's head dim where it is not q/k's (v, dO and dV then of their own width, V and dO tiles of their own
-    head block), else None; TILE: config.WsTile; CALL: launch.MaskFlags. See the module docstring."""
+    head block), else None; `tail_descs`: bwd_ws_split's (q tail, k tail, dq_accum tail) descriptors where q/k load
+    as a first block and a tail block (CALL.QK_TAIL), else None; TILE: config.WsTile; CALL: launch.MaskFlags. See the
+    module docstring."""
     consts, seqs, mask = workers.prologue(TILE, CALL, 1, cu_seqlens, schedule, sizes, window, v_desc)
     Lse, Delta = stats
     dK, dV = grads
+    stride_lse, grad_strides = strides
     Sem, sem_m_tiles = semaphores
     if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
-    bufs = workers.allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, 1)
+    bufs = workers.allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, tail_descs, 1)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([consts.BLOCK_N, consts.BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], ds_layout)
 
@@ -213,16 +216,17 @@ def attn_bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, s
     gl.warp_specialize([
         (_mma, (consts, bufs, ds_smem, seqs, mask, (dK, dV, grad_strides, head_dim_v), sizes,
                (softcap, alibi, dropout))),
-        (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
+        (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc, tail_descs),
+                          (Lse, Delta, stride_lse),
                           group)),
-        (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
+        (workers.dq_writer, (consts, bufs, seqs, mask, (dq_desc, tail_descs), Sem, group, sem_m_tiles)),
     ], [1, 1], [TILE.loader_regs, TILE.writer_regs])
 
 
 # ---- host side -------------------------------------------------------------------------------
 def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_seqlens_k, *, varlen: bool, batch: int,
                 seqlen_q: int, seqlen_k: int, scale: float, mask: GluonMask, tile, semaphores=None,
-                schedule=None, softcap: float = 0.0, alibi=None, dropout=None) -> LaunchSpec:
+                schedule=None, softcap: float = 0.0, alibi=None, dropout=None, qk_tail: int = 0) -> LaunchSpec:
     """The launch of attn_bwd_ws_kernel (of bwd_ws_split's kernel for a `split_d` tile). dq_accum (rows_q, heads_q,
     d) fp32 must be zero; dq_accum receives dQ already scaled. lse/delta: (b, h, s_q) or varlen (h, total_q).
     `semaphores`: zeroed int32 (batch, heads_q, semaphore_tiles(seqlen_q, tile)) for the deterministic mode, else
@@ -232,7 +236,8 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
     ascending order (TritonBackend._schedule_walk keeps the grid where it would not). `softcap`: the scores' cap (0:
     none); `alibi`: (fp32 slopes (heads,) or (batch, heads) of the launch's query heads, their
     batch stride) or None; `dropout`: (the call's int64 [seed, offset] rng_state, p, its query heads, the launch's first
-    query head) or None (bwd_ws's kernel only)."""
+    query head) or None (bwd_ws's kernel only); `qk_tail` (a `split_d` tile only): the columns of q/k's tail block
+    (config.bwd_ws_qk_tail; q, k and dq_accum then as a first block and a tail block), 0: none."""
     d = q.shape[-1]
     heads_k = k.shape[-2]
     group = q.shape[-2] // heads_k
@@ -248,19 +253,25 @@ def launch_spec(q, k, v, dout, lse, delta, dq_accum, dk, dv, cu_seqlens_q, cu_se
         grid = (heads_k, batch, key_tiles) if tile.key_major else (key_tiles, batch, heads_k)
     # split_d: its two MMA warpgroups hand dQ over in halves of the columns
     kernel, dq_parts = (attn_bwd_ws_split_kernel, 2) if tile.split_d else (attn_bwd_ws_kernel, 1)
-    q_desc = descriptor(q, varlen, tile.block_m)
+    assert not qk_tail or tile.split_d, "a q/k tail block is bwd_ws_split's"
+    # with a q/k tail block: q, k and dq_accum's first block (their boxes) and the tail's (tail_descs)
+    first = config.head_block(d - qk_tail) if qk_tail else None
+    q_desc = descriptor(q, varlen, tile.block_m, first)
+    tail_descs = (descriptor(q, varlen, tile.block_m, qk_tail), descriptor(k, varlen, tile.block_n, qk_tail),
+                  descriptor(dq_accum, varlen, tile.block_m, qk_tail)) if qk_tail else None
     return LaunchSpec(kernel, grid, dict(
-        q_desc=q_desc, k_desc=descriptor(k, varlen, tile.block_n), v_desc=descriptor(v, varlen, tile.block_n),
+        q_desc=q_desc, k_desc=descriptor(k, varlen, tile.block_n, first), v_desc=descriptor(v, varlen, tile.block_n),
         do_desc=descriptor(dout, varlen, tile.block_m), dq_desc=descriptor(dq_accum, varlen, tile.block_m,
-                                                            config.head_block(dq_accum.shape[-1]) // dq_parts),
+                                                            first or config.head_block(d) // dq_parts),
         stats=(lse, delta), grads=(dk, dv),
         semaphores=(semaphores if semaphores is not None else lse, semaphore_tiles(seqlen_q, tile)),
         cu_seqlens=(cu_seqlens_q, cu_seqlens_k) if varlen else (lse, lse), schedule=schedule,
-        stride_lse=lse_strides, grad_strides=(dk_strides, dv_strides),
+        strides=(lse_strides, (dk_strides, dv_strides)),
         sizes=GluonSizes(seqlen_q, seqlen_k, d, group, scale), window=mask.window,
         softcap=softcap or None, alibi=alibi, dropout=dropout, head_dim_v=v.shape[-1] if v.shape[-1] != d else None,
-        TILE=tile,
-        CALL=GluonCall(q_desc.block_shape[-1], varlen, mask.flags, DETERMINISTIC=semaphores is not None)),
+        tail_descs=tail_descs, TILE=tile,
+        CALL=GluonCall(q_desc.block_shape[-1], varlen, mask.flags, DETERMINISTIC=semaphores is not None,
+                       QK_TAIL=qk_tail)),
         tile.num_warps, options={"maxnreg": tile.max_registers} if tile.max_registers else {})
 
 

@@ -76,14 +76,23 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
     dtype: gl.constexpr = bufs.k.dtype
     HALF_D: gl.constexpr = HEAD_D // 2
     HALF_DV: gl.constexpr = consts.HEAD_DV // 2
+    # this warpgroup's q/k columns: half the head block, or with a q/k tail block the first block's or the tail's
+    COLS: gl.constexpr = part_columns(consts, HALF)
+    COL0: gl.constexpr = HALF * (HEAD_D if consts.QK_TAIL else HALF_D)
     k_tile, v_tile = bufs.kv()
-    k_half = k_tile.slice(HALF * HALF_D, HALF_D, dim=1)
+    if consts.QK_TAIL:
+        if HALF == 0:
+            k_half = k_tile
+        else:
+            k_half = workers.slot_of(bufs.k_tail)
+    else:
+        k_half = k_tile.slice(HALF * HALF_D, HALF_D, dim=1)
 
     # Layouts: the warpgroup's 4 warps own 16 rows each of S^T/dP^T, of dK_h/dV_h and of dQ_h.
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
                                                        instr_shape=[16, BLOCK_M, 16])
     half_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
-                                                          instr_shape=[16, HALF_D, 16])
+                                                          instr_shape=[16, COLS, 16])
     dv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[MMA_WARPS, 1],
                                                         instr_shape=[16, HALF_DV, 16])
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)   # one value per query (column of S^T)
@@ -92,10 +101,10 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
     offs_n = n0 + gl.arange(0, BLOCK_N, layout=row_layout)
     offs_m_tile = gl.arange(0, BLOCK_M, layout=col_layout)
     scale_log2 = scale * LOG2E
-    dk = gl.zeros([BLOCK_N, HALF_D], gl.float32, half_layout)
+    dk = gl.zeros([BLOCK_N, COLS], gl.float32, half_layout)
     dv = gl.zeros([BLOCK_N, HALF_DV], gl.float32, dv_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    dq_zero = gl.zeros([BLOCK_M, HALF_D], gl.float32, half_layout)
+    dq_zero = gl.zeros([BLOCK_M, COLS], gl.float32, half_layout)
 
     mbarrier.wait(bufs.kv_ready, 0)
     for step in range(m_tiles * group):
@@ -106,6 +115,9 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
         if HALF == 0:
             # ---- P^T = exp2(S^T * scale * log2e - lse * log2e), masked, to shared memory ----
             sT = bufs.q.issue_mma(k_tile, s_zero, step)
+            if consts.QK_TAIL:  # plus the tail block's columns (their TMA loads land on the same barriers)
+                sT = warpgroup_mma(workers.slot_of(bufs.k_tail), slot(bufs.q_tail.bufs, stage).permute((1, 0)), sT,
+                                   is_async=True)
             lse2 = bufs.lse.index(stage).load(col_layout)   # lse * log2 e (q_ready covers it)
             if alibi is not None:
                 slope_log2 = workers.step_slope(alibi, b, kv_head, group, step, m_tiles)
@@ -158,8 +170,14 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
         # ---- this half: dV_h += P^T dO_h, dK_h += dS^T Q_h, dQ_h = dS K_h (A operands in shared memory) ----
         dv = warpgroup_mma(xchg.pt, slot(bufs.do.bufs, stage).slice(HALF * HALF_DV, HALF_DV, dim=1), dv,
                            is_async=True)
-        dk = warpgroup_mma(xchg.dst, slot(bufs.q.bufs, stage).slice(HALF * HALF_D, HALF_D, dim=1), dk,
-                           is_async=True)
+        if consts.QK_TAIL:
+            if HALF == 0:
+                q_half = slot(bufs.q.bufs, stage)
+            else:
+                q_half = slot(bufs.q_tail.bufs, stage)
+        else:
+            q_half = slot(bufs.q.bufs, stage).slice(HALF * HALF_D, HALF_D, dim=1)
+        dk = warpgroup_mma(xchg.dst, q_half, dk, is_async=True)
         dq = warpgroup_mma(xchg.dst.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
         dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
         mbarrier.arrive(xchg.ps_free, count=1)
@@ -169,14 +187,23 @@ def _mma_warpgroup(consts, bufs, xchg, seqs, mask, grads, sizes, terms, HALF: gl
         workers.hand_dq(consts, bufs, dq, scale, step, HALF)
 
     # ---- epilogue: dK_h (scaled) and dV_h in the output dtype ----
-    workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, sizes, scale, HALF, seqs.VARLEN)
+    workers.store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, sizes, scale, COL0, HALF * HALF_DV, seqs.VARLEN)
+
+
+@gluon.constexpr_function
+def part_columns(consts, HALF):
+    """The q/k columns (of dK, dQ) warpgroup HALF owns: half the head block, or with a q/k tail block (QK_TAIL) the
+    first block's (HEAD_D) or the tail's."""
+    if consts.QK_TAIL:
+        return gl.constexpr(consts.HEAD_D if HALF == 0 else consts.QK_TAIL)
+    return gl.constexpr(consts.HEAD_D // 2)
 
 
 # ---- the kernel ------------------------------------------------------------------------------
 @gluon.jit
 def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, grads, semaphores,
-                             cu_seqlens, schedule, stride_lse, grad_strides, sizes, window, softcap, alibi,
-                             dropout, head_dim_v, TILE: gl.constexpr, CALL: gl.constexpr):
+                             cu_seqlens, schedule, strides, sizes, window, softcap, alibi, dropout, head_dim_v,
+                             tail_descs, TILE: gl.constexpr, CALL: gl.constexpr):
     """Grid: attn_bwd_ws_kernel's; num_warps = MMA_WARPS (the scores warpgroup). See the module
     docstring; the arguments are attn_bwd_ws_kernel's, dq_desc with boxes of half the head dim (dropout and a softcap
     not both: their tiles would exceed the shared memory)."""
@@ -184,11 +211,12 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, gr
     consts, seqs, mask = workers.prologue(TILE, CALL, 2, cu_seqlens, schedule, sizes, window, v_desc)   # dQ in halves
     Lse, Delta = stats
     dK, dV = grads
+    stride_lse, grad_strides = strides
     Sem, sem_m_tiles = semaphores
     if workers.past_sequence(consts, seqs):
         return
     dtype: gl.constexpr = q_desc.dtype
-    bufs = workers.allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, 2)   # a slot is released by both
+    bufs = workers.allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, tail_descs, 2)   # released by both
     st_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([consts.BLOCK_N, consts.BLOCK_M], dtype)
     pt_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], st_layout)
     dst_smem = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, consts.BLOCK_M], st_layout)
@@ -217,7 +245,8 @@ def attn_bwd_ws_split_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, stats, gr
     gl.warp_specialize([
         (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, (softcap, slope_smem, alibi, drop_terms), 0)),
         (_mma_warpgroup, (consts, bufs, xchg, seqs, mask, grads, sizes, (softcap, slope_smem, alibi, drop_terms), 1)),
-        (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc), (Lse, Delta, stride_lse),
+        (workers.loader, (consts, bufs, seqs, mask, (q_desc, k_desc, v_desc, do_desc, tail_descs),
+                          (Lse, Delta, stride_lse),
                           group)),
-        (workers.dq_writer, (consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles)),
+        (workers.dq_writer, (consts, bufs, seqs, mask, (dq_desc, tail_descs), Sem, group, sem_m_tiles)),
     ], [MMA_WARPS, 1, 1], [TILE.mma_regs, TILE.loader_regs, TILE.writer_regs])

@@ -29,6 +29,7 @@ class PartitionConstants:
     BLOCK_N: gl.constexpr
     HEAD_D: gl.constexpr
     HEAD_DV: gl.constexpr
+    QK_TAIL: gl.constexpr      # columns of q/k's tail block (GluonCall.QK_TAIL; 0: none): HEAD_D is then the first's
     NUM_STAGES: gl.constexpr
     DQ_STAGES: gl.constexpr
     DQ_PARTS: gl.constexpr
@@ -41,11 +42,12 @@ class PartitionConstants:
     DQ_BARRIER: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, TILE, HEAD_D, HEAD_DV, DETERMINISTIC, DQ_PARTS):
+    def __init__(self, TILE, HEAD_D, HEAD_DV, QK_TAIL, DETERMINISTIC, DQ_PARTS):
         for name in ("block_m", "block_n", "num_stages", "dq_stages", "num_warps", "key_major", "named_barriers"):
             setattr(self, name.upper(), gl.constexpr(getattr(TILE, name)))
         self.HEAD_D = gl.constexpr(HEAD_D)
         self.HEAD_DV = gl.constexpr(HEAD_DV)
+        self.QK_TAIL = gl.constexpr(QK_TAIL)
         self.DETERMINISTIC = gl.constexpr(DETERMINISTIC)
         self.DQ_PARTS = gl.constexpr(DQ_PARTS)
         self.NAMED_THREADS = gl.constexpr(32 * (TILE.num_warps + 1))
@@ -67,6 +69,9 @@ class Buffers:
     delta: gl.shared_memory_descriptor
     kv_ready: gl.shared_memory_descriptor
     dq: Ring
+    q_tail: Ring               # with a q/k tail block (QK_TAIL): Q's and K's tail tiles and dQ's tail part, on the
+    k_tail: gl.shared_memory_descriptor     # barriers of q, k and dq; else q, k and dq again (unread)
+    dq_tail: Ring
 
     @gluon.jit
     def kv(self):
@@ -163,7 +168,8 @@ def prologue(TILE, CALL, DQ_PARTS: gl.constexpr, cu_seqlens, schedule, sizes, wi
     PartitionConstants's; HEAD_DV from v's box)."""
     cu_seqlens_q, cu_seqlens_k = cu_seqlens
     seqs = Sequences(cu_seqlens_q, cu_seqlens_k, sizes.seqlen_q, sizes.seqlen_k, CALL.VARLEN, schedule)
-    consts = PartitionConstants(TILE, CALL.HEAD_D, v_desc.block_type.shape[2], CALL.DETERMINISTIC, DQ_PARTS)
+    consts = PartitionConstants(TILE, CALL.HEAD_D, v_desc.block_type.shape[2], CALL.QK_TAIL, CALL.DETERMINISTIC,
+                                DQ_PARTS)
     return consts, seqs, Mask(window, CALL.MASK)
 
 
@@ -182,9 +188,9 @@ def past_sequence(consts, seqs):
 
 
 @gluon.jit
-def allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, RELEASES: gl.constexpr):
+def allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, tail_descs, RELEASES: gl.constexpr):
     """The workers' Buffers; `tile_empty` (the Q/dO rings' "empty") completes with RELEASES arrivals, one per MMA
-    partition."""
+    partition; `tail_descs`: (q tail, k tail, dq tail) descriptors with a q/k tail block, else None."""
     BLOCK_M: gl.constexpr = consts.BLOCK_M
     HEAD_D: gl.constexpr = consts.HEAD_D
     NUM_STAGES: gl.constexpr = consts.NUM_STAGES
@@ -207,31 +213,60 @@ def allocate(consts, q_desc, k_desc, v_desc, do_desc, dq_desc, RELEASES: gl.cons
         mbarrier.init(tile_empty.index(i), count=RELEASES)
     mbarrier.init(kv_ready, count=1)
 
-    # the dQ writer's fp32 buffers: DQ_STAGES x DQ_PARTS of HEAD_D / DQ_PARTS columns
+    # the dQ writer's fp32 buffers: DQ_STAGES x DQ_PARTS of HEAD_D / DQ_PARTS columns (with a q/k tail block: of
+    # HEAD_D, the first block's, and the tail part's apart)
     DQ_STAGES: gl.constexpr = consts.DQ_STAGES
     DQ_PARTS: gl.constexpr = consts.DQ_PARTS
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES * DQ_PARTS, BLOCK_M, 1, HEAD_D // DQ_PARTS],
+    MAIN_PARTS: gl.constexpr = main_dq_parts(consts)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_STAGES * MAIN_PARTS, BLOCK_M, 1, HEAD_D // MAIN_PARTS],
                                         dq_desc.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_STAGES, 1], bar_layout)
     for i in gl.static_range(DQ_STAGES):
         mbarrier.init(dq_full.index(i), count=DQ_PARTS)
         mbarrier.init(dq_empty.index(i), count=1)
-    return Buffers(Ring(q_smem, q_ready, tile_empty, NUM_STAGES), Ring(do_smem, do_ready, tile_empty, NUM_STAGES),  # type: ignore[call-arg]
-                   k_smem, v_smem, lse_smem, delta_smem, kv_ready, Ring(dq_smem, dq_full, dq_empty, DQ_STAGES))  # type: ignore[call-arg]
+    q_ring = Ring(q_smem, q_ready, tile_empty, NUM_STAGES)  # type: ignore[call-arg]
+    dq_ring = Ring(dq_smem, dq_full, dq_empty, DQ_STAGES)  # type: ignore[call-arg]
+    if consts.QK_TAIL:
+        q_tail_desc, k_tail_desc, dq_tail_desc = tail_descs
+        QK_TAIL: gl.constexpr = consts.QK_TAIL
+        q_tail = Ring(gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, 1, QK_TAIL], q_tail_desc.layout),  # type: ignore[call-arg]
+                      q_ready, tile_empty, NUM_STAGES)
+        k_tail = gl.allocate_shared_memory(dtype, [consts.BLOCK_N, 1, QK_TAIL], k_tail_desc.layout)
+        dq_tail = Ring(gl.allocate_shared_memory(gl.float32, [DQ_STAGES, BLOCK_M, 1, QK_TAIL], dq_tail_desc.layout),  # type: ignore[call-arg]
+                       dq_full, dq_empty, DQ_STAGES)
+    else:
+        q_tail = q_ring
+        k_tail = k_smem
+        dq_tail = dq_ring
+    return Buffers(q_ring, Ring(do_smem, do_ready, tile_empty, NUM_STAGES), k_smem, v_smem, lse_smem,  # type: ignore[call-arg]
+                   delta_smem, kv_ready, dq_ring, q_tail, k_tail, dq_tail)
+
+
+@gluon.constexpr_function
+def main_dq_parts(consts):
+    """The dQ parts in the main dQ buffers: all of them, or with a q/k tail block the first block's only."""
+    return gl.constexpr(1 if consts.QK_TAIL else consts.DQ_PARTS)
 
 
 # ---- loader partition ------------------------------------------------------------------------
 @gluon.jit
 def loader(consts, bufs, seqs, mask, descs, rows, group):
-    """`descs`: (q, k, v, dO) descriptors; `rows`: (Lse, Delta, (batch, head) strides of both)."""
-    q_desc, k_desc, v_desc, do_desc = descs
+    """`descs`: (q, k, v, dO) descriptors, and the (q tail, k tail, dq tail) ones or None; `rows`: (Lse, Delta,
+    (batch, head) strides of both)."""
+    q_desc, k_desc, v_desc, do_desc, tail_descs = descs
     Lse, Delta, stride_lse = rows
     stride_lse_b, stride_lse_h = stride_lse
     BLOCK_M: gl.constexpr = consts.BLOCK_M
     NUM_STAGES: gl.constexpr = consts.NUM_STAGES
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(consts, seqs, mask)
-    mbarrier.expect(bufs.kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    if consts.QK_TAIL:
+        q_tail_desc, k_tail_desc, _ = tail_descs
+        mbarrier.expect(bufs.kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                        + k_tail_desc.block_type.nbytes)
+        tma_load(k_tail_desc, [k_row0 + n0, kv_head, consts.HEAD_D], bufs.kv_ready, bufs.k_tail)
+    else:
+        mbarrier.expect(bufs.kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma_load(k_desc, [k_row0 + n0, kv_head, 0], bufs.kv_ready, bufs.k)
     tma_load(v_desc, [k_row0 + n0, kv_head, 0], bufs.kv_ready, bufs.v)
     row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
@@ -252,7 +287,12 @@ def loader(consts, bufs, seqs, mask, descs, rows, group):
                 named_wait(consts, consts.RING_BARRIER + stage)
         else:
             mbarrier.wait(bufs.q.empty.index(stage), phase ^ 1)
-        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        if consts.QK_TAIL:
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + q_tail_desc.block_type.nbytes)
+            tma_load(q_tail_desc, [q_row0 + m0, head, consts.HEAD_D], q_ready.index(stage),
+                     bufs.q_tail.bufs.index(stage))
+        else:
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
         tma_load(q_desc, [q_row0 + m0, head, 0], q_ready.index(stage),
                                         bufs.q.bufs.index(stage))
         mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
@@ -281,13 +321,15 @@ def _bulk_wait_all(token):
 
 
 @gluon.jit
-def dq_writer(consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
+def dq_writer(consts, bufs, seqs, mask, dq_descs, Sem, group, sem_m_tiles):
     """Per step: the query tile's dQ, in DQ_PARTS buffers of HEAD_D / DQ_PARTS columns each (bwd_ws_split.py
-    hands it over in halves), reduce-added into dq_accum."""
+    hands it over in halves; with a q/k tail block in the first block's and the tail's), reduce-added into dq_accum.
+    `dq_descs`: dq_accum's descriptor and the (q tail, k tail, dq_accum tail) descriptors or None."""
+    dq_desc, tail_descs = dq_descs
     BLOCK_M: gl.constexpr = consts.BLOCK_M
     BLOCK_N: gl.constexpr = consts.BLOCK_N
     DQ_STAGES: gl.constexpr = consts.DQ_STAGES
-    DQ_PARTS: gl.constexpr = consts.DQ_PARTS
+    MAIN_PARTS: gl.constexpr = main_dq_parts(consts)
     n0, b, kv_head, q_row0, len_q, k_row0, len_k, shift, m_lo, m_tiles = tile_schedule(consts, seqs, mask)
     n_tile, _, _, kv_heads = cta_coords(seqs, consts.KEY_MAJOR)
     heads = kv_heads * group
@@ -307,9 +349,11 @@ def dq_writer(consts, bufs, seqs, mask, dq_desc, Sem, group, sem_m_tiles):
             sem = Sem + ((b * heads + head) * sem_m_tiles + m0 // BLOCK_M)
             while gl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass
-        for part in gl.static_range(DQ_PARTS):
-            tma_reduce_add(dq_desc, [q_row0 + m0, head, part * (consts.HEAD_D // DQ_PARTS)],
-                           bufs.dq.bufs.index(stage * DQ_PARTS + part))
+        for part in gl.static_range(MAIN_PARTS):
+            tma_reduce_add(dq_desc, [q_row0 + m0, head, part * (consts.HEAD_D // MAIN_PARTS)],
+                           bufs.dq.bufs.index(stage * MAIN_PARTS + part))
+        if consts.QK_TAIL:
+            tma_reduce_add(tail_descs[2], [q_row0 + m0, head, consts.HEAD_D], bufs.dq_tail.bufs.index(stage))
         if consts.DETERMINISTIC:
             _bulk_wait_all(step)
             gl.atomic_add(sem, 1, sem="release")
@@ -336,6 +380,11 @@ def hand_dq(consts, bufs, dq, scale, step, PART: gl.constexpr):
     mbarrier.wait(bufs.dq.empty.index(dq_stage), ((step // consts.DQ_STAGES) & 1) ^ 1)
     if consts.DQ_PARTS == 1:
         slot(bufs.dq.bufs, dq_stage).store(dq * scale)
+    elif consts.QK_TAIL:    # the first block's part, or the tail's
+        if PART == 0:
+            slot(bufs.dq.bufs, dq_stage).store(dq * scale)
+        else:
+            slot(bufs.dq_tail.bufs, dq_stage).store(dq * scale)
     else:
         slot(bufs.dq.bufs, dq_stage * consts.DQ_PARTS + PART).store(dq * scale)
     fence_async_shared()
@@ -348,19 +397,20 @@ def hand_dq(consts, bufs, dq, scale, step, PART: gl.constexpr):
 
 # ---- epilogue of the MMA partitions -------------------------------------------------------------
 @gluon.jit
-def store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, sizes, scale, PART: gl.constexpr, VARLEN: gl.constexpr):
-    """dK (scaled) and dV, fp32 accumulators of (key rows, columns) in the output dtype: rows of this sequence only,
-    columns below q/k's head dim (dK) and v's (dV) only, not the shared-memory padding. PART: which part of each one's
-    columns the accumulators hold (bwd_ws_split's halves; 0: all). `grads`: (dK, dV, their (batch, row, head)
-    strides, v's head dim or None: q/k's); `sizes`: launch.GluonSizes."""
+def store_dkv(dk, dv, grads, n0, b, kv_head, k_row0, len_k, sizes, scale, DK_COL0: gl.constexpr,
+              DV_COL0: gl.constexpr, VARLEN: gl.constexpr):
+    """dK (scaled) and dV, fp32 accumulators of (key rows, columns from DK_COL0 / DV_COL0: bwd_ws_split's warpgroups
+    hold a part of each) in the output dtype: rows of this sequence only, columns below q/k's head dim (dK) and v's
+    (dV) only, not the shared-memory padding. `grads`: (dK, dV, their (batch, row, head) strides, v's head dim or
+    None: q/k's); `sizes`: launch.GluonSizes."""
     dK, dV, strides, head_dim_v = grads
     stride_dk, stride_dv = strides
     if head_dim_v is None:
         head_dim_v = sizes.head_dim
     dk_ptrs, dk_keep = _row_pointers(dk, dK, stride_dk, n0, b, kv_head, k_row0, len_k, sizes.head_dim,
-                                     PART * dk.shape[1], VARLEN)
+                                     DK_COL0, VARLEN)
     dv_ptrs, dv_keep = _row_pointers(dv, dV, stride_dv, n0, b, kv_head, k_row0, len_k, head_dim_v,
-                                     PART * dv.shape[1], VARLEN)
+                                     DV_COL0, VARLEN)
     gl.store(dk_ptrs, (dk * scale).to(dK.dtype.element_ty), mask=dk_keep)
     gl.store(dv_ptrs, dv.to(dV.dtype.element_ty), mask=dv_keep)
 
