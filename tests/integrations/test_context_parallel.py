@@ -12,6 +12,7 @@ accepts them (hypothesis, a one-process group)."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import functools
 import itertools
 import math
@@ -83,6 +84,7 @@ def spawn(worker, world: int, *args, timeout: float = 300.0) -> None:
 
 
 def init(rank: int, world: int, port: int) -> None:
+    faulthandler.enable(all_threads=True)       # a worker that dies by a signal prints where its threads were
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -104,11 +106,20 @@ def every_exchange(rank: int, world: int, port: int, cases, check_dense, check_v
 
 def teardown() -> None:
     """A worker's `finally`: after a successful run the ranks meet at a barrier before any destroys the group (a rank
-    that exited while another was still in a collective made gloo abort that one, SIGABRT, once on a loaded 2-core
-    CI host); after an error no barrier (the other ranks may never reach it; spawn reports the error)."""
-    if sys.exc_info()[0] is None:
-        dist.barrier()
+    that exited while another was still in a collective made gloo abort that one), then the process ends without
+    the interpreter's finalization, where a worker was seen to abort ("terminate called without an active exception",
+    SIGABRT) after every check had passed, on loaded 2-core CI hosts (the likeliest cause: a C++ thread of torch
+    still holding a Python object takes the GIL from the finalizing interpreter, which ends the thread by a forced
+    unwind through a noexcept frame). After an error no barrier (the other ranks may never reach it) and a normal
+    exit, so that spawn reports the error."""
+    if sys.exc_info()[0] is not None:
+        dist.destroy_process_group()
+        return
+    dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _full_inputs(seq, h, h_k, d=16, b=2, dtype=torch.float64, seed=None):
