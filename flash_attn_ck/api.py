@@ -214,7 +214,7 @@ def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
 
     Args:
         q, k, v, varlen arguments, options: as for `flash_attn_bwd`.
-        backends: the backend names to plan for.{common}
+        backends: the backend names to plan for (one name: that backend).{common}
 
     Returns:
         backend name -> a `ChunkPlan` (buffers and bytes per chunk, number of chunks, peak;
@@ -232,7 +232,7 @@ def backward_workspace(q, k, v, *, cu_seqlens_q=None, cu_seqlens_k=None, max_seq
     params = AttentionParams(q, k, v, *sequence_tensors(options))
     cap = workspace_cap(max_workspace_bytes)
     report: dict[str, ChunkPlan | str] = {}
-    for name in backends:
+    for name in (backends,) if isinstance(backends, str) else backends:
         try:     # a backend whose module failed to import refuses to plan with its reason (registry.py)
             report[name] = plan_chunks(problem, backend_class(name)(), cap, params)
         except (WorkspaceError, RuntimeError, ImportError) as error:

@@ -119,4 +119,5 @@ def backend_from_key(key: str) -> str | Backend | None:
     try:
         return _passed[key]
     except KeyError:
-        raise ValueError(f"backend={key!r}: this backend instance no longer exists") from None
+        raise ArgumentError(f"backend: {key!r} names no backend instance alive (an op's backend= is a backend "
+                            "name, or the key the API made for an instance it was passed)") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, NamedTuple
 
 import torch
@@ -54,6 +55,9 @@ def check_same_dtype(name: str, t: torch.Tensor, reference_name: str, reference:
 
 def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
+        if device.type == "meta":       # meta is a whole call's device (fakes, planning), never q's alone
+            raise ArgumentError(f"q: a meta tensor beside {name} on {t.device}; every tensor of the call must be on "
+                                "one device (meta tensors only where every tensor is one)")
         raise ArgumentError(f"{name}: expected a tensor on {device} (the device of q), got {t.device}")
 
 
@@ -160,13 +164,16 @@ def check_dropout_p(dropout_p) -> FloatLikeType:
 
 # The kernels take the scale and the softcap as fp32: a larger value would reach them as inf.
 FLOAT32_MAX = torch.finfo(torch.float32).max
+# The smallest normal float32: a softcap below it is 0 or a subnormal in the kernels' float32, where scores / softcap
+# (scale / softcap) overflow and a zero score gives 0 * inf = NaN.
+FLOAT32_TINY = torch.finfo(torch.float32).tiny
 
 
 def check_softcap(softcap) -> FloatLikeType:
     softcap = check_number("softcap", softcap)
-    if not 0.0 <= softcap <= FLOAT32_MAX:
-        raise ArgumentError(f"softcap: expected 0 (off) or a finite positive cap that float32 holds "
-                            f"(<= {FLOAT32_MAX:.4g}), got {softcap}")
+    if not (softcap == 0.0 or FLOAT32_TINY <= softcap <= FLOAT32_MAX):
+        raise ArgumentError(f"softcap: expected 0 (off) or a finite positive cap that float32 holds as a normal "
+                            f"number ({FLOAT32_TINY:.4g} to {FLOAT32_MAX:.4g}), got {softcap}")
     return softcap
 
 
@@ -190,6 +197,8 @@ def check_window(window_size) -> tuple[int, int]:
             and -1 <= window_size[1] <= MAX_WINDOW_SIDE:       # the common case, first: runs on every call
         return window_size
     expected = "expected (left, right) with each side an integer, -1 (unbounded) or in [0, 2**31 - 1]"
+    if isinstance(window_size, (Mapping, AbstractSet)):     # no order: tuple() of one is its keys in any order
+        raise ArgumentError(f"window_size: {expected}, got {window_size!r}")
     try:
         sides = tuple(window_size)
     except TypeError:
@@ -261,9 +270,17 @@ def check_real_devices(tensors: Iterable[tuple[str, torch.Tensor | None]]) -> No
 
 def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
     """An output whose elements share memory (stride 0, expanded) cannot be written element-wise."""
-    if t.numel() > 1 and torch._debug_has_internal_overlap(t) != 0 and not _nested(t):
+    if t.numel() <= 1:
+        return
+    overlap = torch._debug_has_internal_overlap(t)      # 0 no, 1 yes, 2 torch cannot tell
+    if overlap == 1:
         raise ArgumentError(f"{name}: an output must not have overlapping elements (stride 0 or an expanded view), "
                             f"got strides {t.stride()}")
+    if overlap == 2 and not _nested(t):
+        raise ArgumentError(f"{name}: an output's strides must nest (each dim stepping over the span of the "
+                            f"smaller-strided ones) so that its elements are known not to overlap; got shape "
+                            f"{tuple(t.shape)} with strides {t.stride()} (a contiguous tensor or a slice of one "
+                            f"qualifies)")
 
 
 def _nested(t: torch.Tensor) -> bool:

@@ -149,7 +149,10 @@ def register_hf_attention_local(*, name: str = LOCAL_NAME, backend: str | None =
                        window_size=_window(sliding_window, causal), softcap=softcap or 0.0,
                        deterministic=bool(kwargs.get("deterministic")), learnable_sink=s_aux, backend=backend)
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))      # (b, s, h, d) views
-        return local_attention(q, k, v, attention_mask, kwargs, options), None
+        try:
+            return local_attention(q, k, v, attention_mask, kwargs, options), None
+        except ArgumentError as error:
+            raise in_hf_terms(error) from None
 
     AttentionInterface.register(name, attention)
     AttentionMaskInterface.register(name, _local_mask(name))
@@ -168,10 +171,24 @@ def _refuse_unsupported(name: str, kwargs: dict) -> None:
             raise ArgumentError(f"{option}: {name} does not {what}")
 
 
+# flash_attn_ck's names of the options the attention passes on, as transformers' attention functions call them.
+HF_NAMES = {"softmax_scale": "scaling", "dropout_p": "dropout", "learnable_sink": "s_aux"}
+
+
+def in_hf_terms(error: ArgumentError) -> ArgumentError:
+    """`error` (raised before anything ran) naming the argument as the attention's caller passed it."""
+    message = str(error)
+    name = message.split(":", 1)[0]
+    return ArgumentError(f"{HF_NAMES[name]} ({name}){message[len(name):]}") if name in HF_NAMES else error
+
+
 def _window(sliding_window: int | None, causal: bool) -> tuple[int, int]:
     """HF's `sliding_window` counts the query's own key: a query sees keys i - sliding_window < j <= i."""
     if sliding_window is None:
         return -1, -1
+    if type(sliding_window) is not int or sliding_window < 1:
+        raise ArgumentError(f"sliding_window: expected None or a positive int (the keys a query sees, its own "
+                            f"included), got {sliding_window!r}")
     return sliding_window - 1, 0 if causal else sliding_window - 1
 
 
@@ -199,6 +216,10 @@ def _given_lengths(kwargs: dict) -> tuple | None:
         missing = next(option for option, value in zip(names, (cu_q, cu_k, max_q, max_k)) if value is None)
         raise ArgumentError(f"{missing}: packed documents need cu_seq_lens_q, cu_seq_lens_k, max_length_q and "
                             "max_length_k together")
+    for option, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
+        if not isinstance(cu, torch.Tensor) or cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+            raise ArgumentError(f"{option}: expected an integer tensor of offsets, got "
+                                f"{getattr(cu, 'dtype', type(cu).__name__)}")
     return (cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k)
 
 
@@ -208,8 +229,9 @@ def _lengths_from_positions(position_ids: torch.Tensor | None, shape: tuple[int,
     FA2 path does; under torch.compile they must not restart (checked on the device)."""
     if position_ids is None:
         return None
-    if position_ids.dim() != 2:
-        raise ArgumentError(f"position_ids: expected (b, s) or (1, s), got shape {tuple(position_ids.shape)}")
+    if position_ids.dim() != 2 or position_ids.shape[1] != shape[1] or position_ids.shape[0] not in (1, shape[0]):
+        raise ArgumentError(f"position_ids: expected (b, s) = {tuple(shape)} or (1, s), got shape "
+                            f"{tuple(position_ids.shape)}")
     if torch.compiler.is_compiling():
         torch._assert_async(~_starts(position_ids, shape)[:, 1:].any(), "position_ids: restarting inside a row "
                             "(packed documents) under torch.compile; pass cu_seq_lens_q/k and max_length_q/k")
@@ -259,6 +281,13 @@ def _unpadded(q, k, v, attention_mask: torch.Tensor, options: dict) -> torch.Ten
     if attention_mask.dim() != 2:
         raise ArgumentError(f"attention_mask: expected a 2-D (b, s_k) padding mask, got shape "
                             f"{tuple(attention_mask.shape)}; other masks cannot be run by flash kernels")
+    batch, length = attention_mask.shape
+    if batch != q.shape[0] or not q.shape[1] <= length <= k.shape[1]:
+        raise ArgumentError(f"attention_mask: expected (b, s_k) with b = {q.shape[0]} and s_k from the "
+                            f"{q.shape[1]} queries to the {k.shape[1]} keys, got shape {tuple(attention_mask.shape)}")
+    if attention_mask.is_floating_point() or attention_mask.is_complex():
+        raise ArgumentError(f"attention_mask: expected a bool or 0/1 integer padding mask (True or 1 for a real "
+                            f"token), got {attention_mask.dtype} (an additive float mask cannot be run here)")
     k, v = k[:, :attention_mask.shape[1]], v[:, :attention_mask.shape[1]]   # a static cache's unfilled slots
     keys = _tokens(attention_mask)
     queries = keys if q.shape[1] == k.shape[1] else _tokens(attention_mask[:, -q.shape[1]:])
@@ -278,6 +307,8 @@ class Tokens(NamedTuple):
 @_once_per_forward
 def _tokens(mask: torch.Tensor) -> Tokens:
     """The real tokens of a (b, s) padding mask (read on the host)."""
+    if mask.dtype != torch.bool and ((mask != 0) & (mask != 1)).any():
+        raise ArgumentError("attention_mask: expected 0 (padding) or 1 (a real token) in every entry")
     lengths = mask.sum(dim=-1, dtype=torch.int32)
     cu = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
     return Tokens(mask.flatten().nonzero().flatten(), cu, int(lengths.max()))

@@ -93,10 +93,9 @@ def check_backward_operands(q, k, v, dout, out, softmax_lse, dq, dk, dv, rng_sta
         (("dq", dq), ("dk", dk), ("dv", dv)),
         (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("softmax_lse", softmax_lse), *options.tensors(),
          ("rng_state", rng_state)))
-    if options.dropout_p > 0:
-        if rng_state is None:
-            raise checks.ArgumentError("rng_state: required when dropout_p > 0 "
-                                       "(pass the rng_state the forward returned)")
+    if options.dropout_p > 0 and rng_state is None:
+        raise checks.ArgumentError("rng_state: required when dropout_p > 0 (pass the rng_state the forward returned)")
+    if rng_state is not None:       # checked as the forward checks it, dropout or not
         checks.check_rng_state(rng_state, q.device)
 
 

@@ -193,6 +193,19 @@ def test_a_bad_seqused_k_on_a_device_is_a_bad_offset_caught_there(monkeypatch):
                                   backend=emulated())
 
 
+@pytest.mark.parametrize("slopes_shape", ["(b, h)", "(h,)"])
+def test_alibi_slopes_of_one_head_run_at_any_stride(slopes_shape):
+    """ALiBi slopes of one head pass validation at any stride of that dim (size 1: no neighbour to read); CK's
+    argument builder takes them as they are (it raised a bare ValueError), equal to contiguous slopes'."""
+    q, k, v = (torch.randn(2, 9, 1, 16, generator=torch.Generator().manual_seed(i)).half() for i in range(3))
+    wide = torch.rand(1, 2 if slopes_shape == "(b, h)" else 1)
+    slopes = wide.t() if slopes_shape == "(b, h)" else wide.t()[0]       # strides (1, 2) / (1,) over one head
+    backend = emulated()
+    got = fa.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes, backend=backend)
+    assert torch.equal(got, fa.flash_attn_func(q, k, v, causal=True, alibi_slopes=slopes.contiguous(),
+                                               backend=backend))
+
+
 def test_forward_writes_a_strided_out():
     # CK takes out's batch, row and head strides: a view of a wider buffer is written in place, nothing else.
     q, k, v, _, _ = make_inputs(Config(**BASE))

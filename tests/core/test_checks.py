@@ -112,6 +112,11 @@ BACKWARD_CASES = {
     "rng_state missing": (lambda a: {**a, "dropout_p": 0.1}, r"^rng_state: required when dropout_p > 0"),
     "rng_state dtype": (lambda a: {**a, "dropout_p": 0.1, "rng_state": torch.zeros(2, dtype=torch.int32)},
                         r"^rng_state: expected dtype int64"),
+    # a given rng_state is checked as the forward checks it, dropout or not
+    "rng_state shape without dropout": (lambda a: {**a, "rng_state": torch.zeros(3, 2, dtype=torch.int64)},
+                                        r"^rng_state: expected 1 dimensions"),
+    "rng_state dtype without dropout": (lambda a: {**a, "rng_state": torch.zeros(2)},
+                                        r"^rng_state: expected dtype int64"),
 }
 
 
@@ -218,3 +223,72 @@ def test_a_scale_float32_cannot_hold_is_refused_before_writing(name, value):
     with pytest.raises(ArgumentError, match=rf"^{name}: expected .* float32 holds"):
         fa.flash_attn_fwd(q, k, v, out=out, backend="reference", **{name: value})
     assert (out == 7.0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(value=st.one_of(st.floats(min_value=0.0, max_value=float(np.finfo(np.float32).tiny), exclude_min=True,
+                                 exclude_max=True),
+                       st.just(float(np.finfo(np.float32).smallest_subnormal))))
+def test_a_softcap_float32_cannot_hold_as_a_normal_number_is_refused(value):
+    """A softcap below float32's smallest normal is 0 or a subnormal in the kernels, where a zero score over it is
+    NaN (0 * inf): ArgumentError naming softcap, `out=` untouched; the smallest normal itself runs, finite."""
+    q, k, v = tensors()
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(ArgumentError, match=r"^softcap: expected .* normal number"):
+        fa.flash_attn_fwd(q, k, v, out=out, backend="reference", softcap=value)
+    assert (out == 7.0).all()
+    tiny = float(np.finfo(np.float32).tiny)
+    assert fa.flash_attn_func(torch.zeros_like(q), k, v, backend="reference", softcap=tiny).isfinite().all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(sides=st.tuples(st.integers(-1, 8), st.integers(-1, 8)), kind=st.sampled_from(["dict", "set", "keys"]))
+def test_a_window_without_order_is_refused(sides, kind):
+    """window_size is (left, right): a mapping or a set (whose tuple() is its keys, in an order of its own) is
+    refused naming window_size, whatever its entries."""
+    window = {"dict": lambda: dict.fromkeys(sides), "set": lambda: set(sides),
+              "keys": lambda: dict.fromkeys(sides).keys()}[kind]()
+    q, k, v = tensors()
+    with pytest.raises(ArgumentError, match=r"^window_size: expected \(left, right\)"):
+        fa.flash_attn_func(q, k, v, window_size=window, backend="reference")
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_an_output_whose_strides_do_not_nest_is_refused_saying_so(data):
+    """An `out` torch cannot prove free of overlap and whose strides do not nest: refused, the message saying the
+    strides must nest (not that elements overlap, which they may not); one with a zero stride: overlapping."""
+    q, k, v = tensors(torch.float32)
+    shape = q.shape
+    # strides (big, big, step, 1) with step > D: the first two dims step by one stride, so they do not nest
+    big = data.draw(st.integers(D * H + 1, 4 * D * H), label="big")
+    out = torch.zeros(big * (shape[0] + shape[1]) + H * D * 4).as_strided(shape, (big, big, D + 3, 1))
+    with pytest.raises(ArgumentError, match=r"^out: an output's strides must nest"):
+        fa.flash_attn_fwd(q, k, v, out=out, backend="reference")
+    expanded = torch.zeros(shape[1:]).expand(shape)
+    with pytest.raises(ArgumentError, match=r"^out: an output must not have overlapping elements"):
+        fa.flash_attn_fwd(q, k, v, out=expanded, backend="reference")
+
+
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_the_op_names_q_for_a_meta_q_beside_real_tensors(which):
+    """Straight to the op (no API in front): a meta q beside real k, v is named as q, however the device check
+    runs; a real q beside a meta k names k."""
+    q, k, v = tensors()
+    q, k = (q.to("meta"), k) if which == "q" else (q, k.to("meta"))
+    pattern = r"^q: a meta tensor beside k on cpu" if which == "q" else r"^k: expected a tensor on cpu"
+    with pytest.raises(ArgumentError, match=pattern):
+        torch.ops.flash_attn_ck.fwd(q, k, v, None, None, None, None, None, None, 0.0, None, False, -1, -1, 0.0,
+                                    False, False, "reference")
+
+
+def test_an_op_backend_key_of_no_live_instance_is_an_argument_error():
+    q, k, v = tensors()
+    with pytest.raises(ArgumentError, match=r"^backend: 'reference@1' names no backend instance alive"):
+        torch.ops.flash_attn_ck.fwd(q, k, v, None, None, None, None, None, None, 0.0, None, False, -1, -1, 0.0,
+                                    False, False, "reference@1")
+
+
+def test_backward_workspace_takes_one_backend_name():
+    q, k, v = (t.to("meta") for t in tensors())
+    assert list(fa.backward_workspace(q, k, v, backends="reference")) == ["reference"]

@@ -764,28 +764,41 @@ def test_the_gradients_are_not_differentiable(one_process_group):
         sum(g.square().sum() for g in grads).backward()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(lengths=st.lists(st.integers(0, 3).map(lambda n: 2 * n), min_size=1, max_size=4),
-       start=st.integers(0, 4), swap=st.booleans())
-def test_bad_varlen_offsets_are_named(one_process_group, lengths, start, swap):
+       start=st.integers(0, 4), swap=st.booleans(), extra=st.sampled_from([0, 0, 1, 2]))
+def test_bad_varlen_offsets_are_named(one_process_group, lengths, start, swap, extra):
     """cu_seqlens must run from 0 without decreasing: an offset table that starts elsewhere or goes back is refused
-    naming it (before: garbage, or torch's "inconsistent with step sign"); an inference tensor is read, not kept."""
+    naming it (before: garbage, or torch's "inconsistent with step sign"), by the attention and by `shard`; so is
+    one whose total is not the rows given (`extra` more); an inference tensor is read, not kept."""
     offsets = [start, *(start + n for n in itertools.accumulate(lengths))]
     if swap and len(offsets) > 2 and offsets[1] != offsets[2]:
         offsets[1], offsets[2] = offsets[2], offsets[1]
     bad = start != 0 or any(b < a for a, b in itertools.pairwise(offsets))
-    rows = offsets[-1]
+    rows = offsets[-1] + extra
     q, k, v = (torch.randn(rows, 2, 8, dtype=torch.float64) for _ in range(3))
     call = functools.partial(context_parallel_attn, q, k, v, causal=True, backend="reference")
-    if bad:
+    cu = torch.tensor(offsets, dtype=torch.int32)
+    if bad or extra:
+        refusal = r"^cu_seqlens: expected non-decreasing offsets from 0" if bad else r"^cu_seqlens: its total"
+        with pytest.raises(ArgumentError, match=refusal):
+            call(cu_seqlens=cu)
         with pytest.raises(ArgumentError, match=r"^cu_seqlens: expected non-decreasing offsets from 0"):
-            call(cu_seqlens=torch.tensor(offsets, dtype=torch.int32))
+            shard(q, seq_dim=0, cu_seqlens=cu)
         return
+    assert torch.equal(shard(q, seq_dim=0, cu_seqlens=cu), q)
     with torch.inference_mode():
         cu = torch.tensor(offsets, dtype=torch.int32)
         out = call(cu_seqlens=cu)
     expected = flash_attn_varlen_func(q, k, v, cu, cu, max(lengths), max(lengths), causal=True, backend="reference")
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("return_lse", ["yes", 1, None, torch.tensor(True)])
+def test_return_lse_takes_a_bool(one_process_group, return_lse):
+    q = torch.randn(1, 8, 2, 16, dtype=torch.float64)
+    with pytest.raises(ArgumentError, match=r"^return_lse: expected a bool"):
+        context_parallel_attn(q, q, q, return_lse=return_lse, backend="reference")
 
 
 @settings(max_examples=25, deadline=None)

@@ -156,12 +156,29 @@ def test_dropout_applies_only_while_the_module_trains():
     assert not torch.equal(_attention(dropout=0.5, training=True), _attention(dropout=0.0))
 
 
+_PACKED = dict(max_length_q=6, max_length_k=6)
+
+
 @pytest.mark.parametrize(("option", "kwargs"), [
-    ("learnable_sink", dict(s_aux=torch.zeros(3, dtype=torch.float64))),     # s_aux runs as learnable_sink
+    # options flash_attn_ck checks under its own names are named as the caller passed them, its name beside
+    (r"s_aux \(learnable_sink\)", dict(s_aux=torch.zeros(3, dtype=torch.float64))),
+    (r"scaling \(softmax_scale\)", dict(scaling=float("nan"))),
+    (r"dropout \(dropout_p\)", dict(dropout=1.0, training=True)),
     ("output_attentions", dict(output_attentions=True)),
     ("block_table", dict(block_table=torch.zeros(1, 1, dtype=torch.int32))),
     ("attention_mask", dict(attention_mask=torch.ones(1, 1, 6, 6, dtype=torch.bool))),
+    ("attention_mask", dict(attention_mask=torch.ones(2, 6, dtype=torch.bool))),         # another batch
+    ("attention_mask", dict(attention_mask=torch.ones(1, 7, dtype=torch.bool))),         # more keys than k's
+    ("attention_mask", dict(attention_mask=torch.ones(1, 5, dtype=torch.bool))),         # fewer than the queries
+    ("attention_mask", dict(attention_mask=torch.zeros(1, 6))),                          # an additive float mask
+    ("attention_mask", dict(attention_mask=torch.tensor([[1, 1, 2, 1, 0, 0]]))),        # not 0/1
+    ("sliding_window", dict(sliding_window=0)),
+    ("sliding_window", dict(sliding_window=2.5)),
+    ("position_ids", dict(position_ids=torch.arange(7)[None])),
+    ("position_ids", dict(position_ids=torch.arange(6).repeat(2, 1))),
     ("max_length_q", dict(cu_seq_lens_q=torch.tensor([0, 6]), cu_seq_lens_k=torch.tensor([0, 6]))),
+    ("cu_seq_lens_q", dict(cu_seq_lens_q=torch.tensor([0.0, 2.7, 6.0]), cu_seq_lens_k=torch.tensor([0, 3, 6]),
+                           **_PACKED)),
 ])
 def test_what_the_attention_cannot_run_is_refused_naming_the_argument(option, kwargs):
     with pytest.raises(ArgumentError, match=rf"^{option}: "):

@@ -165,7 +165,7 @@ def attention_args(problem: AttentionProblem, params: AttentionParams, out: torc
         args.seqstart_q, args.seqstart_k = seqstart_q.data_ptr(), seqstart_k.data_ptr()
     if params.alibi_slopes is not None:
         slopes = params.alibi_slopes
-        if slopes.dtype != torch.float32 or slopes.stride(-1) != 1:
+        if slopes.dtype != torch.float32 or (slopes.size(-1) > 1 and slopes.stride(-1) != 1):   # one head: any stride
             raise ValueError("alibi_slopes: CK needs fp32 with a contiguous last dimension")
         args.alibi_slopes = slopes.data_ptr()
         args.alibi_batch_stride = slopes.stride(0) if slopes.dim() == 2 else 0   # (b, h) or broadcast (h,)

@@ -50,6 +50,8 @@ def context_parallel_attn(q, k, v, group=None, *, softmax_scale=None, causal=Fal
         raise ArgumentError(f"{', '.join(sorted(unsupported))}: not supported by context_parallel_attn "
                             "(ALiBi and softcap are not built for context parallelism; varlen takes one "
                             "cu_seqlens for q and k)")
+    if type(return_lse) is not bool:
+        raise ArgumentError(f"return_lse: expected a bool, got {return_lse!r}")
     if torch.compiler.is_compiling():
         out, lse = compiled_call(q, k, v, group, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                  dropout_p=dropout_p, deterministic=deterministic, layout=layout,

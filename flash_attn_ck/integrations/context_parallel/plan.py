@@ -167,8 +167,8 @@ def _local_chunks(q, k, world: int, cu_seqlens: torch.Tensor | None) -> Chunks:
         raise ArgumentError(f"cu_seqlens: expected an int32 (b + 1,) tensor, got {cu_seqlens!r}")
     chunks, rows = varlen_chunks(cu_seqlens, world, q.device)
     if not q.shape[0] == k.shape[0] == rows:
-        raise ArgumentError(f"q and k shards must hold total / W = {rows} rows, got {q.shape[0]} and "
-                            f"{k.shape[0]}")
+        raise ArgumentError(f"cu_seqlens: its total over W = {world} ranks is {rows} rows a shard, but the q and k "
+                            f"shards hold {q.shape[0]} and {k.shape[0]}")
     return chunks
 
 

@@ -58,7 +58,13 @@ def shard(x: torch.Tensor, group=None, *, seq_dim: int = 1, layout: str = "zigza
     world, ids = _shard_ids(group, layout)
     if not -x.dim() <= seq_dim < x.dim():
         raise ArgumentError(f"seq_dim: expected a dimension of x's {x.dim()}, got {seq_dim}")
+    if cu_seqlens is not None and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
+                                       and not cu_seqlens.is_floating_point() and not cu_seqlens.is_complex()):
+        raise ArgumentError(f"cu_seqlens: expected a 1-D integer tensor of offsets, got {cu_seqlens!r}")
     bounds = sequence_bounds(x.shape[seq_dim], cu_seqlens)
+    if bounds[0] != 0 or bounds[-1] != x.shape[seq_dim] or any(b < a for a, b in itertools.pairwise(bounds)):
+        raise ArgumentError(f"cu_seqlens: expected non-decreasing offsets from 0 to x's {x.shape[seq_dim]} rows "
+                            f"along seq_dim, got {bounds}")
     for a, b in itertools.pairwise(bounds):
         if (b - a) % (2 * world):
             raise ArgumentError(f"sequence length {b - a} must be a multiple of 2 * world size = {2 * world}")
