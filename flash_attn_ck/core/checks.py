@@ -61,6 +61,11 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
         raise ArgumentError(f"{name}: expected a tensor on {device} (the device of q), got {t.device}")
 
 
+def is_integer_tensor(t) -> bool:
+    """A tensor of integers (offsets, lengths): not floating, complex or bool."""
+    return isinstance(t, torch.Tensor) and not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+
+
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.dim() > 0 and t.size(-1) > 1 and t.stride(-1) != 1:
         raise ArgumentError(f"{name}: expected a contiguous last dimension (stride 1), got strides {t.stride()}")

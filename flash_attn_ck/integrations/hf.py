@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from ..api import flash_attn_func, flash_attn_varlen_func
+from ..core.checks import is_integer_tensor
 from ..core.errors import ArgumentError
 from .context_parallel import context_parallel_attn, process_group, shard
 
@@ -217,7 +218,7 @@ def _given_lengths(kwargs: dict) -> tuple | None:
         raise ArgumentError(f"{missing}: packed documents need cu_seq_lens_q, cu_seq_lens_k, max_length_q and "
                             "max_length_k together")
     for option, cu in (("cu_seq_lens_q", cu_q), ("cu_seq_lens_k", cu_k)):
-        if not isinstance(cu, torch.Tensor) or cu.is_floating_point() or cu.is_complex() or cu.dtype == torch.bool:
+        if not is_integer_tensor(cu):
             raise ArgumentError(f"{option}: expected an integer tensor of offsets, got "
                                 f"{getattr(cu, 'dtype', type(cu).__name__)}")
     return (cu_q.to(torch.int32), cu_k.to(torch.int32), max_q, max_k)

@@ -7,6 +7,7 @@ import itertools
 import torch
 import torch.distributed as dist
 
+from ...core.checks import is_integer_tensor
 from ...core.errors import ArgumentError
 from .group import is_mesh_2d, process_group, size_rank
 
@@ -58,8 +59,7 @@ def shard(x: torch.Tensor, group=None, *, seq_dim: int = 1, layout: str = "zigza
     world, ids = _shard_ids(group, layout)
     if not -x.dim() <= seq_dim < x.dim():
         raise ArgumentError(f"seq_dim: expected a dimension of x's {x.dim()}, got {seq_dim}")
-    if cu_seqlens is not None and not (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1
-                                       and not cu_seqlens.is_floating_point() and not cu_seqlens.is_complex()):
+    if cu_seqlens is not None and not (is_integer_tensor(cu_seqlens) and cu_seqlens.dim() == 1):
         raise ArgumentError(f"cu_seqlens: expected a 1-D integer tensor of offsets, got {cu_seqlens!r}")
     bounds = sequence_bounds(x.shape[seq_dim], cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != x.shape[seq_dim] or any(b < a for a, b in itertools.pairwise(bounds)):
