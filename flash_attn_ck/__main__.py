@@ -133,13 +133,20 @@ def sdpa_reference(q, k, v, dout, causal, window, dtype):
 
 def two_x_rule(ours: torch.Tensor, ref: torch.Tensor, same: torch.Tensor, roundings: int) -> tuple[float, ...]:
     """(max|ours - ref|, max|same - ref|, the bound the first must not exceed): max(2 x the second, `roundings`
-    half-units of ours' dtype at max|ref|) + atol, atol = twice the rounding of ref in ours' dtype."""
+    half-units of ours' dtype at max|ref|) + atol + ACCUMULATION_SLACK, atol = twice the rounding of ref in ours'
+    dtype."""
     ref = ref.float()
     err = (ours.float() - ref).abs().max().item()
     base = (same.float() - ref).abs().max().item()
     atol = 2 * ((ref + 0.3 - 0.3).to(ours.dtype).float() - ref).abs().max().item()
     floor = roundings * torch.finfo(ours.dtype).eps / 2 * ref.abs().max().item()
-    return err, base, max(2 * base, floor) + atol
+    return err, base, max(2 * base, floor) + atol + ACCUMULATION_SLACK
+
+
+# The fp32 accumulation's rounding where the same-precision reference and the atol are exactly 0: a row that attends
+# one key has dS = P (dP - D) = 0, but D = rowsum(dO * O) and dP = dO . v sum one set of products in two orders
+# (docs/semantics.md §Correctness: the 2x rule; tests/oracle.py allows the same).
+ACCUMULATION_SLACK = 1e-6
 
 
 def timed(fn, device, repeats):
@@ -207,7 +214,7 @@ def run(args) -> int:
             print(f"  {name:<3} max|ours - fp32 SDPA| = {err:.3e}   same-precision SDPA: {base:.3e}   "
                   f"ratio {ratio:.2f}   bound {bound:.3e}")
         print(f"  {'PASS' if passed else 'FAIL'}: the 2x rule (docs/semantics.md): max|ours - ref| <= "
-              "max(2 x same-precision error, rounding floor) + atol, for out, dq, dk and dv")
+              f"max(2 x same-precision error, rounding floor) + atol + {ACCUMULATION_SLACK:g}, for out, dq, dk and dv")
     else:
         print("  not judged: dropout draws a keep pattern SDPA does not (the tests compare it with the reference "
               "backend's)")

@@ -31,9 +31,9 @@ from .core.errors import ArgumentError, WorkspaceError
 from .core.inputs import check_structure, describe_call, sequence_tensors
 from .core.options import AttentionOptions
 from .core.problem import AttentionParams
+from .core.sink import sink_gradient
 from .pipeline.backward import gradient_outputs
 from .pipeline.chunking import ChunkPlan, plan_chunks, workspace_cap
-from .pipeline.sink import sink_gradient
 
 _COMMON_ARGS = """
         dropout_p: dropout probability in [0, 1); the keep pattern comes from `rng_state`.

@@ -42,10 +42,10 @@ from .core import checks
 from .core.inputs import check_shapes, varlen_arguments
 from .core.options import AttentionOptions
 from .core.problem import pad_head_dim, result_shape, row_stats_shape
+from .core.sink import sink_gradient
 from .pipeline.backward import attention_backward, check_backward_operands
 from .pipeline.forward import attention_forward, check_forward_out
 from .pipeline.prepare import PreparedCall, prepare
-from .pipeline.sink import sink_gradient
 
 # ---- the options as schema arguments: one table, one flatten, one unflatten ----------------------
 
@@ -65,7 +65,7 @@ _COMMON = ("cu_seqlens_q", "cu_seqlens_k", "seqused_k", "max_seqlen_q", "max_seq
            "softmax_scale", "causal", "window_size", "softcap", "deterministic")
 _FWD = (*_COMMON, "return_attn_probs", "backend", "out_dtype", "learnable_sink")
 # The backward ops take no sink: given the folded out and lse, the kernels' gradients are the sink's, and dsink is
-# computed from softmax_d around them (pipeline/sink.py).
+# computed from softmax_d around them (core/sink.py).
 _BWD_TAIL = ("backend", "max_workspace_bytes", "out_dtype")
 _DEFAULT_OPTIONS = AttentionOptions()
 # Schema arguments with a default (at the end of a schema): a call of the op may leave them out.

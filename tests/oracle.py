@@ -92,7 +92,9 @@ def assert_close_2x(name: str, ours: torch.Tensor, ref: torch.Tensor, pt: torch.
     """The 2x rule: max|ours - ref| <= max(factor * max|pt - ref|, floor) + atol, atol = 2 * rounding of ref in
     ours' dtype. `floor`: `roundings` half-units of ours' dtype at max|ref|, the rounding ours cannot avoid where
     the same-precision reference happens to round luckily (a gradient summed from `roundings - 1` per-head
-    gradients stored in the input dtype, the CK contract's expanded dK/dV, then rounded once more)."""
+    gradients stored in the input dtype, the CK contract's expanded dK/dV, then rounded once more). The absolute
+    1e-6: the fp32 accumulation's rounding where pt and atol are exactly 0 (rows that attend one key:
+    docs/semantics.md §Correctness: the 2x rule)."""
     ref = ref.double()
     assert not torch.isnan(ours).any(), f"{name}: NaN in result"
     rounded = ref.to(ours.dtype)

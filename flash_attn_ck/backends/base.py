@@ -116,7 +116,7 @@ class Backend(Capabilities, abc.ABC):
 
     def forward_takes_sink(self, problem: AttentionProblem) -> bool:
         """Whether the forward that ran `problem` took `params.learnable_sink` into its softmax, so that its out and lse
-        are already the sink's; False (the default): the pipeline folds the sink around the kernel (pipeline/sink.py),
+        are already the sink's; False (the default): the pipeline folds the sink around the kernel (core/sink.py),
         one more pass over out. Asked after `forward` returns: it names what ran."""
         return False
 

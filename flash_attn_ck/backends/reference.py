@@ -18,6 +18,7 @@ from ..core.mask import MaskKind
 from ..core.plan import BufferSpec, WorkspacePlan
 from ..core.problem import AttentionParams, AttentionProblem
 from ..core.scores import ScoreTile, heads_first, kept_matmul, sequences, without_autocast
+from ..core.sink import fold_sink
 from .base import Backend
 from .ck.plan import CkBwdTile, ck_backward_plan
 
@@ -65,8 +66,14 @@ class ReferenceBackend(Backend):
             safe_max = torch.where(empty, torch.zeros_like(row_max), row_max)
             row_lse = torch.where(empty, torch.full_like(row_max, float("inf")), safe_max + torch.log(row_sum))
             result = torch.where(empty[..., None], torch.zeros_like(acc), acc / row_sum.clamp_min(1e-30)[..., None])
-            seq.rows_q(out).copy_(result.transpose(0, 1))
+            result = result.transpose(0, 1)
+            if params.learnable_sink is not None:   # in the accumulation dtype: out is rounded once, as in a kernel
+                fold_sink(params.learnable_sink, result, row_lse)
+            seq.rows_q(out).copy_(result)
             seq.lse(lse).copy_(row_lse)
+
+    def forward_takes_sink(self, problem: AttentionProblem) -> bool:
+        return True
 
     # ---- backward ------------------------------------------------------------------------------
     def backward_plan(self, problem: AttentionProblem) -> WorkspacePlan:

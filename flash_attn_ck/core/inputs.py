@@ -198,5 +198,5 @@ def kernel_params(problem: AttentionProblem, q: torch.Tensor, k: torch.Tensor, v
         q, k, v = pad_to(q, p.head_dim_padded), pad_to(k, p.head_dim_padded), pad_to(v, p.head_dim_v_padded)
     sink = options.learnable_sink
     if sink is not None:
-        sink = sink.detach().to(torch.float32).contiguous()
+        sink = sink.detach().to(p.accum_dtype).contiguous()     # lse's dtype: fp32, fp64 for fp64 calls
     return AttentionParams(q, k, v, *sequence_tensors(options), rng_state, sink)

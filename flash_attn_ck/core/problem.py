@@ -201,8 +201,8 @@ class AttentionParams:
     cu_seqlens_k: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None   # fp32 (h,) or (b, h)
     rng_state: torch.Tensor | None = None      # int64 [seed, offset], dropout only
-    # fp32 (h,) logits of a learnable sink, forward only: a backend whose forward takes it (Backend.forward_takes_sink)
-    # reads it, the others leave it to the pipeline's fold (pipeline/sink.py)
+    # (h,) logits of a learnable sink in lse's dtype (fp32; fp64 for fp64 calls), forward only: a backend whose
+    # forward takes it (Backend.forward_takes_sink) reads it, the others leave it to the pipeline's fold (core/sink.py)
     learnable_sink: torch.Tensor | None = None
 
     def offsets(self) -> tuple[torch.Tensor, torch.Tensor]:

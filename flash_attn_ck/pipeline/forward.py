@@ -7,7 +7,7 @@ same call may reuse. A caller's `out` (any strides with a unit last one) is writ
 Empty calls run no kernel: without query rows (none in any sequence) or without key rows, out is zero and
 lse is +inf (flash-attn's convention for empty rows). Varlen rows in no sequence (after
 `cu_seqlens_q[-1]`) get the same: out 0, lse +inf. With a learnable sink, the kernels' out and lse are folded
-into the sink's (pipeline/sink.py): a row without keys then has out 0 and lse = sink[h].
+into the sink's (core/sink.py): a row without keys then has out 0 and lse = sink[h].
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from ..core.inputs import kernel_params
 from ..core.options import AttentionOptions
 from ..core.problem import AttentionParams, AttentionProblem
 from ..core.scores import attention_probs
+from ..core.sink import fold_sink
 from .device import on_the_tensors_device
 from .prepare import PreparedCall, prepare, prepared_backend
 from .select import note_forward_backend
-from .sink import fold_sink
 
 
 @on_the_tensors_device

@@ -197,6 +197,24 @@ def test_a_given_out_and_fp32_results_are_folded_alike():
     assert torch.equal(lse32, lse)
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2 ** 31 - 1), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+       causal=st.booleans(), varlen=st.booleans())
+def test_the_reference_backend_rounds_a_sinks_out_once(seed, dtype, causal, varlen):
+    """The reference backend takes the sink before its one rounding, as the Triton kernels do (the fold around CK's
+    kernels rounds out a second time): its fp16/bf16 out is its fp32 out (out_dtype) rounded, bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 9, 2, 16, generator=gen).to(dtype) for _ in range(3))
+    sink = torch.randn(2, generator=gen) * 2
+    kwargs = dict(causal=causal, learnable_sink=sink, backend="reference")
+    if varlen:
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        cu = torch.tensor([0, 5, 18], dtype=torch.int32)
+        kwargs.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=13, max_seqlen_k=13)
+    out = fa.flash_attn_fwd(q, k, v, **kwargs)[0]
+    assert torch.equal(out, fa.flash_attn_fwd(q, k, v, out_dtype=torch.float32, **kwargs)[0].to(dtype))
+
+
 def test_probs_include_the_sink():
     """return_attn_probs: each row's probabilities over its keys sum to 1 - p_sink."""
     q, k, v = (torch.randn(1, 5, 2, 8) for _ in range(3))

@@ -47,7 +47,7 @@ pattern from one `[seed, offset]` drawn per forward, with the seed advanced by t
 and no two calls of the group share a pattern.
 
 Learnable sinks (`learnable_sink`): the steps run without the sink; `directions.forward` folds it once into each
-shard's merged out and lse (`pipeline/sink.py`), the backward's steps need only those, and each rank's dsink is its
+shard's merged out and lse (`core/sink.py`), the backward's steps need only those, and each rank's dsink is its
 rows' part (summed over the group like any parameter's gradient).
 
 Everything is validated before the first communication (options with `flash_attn_func`'s own rules, the

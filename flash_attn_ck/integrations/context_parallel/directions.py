@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...core.dropout import new_rng_state
-from ...pipeline.sink import fold_sink, rows_dot, sink_gradient
+from ...core.sink import fold_sink, rows_dot, sink_gradient
 from .a2a import a2a_backward, a2a_forward
 from .allgather import allgather_backward, allgather_forward
 from .hybrid import hybrid_backward, hybrid_forward
